@@ -1,0 +1,79 @@
+"""autopar: MindSpore-style auto-parallel configuration for JAX.
+
+>>> import autopar as ap
+>>> ap.set_auto_parallel_context(device_num=8, parallel_mode="auto_parallel",
+...                              search_mode="dynamic_programming")
+>>> ap.get_auto_parallel_context("device_num")
+8
+>>> ap.reset_auto_parallel_context()
+"""
+
+from autopar.comm import (
+    DEFAULT_SPLIT_SIZES,
+    WORLD_GROUP,
+    SplitStrategy,
+    create_group,
+    destroy_group,
+    get_group_rank_from_world_rank,
+    get_rank_id,
+    get_rank_size,
+    get_split_strategy,
+    get_world_rank_from_group_rank,
+    reset_comm_groups,
+    set_split_strategy_by_idx,
+    set_split_strategy_by_size,
+)
+from autopar.config import AutoParallelConfig
+from autopar.context import (
+    auto_parallel_context,
+    current_config,
+    get_auto_parallel_context,
+    reset_auto_parallel_context,
+    set_auto_parallel_context,
+)
+from autopar.errors import (
+    AutoparError,
+    AutoParallelError,
+    AutoParallelTypeError,
+    AutoParallelWarning,
+    CommGroupError,
+    ContextConflictError,
+    UnknownKeyError,
+    UnsupportedOperatorError,
+)
+from autopar.resolve import FusionSetting, ResolvedContext, resolve_context
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AutoParallelConfig",
+    "AutoParallelError",
+    "AutoParallelTypeError",
+    "AutoParallelWarning",
+    "AutoparError",
+    "CommGroupError",
+    "ContextConflictError",
+    "DEFAULT_SPLIT_SIZES",
+    "FusionSetting",
+    "ResolvedContext",
+    "SplitStrategy",
+    "UnknownKeyError",
+    "UnsupportedOperatorError",
+    "WORLD_GROUP",
+    "auto_parallel_context",
+    "create_group",
+    "current_config",
+    "destroy_group",
+    "get_auto_parallel_context",
+    "get_group_rank_from_world_rank",
+    "get_rank_id",
+    "get_rank_size",
+    "get_split_strategy",
+    "get_world_rank_from_group_rank",
+    "reset_auto_parallel_context",
+    "reset_comm_groups",
+    "resolve_context",
+    "set_auto_parallel_context",
+    "set_split_strategy_by_idx",
+    "set_split_strategy_by_size",
+]

@@ -1,0 +1,339 @@
+"""The auto-parallel configuration schema: every key of MindSpore's set_auto_parallel_context.
+
+One pydantic model, :class:`AutoParallelConfig`, holds the keys with their defaults, ranges and
+descriptions (seed 002). It is frozen and strict: ``True`` is not an int, ``8.0`` is not an int,
+a list is not a tuple where MindSpore wants a tuple. Validation failures are translated into
+autopar's typed errors by :func:`validate_config`, naming the key, the value and the rule.
+
+>>> cfg = validate_config({"device_num": 8, "parallel_mode": "auto_parallel"})
+>>> cfg.device_num, cfg.search_mode
+(8, 'dynamic_programming')
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from typing import Annotated, Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from autopar.errors import AutoParallelError, AutoParallelTypeError, UnknownKeyError
+
+__all__ = [
+    "PARALLEL_MODES",
+    "SEARCH_MODES",
+    "AUTO_FUSION_THRESHOLD_MB",
+    "AllReduceFusion",
+    "GatherFusion",
+    "CommFusion",
+    "ParallelOptimizerConfig",
+    "AutoParallelConfig",
+    "validate_config",
+    "raise_for_validation_error",
+]
+
+PARALLEL_MODES = ("stand_alone", "data_parallel", "hybrid_parallel", "semi_auto_parallel",
+                  "auto_parallel")
+SEARCH_MODES = ("recursive_programming", "dynamic_programming", "sharding_propagation")
+DATASET_STRATEGY_NAMES = ("data_parallel", "full_batch")
+AUTO_FUSION_THRESHOLD_MB = 64
+MAX_INDEX = 2**31 - 1
+
+_STRICT = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+def _type_error(rule: str) -> PydanticCustomError:
+    return PydanticCustomError("autopar_type", rule)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_choice(name: str, choices: tuple[str, ...]):
+    def check(v: str) -> str:
+        if v not in choices:
+            raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}")
+        return v
+
+    return check
+
+
+def _check_indices(v: Any, what: str) -> tuple[int, ...]:
+    """Non-empty, strictly ascending, non-negative ints (a list or tuple)."""
+    if not isinstance(v, (list, tuple)):
+        raise _type_error(f"{what} must be a list of ints")
+    for item in v:
+        if not _is_int(item):
+            raise _type_error(f"{what} must contain only ints, found {item!r}")
+    if len(v) == 0:
+        raise ValueError(f"{what} must not be empty")
+    if any(i < 0 or i > MAX_INDEX for i in v):
+        raise ValueError(f"{what} indices must be non-negative ints below 2**31")
+    if any(b <= a for a, b in zip(v, v[1:])):
+        raise ValueError(f"{what} indices must be strictly ascending")
+    return tuple(v)
+
+
+class _Fusion(BaseModel):
+    """One fusion type: {"mode": ..., "config": ...}."""
+
+    model_config = _STRICT
+    MODES: ClassVar[tuple[str, ...]] = ("auto", "size")
+    NAME: ClassVar[str] = "allgather"
+
+    mode: str = Field(description="auto (64 MB threshold), size (threshold in MB, > 0)")
+    config: Any = Field(default=None, description="threshold in MB for size; None for auto")
+
+    @model_validator(mode="after")
+    def _check(self) -> "_Fusion":
+        if self.mode not in self.MODES:
+            raise ValueError(f"mode must be one of {', '.join(repr(m) for m in self.MODES)} "
+                             f"for {self.NAME} fusion")
+        c = self.config
+        if self.mode == "auto":
+            if c is not None:
+                raise ValueError("auto mode takes no config (its threshold is 64 MB); omit "
+                                 "config or pass None, or use mode 'size'")
+        elif self.mode == "size":
+            if isinstance(c, bool) or not isinstance(c, (int, float)):
+                raise _type_error("size mode needs config, a threshold in MB (int or float)")
+            if not math.isfinite(c) or c <= 0:
+                raise ValueError("size mode needs a fusion threshold larger than 0 MB")
+        else:  # index
+            object.__setattr__(self, "config", _check_indices(c, "index mode config"))
+        return self
+
+    def as_dict(self) -> dict[str, Any]:
+        cfg = list(self.config) if isinstance(self.config, tuple) else self.config
+        return {"mode": self.mode, "config": cfg}
+
+
+class AllReduceFusion(_Fusion):
+    MODES = ("auto", "size", "index")
+    NAME = "allreduce"
+
+
+class GatherFusion(_Fusion):
+    MODES = ("auto", "size")
+    NAME = "allgather/reducescatter"
+
+
+class CommFusion(BaseModel):
+    """comm_fusion: which collective types are fused and how. A missing type is not fused."""
+
+    model_config = _STRICT
+
+    allreduce: AllReduceFusion | None = None
+    allgather: GatherFusion | None = None
+    reducescatter: GatherFusion | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k).as_dict() for k in ("allreduce", "allgather", "reducescatter")
+                if getattr(self, k) is not None}
+
+
+class ParallelOptimizerConfig(BaseModel):
+    model_config = _STRICT
+
+    gradient_accumulation_shard: bool = Field(
+        default=True, description="shard the accumulated gradients across data-parallel devices")
+    parallel_optimizer_threshold: Annotated[int, Field(ge=0)] = Field(
+        default=64, description="parameters smaller than this (KB) are not sharded")
+
+
+def _meta(type_: str, rule: str, modes: str = "all") -> dict[str, Any]:
+    return {"type": type_, "rule": rule, "modes": modes}
+
+
+class AutoParallelConfig(BaseModel):
+    """Every key of set_auto_parallel_context, with the seed's defaults.
+
+    ``auto_parallel_search_mode`` (deprecated) and ``all_reduce_fusion_config`` are views:
+    the first of ``search_mode``, the second of ``comm_fusion["allreduce"]`` in index mode.
+    """
+
+    model_config = _STRICT
+
+    device_num: Annotated[int, Field(ge=1, le=4096)] = Field(
+        default=1, description="Number of devices.", json_schema_extra=_meta("int", "[1, 4096]"))
+    global_rank: Annotated[int, Field(ge=0, le=4095)] = Field(
+        default=0, description="Global rank id of this process.",
+        json_schema_extra=_meta("int", "[0, 4095]; < device_num when compiled"))
+    gradients_mean: bool = Field(
+        default=False, description="Divide all-reduced gradients by the number of devices.",
+        json_schema_extra=_meta("bool", "-", "not stand_alone"))
+    gradient_fp32_sync: bool = Field(
+        default=True, description="All-reduce gradients in fp32.",
+        json_schema_extra=_meta("bool", "-", "semi_auto_parallel, auto_parallel"))
+    loss_repeated_mean: bool = Field(
+        default=True, description="Mean (not sum) over repeated calculation of the loss.",
+        json_schema_extra=_meta("bool", "-", "semi_auto_parallel, auto_parallel"))
+    parallel_mode: Annotated[str, Field()] = Field(
+        default="stand_alone", description="How the network is parallelised.",
+        json_schema_extra=_meta("str", " / ".join(PARALLEL_MODES)))
+    search_mode: str = Field(
+        default="dynamic_programming", description="Strategy search algorithm "
+        "(alias: auto_parallel_search_mode, deprecated).",
+        json_schema_extra=_meta("str", " / ".join(SEARCH_MODES), "auto_parallel"))
+    parameter_broadcast: bool = Field(
+        default=False, description="Broadcast rank 0's parameters before training.",
+        json_schema_extra=_meta("bool", "-", "not stand_alone"))
+    strategy_ckpt_load_file: str = Field(
+        default="", description="Load the parallel strategy from this file instead of searching.",
+        json_schema_extra=_meta("str", "path or ''", "semi_auto_parallel, auto_parallel"))
+    strategy_ckpt_save_file: str = Field(
+        default="", description="Save the parallel strategy to this file.",
+        json_schema_extra=_meta("str", "path or ''", "semi_auto_parallel, auto_parallel"))
+    full_batch: bool = Field(
+        default=False, description="Every device loads the whole batch (same as "
+        "dataset_strategy='full_batch').",
+        json_schema_extra=_meta("bool", "kept consistent with dataset_strategy",
+                                "semi_auto_parallel, auto_parallel"))
+    dataset_strategy: Any = Field(
+        default="data_parallel", description="How batch inputs are split: 'data_parallel', "
+        "'full_batch', or one tuple of split counts per input, e.g. ((1, 8), (1, 8)).",
+        json_schema_extra=_meta("str | tuple[tuple[int, ...], ...]",
+                                "'data_parallel', 'full_batch', or tuple of tuples of ints >= 1",
+                                "tuple form: semi_auto_parallel, auto_parallel"))
+    enable_parallel_optimizer: bool = Field(
+        default=False, description="Shard the optimizer update across data-parallel devices.",
+        json_schema_extra=_meta("bool", "-", "not stand_alone"))
+    parallel_optimizer_config: ParallelOptimizerConfig = Field(
+        default_factory=ParallelOptimizerConfig,
+        description="Parallel optimizer details: gradient_accumulation_shard (bool, default True),"
+        " parallel_optimizer_threshold (int >= 0 KB, default 64).",
+        json_schema_extra=_meta("dict", "keys gradient_accumulation_shard, "
+                                "parallel_optimizer_threshold", "with enable_parallel_optimizer"))
+    enable_alltoall: bool = Field(
+        default=False, description="Allow AllToAll in redistribution (else AllGather + slice).",
+        json_schema_extra=_meta("bool", "-", "semi_auto_parallel, auto_parallel"))
+    pipeline_stages: Annotated[int, Field(ge=1, le=4096)] = Field(
+        default=1, description="Number of pipeline stages.",
+        json_schema_extra=_meta("int", ">= 1; divides device_num",
+                                "> 1: semi_auto_parallel, auto_parallel"))
+    grad_accumulation_step: Annotated[int, Field(ge=1, le=MAX_INDEX)] = Field(
+        default=1, description="Micro-steps whose gradients are accumulated before one update.",
+        json_schema_extra=_meta("int", ">= 1", "> 1: semi_auto_parallel, auto_parallel"))
+    comm_fusion: CommFusion = Field(
+        default_factory=CommFusion,
+        description="Fusion of allreduce / allgather / reducescatter: {type: {'mode': auto | size"
+        " | index, 'config': ...}}. Not set: no fusion (one collective per gradient).",
+        json_schema_extra=_meta("dict", "auto: 64 MB; size: threshold > 0 MB; index: "
+                                "allreduce only, ascending indices"))
+
+    @field_validator("parallel_mode")
+    @classmethod
+    def _parallel_mode(cls, v: str) -> str:
+        return _check_choice("parallel_mode", PARALLEL_MODES)(v)
+
+    @field_validator("search_mode")
+    @classmethod
+    def _search_mode(cls, v: str) -> str:
+        return _check_choice("search_mode", SEARCH_MODES)(v)
+
+    @field_validator("dataset_strategy", mode="plain")
+    @classmethod
+    def _dataset_strategy(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return _check_choice("dataset_strategy", DATASET_STRATEGY_NAMES)(v)
+        if not isinstance(v, tuple):
+            raise _type_error("dataset_strategy must be a str or a tuple of tuples of ints")
+        if len(v) == 0:
+            raise ValueError("dataset_strategy tuple must not be empty")
+        for entry in v:
+            if not isinstance(entry, tuple):
+                raise _type_error(f"each dataset_strategy entry must be a tuple, found {entry!r}")
+            for s in entry:
+                if not _is_int(s):
+                    raise _type_error(f"split counts must be ints, found {s!r}")
+                if s < 1 or s > 4096:
+                    raise ValueError(f"split counts must be ints in [1, 4096], found {s}")
+        return v
+
+    @model_validator(mode="after")
+    def _full_batch_consistent(self) -> "AutoParallelConfig":
+        if self.full_batch != (self.dataset_strategy == "full_batch"):
+            raise ValueError(f"full_batch={self.full_batch} contradicts dataset_strategy="
+                             f"{self.dataset_strategy!r}; full_batch=True is the same as "
+                             "dataset_strategy='full_batch'")
+        return self
+
+    @property
+    def all_reduce_fusion_config(self) -> list[int]:
+        ar = self.comm_fusion.allreduce
+        return list(ar.config) if ar is not None and ar.mode == "index" else []
+
+
+KEYS: tuple[str, ...] = tuple(AutoParallelConfig.model_fields) + (
+    "auto_parallel_search_mode", "all_reduce_fusion_config")
+
+_NESTED: dict[str, type[BaseModel]] = {
+    "parallel_optimizer_config": ParallelOptimizerConfig,
+    "comm_fusion": CommFusion,
+    "comm_fusion.allreduce": AllReduceFusion,
+    "comm_fusion.allgather": GatherFusion,
+    "comm_fusion.reducescatter": GatherFusion,
+}
+
+
+def unknown_key_error(key: str, valid: tuple[str, ...] | list[str], where: str) -> UnknownKeyError:
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f"Did you mean {close[0]!r}? " if close else ""
+    return UnknownKeyError(
+        f"{key!r} is not a valid key of {where}. {hint}Valid keys: {', '.join(sorted(valid))}.")
+
+
+def raise_for_validation_error(err: ValidationError, where: str) -> None:
+    """Translate a pydantic ValidationError into autopar's typed error (first error first)."""
+    problems = []
+    for e in err.errors(include_url=False):
+        loc = [str(p) for p in e["loc"] if not str(p).startswith(("function-", "tuple[", "int"))]
+        key = ".".join(loc) if loc else where
+        msg = str(e["msg"]).removeprefix("Value error, ").removeprefix("Assertion failed, ")
+        problems.append((e["type"], key, e.get("input"), msg))
+    kind, key, value, msg = problems[0]
+    more = f" ({len(problems) - 1} more problem(s): " + "; ".join(
+        f"{k}: {m}" for _, k, _, m in problems[1:]) + ")" if len(problems) > 1 else ""
+    if kind == "extra_forbidden":
+        parent = ".".join(key.split(".")[:-1])
+        valid = list(_NESTED[parent].model_fields) if parent in _NESTED else list(KEYS)
+        raise unknown_key_error(key.split(".")[-1], valid, f"{where}.{parent}" if parent else where)
+    if kind.endswith("_type") or kind == "autopar_type":
+        raise AutoParallelTypeError(key, value, f"{msg}{more}")
+    raise AutoParallelError(key, value, f"{msg}{more}")
+
+
+def validate_config(data: dict[str, Any], where: str = "set_auto_parallel_context") \
+        -> AutoParallelConfig:
+    """Build a config from plain values; raise AutoParallelError / AutoParallelTypeError."""
+    try:
+        return AutoParallelConfig.model_validate(data)
+    except ValidationError as err:
+        raise_for_validation_error(err, where)
+        raise  # unreachable: raise_for_validation_error always raises
+
+
+def reference_rows() -> list[dict[str, str]]:
+    """One row per key for docs/context.md and the demo: key, type, default, range, modes."""
+    rows = []
+    defaults = AutoParallelConfig()
+    for name, field in AutoParallelConfig.model_fields.items():
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        default = getattr(defaults, name)
+        if isinstance(default, BaseModel):
+            default = default.model_dump() if name != "comm_fusion" else default.as_dict()
+        rows.append({"key": name, "type": str(extra["type"]), "default": repr(default),
+                     "range": str(extra["rule"]), "modes": str(extra["modes"]),
+                     "description": field.description or ""})
+    rows.append({"key": "auto_parallel_search_mode", "type": "str", "default": "(search_mode)",
+                 "range": "as search_mode", "modes": "auto_parallel",
+                 "description": "Deprecated alias of search_mode; warns DeprecationWarning."})
+    rows.append({"key": "all_reduce_fusion_config", "type": "list[int]", "default": "[]",
+                 "range": "non-empty, strictly ascending, ints >= 0",
+                 "modes": "data_parallel, hybrid_parallel, semi_auto_parallel, auto_parallel",
+                 "description": "Allreduce fusion by gradient index; same as comm_fusion "
+                 "{'allreduce': {'mode': 'index', 'config': [...]}}. Not set: fusion closed."})
+    return rows

@@ -1,0 +1,232 @@
+"""The auto-parallel context: set / get / reset, scoped overrides, per-thread isolation.
+
+The context is one immutable :class:`~autopar.config.AutoParallelConfig` held in a
+``contextvars.ContextVar``: every thread (and every asyncio task's copy) has its own, a new
+thread starts from the defaults, and a ``with auto_parallel_context(...)`` block restores the
+previous configuration when it ends, also on exceptions. A call validates every key first and
+applies them all at once, or none (a failing call changes nothing).
+
+>>> import autopar
+>>> autopar.set_auto_parallel_context(device_num=8, parallel_mode="auto_parallel")
+>>> autopar.get_auto_parallel_context("device_num")
+8
+>>> with autopar.auto_parallel_context(device_num=4):
+...     autopar.get_auto_parallel_context("device_num")
+4
+>>> autopar.get_auto_parallel_context("device_num")
+8
+>>> autopar.reset_auto_parallel_context()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from pydantic import BaseModel
+
+from autopar.config import (
+    KEYS,
+    AllReduceFusion,
+    AutoParallelConfig,
+    _check_indices,
+    unknown_key_error,
+    validate_config,
+)
+from autopar.errors import AutoParallelError, AutoParallelTypeError
+
+__all__ = [
+    "set_auto_parallel_context",
+    "get_auto_parallel_context",
+    "reset_auto_parallel_context",
+    "auto_parallel_context",
+    "current_config",
+    "explicit_keys",
+]
+
+_WHERE = "set_auto_parallel_context"
+
+
+@dataclass(frozen=True, slots=True)
+class _State:
+    config: AutoParallelConfig
+    explicit: frozenset[str]  # keys the user set (restrictions only fire for these)
+
+
+_DEFAULT = _State(AutoParallelConfig(), frozenset())
+_STATE: contextvars.ContextVar[_State] = contextvars.ContextVar("autopar_context",
+                                                                default=_DEFAULT)
+
+
+def _check_key_names(keys: list[Any], where: str) -> None:
+    for key in keys:
+        if not isinstance(key, str):
+            raise AutoParallelTypeError(f"{where}: key {key!r} must be a str.")
+        if key not in KEYS:
+            raise unknown_key_error(key, KEYS, where)
+
+
+def _fusion_index_from_alias(value: Any) -> tuple[int, ...]:
+    """Validate all_reduce_fusion_config, naming that key in errors."""
+    try:
+        return _check_indices(value, "all_reduce_fusion_config")
+    except ValueError as err:  # plain rule violation
+        raise AutoParallelError("all_reduce_fusion_config", value, str(err)) from None
+    except Exception as err:  # PydanticCustomError: a type problem
+        if type(err).__name__ == "PydanticCustomError":
+            raise AutoParallelTypeError("all_reduce_fusion_config", value, str(err)) from None
+        raise
+
+
+def _merge_dict(key: str, value: Any, current: BaseModel) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise AutoParallelTypeError(key, value, f"{key} must be a dict")
+    merged = {name: getattr(current, name) for name in type(current).model_fields}
+    merged.update(value)
+    return merged
+
+
+def _apply(state: _State, kwargs: dict[str, Any], where: str = _WHERE) -> _State:
+    """Pure: the state after setting kwargs, or an error (nothing is changed either way)."""
+    _check_key_names(list(kwargs), where)
+    kw = dict(kwargs)
+    explicit = set(kw)
+    deprecated = "auto_parallel_search_mode" in kw
+    if deprecated:
+        old = kw.pop("auto_parallel_search_mode")
+        if "search_mode" in kw and kw["search_mode"] != old:
+            raise AutoParallelError(
+                "auto_parallel_search_mode", old,
+                f"it is the deprecated alias of search_mode and contradicts search_mode="
+                f"{kw['search_mode']!r} in the same call", "Set only search_mode")
+        kw["search_mode"] = old
+        explicit.discard("auto_parallel_search_mode")
+        explicit.add("search_mode")
+
+    cur = state.config
+    data: dict[str, Any] = {name: getattr(cur, name) for name in AutoParallelConfig.model_fields}
+
+    if "comm_fusion" in kw:
+        data["comm_fusion"] = _merge_dict("comm_fusion", kw.pop("comm_fusion"), cur.comm_fusion)
+    if "all_reduce_fusion_config" in kw:
+        indices = _fusion_index_from_alias(kw.pop("all_reduce_fusion_config"))
+        explicit.discard("all_reduce_fusion_config")
+        explicit.add("comm_fusion")
+        if "comm_fusion" in kwargs and "allreduce" in kwargs["comm_fusion"]:
+            ar = kwargs["comm_fusion"]["allreduce"]
+            if not (isinstance(ar, dict) and ar.get("mode") == "index"
+                    and list(ar.get("config") or []) == list(indices)):
+                raise AutoParallelError(
+                    "all_reduce_fusion_config", list(indices),
+                    f"it is the same setting as comm_fusion['allreduce'] in index mode and "
+                    f"contradicts comm_fusion['allreduce']={ar!r} in the same call",
+                    "Set only one of them")
+        fusion = _merge_dict("comm_fusion", {}, cur.comm_fusion)
+        if isinstance(data["comm_fusion"], dict):
+            fusion = data["comm_fusion"]
+        data["comm_fusion"] = fusion | {"allreduce": AllReduceFusion(mode="index",
+                                                                     config=indices)}
+    if "parallel_optimizer_config" in kw:
+        data["parallel_optimizer_config"] = _merge_dict(
+            "parallel_optimizer_config", kw.pop("parallel_optimizer_config"),
+            cur.parallel_optimizer_config)
+
+    # full_batch and dataset_strategy describe one thing; keep them consistent.
+    if "full_batch" in kw and "dataset_strategy" not in kw:
+        fb = kw["full_batch"]
+        if fb is True:
+            kw["dataset_strategy"] = "full_batch"
+        elif fb is False and cur.dataset_strategy == "full_batch":
+            kw["dataset_strategy"] = "data_parallel"
+    elif "dataset_strategy" in kw and "full_batch" not in kw:
+        kw["full_batch"] = kw["dataset_strategy"] == "full_batch" if isinstance(
+            kw["dataset_strategy"], str) else False
+    data.update(kw)
+    config = validate_config(data, where)
+    if deprecated:
+        warnings.warn("auto_parallel_search_mode is deprecated and will be removed; use "
+                      "search_mode (same values)", DeprecationWarning, stacklevel=3)
+    return _State(config, state.explicit | frozenset(explicit))
+
+
+def set_auto_parallel_context(**kwargs: Any) -> None:
+    """Set auto-parallel keys (seed 002). All keys are validated before any is applied.
+
+    Raises UnknownKeyError (a ValueError) for an unknown key, AutoParallelTypeError (a
+    TypeError) for a wrong type, AutoParallelError (a ValueError) for a value out of range.
+
+    >>> set_auto_parallel_context(device_num=8, comm_fusion={"allreduce": {"mode": "size",
+    ...                                                                     "config": 32}})
+    >>> get_auto_parallel_context("comm_fusion")
+    {'allreduce': {'mode': 'size', 'config': 32}}
+    >>> reset_auto_parallel_context()
+    """
+    _STATE.set(_apply(_STATE.get(), kwargs))
+
+
+def _public_value(config: AutoParallelConfig, name: str) -> Any:
+    if name == "all_reduce_fusion_config":
+        return config.all_reduce_fusion_config
+    if name == "comm_fusion":
+        return config.comm_fusion.as_dict()
+    if name == "parallel_optimizer_config":
+        return config.parallel_optimizer_config.model_dump()
+    return getattr(config, name)
+
+
+def get_auto_parallel_context(attr_key: str) -> Any:
+    """The value of one key, as set (normalised: lists for index lists, dicts for dicts).
+
+    >>> get_auto_parallel_context("search_mode")
+    'dynamic_programming'
+    """
+    _check_key_names([attr_key], "get_auto_parallel_context")
+    config = _STATE.get().config
+    if attr_key == "auto_parallel_search_mode":
+        warnings.warn("auto_parallel_search_mode is deprecated and will be removed; use "
+                      "search_mode", DeprecationWarning, stacklevel=2)
+        return config.search_mode
+    return _public_value(config, attr_key)
+
+
+def reset_auto_parallel_context() -> None:
+    """Every key back to its default (in this thread / context)."""
+    _STATE.set(_DEFAULT)
+
+
+@contextlib.contextmanager
+def auto_parallel_context(**kwargs: Any) -> Iterator[AutoParallelConfig]:
+    """Override keys for a block; the previous context comes back afterwards, also on errors.
+
+    >>> with auto_parallel_context(device_num=8, parallel_mode="data_parallel") as cfg:
+    ...     cfg.parallel_mode
+    'data_parallel'
+    """
+    new = _apply(_STATE.get(), kwargs, "auto_parallel_context")
+    token = _STATE.set(new)
+    try:
+        yield new.config
+    finally:
+        _STATE.reset(token)
+
+
+def current_config() -> AutoParallelConfig:
+    """The current (frozen) configuration object."""
+    return _STATE.get().config
+
+
+def explicit_keys() -> frozenset[str]:
+    """Keys the user has set since the last reset (for mode-restriction checks)."""
+    return _STATE.get().explicit
+
+
+def public_dict(config: AutoParallelConfig | None = None) -> dict[str, Any]:
+    """Every key with its public value (what get_auto_parallel_context returns)."""
+    config = config or current_config()
+    out = {name: _public_value(config, name) for name in AutoParallelConfig.model_fields}
+    out["all_reduce_fusion_config"] = config.all_reduce_fusion_config
+    return out
+

@@ -1,0 +1,95 @@
+"""One error hierarchy for autopar.
+
+Every error autopar raises for bad user input derives from :class:`AutoparError`.
+Value problems are :class:`AutoParallelError` (a ``ValueError``, which is what a MindSpore
+user expects from ``set_auto_parallel_context``); wrong types are
+:class:`AutoParallelTypeError` (a ``TypeError``). A message names the rule, the value
+received, where (key, node name, source line) and how to fix it.
+
+>>> try:
+...     raise AutoParallelError("device_num", 0, "must be an int in [1, 4096]")
+... except ValueError as e:
+...     print(e)
+device_num=0 is invalid: must be an int in [1, 4096].
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "AutoparError",
+    "AutoParallelError",
+    "AutoParallelTypeError",
+    "UnknownKeyError",
+    "ContextConflictError",
+    "CommGroupError",
+    "UnsupportedOperatorError",
+    "AutoParallelWarning",
+]
+
+
+class AutoparError(Exception):
+    """Root of every error autopar raises on purpose."""
+
+
+def _format(key: str | None, value: Any, rule: str, hint: str | None) -> str:
+    head = f"{key}={value!r} is invalid" if key is not None else f"{value!r} is invalid"
+    msg = f"{head}: {rule.rstrip('.')}."
+    if hint:
+        msg += f" {hint.rstrip('.')}."
+    return msg
+
+
+class AutoParallelError(AutoparError, ValueError):
+    """A value is out of range, not allowed, or conflicts with another setting.
+
+    Built either from a ready message (one argument) or from ``(key, value, rule[, hint])``.
+    """
+
+    def __init__(self, key_or_message: str, value: Any = ..., rule: str | None = None,
+                 hint: str | None = None) -> None:
+        if value is ... and rule is None:
+            self.key: str | None = None
+            self.value: Any = None
+            super().__init__(key_or_message)
+        else:
+            self.key = key_or_message
+            self.value = value
+            super().__init__(_format(key_or_message, value, rule or "not allowed", hint))
+
+
+class AutoParallelTypeError(AutoparError, TypeError):
+    """A value has the wrong type (``True`` where an int is needed included)."""
+
+    def __init__(self, key_or_message: str, value: Any = ..., rule: str | None = None,
+                 hint: str | None = None) -> None:
+        if value is ... and rule is None:
+            self.key: str | None = None
+            self.value: Any = None
+            super().__init__(key_or_message)
+        else:
+            self.key = key_or_message
+            self.value = value
+            rule = f"{rule or 'wrong type'} (got {type(value).__name__})"
+            super().__init__(_format(key_or_message, value, rule, hint))
+
+
+class UnknownKeyError(AutoParallelError):
+    """A key that is not an attribute of the auto-parallel context (or of a nested dict)."""
+
+
+class ContextConflictError(AutoParallelError):
+    """Settings that are each valid but cannot be used together (found by resolve_context)."""
+
+
+class CommGroupError(AutoParallelError):
+    """A communication-group rule is broken (unknown group, caller rank not a member, ...)."""
+
+
+class UnsupportedOperatorError(AutoParallelError):
+    """A JAX primitive autopar cannot partition; names the primitive and the user's source line."""
+
+
+class AutoParallelWarning(UserWarning):
+    """A setting that is valid but has no effect, or less effect than asked, in this mode."""

@@ -1,0 +1,251 @@
+"""The :class:`Model` record every zoo builder returns, argument validators and shared layers.
+
+A zoo model is five pure functions plus its configuration. The functions use only
+``jax.numpy`` and ``jax.lax`` primitives written out by hand (no ``jax.nn`` helpers, which
+hide ``custom_jvp`` or nested ``jit`` calls), so tracing a model gives a flat graph of plain
+primitives for autopar's front end.
+
+>>> import jax
+>>> from autopar.models import mlp
+>>> model = mlp(widths=(8, 16, 4), batch=2)
+>>> params, x = model.example_args(jax.random.key(0))
+>>> model.apply(params, x).shape
+(2, 4)
+>>> float(model.loss(params, x)) >= 0.0
+True
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from autopar.errors import AutoParallelError, AutoParallelTypeError
+
+__all__ = [
+    "Model",
+    "Params",
+    "PyTree",
+    "check_int",
+    "check_bool",
+    "check_choice",
+    "check_dtype",
+    "check_widths",
+    "key_names",
+    "normal",
+    "gelu",
+    "softmax",
+    "log_softmax",
+    "layer_norm",
+    "cross_entropy",
+]
+
+PyTree = Any
+"""A JAX pytree (nested dicts / tuples / lists of arrays)."""
+
+Params = dict[str, Any]
+"""A nested dict of arrays with string keys, e.g. ``{"layer0": {"w": ..., "b": ...}}``."""
+
+LN_EPS = 1e-5
+"""Epsilon added to the variance in layer norm and batch norm."""
+
+_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Model:
+    """A zoo model: pure init / apply / loss / example-batch functions and its config.
+
+    Attributes:
+        name: registry name (``"mlp"``, ``"transformer"``, ...); ``get_model(m.name, **m.config)``
+            rebuilds an equivalent model.
+        init: PRNG key -> params, a nested dict of arrays with stable string keys.
+        apply: ``apply(params, *inputs)`` -> the network output.
+        loss: ``loss(params, *batch)`` -> scalar; differentiable in ``params`` with ``jax.grad``.
+        example_batch: PRNG key -> tuple of batch arrays of the configured sizes.
+        config: the builder's arguments, JSON-serialisable (dtype as its name, tuples as lists).
+
+    Equality and hashing are by identity (the fields hold closures and a dict).
+
+    >>> import jax
+    >>> from autopar.models import tfm_stack
+    >>> m = tfm_stack(blocks=1, batch=1, seq=4, hidden=8, heads=2)
+    >>> params, x = m.example_args(jax.random.key(0))
+    >>> x.shape, m.loss(params, x).shape
+    ((4, 8), ())
+    """
+
+    name: str
+    init: Callable[[jax.Array], Params]
+    apply: Callable[..., jax.Array]
+    loss: Callable[..., jax.Array]
+    example_batch: Callable[[jax.Array], tuple[jax.Array, ...]]
+    config: dict[str, Any]
+
+    def example_args(self, key: jax.Array) -> tuple[Any, ...]:
+        """Return ``(params, *batch)`` from one PRNG key (split once: params, batch).
+
+        >>> import jax
+        >>> from autopar.models import mlp
+        >>> params, x = mlp(widths=(4, 4), batch=3).example_args(jax.random.key(1))
+        >>> x.shape
+        (3, 4)
+        """
+        k_params, k_batch = jax.random.split(key)
+        return (self.init(k_params), *self.example_batch(k_batch))
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def check_int(name: str, value: Any, minimum: int = 1) -> int:
+    """Return ``value`` if it is an int (not a bool) ``>= minimum``, else raise.
+
+    >>> check_int("batch", 4)
+    4
+    >>> check_int("batch", 0)
+    Traceback (most recent call last):
+    ...
+    autopar.errors.AutoParallelError: batch=0 is invalid: must be an int >= 1.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise AutoParallelTypeError(name, value, f"must be an int >= {minimum}")
+    if value < minimum:
+        raise AutoParallelError(name, value, f"must be an int >= {minimum}")
+    return int(value)
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """Return ``value`` if it is a bool, else raise :class:`AutoParallelTypeError`."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise AutoParallelTypeError(name, value, "must be a bool")
+    return bool(value)
+
+
+def check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
+    """Return ``value`` if it is one of the string ``choices``, else raise.
+
+    >>> check_choice("loss", "mse", ("mse", "mean_square"))
+    'mse'
+    """
+    if not isinstance(value, str):
+        raise AutoParallelTypeError(name, value, f"must be a str, one of {list(choices)}")
+    if value not in choices:
+        raise AutoParallelError(name, value, f"must be one of {list(choices)}")
+    return value
+
+
+def check_dtype(name: str, value: Any) -> str:
+    """Return the canonical name of a floating dtype (``jnp.float32``, ``"bfloat16"``, ...).
+
+    ``float64`` is accepted only when ``jax_enable_x64`` is on (JAX would otherwise silently
+    compute in float32).
+
+    >>> import jax.numpy as jnp
+    >>> check_dtype("dtype", jnp.bfloat16)
+    'bfloat16'
+    """
+    try:
+        dt = jnp.dtype(value)
+    except TypeError:
+        raise AutoParallelTypeError(name, value, f"must be a floating dtype, one of {list(_DTYPES)}")
+    if dt.name not in _DTYPES:
+        raise AutoParallelError(name, value, f"must be a floating dtype, one of {list(_DTYPES)}")
+    if dt.name == "float64" and not jax.config.jax_enable_x64:
+        raise AutoParallelError(name, value, "float64 needs 64-bit mode",
+                                "call jax.config.update('jax_enable_x64', True) first "
+                                "or use float32")
+    return dt.name
+
+
+def check_widths(name: str, value: Any, min_len: int = 2) -> tuple[int, ...]:
+    """Return ``value`` as a tuple of positive ints of length ``>= min_len``.
+
+    >>> check_widths("widths", [4, 8])
+    (4, 8)
+    """
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise AutoParallelTypeError(name, value, f"must be a sequence of at least {min_len} ints")
+    if len(value) < min_len:
+        raise AutoParallelError(name, value, f"must hold at least {min_len} ints")
+    return tuple(check_int(f"{name}[{i}]", v) for i, v in enumerate(value))
+
+
+def key_names(prefix: str, n: int) -> list[str]:
+    """Names ``prefix0 .. prefix{n-1}``, zero-padded so sorted order equals numeric order.
+
+    ``jax.tree_util`` flattens dicts in sorted key order; padding keeps ``block10`` after
+    ``block9`` (as ``block09``/``block10``). With ``n <= 10`` there is no padding.
+
+    >>> key_names("layer", 3)
+    ['layer0', 'layer1', 'layer2']
+    >>> key_names("block", 12)[:2]
+    ['block00', 'block01']
+    """
+    width = len(str(max(n - 1, 0)))
+    return [f"{prefix}{i:0{width}d}" for i in range(n)]
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+def normal(key: jax.Array, shape: tuple[int, ...], std: float, dtype: str) -> jax.Array:
+    """Normal(0, std) samples of ``shape`` in ``dtype`` (sampled in float32, then cast)."""
+    return (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype)
+
+
+def gelu(x: jax.Array) -> jax.Array:
+    """GELU, tanh approximation (``jax.nn.gelu``'s default), written with plain primitives.
+
+    >>> float(gelu(jnp.float32(0.0)))
+    0.0
+    """
+    c = math.sqrt(2.0 / math.pi)
+    return 0.5 * x * (1.0 + jnp.tanh(c * (x + 0.044715 * (x * x * x))))
+
+
+def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
+    """Numerically stable softmax over ``axis`` (max subtracted, no ``custom_jvp``).
+
+    >>> softmax(jnp.zeros(4)).tolist()
+    [0.25, 0.25, 0.25, 0.25]
+    """
+    m = lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
+    e = jnp.exp(x - m)
+    return e / jnp.sum(e, axis=axis, keepdims=True)
+
+
+def log_softmax(x: jax.Array, axis: int = -1) -> jax.Array:
+    """Numerically stable log-softmax over ``axis``."""
+    m = lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
+    s = x - m
+    return s - jnp.log(jnp.sum(jnp.exp(s), axis=axis, keepdims=True))
+
+
+def layer_norm(x: jax.Array, gamma: jax.Array, beta: jax.Array) -> jax.Array:
+    """Layer norm over the last axis: ``(x - mean) / sqrt(var + 1e-5) * gamma + beta``."""
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    centred = x - mean
+    var = jnp.mean(centred * centred, axis=-1, keepdims=True)
+    return centred * lax.rsqrt(var + LN_EPS) * gamma + beta
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Mean softmax cross-entropy of ``logits [..., C]`` against int ``labels [...]``.
+
+    The label pick is a one-hot product (compare with an iota), not a gather.
+
+    >>> float(cross_entropy(jnp.zeros((2, 4)), jnp.array([0, 3])))  # log(4)
+    1.3862943649291992
+    """
+    classes = logits.shape[-1]
+    logp = log_softmax(logits.astype(jnp.float32), axis=-1)
+    one_hot = (labels[..., None] == lax.iota(labels.dtype, classes)).astype(logp.dtype)
+    return -jnp.mean(jnp.sum(one_hot * logp, axis=-1))

@@ -1,0 +1,236 @@
+"""Resolve the auto-parallel context for one compilation: mode restrictions, derived settings.
+
+Each key is valid on its own when it is set; some combinations are not (seed 002's mode
+restrictions, e.g. pipeline_stages > 1 outside semi_auto_parallel). They are checked here,
+when a program is compiled under the context, never silently dropped: an *error* restriction
+raises :class:`~autopar.errors.ContextConflictError` listing every violation, a *warning*
+restriction (a setting that is valid but has no effect in this mode) warns
+:class:`~autopar.errors.AutoParallelWarning`. Warnings fire only for keys the user set.
+
+>>> import autopar
+>>> with autopar.auto_parallel_context(device_num=8, parallel_mode="data_parallel",
+...                                    pipeline_stages=2):
+...     autopar.resolve_context()
+Traceback (most recent call last):
+...
+autopar.errors.ContextConflictError: 1 conflicting setting(s): [pipeline_stages] ...
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
+
+from autopar.config import AUTO_FUSION_THRESHOLD_MB, AutoParallelConfig, reference_rows
+from autopar.context import current_config, explicit_keys, public_dict
+from autopar.errors import AutoParallelWarning, ContextConflictError
+
+__all__ = ["Restriction", "RESTRICTIONS", "FusionSetting", "ResolvedContext", "resolve_context"]
+
+SEMI_AUTO = ("semi_auto_parallel", "auto_parallel")
+MB = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Restriction:
+    """A rule between keys: ``violated(config, explicit)`` says whether it is broken."""
+
+    key: str
+    severity: Literal["error", "warning"]
+    rule: str
+    violated: Callable[[AutoParallelConfig, frozenset[str]], bool]
+    fix: str
+
+
+def _mode(c: AutoParallelConfig) -> str:
+    return c.parallel_mode
+
+
+def _ds_split_bad(c: AutoParallelConfig) -> bool:
+    if not isinstance(c.dataset_strategy, tuple):
+        return False
+    return any(c.device_num % math.prod(s) != 0 for s in c.dataset_strategy)
+
+
+RESTRICTIONS: tuple[Restriction, ...] = (
+    Restriction("global_rank", "error", "global_rank must be < device_num",
+                lambda c, e: c.global_rank >= c.device_num,
+                "set global_rank in [0, device_num) or raise device_num"),
+    Restriction("pipeline_stages", "error",
+                "pipeline_stages > 1 needs parallel_mode 'semi_auto_parallel' (the seed allows "
+                "it only there; auto_parallel follows once stage search exists)",
+                lambda c, e: c.pipeline_stages > 1 and _mode(c) != "semi_auto_parallel",
+                "set parallel_mode='semi_auto_parallel' or pipeline_stages=1"),
+    Restriction("pipeline_stages", "error", "device_num must be divisible by pipeline_stages",
+                lambda c, e: c.device_num % c.pipeline_stages != 0,
+                "choose pipeline_stages dividing device_num"),
+    Restriction("grad_accumulation_step", "error",
+                "grad_accumulation_step > 1 needs parallel_mode semi_auto_parallel or "
+                "auto_parallel", lambda c, e: c.grad_accumulation_step > 1 and _mode(c) not in
+                SEMI_AUTO, "set parallel_mode to semi_auto_parallel/auto_parallel or "
+                "grad_accumulation_step=1"),
+    Restriction("dataset_strategy", "error",
+                "a tuple dataset_strategy needs parallel_mode semi_auto_parallel or "
+                "auto_parallel", lambda c, e: isinstance(c.dataset_strategy, tuple)
+                and _mode(c) not in SEMI_AUTO,
+                "use dataset_strategy='data_parallel'/'full_batch' or change parallel_mode"),
+    Restriction("dataset_strategy", "error",
+                "the product of each input's split counts must divide device_num",
+                lambda c, e: _ds_split_bad(c), "choose split counts whose product divides "
+                "device_num"),
+    Restriction("gradients_mean", "warning",
+                "gradients_mean has no effect in stand_alone (no gradient all-reduce)",
+                lambda c, e: c.gradients_mean and _mode(c) == "stand_alone",
+                "remove gradients_mean or choose a parallel mode"),
+    Restriction("gradient_fp32_sync", "warning",
+                "gradient_fp32_sync is not supported in stand_alone, data_parallel and "
+                "hybrid_parallel: gradients are all-reduced in their own dtype there",
+                lambda c, e: "gradient_fp32_sync" in e and _mode(c) in
+                ("stand_alone", "data_parallel", "hybrid_parallel"),
+                "use semi_auto_parallel/auto_parallel or do not set gradient_fp32_sync"),
+    Restriction("loss_repeated_mean", "warning",
+                "loss_repeated_mean only matters in semi_auto_parallel and auto_parallel",
+                lambda c, e: "loss_repeated_mean" in e and _mode(c) not in SEMI_AUTO,
+                "do not set loss_repeated_mean in this mode"),
+    Restriction("search_mode", "warning", "search_mode is only used by auto_parallel",
+                lambda c, e: "search_mode" in e and _mode(c) != "auto_parallel",
+                "set parallel_mode='auto_parallel' or do not set search_mode"),
+    Restriction("full_batch", "warning",
+                "full_batch only takes effect in semi_auto_parallel and auto_parallel",
+                lambda c, e: c.full_batch and _mode(c) not in SEMI_AUTO,
+                "use semi_auto_parallel/auto_parallel or dataset_strategy='data_parallel'"),
+    Restriction("parameter_broadcast", "warning",
+                "parameter_broadcast has no effect in stand_alone (one device)",
+                lambda c, e: c.parameter_broadcast and _mode(c) == "stand_alone",
+                "choose a parallel mode or do not set parameter_broadcast"),
+    Restriction("enable_parallel_optimizer", "warning",
+                "enable_parallel_optimizer has no effect in stand_alone (nothing to shard over)",
+                lambda c, e: c.enable_parallel_optimizer and _mode(c) == "stand_alone",
+                "choose a parallel mode"),
+    Restriction("parallel_optimizer_config", "warning",
+                "parallel_optimizer_config only takes effect with enable_parallel_optimizer=True",
+                lambda c, e: "parallel_optimizer_config" in e and not c.enable_parallel_optimizer,
+                "set enable_parallel_optimizer=True"),
+    Restriction("comm_fusion", "warning",
+                "allgather / reducescatter fusion applies to the parallel optimizer's "
+                "collectives, which exist only with enable_parallel_optimizer=True",
+                lambda c, e: (c.comm_fusion.allgather is not None or c.comm_fusion.reducescatter
+                              is not None) and not c.enable_parallel_optimizer,
+                "set enable_parallel_optimizer=True or drop those comm_fusion entries"),
+    Restriction("comm_fusion", "warning",
+                "allreduce fusion has no effect in stand_alone (no gradient all-reduce)",
+                lambda c, e: c.comm_fusion.allreduce is not None and _mode(c) == "stand_alone",
+                "choose a parallel mode or drop comm_fusion['allreduce']"),
+    Restriction("enable_alltoall", "warning",
+                "enable_alltoall only matters where autopar inserts redistributions "
+                "(hybrid_parallel, semi_auto_parallel, auto_parallel)",
+                lambda c, e: "enable_alltoall" in e and _mode(c) in ("stand_alone",
+                                                                     "data_parallel"),
+                "do not set enable_alltoall in this mode"),
+    Restriction("strategy_ckpt_load_file", "warning",
+                "strategy files are used only in semi_auto_parallel and auto_parallel",
+                lambda c, e: bool(c.strategy_ckpt_load_file or c.strategy_ckpt_save_file)
+                and _mode(c) not in SEMI_AUTO, "use semi_auto_parallel/auto_parallel"),
+    Restriction("device_num", "warning",
+                "stand_alone runs on one device; device_num > 1 is not used",
+                lambda c, e: c.device_num > 1 and _mode(c) == "stand_alone",
+                "choose a parallel mode or set device_num=1"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class FusionSetting:
+    """How one collective type is fused: none, by byte threshold, or by gradient index."""
+
+    kind: Literal["allreduce", "allgather", "reducescatter"]
+    mode: Literal["none", "auto", "size", "index"]
+    threshold_bytes: int | None = None
+    indices: tuple[int, ...] | None = None
+
+    def __str__(self) -> str:
+        if self.mode == "none":
+            return "off (one collective per tensor)"
+        if self.mode == "index":
+            return f"index {list(self.indices or ())}"
+        return f"{self.mode}, threshold {(self.threshold_bytes or 0) / MB:g} MB"
+
+
+def _fusion(c: AutoParallelConfig, kind: Literal["allreduce", "allgather", "reducescatter"]) \
+        -> FusionSetting:
+    spec = getattr(c.comm_fusion, kind)
+    if spec is None:
+        return FusionSetting(kind, "none")
+    if spec.mode == "index":
+        return FusionSetting(kind, "index", indices=tuple(spec.config))
+    mb = AUTO_FUSION_THRESHOLD_MB if spec.mode == "auto" else spec.config
+    return FusionSetting(kind, spec.mode, threshold_bytes=int(mb * MB))
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedContext:
+    """A checked configuration plus what is derived from it, for one compilation."""
+
+    config: AutoParallelConfig
+    explicit: frozenset[str]
+    warnings: tuple[str, ...]
+    allreduce_fusion: FusionSetting
+    allgather_fusion: FusionSetting
+    reducescatter_fusion: FusionSetting
+
+    @property
+    def devices_per_stage(self) -> int:
+        return self.config.device_num // self.config.pipeline_stages
+
+    def table(self) -> str:
+        """A readable table of every key; keys the user set are marked, defaults shown."""
+        values = public_dict(self.config)
+        defaults = {r["key"]: r["default"] for r in reference_rows()}
+        rows = [("key", "value", "set by user (default)")]
+        for key in sorted(values):
+            shown = repr(values[key])
+            mark = f"yes ({defaults.get(key, '')})" if key in self.explicit else ""
+            rows.append((key, shown, mark))
+        for f in (self.allreduce_fusion, self.allgather_fusion, self.reducescatter_fusion):
+            rows.append((f"-> {f.kind} fusion", str(f), "resolved"))
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        out = []
+        for i, r in enumerate(rows):
+            out.append("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+            if i == 0:
+                out.append("  ".join("-" * w for w in widths))
+        return "\n".join(out)
+
+
+def check_restrictions(config: AutoParallelConfig, explicit: frozenset[str]) \
+        -> tuple[list[str], list[str]]:
+    """(errors, warnings) messages for every violated restriction, in table order."""
+    errors, warns = [], []
+    values = public_dict(config)
+    for r in RESTRICTIONS:
+        if r.violated(config, explicit):
+            value: Any = values.get(r.key)
+            msg = f"[{r.key}] {r.rule} ({r.key}={value!r}, parallel_mode=" \
+                  f"{config.parallel_mode!r}, device_num={config.device_num}). Fix: {r.fix}."
+            (errors if r.severity == "error" else warns).append(msg)
+    return errors, warns
+
+
+def resolve_context(config: AutoParallelConfig | None = None,
+                    explicit: frozenset[str] | None = None) -> ResolvedContext:
+    """Check the current context (or the given config) and return it resolved.
+
+    Raises ContextConflictError listing every error-level conflict; warns
+    AutoParallelWarning once per warning-level one.
+    """
+    if config is None:
+        config, explicit = current_config(), explicit_keys() if explicit is None else explicit
+    explicit = explicit if explicit is not None else frozenset()
+    errors, warns = check_restrictions(config, explicit)
+    if errors:
+        raise ContextConflictError(f"{len(errors)} conflicting setting(s): " + " ".join(errors))
+    for w in warns:
+        warnings.warn(w, AutoParallelWarning, stacklevel=2)
+    return ResolvedContext(config, explicit, tuple(warns), _fusion(config, "allreduce"),
+                           _fusion(config, "allgather"), _fusion(config, "reducescatter"))

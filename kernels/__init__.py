@@ -1,0 +1,1 @@
+"""autopar.kernels: fused communication kernels for use inside ``jax.shard_map``."""

@@ -1,0 +1,1 @@
+"""autopar.strategies: mesh, layouts, redistribution, cost model and the search modes."""

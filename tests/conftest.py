@@ -1,0 +1,23 @@
+"""Test setup: 8 emulated CPU devices before JAX runs anything."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_context():
+    """Every test starts and ends with the default auto-parallel context and comm state."""
+    import autopar
+
+    autopar.reset_auto_parallel_context()
+    autopar.reset_comm_groups()
+    yield
+    autopar.reset_auto_parallel_context()
+    autopar.reset_comm_groups()
