@@ -213,7 +213,7 @@ class AutoParallelConfig(BaseModel):
     pipeline_stages: Annotated[int, Field(ge=1, le=4096)] = Field(
         default=1, description="Number of pipeline stages.",
         json_schema_extra=_meta("int", ">= 1; divides device_num",
-                                "> 1: semi_auto_parallel, auto_parallel"))
+                                "> 1: semi_auto_parallel"))
     grad_accumulation_step: Annotated[int, Field(ge=1, le=MAX_INDEX)] = Field(
         default=1, description="Micro-steps whose gradients are accumulated before one update.",
         json_schema_extra=_meta("int", ">= 1", "> 1: semi_auto_parallel, auto_parallel"))

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from pydantic import BaseModel
+from pydantic_core import PydanticCustomError
 
 from autopar.config import (
     KEYS,
@@ -73,12 +74,10 @@ def _fusion_index_from_alias(value: Any) -> tuple[int, ...]:
     """Validate all_reduce_fusion_config, naming that key in errors."""
     try:
         return _check_indices(value, "all_reduce_fusion_config")
-    except ValueError as err:  # plain rule violation
+    except PydanticCustomError as err:  # a type problem (subclass of ValueError: test first)
+        raise AutoParallelTypeError("all_reduce_fusion_config", value, str(err)) from None
+    except ValueError as err:  # a rule violation
         raise AutoParallelError("all_reduce_fusion_config", value, str(err)) from None
-    except Exception as err:  # PydanticCustomError: a type problem
-        if type(err).__name__ == "PydanticCustomError":
-            raise AutoParallelTypeError("all_reduce_fusion_config", value, str(err)) from None
-        raise
 
 
 def _merge_dict(key: str, value: Any, current: BaseModel) -> dict[str, Any]:
