@@ -41,6 +41,7 @@ from autopar.errors import (
     UnknownKeyError,
     UnsupportedOperatorError,
 )
+from autopar.graph import Graph, Node, TensorSpec, Value, matmul, shard, trace
 from autopar.resolve import FusionSetting, ResolvedContext, resolve_context
 
 __version__ = "0.1.0"
@@ -55,6 +56,13 @@ __all__ = [
     "ContextConflictError",
     "DEFAULT_SPLIT_SIZES",
     "FusionSetting",
+    "Graph",
+    "Node",
+    "TensorSpec",
+    "Value",
+    "matmul",
+    "shard",
+    "trace",
     "ResolvedContext",
     "SplitStrategy",
     "UnknownKeyError",

@@ -1,0 +1,7 @@
+"""The computation graph: trace a JAX function into nodes with shapes, FLOPs and bytes."""
+
+from autopar.graph.annotate import matmul, shard
+from autopar.graph.ir import Graph, Node, Strategy, TensorSpec, Value
+from autopar.graph.trace import trace
+
+__all__ = ["Graph", "Node", "Strategy", "TensorSpec", "Value", "matmul", "shard", "trace"]

@@ -1,0 +1,232 @@
+"""Trace any JAX function into autopar's :class:`~autopar.graph.ir.Graph`.
+
+``trace(fn, *example_args)`` runs ``jax.make_jaxpr`` and walks the jaxpr: nested calls (jit,
+closed_call, custom_jvp / custom_vjp, remat) are inlined, every equation becomes a node with a
+stable readable name (JAX name stack / ``jax.named_scope`` + primitive + index per scope),
+input values are named by their argument pytree path (``params/layer0/w1``), and an
+unsupported primitive raises :class:`~autopar.errors.UnsupportedOperatorError` naming it and
+the user's source line.
+
+>>> import jax, jax.numpy as jnp, autopar
+>>> def loss(params, x):
+...     with jax.named_scope("layer0"):
+...         h = jnp.tanh(x @ params["w"])
+...     return jnp.mean(h ** 2)
+>>> g = autopar.trace(loss, {"w": jnp.ones((8, 4))}, jnp.ones((2, 8)))
+>>> [n.name for n in g.nodes][:2]
+['layer0/dot_general_0', 'layer0/tanh_0']
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Iterable, Mapping
+
+import jax
+import numpy as np
+from jax._src import source_info_util
+
+from autopar.errors import AutoParallelError, AutoParallelTypeError, UnsupportedOperatorError
+from autopar.graph.annotate import parse_scope
+from autopar.graph.ir import Graph, Node, Strategy, TensorSpec, Value
+from autopar.graph.ops import INLINED, KINDS, UNSUPPORTED_HINTS, flops
+
+__all__ = ["trace"]
+
+
+def _spec(aval: Any) -> TensorSpec:
+    return TensorSpec(tuple(int(d) for d in aval.shape), str(np.dtype(aval.dtype)))
+
+
+def _source(eqn: Any, fallback: str = "<unknown>") -> str:
+    """The user's source line of an equation; inside inlined library calls, the call's line."""
+    frame = source_info_util.user_frame(eqn.source_info.traceback)
+    if frame is None:
+        return fallback
+    return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+
+
+def _path_str(path: Iterable[Any]) -> str:
+    parts = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def _arg_names(fn: Callable[..., Any], n: int) -> list[str]:
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    names = []
+    for i in range(n):
+        if i < len(params) and params[i].kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                  inspect.Parameter.POSITIONAL_OR_KEYWORD):
+            names.append(params[i].name)
+        else:
+            names.append(f"arg{i}")
+    return names
+
+
+class _Builder:
+    def __init__(self) -> None:
+        self.nodes: list[Node] = []
+        self.values: dict[str, Value] = {}
+        self.counters: dict[tuple[str, str], int] = {}
+        self.literals = 0
+        self.pending: dict[int, Strategy] = {}  # annotation id -> strategy, not yet attached
+        self.done: set[int] = set()
+
+    def add_value(self, name: str, value: Value) -> str:
+        base, k = name, 1
+        while name in self.values:
+            name, k = f"{base}~{k}", k + 1
+        self.values[name] = Value(name, value.spec, value.kind, value.producer, value.data)
+        return name
+
+    def literal(self, lit: Any) -> str:
+        data = np.asarray(lit.val)
+        name = f"literal_{self.literals}"
+        self.literals += 1
+        return self.add_value(name, Value(name, _spec(lit.aval), "literal", data=data))
+
+    def read(self, env: dict[Any, str], var: Any) -> str:
+        if type(var).__name__ == "Literal":
+            return self.literal(var)
+        return env[var]
+
+    def run(self, jaxpr: Any, env: dict[Any, str], scope: list[str],
+            source: str = "<unknown>") -> None:
+        for eqn in jaxpr.eqns:
+            prim = eqn.primitive.name
+            stack = scope + [s for s in str(eqn.source_info.name_stack).split("/") if s]
+            if prim in INLINED:
+                self.inline(eqn, env, stack, _source(eqn, source))
+                continue
+            if prim not in KINDS:
+                hint = UNSUPPORTED_HINTS.get(prim, "rewrite it with supported operators (see "
+                                             "docs/graph.md), or keep it outside the function "
+                                             "that autopar parallelises")
+                raise UnsupportedOperatorError(
+                    f"JAX primitive {prim!r} at {_source(eqn, source)} is not supported by autopar's "
+                    f"tracer. How to proceed: {hint}.")
+            self.emit(eqn, env, stack, _source(eqn, source))
+
+    def inline(self, eqn: Any, env: dict[Any, str], stack: list[str], source: str) -> None:
+        body = eqn.params[INLINED[eqn.primitive.name]]
+        if callable(body) and not hasattr(body, "eqns") and not hasattr(body, "jaxpr"):
+            body = body()  # a thunk (custom_vjp_call_jaxpr in some versions)
+        inner, consts = (body.jaxpr, body.consts) if hasattr(body, "consts") else (body, [])
+        inner_env: dict[Any, str] = {}
+        for var, c in zip(inner.constvars, consts):
+            inner_env[var] = self.add_value("const", Value("const", _spec(var.aval), "const",
+                                                           data=np.asarray(c)))
+        for var, outer in zip(inner.invars, eqn.invars):
+            inner_env[var] = self.read(env, outer)
+        name = eqn.params.get("name")
+        sub = stack + [str(name)] if isinstance(name, str) and name and name != "<lambda>" \
+            else stack
+        self.run(inner, inner_env, sub, source)
+        for outer, var in zip(eqn.outvars, inner.outvars):
+            env[outer] = self.read(inner_env, var)
+
+    def emit(self, eqn: Any, env: dict[Any, str], stack: list[str], source: str) -> None:
+        prim = eqn.primitive.name
+        readable, markers = [], []
+        for entry in stack:
+            parsed = parse_scope(entry)
+            if parsed is None:
+                readable.append(entry)
+            else:
+                markers.append(parsed)
+        scope = "/".join(readable)
+        idx = self.counters.get((scope, prim), 0)
+        self.counters[(scope, prim)] = idx + 1
+        name = f"{scope}/{prim}_{idx}" if scope else f"{prim}_{idx}"
+        inputs = tuple(self.read(env, v) for v in eqn.invars)
+        in_specs = [self.values[v].spec for v in inputs]
+        out_specs = [_spec(v.aval) for v in eqn.outvars]
+        annotation = None
+        for ident, strategy in reversed(markers):  # innermost annotation first
+            if ident in self.done:
+                continue
+            self.pending.setdefault(ident, strategy)
+            if [len(e) for e in strategy] == [s.rank for s in in_specs]:
+                annotation = strategy
+                self.done.add(ident)
+            break
+        outputs = []
+        for i, (var, spec) in enumerate(zip(eqn.outvars, out_specs)):
+            vname = name if len(eqn.outvars) == 1 else f"{name}:{i}"
+            vname = self.add_value(vname, Value(vname, spec, "activation", producer=name))
+            if type(var).__name__ != "DropVar":
+                env[var] = vname
+            outputs.append(vname)
+        kind = KINDS[prim]
+        self.nodes.append(Node(
+            name=name, op=prim, kind=kind, inputs=inputs, outputs=tuple(outputs),
+            params=dict(eqn.params), scope=scope, source=source,
+            flops=flops(kind, in_specs, out_specs, eqn.params),
+            bytes_read=sum(self.values[v].spec.nbytes for v in inputs
+                           if self.values[v].kind != "literal"),
+            bytes_written=sum(s.nbytes for s in out_specs),
+            primitive=eqn.primitive, annotation=annotation))
+
+
+def trace(fn: Callable[..., Any], *example_args: Any, param_argnums: Iterable[int] | None = None,
+          annotations: Mapping[str, Any] | None = None, name: str | None = None) -> Graph:
+    """Trace ``fn(*example_args)`` into a Graph.
+
+    ``param_argnums``: which positional arguments hold parameters (default: the first, when
+    there are two or more arguments, as in ``loss(params, *batch)``; none for one argument).
+    ``annotations``: strategies by node name (MindSpore tuples), checked and attached.
+    """
+    if not callable(fn):
+        raise AutoParallelTypeError("fn", fn, "trace needs a callable JAX function")
+    n = len(example_args)
+    if param_argnums is None:
+        argnums = {0} if n >= 2 else set()
+    else:
+        try:
+            argnums = set(param_argnums)
+        except TypeError:
+            raise AutoParallelTypeError("param_argnums", param_argnums,
+                                        "an iterable of argument positions") from None
+        bad = [a for a in argnums if not isinstance(a, int) or isinstance(a, bool)
+               or not 0 <= a < n]
+        if bad:
+            raise AutoParallelError("param_argnums", sorted(argnums, key=str),
+                                    f"positions must be ints in [0, {n}), found {bad}")
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*example_args)
+    leaves, in_tree = jax.tree_util.tree_flatten_with_path(tuple(example_args))
+    arg_names = _arg_names(fn, n)
+    b = _Builder()
+    env: dict[Any, str] = {}
+    inputs = []
+    for var, (path, _) in zip(closed.jaxpr.invars, leaves):
+        argnum = path[0].idx
+        label = "/".join(p for p in (arg_names[argnum], _path_str(path[1:])) if p)
+        kind = "param" if argnum in argnums else "data"
+        env[var] = b.add_value(label, Value(label, _spec(var.aval), kind))
+        inputs.append(env[var])
+    for var, c in zip(closed.jaxpr.constvars, closed.consts):
+        env[var] = b.add_value("const", Value("const", _spec(var.aval), "const",
+                                              data=np.asarray(c)))
+    b.run(closed.jaxpr, env, [])
+    unmatched = sorted(set(b.pending) - b.done)
+    if unmatched:
+        strategies = [b.pending[i] for i in unmatched]
+        raise AutoParallelError(
+            "strategy", strategies[0], "autopar.shard matched no operator whose input ranks "
+            "fit the strategy (one tuple per input, one split count per dimension)",
+            "Wrap a single operator, e.g. autopar.shard(jnp.matmul, ((2, 1), (1, 4)))(a, b)")
+    outputs = [b.read(env, v) for v in closed.jaxpr.outvars]
+    graph = Graph(b.nodes, b.values, inputs, outputs, in_tree=in_tree,
+                  out_tree=jax.tree_util.tree_structure(out_shape),
+                  name=name or getattr(fn, "__name__", "fn"))
+    return graph.annotate(annotations) if annotations else graph
