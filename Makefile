@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(PY) -m autopar demo
 
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -q
 
 bench: $(STAMP)
 	$(PY) -m benchmarks
