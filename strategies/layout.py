@@ -1,0 +1,157 @@
+"""DeviceMesh and Layout: how tensors live on an abstract mesh of devices.
+
+A :class:`DeviceMesh` is abstract: axis names and sizes only. ``device_num`` is factorised into
+prime-size axes, outermost first (8 -> ``a0:2, a1:2, a2:2``; 12 -> ``a0:2, a1:2, a2:3``), and
+devices are numbered row-major, so the last axes connect devices of one node.
+
+A :class:`Layout` says, for each tensor dimension, the mesh axes it is split over (outer axis
+first), and the axes over which the tensor is a pending partial sum. Axes used by neither are
+replicated. Short form like DTensor's: ``S(0)[a0]`` = dim 0 split over a0, ``P[a1]`` = partial
+over a1, ``R`` = replicated.
+
+>>> mesh = DeviceMesh.for_devices(8)
+>>> lay = Layout(((("a0",)), ("a1", "a2")))
+>>> str(lay), lay.split_counts(mesh)
+('S(0)[a0]S(1)[a1,a2]', (2, 4))
+>>> lay.partition_spec()
+PartitionSpec('a0', ('a1', 'a2'))
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Iterable
+
+from autopar.errors import AutoParallelError, AutoParallelTypeError
+
+__all__ = ["DeviceMesh", "Layout", "prime_factors"]
+
+
+def prime_factors(n: int) -> list[int]:
+    """Prime factors in ascending order: 12 -> [2, 2, 3]."""
+    out, p = [], 2
+    while p * p <= n:
+        while n % p == 0:
+            out.append(p)
+            n //= p
+        p += 1
+    if n > 1:
+        out.append(n)
+    return out
+
+
+@dataclass(frozen=True)
+class DeviceMesh:
+    """Abstract device mesh: ordered (name, size) axes; no devices are touched."""
+
+    axes: tuple[tuple[str, int], ...]
+
+    @staticmethod
+    def for_devices(device_num: int) -> "DeviceMesh":
+        if not isinstance(device_num, int) or isinstance(device_num, bool):
+            raise AutoParallelTypeError("device_num", device_num, "must be an int")
+        if not 1 <= device_num <= 4096:
+            raise AutoParallelError("device_num", device_num, "must be in [1, 4096]")
+        return DeviceMesh(tuple((f"a{i}", p) for i, p in enumerate(prime_factors(device_num))))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.axes)
+
+    @cached_property
+    def sizes(self) -> dict[str, int]:
+        return dict(self.axes)
+
+    @property
+    def device_num(self) -> int:
+        return math.prod(s for _, s in self.axes)
+
+    def size_of(self, axes: Iterable[str]) -> int:
+        return math.prod(self.sizes[a] for a in axes)
+
+    def inner_axes(self, devices_per_node: int) -> frozenset[str]:
+        """Axes whose devices share a node: the innermost axes whose product fits a node."""
+        inner, prod = [], 1
+        for name, size in reversed(self.axes):
+            if prod * size > devices_per_node:
+                break
+            prod *= size
+            inner.append(name)
+        return frozenset(inner)
+
+    def assign(self, splits: Iterable[int]) -> tuple[tuple[str, ...], ...] | None:
+        """Canonical axes for split counts, outermost axes to the first split; None if the
+        counts do not fit the mesh. (2, 4) on 8 devices -> (('a0',), ('a1', 'a2'))."""
+        free = list(self.axes)
+        out = []
+        for s in splits:
+            got: list[str] = []
+            for p in prime_factors(s):
+                idx = next((i for i, (_, size) in enumerate(free) if size == p), None)
+                if idx is None:
+                    return None
+                got.append(free.pop(idx)[0])
+            out.append(tuple(sorted(got, key=self.names.index)))
+        return tuple(out)
+
+    def __str__(self) -> str:
+        return "x".join(f"{n}:{s}" for n, s in self.axes) or "(1 device)"
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Per tensor dim, the mesh axes it is split over; plus pending partial-sum axes."""
+
+    dims: tuple[tuple[str, ...], ...]
+    partial: tuple[str, ...] = ()
+
+    @staticmethod
+    def replicated(rank: int) -> "Layout":
+        return Layout(tuple(() for _ in range(rank)))
+
+    @property
+    def rank(self) -> int:
+        return len(self.dims)
+
+    def used_axes(self) -> frozenset[str]:
+        return frozenset(a for d in self.dims for a in d) | frozenset(self.partial)
+
+    def split_counts(self, mesh: DeviceMesh) -> tuple[int, ...]:
+        return tuple(mesh.size_of(d) for d in self.dims)
+
+    def local_shape(self, shape: tuple[int, ...], mesh: DeviceMesh) -> tuple[int, ...]:
+        return tuple(n // mesh.size_of(d) for n, d in zip(shape, self.dims))
+
+    def strategy(self, mesh: DeviceMesh) -> tuple[int, ...]:
+        """The MindSpore strategy entry of this tensor: split count per dim."""
+        return self.split_counts(mesh)
+
+    @staticmethod
+    def from_strategy(entry: tuple[int, ...], mesh: DeviceMesh) -> "Layout":
+        """Canonical layout of a MindSpore strategy entry (repeated axes stay replicated).
+
+        >>> Layout.from_strategy((2, 1), DeviceMesh.for_devices(8))
+        Layout(dims=(('a0',), ()), partial=())
+        """
+        axes = mesh.assign(entry)
+        if axes is None or mesh.device_num % math.prod(entry) != 0:
+            raise AutoParallelError("strategy", entry, f"split counts must multiply to a "
+                                    f"divisor of device_num={mesh.device_num}")
+        return Layout(axes)
+
+    def partition_spec(self) -> Any:
+        """jax.sharding.PartitionSpec of this layout (partial sums cannot be expressed)."""
+        from jax.sharding import PartitionSpec
+
+        if self.partial:
+            raise AutoParallelError("layout", str(self), "a partial-sum layout has no "
+                                    "PartitionSpec; resolve the partial sum first")
+        return PartitionSpec(*[None if not d else d[0] if len(d) == 1 else d for d in self.dims])
+
+    def __str__(self) -> str:
+        parts = [f"S({i})[{','.join(d)}]" for i, d in enumerate(self.dims) if d]
+        if self.partial:
+            parts.append(f"P[{','.join(self.partial)}]")
+        return "".join(parts) or "R"

@@ -1,0 +1,110 @@
+"""Plan: the chosen strategy of every operator, the layout of every tensor, the predicted cost.
+
+>>> plan.split_counts("params/layer0/w")   # doctest: +SKIP
+(1, 8)
+>>> print(plan)                              # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from autopar.errors import AutoParallelError
+from autopar.strategies.layout import DeviceMesh, Layout
+from autopar.strategies.problem import Breakdown, Problem
+
+__all__ = ["NodeStrategy", "Plan"]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeStrategy:
+    name: str
+    op: str
+    strategy: tuple[tuple[int, ...], ...]   # MindSpore: one tuple per input
+    splits: tuple[int, ...]                 # per iteration dim
+    in_layouts: tuple[Layout, ...]
+    out_layouts: tuple[Layout, ...]
+
+
+@dataclass
+class Plan:
+    mode: str
+    mesh: DeviceMesh
+    cluster: str
+    fingerprint: str
+    nodes: dict[str, NodeStrategy]
+    layouts: dict[str, Layout]              # every value: producer's (or input's) layout
+    cost: Breakdown
+    objective: float
+    search_seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def device_num(self) -> int:
+        return self.mesh.device_num
+
+    @staticmethod
+    def from_picks(problem: Problem, picks: Sequence[int], mode: str, seconds: float) -> "Plan":
+        g, mesh = problem.graph, problem.mesh
+        nodes: dict[str, NodeStrategy] = {}
+        layouts: dict[str, Layout] = {}
+        for vert, k in zip(problem.vertices, picks):
+            c = vert.choices[k]
+            if vert.kind == "op" and vert.node is not None:
+                n = vert.node
+                nodes[n.name] = NodeStrategy(n.name, n.op, c.strategy(mesh), c.splits,
+                                             c.in_layouts, c.out_layouts)
+                for v, lay in zip(n.outputs, c.out_layouts):
+                    layouts[v] = lay
+            elif vert.value is not None:
+                layouts[vert.value] = c.out_layouts[0]
+        for v, val in g.values.items():
+            if v not in layouts:
+                layouts[v] = Layout.replicated(val.spec.rank)
+        return Plan(mode, mesh, problem.cm.cluster.name, g.fingerprint(), nodes,
+                    dict(sorted(layouts.items())), problem.evaluate(picks),
+                    problem.objective(picks), seconds)
+
+    def layout(self, name: str) -> Layout:
+        """Layout of a value; a node name means its (first) output."""
+        if name in self.layouts:
+            return self.layouts[name]
+        if name in self.nodes:
+            return self.nodes[name].out_layouts[0]
+        raise AutoParallelError("name", name, "not a value or node of this plan")
+
+    def split_counts(self, name: str) -> tuple[int, ...]:
+        """Shards per dim of a parameter, input or node output, e.g. (1, 8)."""
+        return self.layout(name).split_counts(self.mesh)
+
+    def strategy(self, node: str) -> tuple[tuple[int, ...], ...]:
+        if node not in self.nodes:
+            raise AutoParallelError("node", node, "not an operator of this plan")
+        return self.nodes[node].strategy
+
+    def summary(self) -> str:
+        c = self.cost
+        return (f"plan[{self.mode}] on {self.device_num} devices ({self.mesh}), cluster "
+                f"{self.cluster}: step {c.total * 1e3:.3f} ms predicted = compute "
+                f"{c.compute * 1e3:.3f} + communication {c.communication * 1e3:.3f} + "
+                f"redistribution {c.redistribution * 1e3:.3f} + gradient sync "
+                f"{c.gradient_sync * 1e3:.3f} ms; memory {c.memory_bytes / 2**20:.1f} MiB per "
+                f"device; searched in {self.search_seconds:.3f} s")
+
+    def __str__(self) -> str:
+        lines = [self.summary(), ""]
+        rows = [("node", "op", "strategy", "output layout")]
+        for n in self.nodes.values():
+            rows.append((n.name, n.op, str(n.strategy),
+                         ", ".join(str(lay) for lay in n.out_layouts)))
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        for i, r in enumerate(rows):
+            lines.append("  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip())
+            if i == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        params = [(v, lay) for v, lay in self.layouts.items() if v.startswith("params")]
+        if params:
+            lines += ["", "parameters:"]
+            lines += [f"  {v}: {lay} (splits {lay.split_counts(self.mesh)})" for v, lay in params]
+        return "\n".join(lines)

@@ -1,0 +1,454 @@
+"""The search problem every mode solves: vertices with strategy choices, edges with costs.
+
+Vertices are the graph's operators plus one per parameter and data input. A vertex's
+:class:`Choice` s are its strategies (split counts per iteration dim, canonical mesh axes, the
+layouts it needs and produces); its cost vector prices each choice (compute of forward and
+backward, the backward all-reduce of input gradients over the axes where the input is
+replicated while the operator is split — for a parameter, that is its gradient
+synchronisation — and memory); an edge's matrix prices the redistribution of one value from
+the producer's layout to the consumer's (forward steps and, when the value carries a
+gradient, their transposes in backward). Costs are cached by operator signature, so the 96
+identical blocks of a transformer cost one block's work.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from autopar.errors import AutoParallelError
+from autopar.graph.ir import Graph, Node
+from autopar.strategies.cost import CostModel
+from autopar.strategies.layout import DeviceMesh, Layout
+from autopar.strategies.opspec import OpSpec, op_spec
+from autopar.strategies.redistribution import redistribute
+
+__all__ = ["Choice", "Vertex", "Edge", "Problem", "Breakdown"]
+
+_NO_GRAD_OPS = {"stop_gradient", "argmax", "argmin", "iota", "eq", "ne", "lt", "le", "gt", "ge",
+                "and", "or", "not", "xor", "is_finite", "population_count", "clz", "floor",
+                "ceil", "round", "sign"}
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """One strategy of a vertex."""
+
+    splits: tuple[int, ...]                 # per iteration dim (ops) / per tensor dim (inputs)
+    in_layouts: tuple[Layout, ...]
+    out_layouts: tuple[Layout, ...]
+    used_axes: frozenset[str]
+
+    def strategy(self, mesh: DeviceMesh) -> tuple[tuple[int, ...], ...]:
+        """MindSpore tuples: one per input, split count per dim."""
+        return tuple(lay.split_counts(mesh) for lay in self.in_layouts)
+
+
+@dataclass
+class Vertex:
+    name: str
+    kind: str                       # "op" | "param" | "data"
+    choices: list[Choice]
+    cost: np.ndarray                # objective per choice
+    compute: np.ndarray             # seconds per choice
+    comm: np.ndarray                # backward all-reduce of activation grads
+    grad_sync: np.ndarray           # backward all-reduce of parameter grads
+    memory: np.ndarray              # bytes per device
+    node: Node | None = None
+    value: str | None = None        # for input vertices
+
+
+@dataclass
+class Edge:
+    u: int
+    v: int
+    value: str
+    in_index: int                   # position in the consumer's inputs
+    out_index: int                  # position in the producer's outputs (0 for inputs)
+    matrix: np.ndarray              # [len(u.choices), len(v.choices)] seconds
+
+
+@dataclass
+class Breakdown:
+    compute: float = 0.0
+    communication: float = 0.0
+    redistribution: float = 0.0
+    gradient_sync: float = 0.0
+    memory_bytes: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.communication + self.redistribution + self.gradient_sync
+
+
+def _divisors_of(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_splits(spec: OpSpec, device_num: int, full_use: bool) -> list[tuple[int, ...]]:
+    """Split vectors (one count per iteration dim) whose product divides device_num; with
+    ``full_use`` only those using every device, unless none does."""
+    divs = _divisors_of(device_num)
+    limits = dict(spec.divides)
+    cands = []
+    for d, size in enumerate(spec.sizes):
+        if not spec.splittable(d):
+            cands.append([1])
+            continue
+        extra = limits.get(d)
+        cands.append([c for c in divs if size % c == 0 and (extra is None or extra % c == 0)])
+    out: list[tuple[int, ...]] = []
+
+    def rec(d: int, prod: int, acc: list[int]) -> None:
+        if d == len(cands):
+            out.append(tuple(acc))
+            return
+        for c in cands[d]:
+            if device_num % (prod * c) == 0:
+                acc.append(c)
+                rec(d + 1, prod * c, acc)
+                acc.pop()
+
+    rec(0, 1, [])
+    if full_use:
+        full = [s for s in out if math.prod(s) == device_num]
+        if full:
+            return full
+    return out
+
+
+def splits_from_strategy(spec: OpSpec, strategy: Any, name: str,
+                         mesh: DeviceMesh) -> tuple[int, ...]:
+    """Iteration-dim splits of a MindSpore strategy (one tuple per input), checked with
+    MindSpore's rules: each split divides its dim, matched splits agree, unsplittable dims
+    stay whole, the product divides device_num."""
+    where = f"strategy of node {name!r}"
+    if not isinstance(strategy, (tuple, list)) or len(strategy) != len(spec.in_maps):
+        raise AutoParallelError(where, strategy, f"needs one tuple per input "
+                                f"({len(spec.in_maps)} inputs)")
+    splits = [1] * len(spec.sizes)
+    owner: dict[int, tuple[int, int]] = {}
+    for i, (entry, mp) in enumerate(zip(strategy, spec.in_maps)):
+        if not isinstance(entry, (tuple, list)) or len(entry) != len(mp):
+            raise AutoParallelError(where, strategy, f"input {i} has rank {len(mp)}; its "
+                                    f"entry must have {len(mp)} split counts")
+        for d, (s, m) in enumerate(zip(entry, mp)):
+            if not isinstance(s, int) or isinstance(s, bool) or s < 1:
+                raise AutoParallelError(where, strategy, "split counts must be ints >= 1")
+            if m is None or not spec.splittable(m):
+                if s != 1:
+                    raise AutoParallelError(where, strategy, f"dim {d} of input {i} cannot be "
+                                            f"split by this operator (it is broadcast, "
+                                            f"windowed, gathered or concatenated)")
+                continue
+            if m in owner and splits[m] != s:
+                a, b = owner[m]
+                raise AutoParallelError(where, strategy, f"dim {d} of input {i} and dim {b} of "
+                                        f"input {a} are the same loop dimension and must be "
+                                        f"split alike ({s} vs {splits[m]})")
+            owner[m] = (i, d)
+            splits[m] = s
+    for d, s in enumerate(splits):
+        if spec.sizes[d] % s:
+            raise AutoParallelError(where, strategy, f"split {s} does not divide the dim size "
+                                    f"{spec.sizes[d]}")
+    for d, n in spec.divides:
+        if n % splits[d]:
+            raise AutoParallelError(where, strategy, f"split {splits[d]} must also divide "
+                                    f"{n} (the reshaped dim)")
+    if mesh.device_num % math.prod(splits) or mesh.assign(splits) is None:
+        raise AutoParallelError(where, strategy, f"the product of splits {math.prod(splits)} "
+                                f"must divide device_num={mesh.device_num}")
+    return tuple(splits)
+
+
+def _requires_grad(graph: Graph) -> dict[str, bool]:
+    req = {v: graph.values[v].kind == "param" for v in graph.values}
+    for n in graph.nodes:
+        flows = n.op not in _NO_GRAD_OPS and any(req[v] for v in n.inputs)
+        for v in n.outputs:
+            dt = graph.spec(v).dtype
+            req[v] = flows and (dt.startswith("float") or dt.startswith("bfloat") or
+                                dt.startswith("complex"))
+    return req
+
+
+class Problem:
+    """Build once per (graph, mesh, cost model, options); every search mode reads it."""
+
+    def __init__(self, graph: Graph, mesh: DeviceMesh, cost_model: CostModel, *,
+                 enable_alltoall: bool = False, dataset_strategy: Any = "data_parallel",
+                 memory_weight: float = 0.0, full_use: bool = True,
+                 fixed: Mapping[str, Any] | None = None,
+                 fixed_splits: Mapping[str, tuple[int, ...]] | None = None) -> None:
+        self.graph, self.mesh, self.cm = graph, mesh, cost_model
+        self.enable_alltoall = enable_alltoall
+        self.memory_weight = memory_weight
+        self.full_use = full_use
+        self.requires_grad = _requires_grad(graph)
+        self.vertices: list[Vertex] = []
+        self.index: dict[str, int] = {}
+        self.edges: list[Edge] = []
+        self.specs: dict[str, OpSpec] = {}
+        self._sig: dict[str, tuple] = {}
+        self._node_cache: dict[tuple, tuple] = {}
+        self._edge_cache: dict[tuple, np.ndarray] = {}
+        self._build(dataset_strategy, dict(fixed or {}), dict(fixed_splits or {}))
+
+    # ------------------------------------------------------------------ choices
+    def op_choice(self, node: Node, splits: Sequence[int]) -> Choice:
+        """The Choice of an operator for any split vector (canonical axes)."""
+        return self._op_choice(node.name, tuple(splits))
+
+    def _op_choice(self, name: str, splits: tuple[int, ...]) -> Choice:
+        key = (self._sig[name], splits)
+        hit = self._choice_cache.get(key)
+        if hit is not None:
+            return hit
+        spec = self.specs[name]
+        axes = self.mesh.assign(splits)
+        if axes is None:
+            raise AutoParallelError("strategy", splits, f"split counts do not fit the mesh "
+                                    f"{self.mesh} of operator {name!r}")
+        summed = set(spec.summed)
+        partial = tuple(a for d in sorted(summed) for a in axes[d])
+        ins = tuple(Layout(tuple(axes[m] if m is not None else () for m in mp))
+                    for mp in spec.in_maps)
+        outs = tuple(Layout(tuple(axes[m] if m is not None else () for m in mp), partial)
+                     for mp in spec.out_maps)
+        c = Choice(splits, ins, outs, frozenset(a for ax in axes for a in ax))
+        self._choice_cache[key] = c
+        return c
+
+    def _signature(self, node: Node) -> tuple:
+        g = self.graph
+        return (node.op, repr(sorted((k, v) for k, v in node.params.items())),
+                tuple((g.spec(v).shape, g.spec(v).dtype, self.requires_grad[v],
+                       g.values[v].kind) for v in node.inputs),
+                tuple((g.spec(v).shape, g.spec(v).dtype) for v in node.outputs))
+
+    # ------------------------------------------------------------------ costs
+    def _local_bytes(self, value: str, layout: Layout) -> int:
+        spec = self.graph.spec(value)
+        return math.prod(layout.local_shape(spec.shape, self.mesh)) * spec.itemsize
+
+    def op_costs(self, node: Node, choice: Choice) -> tuple[float, float, float, float]:
+        """(compute, comm, grad_sync, memory) of one operator choice."""
+        g, mesh, cm = self.graph, self.mesh, self.cm
+        work = math.prod(choice.splits)
+        grad = any(self.requires_grad[v] for v in node.inputs)
+        local = sum(self._local_bytes(v, lay) for v, lay in zip(node.inputs, choice.in_layouts)
+                    if g.values[v].kind != "literal")
+        local += sum(self._local_bytes(v, lay) for v, lay in zip(node.outputs,
+                                                                choice.out_layouts))
+        compute = cm.compute_time(node.flops / work, local) * (3.0 if grad else 1.0)
+        comm = sync = 0.0
+        for v, lay in zip(node.inputs, choice.in_layouts):
+            if not self.requires_grad[v]:
+                continue
+            missing = [a for a in mesh.names if a in choice.used_axes and a not in
+                       lay.used_axes()]
+            if not missing:
+                continue
+            t = cm.all_reduce_time(self._local_bytes(v, lay), missing, mesh)
+            if g.values[v].kind == "param":
+                sync += t
+            else:
+                comm += t
+        memory = float(sum(self._local_bytes(v, lay) for v, lay in zip(node.outputs,
+                                                                      choice.out_layouts)))
+        return compute, comm, sync, memory
+
+    def edge_cost(self, value: str, src: Layout, dst: Layout) -> float:
+        spec = self.graph.spec(value)
+        if src == dst:
+            return 0.0
+        steps = redistribute(spec.shape, spec.itemsize, src, dst, self.mesh,
+                             self.enable_alltoall)
+        return self.cm.steps_time(steps, self.mesh, backward=self.requires_grad[value])
+
+    # ------------------------------------------------------------------ build
+    def _add_vertex(self, vertex: Vertex) -> int:
+        self.index[vertex.name] = len(self.vertices)
+        self.vertices.append(vertex)
+        return self.index[vertex.name]
+
+    def _vertex_arrays(self, rows: list[tuple[float, float, float, float]]) -> dict:
+        arr = np.array(rows, dtype=np.float64).reshape(-1, 4)
+        compute, comm, sync, mem = arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3]
+        return {"compute": compute, "comm": comm, "grad_sync": sync, "memory": mem,
+                "cost": compute + comm + sync + self.memory_weight * mem}
+
+    def _data_layout(self, value: str, position: int, dataset_strategy: Any) -> Layout:
+        spec = self.graph.spec(value)
+        if dataset_strategy == "full_batch" or spec.rank == 0:
+            return Layout.replicated(spec.rank)
+        if isinstance(dataset_strategy, tuple):
+            n_data = len(self.graph.data_inputs())
+            if len(dataset_strategy) != n_data:
+                raise AutoParallelError(
+                    "dataset_strategy", dataset_strategy, f"needs one entry per data input; "
+                    f"the function has {n_data}: {list(self.graph.data_inputs())}")
+            entry = dataset_strategy[position]
+            if len(entry) != spec.rank or any(n % s for n, s in zip(spec.shape, entry)):
+                raise AutoParallelError(
+                    "dataset_strategy", dataset_strategy,
+                    f"entry {entry} does not fit data input {value!r} of shape {spec.shape}")
+            return Layout.from_strategy(entry, self.mesh)
+        n = self.mesh.device_num
+        if spec.shape[0] % n == 0:
+            return Layout((tuple(self.mesh.names),) + tuple(() for _ in spec.shape[1:]))
+        return Layout.replicated(spec.rank)
+
+    def _build(self, dataset_strategy: Any, fixed: dict[str, Any],
+               given_splits: dict[str, tuple[int, ...]]) -> None:
+        g, mesh = self.graph, self.mesh
+        self._choice_cache: dict[tuple, Choice] = {}
+        for node in g.nodes:
+            self.specs[node.name] = op_spec(node, g)
+            self._sig[node.name] = self._signature(node)
+        for name in fixed:
+            g.node(name)  # unknown names fail here, with suggestions
+        for node in g.nodes:
+            if node.annotation is not None and node.name not in fixed and \
+                    node.name not in given_splits:
+                fixed[node.name] = node.annotation
+        fixed_splits = {name: splits_from_strategy(self.specs[name], strategy, name, mesh)
+                        for name, strategy in sorted(fixed.items())}
+        fixed_splits.update(given_splits)
+        self.fixed = fixed_splits
+        # data inputs: one fixed layout each
+        for pos, v in enumerate(g.data_inputs()):
+            lay = self._data_layout(v, pos, dataset_strategy)
+            mem = float(self._local_bytes(v, lay))
+            self._add_vertex(Vertex(f"<data>{v}", "data",
+                                    [Choice(lay.split_counts(mesh), (), (lay,),
+                                            lay.used_axes())],
+                                    **self._vertex_arrays([(0.0, 0.0, 0.0, mem)]), value=v))
+        # operators
+        for node in g.nodes:
+            if node.name in fixed_splits:
+                c = self._op_choice(node.name, fixed_splits[node.name])
+                self._add_vertex(Vertex(node.name, "op", [c], node=node,
+                                        **self._vertex_arrays([self.op_costs(node, c)])))
+                continue
+            key = self._sig[node.name]
+            cached = self._node_cache.get(key)
+            if cached is None:
+                splits = enumerate_splits(self.specs[node.name], mesh.device_num,
+                                          self.full_use)
+                choices = [self._op_choice(node.name, s) for s in splits]
+                arrays = self._vertex_arrays([self.op_costs(node, c) for c in choices])
+                cached = (choices, arrays)
+                self._node_cache[key] = cached
+            choices, arrays = cached
+            self._add_vertex(Vertex(node.name, "op", list(choices), node=node,
+                                    **{k: a for k, a in arrays.items()}))
+        # parameters: the layouts their consumers want, plus replicated
+        factor = 2.0 + self.cm.cluster.optimizer_state_factor
+        for v in g.parameters():
+            spec = g.spec(v)
+            seen: dict[Layout, None] = {Layout.replicated(spec.rank): None}
+            for cname in g.consumers(v):
+                vert = self.vertices[self.index[cname]]
+                for j, inp in enumerate(vert.node.inputs):  # type: ignore[union-attr]
+                    if inp == v:
+                        for c in vert.choices:
+                            seen.setdefault(c.in_layouts[j], None)
+            lays = sorted(seen, key=lambda lay: (lay.split_counts(mesh), str(lay)))
+            rows = [(0.0, 0.0, 0.0, factor * self._local_bytes(v, lay)) for lay in lays]
+            self._add_vertex(Vertex(f"<param>{v}", "param",
+                                    [Choice(lay.split_counts(mesh), (), (lay,), lay.used_axes())
+                                     for lay in lays], **self._vertex_arrays(rows), value=v))
+        # edges: producer (op or input vertex) -> consumer op, one per consumed value
+        for node in g.nodes:
+            vi = self.index[node.name]
+            for j, v in enumerate(node.inputs):
+                val = g.values[v]
+                if val.kind in ("literal", "const"):
+                    continue
+                if val.kind == "activation" and val.producer is not None:
+                    ui = self.index[val.producer]
+                    out_index = self.vertices[ui].node.outputs.index(v)  # type: ignore
+                else:
+                    ui = self.index[("<param>" if val.kind == "param" else "<data>") + v]
+                    out_index = 0
+                self.edges.append(Edge(ui, vi, v, j, out_index,
+                                       self._edge_matrix(ui, vi, v, j, out_index)))
+
+    def _edge_matrix(self, ui: int, vi: int, value: str, j: int, out_index: int) -> np.ndarray:
+        u, v = self.vertices[ui], self.vertices[vi]
+        if u.kind == "op":
+            key: tuple = (self._sig[u.name], out_index, self._sig[v.name], j)
+        else:  # an input vertex: its layouts identify it
+            key = (tuple(c.out_layouts[0] for c in u.choices), self._sig[v.name], j)
+        hit = self._edge_cache.get(key)
+        if hit is not None:
+            return hit
+        m = np.empty((len(u.choices), len(v.choices)))
+        for a, cu in enumerate(u.choices):
+            src = cu.out_layouts[out_index]
+            for b, cv in enumerate(v.choices):
+                m[a, b] = self.edge_cost(value, src, cv.in_layouts[j])
+        self._edge_cache[key] = m
+        return m
+
+    def choice_index(self, i: int, splits: tuple[int, ...]) -> int:
+        """Index of an operator choice with these splits; added to the vertex if missing
+        (its cost arrays and edge matrices grow by one row / column)."""
+        vert = self.vertices[i]
+        for k, c in enumerate(vert.choices):
+            if c.splits == splits:
+                return k
+        if vert.node is None:
+            raise AutoParallelError("splits", splits, f"not a choice of {vert.name!r}")
+        c = self._op_choice(vert.node.name, splits)
+        row = self._vertex_arrays([self.op_costs(vert.node, c)])
+        vert.choices = vert.choices + [c]
+        for key in ("cost", "compute", "comm", "grad_sync", "memory"):
+            setattr(vert, key, np.concatenate([getattr(vert, key), row[key]]))
+        for e in self.edges:
+            if e.u == i:
+                col = np.array([[self.edge_cost(e.value, c.out_layouts[e.out_index],
+                                                cv.in_layouts[e.in_index])
+                                 for cv in self.vertices[e.v].choices]])
+                e.matrix = np.vstack([e.matrix, col])
+            elif e.v == i:
+                col = np.array([[self.edge_cost(e.value, cu.out_layouts[e.out_index],
+                                                c.in_layouts[e.in_index])]
+                                for cu in self.vertices[e.u].choices])
+                e.matrix = np.hstack([e.matrix, col])
+        return len(vert.choices) - 1
+
+    # ------------------------------------------------------------------ evaluation
+    def neighbours(self) -> list[list[int]]:
+        adj: list[list[int]] = [[] for _ in self.vertices]
+        for k, e in enumerate(self.edges):
+            adj[e.u].append(k)
+            adj[e.v].append(k)
+        return adj
+
+    def evaluate(self, picks: Sequence[int]) -> Breakdown:
+        """The cost breakdown of one choice index per vertex."""
+        b = Breakdown()
+        for vert, k in zip(self.vertices, picks):
+            b.compute += float(vert.compute[k])
+            b.communication += float(vert.comm[k])
+            b.gradient_sync += float(vert.grad_sync[k])
+            b.memory_bytes += float(vert.memory[k])
+        for e in self.edges:
+            b.redistribution += float(e.matrix[picks[e.u], picks[e.v]])
+        return b
+
+    def objective(self, picks: Sequence[int]) -> float:
+        total = sum(float(vert.cost[k]) for vert, k in zip(self.vertices, picks))
+        return total + sum(float(e.matrix[picks[e.u], picks[e.v]]) for e in self.edges)
+
+    def iter_ops(self) -> Iterator[tuple[int, Vertex]]:
+        for i, v in enumerate(self.vertices):
+            if v.kind == "op":
+                yield i, v
+
