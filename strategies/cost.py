@@ -21,7 +21,7 @@ Cluster presets (figures documented in docs/search.md):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -86,6 +86,9 @@ class CostModel:
     """Prices compute and collectives for a cluster; shared by all search modes."""
 
     cluster: Cluster
+    _groups: dict = field(default_factory=dict, repr=False, compare=False)
+    _steps: dict = field(default_factory=dict, repr=False, compare=False)
+    _coef: dict = field(default_factory=dict, repr=False, compare=False)
 
     def compute_time(self, flops: float, nbytes: float) -> float:
         c = self.cluster
@@ -105,17 +108,26 @@ class CostModel:
         raise AutoParallelError("collective", kind, "unknown collective kind")
 
     def group(self, axes: Iterable[str], mesh: DeviceMesh) -> tuple[int, bool]:
-        axes = tuple(axes)
-        inner = mesh.inner_axes(self.cluster.devices_per_node)
-        return mesh.size_of(axes), all(a in inner for a in axes)
+        """(group size, whether the group is inside one node) of collectives over axes."""
+        key = (tuple(axes), mesh)
+        hit = self._groups.get(key)
+        if hit is None:
+            inner = mesh.inner_axes(self.cluster.devices_per_node)
+            hit = (mesh.size_of(key[0]), all(a in inner for a in key[0]))
+            self._groups[key] = hit
+        return hit
 
     def step_time(self, step: Step, mesh: DeviceMesh) -> float:
         p, intra = self.group(step.axes, mesh)
         return self.collective_time(step.kind, step.nbytes, p, intra=intra)
 
-    def steps_time(self, steps: Iterable[Step], mesh: DeviceMesh, *,
+    def steps_time(self, steps: tuple[Step, ...], mesh: DeviceMesh, *,
                    backward: bool = False) -> float:
-        """Forward time of the steps, plus their transposes when ``backward``."""
+        """Forward time of the steps, plus their transposes when ``backward`` (memoised)."""
+        key = (steps, mesh, backward)
+        hit = self._steps.get(key)
+        if hit is not None:
+            return hit
         total = 0.0
         for s in steps:
             total += self.step_time(s, mesh)
@@ -123,7 +135,33 @@ class CostModel:
                 t = transpose_step(s)
                 if t is not None:
                     total += self.step_time(t, mesh)
+        self._steps[key] = total
         return total
+
+    def coefficients(self, steps: tuple[Step, ...], mesh: DeviceMesh, *,
+                     backward: bool = False) -> tuple[float, float]:
+        """(latency seconds, seconds per global byte) of shape-free steps (``fraction`` set):
+        the steps' time for a tensor of B global bytes is ``a + b * B`` (memoised)."""
+        key = (steps, mesh, backward)
+        hit = self._coef.get(key)
+        if hit is not None:
+            return hit
+        a = b = 0.0
+        todo = list(steps)
+        if backward:
+            todo += [t for t in map(transpose_step, steps) if t is not None]
+        c = self.cluster
+        for s in todo:
+            p, intra = self.group(s.axes, mesh)
+            if p <= 1 or s.kind == "slice":
+                continue
+            bw, alpha = (c.intra_bandwidth, c.intra_alpha) if intra else \
+                (c.inter_bandwidth, c.inter_alpha)
+            k = 2.0 if s.kind == "all_reduce" else 1.0
+            b += k * (p - 1) / p * s.fraction / bw
+            a += k * (p - 1) * alpha
+        self._coef[key] = (a, b)
+        return a, b
 
     def all_reduce_time(self, nbytes: float, axes: Iterable[str], mesh: DeviceMesh) -> float:
         p, intra = self.group(axes, mesh)

@@ -19,6 +19,7 @@ PartitionSpec('a0', ('a1', 'a2'))
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from functools import cached_property
@@ -69,8 +70,12 @@ class DeviceMesh:
         return math.prod(s for _, s in self.axes)
 
     def size_of(self, axes: Iterable[str]) -> int:
-        return math.prod(self.sizes[a] for a in axes)
+        sizes, n = self.sizes, 1
+        for a in axes:
+            n *= sizes[a]
+        return n
 
+    @functools.lru_cache(maxsize=64)
     def inner_axes(self, devices_per_node: int) -> frozenset[str]:
         """Axes whose devices share a node: the innermost axes whose product fits a node."""
         inner, prod = [], 1

@@ -14,7 +14,7 @@ identical blocks of a transformer cost one block's work.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -24,7 +24,7 @@ from autopar.graph.ir import Graph, Node
 from autopar.strategies.cost import CostModel
 from autopar.strategies.layout import DeviceMesh, Layout
 from autopar.strategies.opspec import OpSpec, op_spec
-from autopar.strategies.redistribution import redistribute
+from autopar.strategies.redistribution import plan_steps
 
 __all__ = ["Choice", "Vertex", "Edge", "Problem", "Breakdown"]
 
@@ -63,12 +63,40 @@ class Vertex:
 
 @dataclass
 class Edge:
+    """A value read by an operator. ``matrix`` ([len(u.choices), len(v.choices)] seconds) is
+    built on first use: recursive_programming and sharding_propagation never need all of it."""
+
     u: int
     v: int
     value: str
     in_index: int                   # position in the consumer's inputs
     out_index: int                  # position in the producer's outputs (0 for inputs)
-    matrix: np.ndarray              # [len(u.choices), len(v.choices)] seconds
+    problem: "Problem" = field(repr=False)
+    _matrix: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def matrix(self) -> np.ndarray:
+        if self._matrix is None:
+            self._matrix = self.problem._edge_matrix(self.u, self.v, self.value,
+                                                     self.in_index, self.out_index)
+        return self._matrix
+
+    @matrix.setter
+    def matrix(self, m: np.ndarray) -> None:
+        self._matrix = m
+
+    def vector(self, *, at: str, other: int) -> np.ndarray:
+        """Costs over one end's choices with the other end fixed at choice ``other``."""
+        if self._matrix is not None:
+            return self._matrix[:, other] if at == "u" else self._matrix[other, :]
+        p = self.problem
+        cu, cv = p.vertices[self.u].choices, p.vertices[self.v].choices
+        if at == "u":
+            dst = cv[other].in_layouts[self.in_index]
+            return np.array([p.edge_cost(self.value, c.out_layouts[self.out_index], dst)
+                             for c in cu])
+        src = cu[other].out_layouts[self.out_index]
+        return np.array([p.edge_cost(self.value, src, c.in_layouts[self.in_index]) for c in cv])
 
 
 @dataclass
@@ -193,9 +221,11 @@ class Problem:
         self.index: dict[str, int] = {}
         self.edges: list[Edge] = []
         self.specs: dict[str, OpSpec] = {}
-        self._sig: dict[str, tuple] = {}
+        self._sig: dict[str, int] = {}
         self._node_cache: dict[tuple, tuple] = {}
         self._edge_cache: dict[tuple, np.ndarray] = {}
+        self._pair_cache: dict[tuple, tuple[float, float]] = {}
+        self._cost_cache: dict[tuple, tuple[float, float, float, float]] = {}
         self._build(dataset_strategy, dict(fixed or {}), dict(fixed_splits or {}))
 
     # ------------------------------------------------------------------ choices
@@ -236,7 +266,15 @@ class Problem:
         return math.prod(layout.local_shape(spec.shape, self.mesh)) * spec.itemsize
 
     def op_costs(self, node: Node, choice: Choice) -> tuple[float, float, float, float]:
-        """(compute, comm, grad_sync, memory) of one operator choice."""
+        """(compute, comm, grad_sync, memory) of one operator choice (memoised)."""
+        key = (self._sig[node.name], choice.splits)
+        hit = self._cost_cache.get(key)
+        if hit is None:
+            hit = self._op_costs(node, choice)
+            self._cost_cache[key] = hit
+        return hit
+
+    def _op_costs(self, node: Node, choice: Choice) -> tuple[float, float, float, float]:
         g, mesh, cm = self.graph, self.mesh, self.cm
         work = math.prod(choice.splits)
         grad = any(self.requires_grad[v] for v in node.inputs)
@@ -263,12 +301,17 @@ class Problem:
         return compute, comm, sync, memory
 
     def edge_cost(self, value: str, src: Layout, dst: Layout) -> float:
-        spec = self.graph.spec(value)
+        """Seconds to move ``value`` from layout src to dst (forward + backward transposes)."""
         if src == dst:
             return 0.0
-        steps = redistribute(spec.shape, spec.itemsize, src, dst, self.mesh,
-                             self.enable_alltoall)
-        return self.cm.steps_time(steps, self.mesh, backward=self.requires_grad[value])
+        grad = self.requires_grad[value]
+        key = (src, dst, grad)
+        coef = self._pair_cache.get(key)
+        if coef is None:
+            steps = plan_steps(src, dst, self.mesh, self.enable_alltoall)
+            coef = self.cm.coefficients(steps, self.mesh, backward=grad)
+            self._pair_cache[key] = coef
+        return coef[0] + coef[1] * self.graph.spec(value).nbytes
 
     # ------------------------------------------------------------------ build
     def _add_vertex(self, vertex: Vertex) -> int:
@@ -307,9 +350,11 @@ class Problem:
                given_splits: dict[str, tuple[int, ...]]) -> None:
         g, mesh = self.graph, self.mesh
         self._choice_cache: dict[tuple, Choice] = {}
+        interned: dict[tuple, int] = {}
         for node in g.nodes:
             self.specs[node.name] = op_spec(node, g)
-            self._sig[node.name] = self._signature(node)
+            # signatures are interned to small ints: cheap to hash in every cache key
+            self._sig[node.name] = interned.setdefault(self._signature(node), len(interned))
         for name in fixed:
             g.node(name)  # unknown names fail here, with suggestions
         for node in g.nodes:
@@ -376,8 +421,7 @@ class Problem:
                 else:
                     ui = self.index[("<param>" if val.kind == "param" else "<data>") + v]
                     out_index = 0
-                self.edges.append(Edge(ui, vi, v, j, out_index,
-                                       self._edge_matrix(ui, vi, v, j, out_index)))
+                self.edges.append(Edge(ui, vi, v, j, out_index, self))
 
     def _edge_matrix(self, ui: int, vi: int, value: str, j: int, out_index: int) -> np.ndarray:
         u, v = self.vertices[ui], self.vertices[vi]
@@ -411,6 +455,8 @@ class Problem:
         for key in ("cost", "compute", "comm", "grad_sync", "memory"):
             setattr(vert, key, np.concatenate([getattr(vert, key), row[key]]))
         for e in self.edges:
+            if e._matrix is None:
+                continue  # built lazily later, from the grown choice lists
             if e.u == i:
                 col = np.array([[self.edge_cost(e.value, c.out_layouts[e.out_index],
                                                 cv.in_layouts[e.in_index])
@@ -439,13 +485,20 @@ class Problem:
             b.communication += float(vert.comm[k])
             b.gradient_sync += float(vert.grad_sync[k])
             b.memory_bytes += float(vert.memory[k])
-        for e in self.edges:
-            b.redistribution += float(e.matrix[picks[e.u], picks[e.v]])
+        b.redistribution = sum(self.pair_cost(e, picks[e.u], picks[e.v]) for e in self.edges)
         return b
+
+    def pair_cost(self, e: Edge, a: int, b: int) -> float:
+        """One entry of an edge's matrix, without building the matrix."""
+        if e._matrix is not None:
+            return float(e._matrix[a, b])
+        src = self.vertices[e.u].choices[a].out_layouts[e.out_index]
+        dst = self.vertices[e.v].choices[b].in_layouts[e.in_index]
+        return self.edge_cost(e.value, src, dst)
 
     def objective(self, picks: Sequence[int]) -> float:
         total = sum(float(vert.cost[k]) for vert, k in zip(self.vertices, picks))
-        return total + sum(float(e.matrix[picks[e.u], picks[e.v]]) for e in self.edges)
+        return total + sum(self.pair_cost(e, picks[e.u], picks[e.v]) for e in self.edges)
 
     def iter_ops(self) -> Iterator[tuple[int, Vertex]]:
         for i, v in enumerate(self.vertices):

@@ -1,91 +1,116 @@
-"""recursive_programming: MindSpore's SAPP idea, linear in the graph size.
+"""recursive_programming: MindSpore's recursive (SAPP) idea — one cut per round, linear time.
 
 ``device_num`` is cut in rounds, one prime factor (one mesh axis) per round: log2(devices)
-two-way cuts for powers of two. In each round the operators are visited by weight (FLOPs,
-heaviest first); each multiplies the split of one of its loop dimensions by the round's factor,
-choosing the dimension with the least cost given its neighbours' current layouts (operator
-cost + redistribution on its edges). Parameters then take the layout that is cheapest for
-their consumers. Approximate but fast; the exact referee measures how far it is from optimal.
+two-way cuts for powers of two. In a round every operator may multiply the split of one of its
+loop dimensions by the round's factor (or, if no dimension can take it, keep its split). Where
+SAPP visits operators greedily by weight, autopar solves each round's small cut problem —
+at most (dims + 1) options per operator — exactly with the graph elimination of
+:mod:`dynamic_programming`; with so few options per operator that is linear in the graph size,
+and it avoids the greedy visit's inconsistent cuts between neighbours (ties go to the lower
+loop dimension). Parameters finally take the layout cheapest for their consumers. Approximate (a cut chosen early is never revisited); the exact referee measures how
+far from optimal it lands.
 """
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 
-from autopar.strategies.layout import prime_factors
+from autopar.strategies import dynamic_programming
+from autopar.strategies.layout import Layout, prime_factors
 from autopar.strategies.problem import Problem
 
 __all__ = ["solve"]
 
 
+def _candidates(problem: Problem, i: int, cur: tuple[int, ...], p: int) -> list[tuple[int, ...]]:
+    spec = problem.specs[problem.vertices[i].node.name]
+    limits = dict(spec.divides)
+    mesh = problem.mesh
+    out = []
+    for d in range(len(cur)):
+        new = cur[:d] + (cur[d] * p,) + cur[d + 1:]
+        if spec.splittable(d) and spec.sizes[d] % new[d] == 0 and \
+                (d not in limits or limits[d] % new[d] == 0) and \
+                mesh.device_num % math.prod(new) == 0 and mesh.assign(new) is not None:
+            out.append(new)
+    return out or [cur]
+
+
 def solve(problem: Problem) -> list[int]:
-    g, mesh = problem.graph, problem.mesh
-    verts = problem.vertices
-    edges = problem.edges
-    adj = problem.neighbours()
+    verts, edges, mesh = problem.vertices, problem.edges, problem.mesh
     ops = [i for i, v in enumerate(verts) if v.kind == "op"]
     fixed = {problem.index[name]: s for name, s in problem.fixed.items()}
-    splits: dict[int, tuple[int, ...]] = {}
+    splits = {i: fixed.get(i, tuple(1 for _ in problem.specs[verts[i].node.name].sizes))
+              for i in ops}
+    factors = prime_factors(mesh.device_num)
+    cache: dict[tuple, np.ndarray] = {}
+    cand_cache: dict[tuple, list[tuple[int, ...]]] = {}
+    cost_cache: dict[tuple, np.ndarray] = {}
+    sig = problem._sig
+    for r, p in enumerate(factors):
+        used = set(mesh.names[:r + 1])
+        cands = {}
+        for i in ops:
+            if i in fixed:
+                cands[i] = [splits[i]]
+                continue
+            key = (sig[verts[i].name], splits[i], p)
+            if key not in cand_cache:
+                cand_cache[key] = _candidates(problem, i, splits[i], p)
+            cands[i] = cand_cache[key]
+        sub_v, sub_e, local = [], [], {}
+        for i in ops:
+            node = verts[i].node
+            key = (sig[node.name], tuple(cands[i]))
+            cost = cost_cache.get(key)
+            if cost is None:
+                rows = [problem.op_costs(node, problem.op_choice(node, s)) for s in cands[i]]
+                cost = np.array([c + m + g + problem.memory_weight * mem
+                                 for c, m, g, mem in rows])
+                cost_cache[key] = cost
+            local[i] = len(sub_v)
+            sub_v.append(SimpleNamespace(cost=cost))
+        data_layout: dict[int, Layout] = {}
+        for i, v in enumerate(verts):
+            if v.kind == "data":
+                lay = v.choices[0].out_layouts[0]
+                data_layout[i] = Layout(tuple(tuple(a for a in d if a in used)
+                                              for d in lay.dims))
+                local[i] = len(sub_v)
+                sub_v.append(SimpleNamespace(cost=np.zeros(1)))
+        for e in edges:
+            if e.u not in local or e.v not in local:
+                continue  # parameters follow their consumers at the end
+            src_key = (e.value, r) if e.u in data_layout else (sig[verts[e.u].name],
+                                                               tuple(cands[e.u]))
+            key = (src_key, e.out_index, sig[verts[e.v].name], e.in_index, tuple(cands[e.v]))
+            m = cache.get(key)
+            if m is None:
+                cu = [data_layout[e.u]] if e.u in data_layout else [
+                    problem.op_choice(verts[e.u].node, s).out_layouts[e.out_index]
+                    for s in cands[e.u]]
+                cv = [problem.op_choice(verts[e.v].node, s).in_layouts[e.in_index]
+                      for s in cands[e.v]]
+                m = np.array([[problem.edge_cost(e.value, a, b) for b in cv] for a in cu])
+                cache[key] = m
+            sub_e.append(SimpleNamespace(u=local[e.u], v=local[e.v], matrix=m))
+        picks = dynamic_programming.solve(SimpleNamespace(vertices=sub_v, edges=sub_e))
+        for i in ops:
+            splits[i] = cands[i][picks[local[i]]]
+
+    picks_all = [0] * len(verts)
     for i in ops:
-        splits[i] = fixed.get(i, tuple(1 for _ in problem.specs[verts[i].node.name].sizes))
-    order = sorted((i for i in ops if i not in fixed),
-                   key=lambda i: (-verts[i].node.flops, verts[i].node.name))
-
-    def layout_of(i: int, out_index: int, s: tuple[int, ...]):
-        return problem.op_choice(verts[i].node, s).out_layouts[out_index]
-
-    def local_cost(i: int, s: tuple[int, ...]) -> float:
-        node = verts[i].node
-        c = problem.op_choice(node, s)
-        compute, comm, sync, mem = problem.op_costs(node, c)
-        total = compute + comm + sync + problem.memory_weight * mem
-        for k in adj[i]:
-            e = edges[k]
-            if e.v == i:        # an input of i
-                u = verts[e.u]
-                if u.kind == "op":
-                    src = layout_of(e.u, e.out_index, splits[e.u])
-                elif u.kind == "data":
-                    src = u.choices[0].out_layouts[0]
-                else:
-                    continue    # parameters follow their consumers
-                total += problem.edge_cost(e.value, src, c.in_layouts[e.in_index])
-            else:               # an output of i read by e.v
-                dst = problem.op_choice(verts[e.v].node, splits[e.v]).in_layouts[e.in_index]
-                total += problem.edge_cost(e.value, c.out_layouts[e.out_index], dst)
-        return total
-
-    for p in prime_factors(mesh.device_num):
-        for i in order:
-            spec = problem.specs[verts[i].node.name]
-            cur = splits[i]
-            limits = dict(spec.divides)
-            best = None
-            for d in range(len(cur)):
-                new = cur[d] * p
-                if not spec.splittable(d) or spec.sizes[d] % new or \
-                        (d in limits and limits[d] % new) or \
-                        mesh.device_num % math.prod(cur[:d] + (new,) + cur[d + 1:]) or \
-                        mesh.assign(cur[:d] + (new,) + cur[d + 1:]) is None:
-                    continue
-                cand = cur[:d] + (new,) + cur[d + 1:]
-                cost = local_cost(i, cand)
-                if best is None or cost < best[0]:
-                    best = (cost, cand)
-            if best is not None:
-                splits[i] = best[1]
-
-    picks = [0] * len(verts)
-    for i in ops:
-        picks[i] = problem.choice_index(i, splits[i])
+        picks_all[i] = problem.choice_index(i, splits[i])
+    adj = problem.neighbours()
     for i, v in enumerate(verts):
         if v.kind != "param":
             continue
         total = v.cost.copy()
         for k in adj[i]:
             e = edges[k]
-            total = total + e.matrix[:, picks[e.v]]
-        picks[i] = int(np.argmin(total))
-    return picks
+            total = total + e.vector(at="u", other=picks_all[e.v])
+        picks_all[i] = int(np.argmin(total))
+    return picks_all

@@ -42,6 +42,7 @@ class Step:
     dim: int | None = None        # the dim gathered / scattered / sliced / split into
     src_dim: int | None = None    # all_to_all: the dim whose split moves to `dim`
     nbytes: int = 0               # per-device bytes the cost formula uses
+    fraction: float = 0.0         # nbytes / the tensor's global bytes
 
     def __str__(self) -> str:
         where = f" dim {self.dim}" if self.dim is not None else ""
@@ -52,32 +53,45 @@ class Step:
 
 def transpose_step(step: Step) -> Step | None:
     """The backward counterpart of a forward step (None: no communication in backward)."""
+    n, f = step.nbytes, step.fraction
     if step.kind == "all_gather":
-        return Step("reduce_scatter", step.axes, step.dim, nbytes=step.nbytes)
+        return Step("reduce_scatter", step.axes, step.dim, nbytes=n, fraction=f)
     if step.kind == "reduce_scatter":
-        return Step("all_gather", step.axes, step.dim, nbytes=step.nbytes)
+        return Step("all_gather", step.axes, step.dim, nbytes=n, fraction=f)
     if step.kind == "slice":  # replicated input's cotangent: gather the sliced pieces
-        return Step("all_gather", step.axes, step.dim, nbytes=step.nbytes)
+        return Step("all_gather", step.axes, step.dim, nbytes=n, fraction=f)
     if step.kind == "all_to_all":
-        return Step("all_to_all", step.axes, step.src_dim, src_dim=step.dim, nbytes=step.nbytes)
+        return Step("all_to_all", step.axes, step.src_dim, src_dim=step.dim, nbytes=n,
+                    fraction=f)
     return None  # all_reduce (partial -> replicated) transposes to the identity
 
 
-def _local_bytes(shape: tuple[int, ...], itemsize: int, dims: list[list[str]],
-                 mesh: DeviceMesh) -> int:
-    n = itemsize
-    for size, axes in zip(shape, dims):
-        n *= size // mesh.size_of(axes) if axes else size
-    return n
+def _fraction(dims: list[list[str]], mesh: DeviceMesh) -> float:
+    """Per-device share of the global tensor for the current dims."""
+    n = 1
+    for axes in dims:
+        n *= mesh.size_of(axes)
+    return 1.0 / n
 
 
-@lru_cache(maxsize=200_000)
 def redistribute(shape: tuple[int, ...], itemsize: int, src: Layout, dst: Layout,
                  mesh: DeviceMesh, enable_alltoall: bool = False) -> tuple[Step, ...]:
-    """Ordered steps turning a tensor laid out as ``src`` into ``dst`` (pure, cached)."""
+    """Ordered steps turning a tensor laid out as ``src`` into ``dst``, with byte counts."""
     if src.rank != len(shape) or dst.rank != len(shape):
         raise AutoParallelError("layout", f"{src} -> {dst}",
                                 f"layout ranks must equal the tensor rank {len(shape)}")
+    total = itemsize
+    for n in shape:
+        total *= n
+    return tuple(Step(s.kind, s.axes, s.dim, s.src_dim, int(round(s.fraction * total)),
+                      s.fraction) for s in plan_steps(src, dst, mesh, enable_alltoall))
+
+
+@lru_cache(maxsize=500_000)
+def plan_steps(src: Layout, dst: Layout, mesh: DeviceMesh,
+               enable_alltoall: bool = False) -> tuple[Step, ...]:
+    """The shape-free steps (``fraction`` set, ``nbytes`` 0); pure and cached."""
+    shape = tuple(0 for _ in src.dims)
     if set(dst.partial) - set(src.partial):
         raise AutoParallelError("layout", str(dst), "a redistribution cannot create a partial "
                                 "sum; only resolve one")
@@ -104,11 +118,11 @@ def redistribute(shape: tuple[int, ...], itemsize: int, src: Layout, dst: Layout
     reduce_axes = [a for a in pending if not any(a in t for t in scatter.values())]
     if reduce_axes:
         steps.append(Step("all_reduce", tuple(reduce_axes),
-                          nbytes=_local_bytes(shape, itemsize, cur, mesh)))
+                          fraction=_fraction(cur, mesh)))
     for d in sorted(scatter):
-        before = _local_bytes(shape, itemsize, cur, mesh)
+        before = _fraction(cur, mesh)
         cur[d].extend(scatter[d])
-        steps.append(Step("reduce_scatter", tuple(scatter[d]), d, nbytes=before))
+        steps.append(Step("reduce_scatter", tuple(scatter[d]), d, fraction=before))
 
     # 2. move splits until every dim matches the target.
     def is_prefix(d: int) -> bool:
@@ -127,10 +141,10 @@ def redistribute(shape: tuple[int, ...], itemsize: int, src: Layout, dst: Layout
                     want = dst.dims[d2]
                     if d2 != d1 and is_prefix(d2) and len(want) > len(cur[d2]) \
                             and want[len(cur[d2])] == a:
-                        nb = _local_bytes(shape, itemsize, cur, mesh)
+                        nb = _fraction(cur, mesh)
                         cur[d1].pop()
                         cur[d2].append(a)
-                        steps.append(Step("all_to_all", (a,), d2, src_dim=d1, nbytes=nb))
+                        steps.append(Step("all_to_all", (a,), d2, src_dim=d1, fraction=nb))
                         moved = True
                         break
                 if moved:
@@ -145,15 +159,13 @@ def redistribute(shape: tuple[int, ...], itemsize: int, src: Layout, dst: Layout
                 k += 1
             gone = cur[d][k:]
             del cur[d][k:]
-            steps.append(Step("all_gather", tuple(gone), d,
-                              nbytes=_local_bytes(shape, itemsize, cur, mesh)))
+            steps.append(Step("all_gather", tuple(gone), d, fraction=_fraction(cur, mesh)))
             continue
         for d in range(len(shape)):
             add = list(dst.dims[d][len(cur[d]):])
             if add:
                 cur[d].extend(add)
-                steps.append(Step("slice", tuple(add), d,
-                                  nbytes=_local_bytes(shape, itemsize, cur, mesh)))
+                steps.append(Step("slice", tuple(add), d, fraction=_fraction(cur, mesh)))
     else:  # pragma: no cover - the loop always converges; guard against regressions
         raise AutoParallelError("layout", f"{src} -> {dst}", "redistribution did not converge")
     return tuple(steps)

@@ -38,9 +38,9 @@ def solve(problem: Problem) -> list[int]:
         for k in adj[i]:
             e = edges[k]
             if e.u == i and picks[e.v] >= 0:
-                total = total + e.matrix[:, picks[e.v]]
+                total = total + e.vector(at="u", other=picks[e.v])
             elif e.v == i and picks[e.u] >= 0:
-                total = total + e.matrix[picks[e.u], :]
+                total = total + e.vector(at="v", other=picks[e.u])
         picks[i] = int(np.argmin(total))
 
     def spread() -> None:
