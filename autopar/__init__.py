@@ -43,11 +43,20 @@ from autopar.errors import (
 )
 from autopar.graph import Graph, Node, TensorSpec, Value, matmul, shard, trace
 from autopar.resolve import FusionSetting, ResolvedContext, resolve_context
+from autopar.strategies import CLUSTERS, Cluster, CostModel, DeviceMesh, Layout, Plan
+from autopar.strategies.search import search
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AutoParallelConfig",
+    "CLUSTERS",
+    "Cluster",
+    "CostModel",
+    "DeviceMesh",
+    "Layout",
+    "Plan",
+    "search",
     "AutoParallelError",
     "AutoParallelTypeError",
     "AutoParallelWarning",

@@ -80,10 +80,11 @@ def milp_picks(costs: Sequence[np.ndarray], edges: Sequence[tuple[int, int, np.n
     a = coo_matrix((vals, (rows, cols)), shape=(r, n)).tocsr()
     integrality = np.zeros(n)
     integrality[:nx] = 1
-    options = {"disp": False}
+    options = {"disp": False, "mip_rel_gap": 1e-9}
     if time_limit is not None:
         options["time_limit"] = float(time_limit)
-    res = milp(c, constraints=LinearConstraint(a, lo, hi), integrality=integrality,
+    # seconds -> microseconds: HiGHS's absolute gap (1e-6) then cannot hide real differences
+    res = milp(c * 1e6, constraints=LinearConstraint(a, lo, hi), integrality=integrality,
                bounds=Bounds(0, 1), options=options)
     if res.x is None:
         raise AutoParallelError("search", "exact", f"the integer program found no solution "

@@ -1,0 +1,158 @@
+"""DeviceMesh, Layout and the redistribution table (checked by a NumPy shard simulation)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import PartitionSpec
+
+from autopar.strategies import CLUSTERS, CostModel, DeviceMesh, Layout, redistribute
+from autopar.strategies.redistribution import transpose_step
+
+from shards import apply, shard
+
+
+def test_mesh_factorisation_and_inner_axes():
+    assert DeviceMesh.for_devices(8).axes == (("a0", 2), ("a1", 2), ("a2", 2))
+    assert DeviceMesh.for_devices(12).axes == (("a0", 2), ("a1", 2), ("a2", 3))
+    assert DeviceMesh.for_devices(1).axes == ()
+    m = DeviceMesh.for_devices(64)
+    assert m.inner_axes(8) == frozenset({"a3", "a4", "a5"})
+    assert m.assign((2, 4)) == (("a0",), ("a1", "a2"))
+    assert m.assign((3,)) is None
+    with pytest.raises(ValueError, match="device_num"):
+        DeviceMesh.for_devices(0)
+    with pytest.raises(TypeError, match="device_num"):
+        DeviceMesh.for_devices(8.0)
+
+
+def test_layout_forms():
+    mesh = DeviceMesh.for_devices(8)
+    lay = Layout.from_strategy((2, 4), mesh)
+    assert str(lay) == "S(0)[a0]S(1)[a1,a2]" and lay.split_counts(mesh) == (2, 4)
+    assert lay.partition_spec() == PartitionSpec("a0", ("a1", "a2"))
+    assert lay.local_shape((8, 8), mesh) == (4, 2)
+    rep = Layout.from_strategy((2, 1), mesh)  # repeated calculation: 4 copies
+    assert rep.dims == (("a0",), ()) and str(Layout.replicated(2)) == "R"
+    assert str(Layout(((), ()), ("a1",))) == "P[a1]"
+    with pytest.raises(ValueError, match="partial"):
+        Layout(((), ()), ("a1",)).partition_spec()
+    with pytest.raises(ValueError, match="divisor"):
+        Layout.from_strategy((3, 1), mesh)
+    with pytest.raises(ValueError, match="divisor"):
+        Layout.from_strategy((4, 4), mesh)
+
+
+@st.composite
+def layout_pairs(draw):
+    n = draw(st.sampled_from([4, 8, 12]))
+    mesh = DeviceMesh.for_devices(n)
+    rank = draw(st.integers(1, 3))
+    axes = list(mesh.names)
+
+    def one(allow_partial: bool) -> Layout:
+        dims: list[list[str]] = [[] for _ in range(rank)]
+        partial = []
+        for a in draw(st.permutations(axes)):
+            where = draw(st.integers(-2 if allow_partial else -1, rank - 1))
+            if where >= 0:
+                dims[where].append(a)
+            elif where == -2:
+                partial.append(a)
+        return Layout(tuple(tuple(d) for d in dims), tuple(partial))
+
+    src, dst = one(True), one(False)
+    # shape: each dim divisible by everything that may split it
+    shape = tuple(n * draw(st.integers(1, 2)) for _ in range(rank))
+    return mesh, shape, src, dst, draw(st.booleans())
+
+
+@settings(max_examples=150, deadline=None)
+@given(layout_pairs())
+def test_redistribution_steps_turn_source_into_target(case):
+    mesh, shape, src, dst, alltoall = case
+    x = np.random.default_rng(1).standard_normal(shape)
+    steps = redistribute(shape, 8, src, dst, mesh, alltoall)
+    local = shard(x, src, mesh)
+    for s in steps:
+        local = apply(s, local, mesh)
+    want = shard(x, dst, mesh)
+    for c in want:
+        np.testing.assert_allclose(local[c], want[c], rtol=1e-9, atol=1e-9)
+    if not alltoall:
+        assert all(s.kind != "all_to_all" for s in steps)
+    if src == dst:
+        assert steps == ()
+
+
+@settings(max_examples=80, deadline=None)
+@given(layout_pairs(), st.sampled_from(sorted(CLUSTERS)))
+def test_redistribution_cost_matches_formula(case, cluster):
+    mesh, shape, src, dst, alltoall = case
+    cm = CostModel(CLUSTERS[cluster])
+    inner = mesh.inner_axes(CLUSTERS[cluster].devices_per_node)
+    steps = redistribute(shape, 4, src, dst, mesh, alltoall)
+    c = CLUSTERS[cluster]
+    total = 0.0
+    for s in steps:
+        p = math.prod(mesh.sizes[a] for a in s.axes)
+        intra = all(a in inner for a in s.axes)
+        bw, alpha = (c.intra_bandwidth, c.intra_alpha) if intra else (c.inter_bandwidth,
+                                                                      c.inter_alpha)
+        n = s.nbytes
+        if s.kind == "all_reduce":
+            want = 2 * (p - 1) / p * n / bw + 2 * (p - 1) * alpha
+        elif s.kind == "slice" or p == 1:
+            want = 0.0
+        else:
+            want = (p - 1) / p * n / bw + (p - 1) * alpha
+        assert cm.step_time(s, mesh) == pytest.approx(want, rel=1e-12, abs=1e-15)
+        total += want
+    assert cm.steps_time(steps, mesh) == pytest.approx(total, rel=1e-12, abs=1e-15)
+    a, b = cm.coefficients(tuple(s for s in steps), mesh)
+    assert a + b * math.prod(shape) * 4 == pytest.approx(total, rel=1e-9, abs=1e-12)
+
+
+def test_known_redistributions():
+    mesh = DeviceMesh.for_devices(8)
+    shape = (16, 16)
+    # partial -> split on the consumer's dim: one reduce-scatter (cheaper than all-reduce)
+    steps = redistribute(shape, 4, Layout(((), ()), ("a0", "a1", "a2")),
+                         Layout((("a0", "a1", "a2"), ())), mesh)
+    assert [s.kind for s in steps] == ["reduce_scatter"]
+    steps = redistribute(shape, 4, Layout(((), ()), ("a0",)), Layout.replicated(2), mesh)
+    assert [s.kind for s in steps] == ["all_reduce"]
+    # move a split between dims: all_to_all, or all_gather + slice without it
+    a, b = Layout((("a0",), ())), Layout(((), ("a0",)))
+    assert [s.kind for s in redistribute(shape, 4, a, b, mesh, True)] == ["all_to_all"]
+    assert [s.kind for s in redistribute(shape, 4, a, b, mesh, False)] == ["all_gather",
+                                                                           "slice"]
+    # replicated -> split is a free local slice
+    steps = redistribute(shape, 4, Layout.replicated(2), Layout((("a1",), ("a0",))), mesh)
+    assert {s.kind for s in steps} == {"slice"}
+    assert CostModel(CLUSTERS["accelerator-8x"]).steps_time(steps, mesh) == 0.0
+    # bytes: all_gather counts the gathered size
+    steps = redistribute(shape, 4, Layout((("a0", "a1", "a2"), ())), Layout.replicated(2), mesh)
+    assert steps[0].kind == "all_gather" and steps[0].nbytes == 16 * 16 * 4
+
+
+def test_transposes():
+    from autopar.strategies.redistribution import Step
+
+    assert transpose_step(Step("all_gather", ("a0",), 0, nbytes=8)).kind == "reduce_scatter"
+    assert transpose_step(Step("reduce_scatter", ("a0",), 0, nbytes=8)).kind == "all_gather"
+    assert transpose_step(Step("all_reduce", ("a0",), nbytes=8)) is None
+    t = transpose_step(Step("all_to_all", ("a0",), 1, src_dim=0, nbytes=8))
+    assert (t.dim, t.src_dim) == (0, 1)
+
+
+def test_redistribution_rejects_bad_pairs():
+    mesh = DeviceMesh.for_devices(8)
+    with pytest.raises(ValueError, match="partial"):
+        redistribute((8,), 4, Layout(((),)), Layout(((),), ("a0",)), mesh)
+    with pytest.raises(ValueError, match="rank"):
+        redistribute((8, 8), 4, Layout(((),)), Layout(((),)), mesh)

@@ -1,0 +1,196 @@
+"""Search modes: DP equals the exact optimum, known optima, fixed strategies, parallel modes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import autopar as ap
+from autopar.models import mlp, resnet50, tfm_stack, transformer
+
+KEY = jax.random.key(0)
+
+
+def _abstract_args(model):
+    shapes = jax.eval_shape(model.example_args, KEY)
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+_GRAPHS: dict[str, ap.Graph] = {}
+
+
+def graph(name: str) -> ap.Graph:
+    if name not in _GRAPHS:
+        m = {
+            "mlp": lambda: mlp(widths=(64, 256, 64), batch=64),
+            "tfm_stack": lambda: tfm_stack(blocks=2, batch=2, seq=16, hidden=64, heads=4),
+            "transformer": lambda: transformer(layers=1, hidden=64, heads=4, seq=16, vocab=128,
+                                               batch=8),
+            "resnet50": lambda: resnet50(num_classes=16, batch=8, image_size=32),
+        }[name]()
+        _GRAPHS[name] = ap.trace(m.loss, *_abstract_args(m))
+    return _GRAPHS[name]
+
+
+@pytest.fixture(autouse=True)
+def _auto():
+    ap.set_auto_parallel_context(device_num=8, parallel_mode="auto_parallel")
+
+
+@pytest.mark.parametrize("name,devices", [("mlp", 8), ("mlp", 64), ("tfm_stack", 8),
+                                          ("tfm_stack", 64), ("transformer", 8),
+                                          ("transformer", 64), ("resnet50", 8)])
+def test_dynamic_programming_equals_exact(name, devices):
+    g = graph(name)
+    dp = ap.search(g, mode="dynamic_programming", device_num=devices)
+    ex = ap.search(g, mode="exact", device_num=devices)
+    rp = ap.search(g, mode="recursive_programming", device_num=devices)
+    assert dp.objective == pytest.approx(ex.objective, rel=1e-9, abs=1e-12)
+    assert rp.objective >= ex.objective * (1 - 1e-9)
+    assert dp.cost.total == pytest.approx(dp.objective)  # no memory pricing needed here
+
+
+def _wide_mlp(batch, width, hidden):
+    m = mlp(widths=(width, hidden, width), batch=batch, bias=False)
+    return ap.trace(m.loss, *_abstract_args(m))
+
+
+@pytest.mark.parametrize("mode", ["dynamic_programming", "exact", "recursive_programming"])
+def test_megatron_layout_for_few_tokens_and_wide_layers(mode):
+    g = _wide_mlp(32, 4096, 16384)  # the ANCHORS "Wide MLP"
+    plan = ap.search(g, mode=mode)
+    assert plan.split_counts("params/layer0/w") == (1, 8)  # column parallel
+    assert plan.split_counts("params/layer1/w") == (8, 1)  # row parallel
+    second = [n for n in plan.nodes.values() if n.op == "dot_general"][1]
+    assert second.out_layouts[0].partial  # one partial sum exchanged in forward
+
+
+@pytest.mark.parametrize("mode", ["dynamic_programming", "exact", "recursive_programming"])
+def test_pure_data_parallel_for_huge_batch_and_narrow_layers(mode):
+    g = _wide_mlp(65536, 256, 256)
+    plan = ap.search(g, mode=mode)
+    assert plan.split_counts("params/layer0/w") == (1, 1)
+    assert plan.split_counts("params/layer1/w") == (1, 1)
+    for n in plan.nodes.values():
+        if n.op == "dot_general":
+            assert n.splits[0] == 8  # batch rows split over all devices
+
+
+def test_sharding_propagation_needs_and_honours_fixed():
+    g = graph("tfm_stack")
+    with pytest.raises(ValueError, match="fixed strategy"):
+        ap.search(g, mode="sharding_propagation")
+    qkv = [n.name for n in g.nodes if n.op == "dot_general"][0]
+    plan = ap.search(g, mode="sharding_propagation", fixed={qkv: ((2, 1), (1, 4))})
+    assert plan.strategy(qkv) == ((2, 1), (1, 4))
+    ex = ap.search(g, mode="exact", fixed={qkv: ((2, 1), (1, 4))})
+    assert plan.objective >= ex.objective * (1 - 1e-9)
+    assert ex.strategy(qkv) == ((2, 1), (1, 4))
+
+
+def test_annotations_are_fixed_in_every_mode():
+    def loss(params, x):
+        h = ap.matmul(x, params["w1"], strategy=((4, 1), (1, 2)))
+        return jnp.mean(jnp.tanh(h) @ params["w2"])
+
+    g = ap.trace(loss, {"w1": jnp.ones((64, 64)), "w2": jnp.ones((64, 16))}, jnp.ones((32, 64)))
+    for mode in ("dynamic_programming", "recursive_programming", "sharding_propagation",
+                 "exact"):
+        assert ap.search(g, mode=mode).strategy("dot_general_0") == ((4, 1), (1, 2))
+
+
+@pytest.mark.parametrize("fixed,text", [
+    ({"dot_general_0": ((3, 1), (1, 1))}, "does not divide"),
+    ({"dot_general_0": ((2, 2), (4, 1))}, "split alike"),
+    ({"dot_general_0": ((4, 1), (1, 4))}, "divide device_num"),
+    ({"dot_general_0": ((2, 1),)}, "one tuple per input"),
+    ({"dot_general_0": ((2, 1, 1), (1, 1))}, "split counts"),
+    ({"reduce_max_0": ((1, 2),)}, "cannot be split"),
+    ({"nosuch_0": ((1, 1), (1, 1))}, "no node"),
+])
+def test_invalid_fixed_strategies(fixed, text):
+    def loss(params, x):
+        h = x @ params["w"]
+        return jnp.max(h, axis=1).sum()
+
+    g = ap.trace(loss, {"w": jnp.ones((16, 16))}, jnp.ones((16, 16)))
+    with pytest.raises(ValueError, match=text):
+        ap.search(g, mode="dynamic_programming", fixed=fixed)
+
+
+def test_parallel_modes():
+    g = graph("mlp")
+    with ap.auto_parallel_context(parallel_mode="stand_alone", device_num=1):
+        plan = ap.search(g)
+    assert plan.device_num == 1 and plan.mode == "stand_alone"
+    with ap.auto_parallel_context(parallel_mode="data_parallel"):
+        plan = ap.search(g)
+    assert plan.mode == "data_parallel"
+    for n in plan.nodes.values():
+        if n.op == "dot_general":
+            assert n.splits[0] == 8 and all(s == 1 for s in n.splits[1:])
+    assert all(plan.split_counts(p) == (1,) * len(plan.split_counts(p))
+               for p in g.parameters())
+    first = [n.name for n in g.nodes if n.op == "dot_general"][0]
+    with ap.auto_parallel_context(parallel_mode="semi_auto_parallel"):
+        plan = ap.search(g, fixed={first: ((2, 1), (1, 4))})
+    assert plan.strategy(first) == ((2, 1), (1, 4))
+    second = [n.name for n in g.nodes if n.op == "dot_general"][1]
+    assert plan.nodes[second].splits[0] == 8  # the rest: data parallel
+
+
+def test_search_is_deterministic():
+    g = graph("transformer")
+    a = ap.search(g, mode="dynamic_programming")
+    b = ap.search(g, mode="dynamic_programming")
+    assert str(a).split("searched in")[0] == str(b).split("searched in")[0]
+    assert str(a).split("\n", 1)[1] == str(b).split("\n", 1)[1]
+
+
+def test_plan_reports():
+    g = graph("mlp")
+    plan = ap.search(g, mode="dynamic_programming")
+    text = str(plan)
+    assert "compute" in text and "gradient sync" in text and "params/layer0/w" in text
+    c = plan.cost
+    assert c.total == pytest.approx(c.compute + c.communication + c.redistribution +
+                                    c.gradient_sync)
+    assert c.memory_bytes > 0
+    assert plan.split_counts("x") == (8, 1)  # data input, data_parallel dataset strategy
+    with pytest.raises(ValueError, match="nosuch"):
+        plan.split_counts("nosuch")
+
+
+@pytest.mark.parametrize("kwargs,exc,text", [
+    ({"mode": "greedy"}, ValueError, "mode"),
+    ({"mode": 3}, TypeError, "mode"),
+    ({"device_num": 0}, ValueError, "device_num"),
+    ({"device_num": 8.0}, TypeError, "device_num"),
+    ({"cluster": "tpu-v9"}, ValueError, "cluster"),
+    ({"cluster": 5}, TypeError, "cluster"),
+    ({"fixed": [("a", 1)]}, TypeError, "fixed"),
+])
+def test_bad_search_arguments(kwargs, exc, text):
+    with pytest.raises(exc, match=text):
+        ap.search(graph("mlp"), **kwargs)
+    with pytest.raises(TypeError, match="Graph"):
+        ap.search("graph")
+
+
+def test_memory_budget_prices_memory_or_fails():
+    m = mlp(widths=(2048, 2048, 2048), batch=8192, bias=False)
+    g = ap.trace(m.loss, *_abstract_args(m))
+    free = ap.search(g, mode="dynamic_programming")
+    assert free.cost.memory_bytes > 150e6 and not free.notes
+    base = ap.CLUSTERS["accelerator-8x"].model_dump()
+    tight = ap.Cluster(**{**base, "memory_bytes": 150e6})
+    for mode in ("dynamic_programming", "exact"):
+        plan = ap.search(g, mode=mode, cluster=tight)
+        assert plan.cost.memory_bytes <= 150e6
+        assert plan.cost.total > free.cost.total  # memory was bought with time
+    with pytest.raises(ValueError, match="budget"):
+        ap.search(g, mode="dynamic_programming", cluster=ap.Cluster(**{**base,
+                                                                          "memory_bytes": 8e7}))
+    with pytest.raises(ValueError, match="no solution"):
+        ap.search(g, mode="exact", cluster=ap.Cluster(**{**base, "memory_bytes": 8e7}))
