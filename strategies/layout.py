@@ -87,9 +87,22 @@ class DeviceMesh:
         return frozenset(inner)
 
     def assign(self, splits: Iterable[int]) -> tuple[tuple[str, ...], ...] | None:
-        """Canonical axes for split counts, outermost axes to the first split; None if the
-        counts do not fit the mesh. (2, 4) on 8 devices -> (('a0',), ('a1', 'a2'))."""
+        """Canonical axes for split counts, or None if they do not fit the mesh.
+
+        As MindSpore's device matrix ``[repeat, s1, s2, ...]``: the outermost axes hold the
+        repeated (replicated) calculation, the following axes go to the splits in order.
+        (2, 4) on 8 devices -> (('a0',), ('a1', 'a2')); (1, 4) -> ((), ('a1', 'a2')).
+        """
+        splits = tuple(splits)
+        total = math.prod(splits)
+        if total == 0 or self.device_num % total:
+            return None
         free = list(self.axes)
+        for p in prime_factors(self.device_num // total):  # reserve the repeat axes first
+            idx = next((i for i, (_, size) in enumerate(free) if size == p), None)
+            if idx is None:
+                return None
+            free.pop(idx)
         out = []
         for s in splits:
             got: list[str] = []
@@ -138,7 +151,7 @@ class Layout:
         """Canonical layout of a MindSpore strategy entry (repeated axes stay replicated).
 
         >>> Layout.from_strategy((2, 1), DeviceMesh.for_devices(8))
-        Layout(dims=(('a0',), ()), partial=())
+        Layout(dims=(('a2',), ()), partial=())
         """
         axes = mesh.assign(entry)
         if axes is None or mesh.device_num % math.prod(entry) != 0:

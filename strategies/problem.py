@@ -116,9 +116,13 @@ def _divisors_of(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+SMALL_OP_BYTES = 4 * 2**20
+
+
 def enumerate_splits(spec: OpSpec, device_num: int, full_use: bool) -> list[tuple[int, ...]]:
     """Split vectors (one count per iteration dim) whose product divides device_num; with
-    ``full_use`` only those using every device, unless none does."""
+    ``full_use`` only those using every device (as MindSpore's fully_use_devices), unless
+    none does."""
     divs = _divisors_of(device_num)
     limits = dict(spec.divides)
     cands = []
@@ -341,10 +345,13 @@ class Problem:
                     "dataset_strategy", dataset_strategy,
                     f"entry {entry} does not fit data input {value!r} of shape {spec.shape}")
             return Layout.from_strategy(entry, self.mesh)
-        n = self.mesh.device_num
-        if spec.shape[0] % n == 0:
-            return Layout((tuple(self.mesh.names),) + tuple(() for _ in spec.shape[1:]))
-        return Layout.replicated(spec.rank)
+        # data parallel: the batch dim over the outermost axes, as many as divide it
+        axes: list[str] = []
+        for name, size in self.mesh.axes:
+            if spec.shape[0] % (self.mesh.size_of(axes) * size):
+                break
+            axes.append(name)
+        return Layout((tuple(axes),) + tuple(() for _ in spec.shape[1:]))
 
     def _build(self, dataset_strategy: Any, fixed: dict[str, Any],
                given_splits: dict[str, tuple[int, ...]]) -> None:
@@ -383,8 +390,11 @@ class Problem:
             key = self._sig[node.name]
             cached = self._node_cache.get(key)
             if cached is None:
+                # small operators (biases, norms' scales, masks, losses) may also repeat
+                # their work on some axes, so they can match any neighbour cheaply
+                small = max(g.spec(v).nbytes for v in node.outputs) <= SMALL_OP_BYTES
                 splits = enumerate_splits(self.specs[node.name], mesh.device_num,
-                                          self.full_use)
+                                          self.full_use and not small)
                 choices = [self._op_choice(node.name, s) for s in splits]
                 arrays = self._vertex_arrays([self.op_costs(node, c) for c in choices])
                 cached = (choices, arrays)

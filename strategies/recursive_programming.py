@@ -77,8 +77,8 @@ def solve(problem: Problem) -> list[int]:
         for i, v in enumerate(verts):
             if v.kind == "data":
                 lay = v.choices[0].out_layouts[0]
-                data_layout[i] = Layout(tuple(tuple(a for a in d if a in used)
-                                              for d in lay.dims))
+                counts = tuple(mesh.size_of([a for a in d if a in used]) for d in lay.dims)
+                data_layout[i] = Layout(mesh.assign(counts) or lay.dims)
                 local[i] = len(sub_v)
                 sub_v.append(SimpleNamespace(cost=np.zeros(1)))
         for e in edges:

@@ -22,7 +22,10 @@ def test_mesh_factorisation_and_inner_axes():
     assert DeviceMesh.for_devices(1).axes == ()
     m = DeviceMesh.for_devices(64)
     assert m.inner_axes(8) == frozenset({"a3", "a4", "a5"})
-    assert m.assign((2, 4)) == (("a0",), ("a1", "a2"))
+    assert DeviceMesh.for_devices(8).assign((2, 4)) == (("a0",), ("a1", "a2"))
+    # repeated calculation takes the outermost axes (MindSpore's device matrix [repeat, ...])
+    assert m.assign((2, 4)) == (("a3",), ("a4", "a5"))
+    assert m.assign((1, 1)) == ((), ())
     assert m.assign((3,)) is None
     with pytest.raises(ValueError, match="device_num"):
         DeviceMesh.for_devices(0)
@@ -36,8 +39,8 @@ def test_layout_forms():
     assert str(lay) == "S(0)[a0]S(1)[a1,a2]" and lay.split_counts(mesh) == (2, 4)
     assert lay.partition_spec() == PartitionSpec("a0", ("a1", "a2"))
     assert lay.local_shape((8, 8), mesh) == (4, 2)
-    rep = Layout.from_strategy((2, 1), mesh)  # repeated calculation: 4 copies
-    assert rep.dims == (("a0",), ()) and str(Layout.replicated(2)) == "R"
+    rep = Layout.from_strategy((2, 1), mesh)  # repeated calculation: 4 copies on a0, a1
+    assert rep.dims == (("a2",), ()) and str(Layout.replicated(2)) == "R"
     assert str(Layout(((), ()), ("a1",))) == "P[a1]"
     with pytest.raises(ValueError, match="partial"):
         Layout(((), ()), ("a1",)).partition_spec()

@@ -39,6 +39,8 @@ __all__ = [
     "check_dtype",
     "check_widths",
     "key_names",
+    "Init",
+    "init_params",
     "normal",
     "gelu",
     "softmax",
@@ -152,12 +154,15 @@ def check_dtype(name: str, value: Any) -> str:
     >>> check_dtype("dtype", jnp.bfloat16)
     'bfloat16'
     """
+    rule = f"must be a floating dtype, one of {list(_DTYPES)}"
+    if value is None or isinstance(value, bool):
+        raise AutoParallelTypeError(name, value, rule)
     try:
         dt = jnp.dtype(value)
     except TypeError:
-        raise AutoParallelTypeError(name, value, f"must be a floating dtype, one of {list(_DTYPES)}")
+        raise AutoParallelTypeError(name, value, rule) from None
     if dt.name not in _DTYPES:
-        raise AutoParallelError(name, value, f"must be a floating dtype, one of {list(_DTYPES)}")
+        raise AutoParallelError(name, value, rule)
     if dt.name == "float64" and not jax.config.jax_enable_x64:
         raise AutoParallelError(name, value, "float64 needs 64-bit mode",
                                 "call jax.config.update('jax_enable_x64', True) first "
@@ -193,12 +198,102 @@ def key_names(prefix: str, n: int) -> list[str]:
     return [f"{prefix}{i:0{width}d}" for i in range(n)]
 
 
-# ----------------------------------------------------------------------------- layers
+# ----------------------------------------------------------------------------- init
+
+
+@dataclass(frozen=True, slots=True)
+class Init:
+    """How to initialise one parameter: ``normal`` (mean 0, ``std``), ``ones`` or ``zeros``.
+
+    >>> Init.normal((2, 3), 0.5)
+    Init(kind='normal', shape=(2, 3), std=0.5)
+    """
+
+    kind: str
+    shape: tuple[int, ...]
+    std: float = 1.0
+
+    @classmethod
+    def normal(cls, shape: tuple[int, ...], std: float) -> Init:
+        return cls("normal", tuple(shape), float(std))
+
+    @classmethod
+    def ones(cls, shape: tuple[int, ...]) -> Init:
+        return cls("ones", tuple(shape))
+
+    @classmethod
+    def zeros(cls, shape: tuple[int, ...]) -> Init:
+        return cls("zeros", tuple(shape))
+
+
+def init_params(key: jax.Array, spec: dict[str, Any], dtype: str) -> Params:
+    """Materialise a nested dict of :class:`Init` leaves into arrays, keeping insertion order.
+
+    All ``normal`` leaves are cut, in insertion order, from ONE float32 normal draw of their
+    total size. With a concrete key the cutting, scaling and casting happen in NumPy and each
+    piece is put on the default device, so no per-shape XLA program is compiled (a
+    ``jax.random.normal`` per shape costs a compile each, about 0.5 s on a small CPU, which
+    made ResNet-50's init take 20 s). Under tracing (``jax.eval_shape``, ``jax.jit``) the same
+    arithmetic runs in ``jax.numpy`` and gives bit-identical values. The peak host memory is
+    about twice the params' size (for a full-size 48-block ``tfm_stack``, 2 x 2.4 GB: use
+    ``jax.eval_shape(model.init, key)`` when only shapes are needed). The result is a plain
+    dict built in the spec's order (note a ``jit`` output dict comes back key-sorted).
+
+    >>> import jax
+    >>> p = init_params(jax.random.key(0), {"b": Init.zeros((2,)), "a": Init.normal((2,), 1.0)},
+    ...                 "float32")
+    >>> list(p), p["b"].tolist()
+    (['b', 'a'], [0.0, 0.0])
+    """
+    leaves: list[Init] = []
+
+    def collect(node: dict[str, Any]) -> None:
+        for value in node.values():
+            if isinstance(value, Init):
+                leaves.append(value)
+            else:
+                collect(value)
+
+    collect(spec)
+    dt = jnp.dtype(dtype)
+    total = sum(math.prod(leaf.shape) for leaf in leaves if leaf.kind == "normal")
+    flat = jax.random.normal(key, (max(total, 1),), jnp.float32)
+    concrete = not isinstance(flat, jax.core.Tracer)
+    xp: Any = np if concrete else jnp
+    source: Any = flat
+    if concrete:
+        source = np.array(flat)  # writable host copy; scaled in place below
+        del flat
+    arrays: list[Any] = []
+    offset = 0
+    for leaf in leaves:
+        if leaf.kind == "normal":
+            n = math.prod(leaf.shape)
+            piece = xp.reshape(source[offset:offset + n], leaf.shape)
+            if concrete:
+                piece *= np.float32(leaf.std)
+                arrays.append(piece.astype(dt, copy=False))
+            else:
+                arrays.append((piece * np.float32(leaf.std)).astype(dt))
+            offset += n
+        elif leaf.kind == "ones":
+            arrays.append(xp.ones(leaf.shape, dt))
+        else:
+            arrays.append(xp.zeros(leaf.shape, dt))
+    it = iter([jnp.asarray(a) for a in arrays] if concrete else arrays)
+
+    def build(node: dict[str, Any]) -> Params:
+        return {k: next(it) if isinstance(v, Init) else build(v) for k, v in node.items()}
+
+    return build(spec)
 
 
 def normal(key: jax.Array, shape: tuple[int, ...], std: float, dtype: str) -> jax.Array:
     """Normal(0, std) samples of ``shape`` in ``dtype`` (sampled in float32, then cast)."""
     return (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype)
+
+
+# ----------------------------------------------------------------------------- layers
 
 
 def gelu(x: jax.Array) -> jax.Array:

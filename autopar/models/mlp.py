@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from autopar.models.base import (
+    Init,
     Model,
     Params,
     check_bool,
@@ -30,6 +31,7 @@ from autopar.models.base import (
     check_int,
     check_widths,
     gelu,
+    init_params,
     key_names,
     normal,
 )
@@ -68,7 +70,7 @@ def mlp(widths: Sequence[int] = (64, 256, 64), batch: int = 32, activation: str 
             with a target ``y [batch, widths[-1]]`` in the batch).
         dtype: floating dtype of params and inputs.
 
-    Params are ``{"layer0": {"w": [w0, w1], "b": [w1]}, "layer1": ...}`` (pytree paths
+    Params are ``{"layer0": {"w": [widths[0], widths[1]], "b": [widths[1]]}, ...}`` (paths
     ``layer0/w``, ``layer0/b``; zero-padded names past 10 layers so sorted order is layer
     order). Weights are Normal(0, 1/sqrt(fan_in)).
 
@@ -92,16 +94,15 @@ def mlp(widths: Sequence[int] = (64, 256, 64), batch: int = 32, activation: str 
     config: dict[str, Any] = {"widths": list(widths_t), "batch": batch, "activation": activation,
                               "bias": bias, "loss": loss_name, "dtype": dtype_name}
 
+    spec: dict[str, Any] = {}
+    for i, name in enumerate(names):
+        fan_in, fan_out = widths_t[i], widths_t[i + 1]
+        spec[name] = {"w": Init.normal((fan_in, fan_out), 1.0 / math.sqrt(fan_in))}
+        if bias:
+            spec[name]["b"] = Init.zeros((fan_out,))
+
     def init(key: jax.Array) -> Params:
-        keys = jax.random.split(key, len(names))
-        params: Params = {}
-        for i, name in enumerate(names):
-            fan_in, fan_out = widths_t[i], widths_t[i + 1]
-            layer = {"w": normal(keys[i], (fan_in, fan_out), 1.0 / math.sqrt(fan_in), dtype_name)}
-            if bias:
-                layer["b"] = jnp.zeros((fan_out,), dtype_name)
-            params[name] = layer
-        return params
+        return init_params(key, spec, dtype_name)
 
     def apply(params: Params, x: jax.Array) -> jax.Array:
         h = x

@@ -24,12 +24,14 @@ from jax import lax
 
 from autopar.errors import AutoParallelError
 from autopar.models.base import (
+    Init,
     Model,
     Params,
     check_dtype,
     check_int,
     cross_entropy,
     gelu,
+    init_params,
     key_names,
     layer_norm,
     normal,
@@ -61,6 +63,20 @@ def _split_heads(qkv: jax.Array, batch: int, seq: int, heads: int
 def _merge_heads(c: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """[B, heads, S, d] -> transpose (0, 2, 1, 3) -> reshape to ``shape``."""
     return jnp.reshape(jnp.transpose(c, (0, 2, 1, 3)), shape)
+
+
+def _causal_bias(seq: int, dtype: Any) -> jax.Array:
+    """Additive causal mask ``[seq, seq]``: 0 where key <= query, the dtype's minimum above.
+
+    Built from iotas (no ``where``), so it traces to plain elementwise primitives.
+
+    >>> _causal_bias(2, jnp.float32)[0, 1] < -1e30
+    Array(True, dtype=bool)
+    """
+    row = lax.broadcasted_iota(jnp.int32, (seq, seq), 0)
+    col = lax.broadcasted_iota(jnp.int32, (seq, seq), 1)
+    masked = (col > row).astype(dtype)
+    return masked * jnp.finfo(dtype).min
 
 
 # ----------------------------------------------------------------------------- tfmN stack
@@ -108,19 +124,15 @@ def tfm_stack(blocks: int = 4, batch: int = 8, seq: int = 512, hidden: int = 102
     config: dict[str, Any] = {"blocks": blocks, "batch": batch, "seq": seq, "hidden": hidden,
                               "heads": heads, "dtype": dtype_name}
 
+    spec = {name: {"attn": {"wqkv": Init.normal((h_, 3 * h_), 1.0 / math.sqrt(h_)),
+                            "wo": Init.normal((h_, h_), 1.0 / math.sqrt(h_))},
+                   "ln": {"gamma": Init.ones((h_,)), "beta": Init.zeros((h_,))},
+                   "mlp": {"w1": Init.normal((h_, 4 * h_), 1.0 / math.sqrt(h_)),
+                           "w2": Init.normal((4 * h_, h_), 1.0 / math.sqrt(4 * h_))}}
+            for name in names}
+
     def init(key: jax.Array) -> Params:
-        params: Params = {}
-        for name, k in zip(names, jax.random.split(key, blocks)):
-            k_qkv, k_o, k_1, k_2 = jax.random.split(k, 4)
-            params[name] = {
-                "attn": {"wqkv": normal(k_qkv, (h_, 3 * h_), 1.0 / math.sqrt(h_), dtype_name),
-                         "wo": normal(k_o, (h_, h_), 1.0 / math.sqrt(h_), dtype_name)},
-                "ln": {"gamma": jnp.ones((h_,), dtype_name),
-                       "beta": jnp.zeros((h_,), dtype_name)},
-                "mlp": {"w1": normal(k_1, (h_, 4 * h_), 1.0 / math.sqrt(h_), dtype_name),
-                        "w2": normal(k_2, (4 * h_, h_), 1.0 / math.sqrt(4 * h_), dtype_name)},
-            }
-        return params
+        return init_params(key, spec, dtype_name)
 
     def apply(params: Params, x: jax.Array) -> jax.Array:
         b, s = batch, x.shape[0] // batch
@@ -199,41 +211,35 @@ def transformer(layers: int = 2, hidden: int = 64, heads: int = 4, seq: int = 16
                               "vocab": vocab, "batch": batch, "mlp_ratio": mlp_ratio,
                               "dtype": dtype_name}
 
-    def ln_params() -> Params:
-        return {"gamma": jnp.ones((h_,), dtype_name), "beta": jnp.zeros((h_,), dtype_name)}
+    def ln_spec() -> dict[str, Init]:
+        return {"gamma": Init.ones((h_,)), "beta": Init.zeros((h_,))}
+
+    spec: dict[str, Any] = {"embed": {"tokens": Init.normal((vocab, h_), 0.02),
+                                      "pos": Init.normal((seq, h_), 0.02)}}
+    for name in names:
+        spec[name] = {"ln1": ln_spec(),
+                      "attn": {"wqkv": Init.normal((h_, 3 * h_), 1.0 / math.sqrt(h_)),
+                               "wo": Init.normal((h_, h_), 1.0 / math.sqrt(h_))},
+                      "ln2": ln_spec(),
+                      "mlp": {"w1": Init.normal((h_, f_), 1.0 / math.sqrt(h_)),
+                              "w2": Init.normal((f_, h_), 1.0 / math.sqrt(f_))}}
+    spec["ln_f"] = ln_spec()
+    spec["head"] = {"w": Init.normal((h_, vocab), 1.0 / math.sqrt(h_))}
 
     def init(key: jax.Array) -> Params:
-        k_tok, k_pos, k_head, k_blocks = jax.random.split(key, 4)
-        params: Params = {"embed": {"tokens": normal(k_tok, (vocab, h_), 0.02, dtype_name),
-                                    "pos": normal(k_pos, (seq, h_), 0.02, dtype_name)}}
-        for name, k in zip(names, jax.random.split(k_blocks, layers)):
-            k_qkv, k_o, k_1, k_2 = jax.random.split(k, 4)
-            params[name] = {
-                "ln1": ln_params(),
-                "attn": {"wqkv": normal(k_qkv, (h_, 3 * h_), 1.0 / math.sqrt(h_), dtype_name),
-                         "wo": normal(k_o, (h_, h_), 1.0 / math.sqrt(h_), dtype_name)},
-                "ln2": ln_params(),
-                "mlp": {"w1": normal(k_1, (h_, f_), 1.0 / math.sqrt(h_), dtype_name),
-                        "w2": normal(k_2, (f_, h_), 1.0 / math.sqrt(f_), dtype_name)},
-            }
-        params["ln_f"] = ln_params()
-        params["head"] = {"w": normal(k_head, (h_, vocab), 1.0 / math.sqrt(h_), dtype_name)}
-        return params
+        return init_params(key, spec, dtype_name)
 
     def attention(p: Params, x: jax.Array) -> jax.Array:
         b, s = x.shape[0], x.shape[1]
         q, k, v = _split_heads(x @ p["wqkv"], b, s, heads)
         scores = (q @ jnp.swapaxes(k, -1, -2)) * scale
-        row = lax.broadcasted_iota(jnp.int32, (s, s), 0)
-        col = lax.broadcasted_iota(jnp.int32, (s, s), 1)
-        scores = jnp.where(row >= col, scores, jnp.finfo(scores.dtype).min)
-        c = softmax(scores) @ v
+        c = softmax(scores + _causal_bias(s, scores.dtype)) @ v
         return _merge_heads(c, (b, s, h_)) @ p["wo"]
 
     def apply(params: Params, tokens: jax.Array) -> jax.Array:
         s = tokens.shape[1]
         with jax.named_scope("embed"):
-            x = jnp.take(params["embed"]["tokens"], tokens, axis=0)
+            x = params["embed"]["tokens"].at[tokens].get(mode="clip")  # a gather
             x = x + params["embed"]["pos"][:s]
         for name in names:
             p = params[name]
