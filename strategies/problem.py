@@ -257,6 +257,12 @@ class Problem:
         self._choice_cache[key] = c
         return c
 
+    def may_repeat(self, node: Node) -> bool:
+        """Whether the operator may leave devices repeating its work (product of splits below
+        device_num): always without ``full_use``; otherwise only small operators."""
+        return not self.full_use or max(self.graph.spec(v).nbytes
+                                        for v in node.outputs) <= SMALL_OP_BYTES
+
     def _signature(self, node: Node) -> tuple:
         g = self.graph
         return (node.op, repr(sorted((k, v) for k, v in node.params.items())),
@@ -392,9 +398,8 @@ class Problem:
             if cached is None:
                 # small operators (biases, norms' scales, masks, losses) may also repeat
                 # their work on some axes, so they can match any neighbour cheaply
-                small = max(g.spec(v).nbytes for v in node.outputs) <= SMALL_OP_BYTES
                 splits = enumerate_splits(self.specs[node.name], mesh.device_num,
-                                          self.full_use and not small)
+                                          not self.may_repeat(node))
                 choices = [self._op_choice(node.name, s) for s in splits]
                 arrays = self._vertex_arrays([self.op_costs(node, c) for c in choices])
                 cached = (choices, arrays)

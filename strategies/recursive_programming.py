@@ -2,7 +2,8 @@
 
 ``device_num`` is cut in rounds, one prime factor (one mesh axis) per round: log2(devices)
 two-way cuts for powers of two. In a round every operator may multiply the split of one of its
-loop dimensions by the round's factor (or, if no dimension can take it, keep its split). Where
+loop dimensions by the round's factor, or — where the strategy space allows repeated work
+(small operators, or ``fully_use_devices=False``) — keep its split. Where
 SAPP visits operators greedily by weight, autopar solves each round's small cut problem —
 at most (dims + 1) options per operator — exactly with the graph elimination of
 :mod:`dynamic_programming`; with so few options per operator that is linear in the graph size,
@@ -36,7 +37,9 @@ def _candidates(problem: Problem, i: int, cur: tuple[int, ...], p: int) -> list[
                 (d not in limits or limits[d] % new[d] == 0) and \
                 mesh.device_num % math.prod(new) == 0 and mesh.assign(new) is not None:
             out.append(new)
-    return out or [cur]
+    if not out or problem.may_repeat(problem.vertices[i].node):
+        out.append(cur)  # not cutting: the operator repeats its work on this axis
+    return out
 
 
 def solve(problem: Problem) -> list[int]:

@@ -99,8 +99,16 @@ def _resolve(mode: Any, device_num: Any, cluster: Any, fixed: Any,
 
 def search(graph: Graph, *, mode: str | None = None, device_num: int | None = None,
            cluster: str | Cluster | None = None, fixed: Mapping[str, Any] | None = None,
-           parallel_mode: str | None = None) -> Plan:
-    """Search a plan for ``graph`` (see the module docstring)."""
+           parallel_mode: str | None = None, fully_use_devices: bool = True) -> Plan:
+    """Search a plan for ``graph`` (see the module docstring).
+
+    ``fully_use_devices`` (MindSpore's algorithm parameter of the same name): when True (the
+    default) an operator's splits must use every device, except for small operators (at most
+    4 MiB of output), which may repeat their work; False lets every operator repeat work on
+    some axes — a larger space (slower search) that can pay off when communication is dear.
+    """
+    if not isinstance(fully_use_devices, bool):
+        raise AutoParallelTypeError("fully_use_devices", fully_use_devices, "must be a bool")
     if not isinstance(graph, Graph):
         raise AutoParallelTypeError("graph", graph, "autopar.search takes the Graph returned "
                                     "by autopar.trace")
@@ -113,7 +121,7 @@ def search(graph: Graph, *, mode: str | None = None, device_num: int | None = No
     for weight in _MEMORY_WEIGHTS:
         problem = Problem(graph, mesh, cm, enable_alltoall=cfg.enable_alltoall,
                           dataset_strategy=cfg.dataset_strategy, memory_weight=weight,
-                          fixed=fixed_map)
+                          fixed=fixed_map, full_use=fully_use_devices)
         if pmode != "auto_parallel" and n > 1:
             dp = data_parallel_splits(problem.specs, graph, n, mesh)
             keep = set(problem.fixed) if pmode in ("semi_auto_parallel",
@@ -122,7 +130,7 @@ def search(graph: Graph, *, mode: str | None = None, device_num: int | None = No
             problem = Problem(graph, mesh, cm, enable_alltoall=cfg.enable_alltoall,
                               dataset_strategy=cfg.dataset_strategy, memory_weight=weight,
                               fixed={k: v for k, v in fixed_map.items() if k in keep},
-                              fixed_splits=dp)
+                              fixed_splits=dp, full_use=fully_use_devices)
         if m == "exact" and pmode == "auto_parallel":
             picks = exact.solve(problem, memory_limit=clus.memory_bytes)
         else:
