@@ -41,11 +41,8 @@ def _format(key: str | None, value: Any, rule: str, hint: str | None) -> str:
     return msg
 
 
-class AutoParallelError(AutoparError, ValueError):
-    """A value is out of range, not allowed, or conflicts with another setting.
-
-    Built either from a ready message (one argument) or from ``(key, value, rule[, hint])``.
-    """
+class _Keyed(AutoparError):
+    """Built either from a ready message (one argument) or from ``(key, value, rule[, hint])``."""
 
     def __init__(self, key_or_message: str, value: Any = ..., rule: str | None = None,
                  hint: str | None = None) -> None:
@@ -56,23 +53,23 @@ class AutoParallelError(AutoparError, ValueError):
         else:
             self.key = key_or_message
             self.value = value
-            super().__init__(_format(key_or_message, value, rule or "not allowed", hint))
+            super().__init__(_format(key_or_message, value, self._rule(rule, value), hint))
+
+    @staticmethod
+    def _rule(rule: str | None, value: Any) -> str:
+        return rule or "not allowed"
 
 
-class AutoParallelTypeError(AutoparError, TypeError):
+class AutoParallelError(_Keyed, ValueError):
+    """A value is out of range, not allowed, or conflicts with another setting."""
+
+
+class AutoParallelTypeError(_Keyed, TypeError):
     """A value has the wrong type (``True`` where an int is needed included)."""
 
-    def __init__(self, key_or_message: str, value: Any = ..., rule: str | None = None,
-                 hint: str | None = None) -> None:
-        if value is ... and rule is None:
-            self.key: str | None = None
-            self.value: Any = None
-            super().__init__(key_or_message)
-        else:
-            self.key = key_or_message
-            self.value = value
-            rule = f"{rule or 'wrong type'} (got {type(value).__name__})"
-            super().__init__(_format(key_or_message, value, rule, hint))
+    @staticmethod
+    def _rule(rule: str | None, value: Any) -> str:
+        return f"{rule or 'wrong type'} (got {type(value).__name__})"
 
 
 class UnknownKeyError(AutoParallelError):

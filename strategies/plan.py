@@ -39,6 +39,7 @@ class Plan:
     objective: float
     search_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    parameters: tuple[str, ...] = ()
 
     @property
     def device_num(self) -> int:
@@ -64,7 +65,7 @@ class Plan:
                 layouts[v] = Layout.replicated(val.spec.rank)
         return Plan(mode, mesh, problem.cm.cluster.name, g.fingerprint(), nodes,
                     dict(sorted(layouts.items())), problem.evaluate(picks),
-                    problem.objective(picks), seconds)
+                    problem.objective(picks), seconds, parameters=g.parameters())
 
     def layout(self, name: str) -> Layout:
         """Layout of a value; a node name means its (first) output."""
@@ -103,7 +104,7 @@ class Plan:
             lines.append("  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip())
             if i == 0:
                 lines.append("  ".join("-" * w for w in widths))
-        params = [(v, lay) for v, lay in self.layouts.items() if v.startswith("params")]
+        params = [(v, self.layouts[v]) for v in self.parameters]
         if params:
             lines += ["", "parameters:"]
             lines += [f"  {v}: {lay} (splits {lay.split_counts(self.mesh)})" for v, lay in params]

@@ -25,33 +25,13 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from autopar.errors import AutoParallelError, AutoParallelTypeError
-from autopar.graph.ir import Strategy
+from autopar.errors import AutoParallelTypeError
+from autopar.graph.ir import Strategy, check_strategy_shape
 
 __all__ = ["shard", "matmul", "parse_scope", "PREFIX"]
 
 PREFIX = "ap.shard#"
 _ids = itertools.count()
-
-
-def _check_form(strategy: Any) -> Strategy:
-    if not isinstance(strategy, (tuple, list)) or len(strategy) == 0:
-        raise AutoParallelTypeError("strategy", strategy, "a strategy is a non-empty tuple with "
-                                    "one tuple of split counts per input, e.g. ((2, 1), (1, 4))")
-    out = []
-    for entry in strategy:
-        if not isinstance(entry, (tuple, list)):
-            raise AutoParallelTypeError("strategy", strategy,
-                                        f"each entry must be a tuple of ints, found {entry!r}")
-        for s in entry:
-            if not isinstance(s, int) or isinstance(s, bool):
-                raise AutoParallelTypeError("strategy", strategy,
-                                            f"split counts must be ints, found {s!r}")
-            if s < 1:
-                raise AutoParallelError("strategy", strategy,
-                                        f"split counts must be >= 1, found {s}")
-        out.append(tuple(entry))
-    return tuple(out)
 
 
 def shard(fn: Callable[..., Any], strategy: Any) -> Callable[..., Any]:
@@ -62,7 +42,7 @@ def shard(fn: Callable[..., Any], strategy: Any) -> Callable[..., Any]:
     """
     if not callable(fn):
         raise AutoParallelTypeError("fn", fn, "shard wraps a callable, e.g. jnp.matmul")
-    checked = _check_form(strategy)
+    checked = check_strategy_shape(strategy, None, "autopar.shard")
     text = repr(checked)
 
     @functools.wraps(fn)

@@ -91,15 +91,17 @@ class Node:
     annotation: Strategy | None = None
 
 
-def check_strategy_shape(strategy: Any, ranks: list[int], where: str) -> Strategy:
-    """Validate a MindSpore strategy's form: one tuple of split counts (ints >= 1) per input.
+def check_strategy_shape(strategy: Any, ranks: list[int] | None, where: str) -> Strategy:
+    """Validate a MindSpore strategy's form: one tuple of split counts (ints >= 1) per input,
+    and, when ``ranks`` are given, one count per dimension of each input.
 
     >>> check_strategy_shape(((2, 1), (1, 4)), [2, 2], "matmul")
     ((2, 1), (1, 4))
     """
-    if not isinstance(strategy, (tuple, list)):
+    if not isinstance(strategy, (tuple, list)) or len(strategy) == 0:
         raise AutoParallelTypeError(f"strategy for {where}", strategy,
-                                    "a strategy is a tuple with one tuple of ints per input")
+                                    "a strategy is a non-empty tuple with one tuple of ints per "
+                                    "input, e.g. ((2, 1), (1, 4))")
     out = []
     for entry in strategy:
         if not isinstance(entry, (tuple, list)):
@@ -113,7 +115,7 @@ def check_strategy_shape(strategy: Any, ranks: list[int], where: str) -> Strateg
                 raise AutoParallelError(f"strategy for {where}", strategy,
                                         f"split counts must be >= 1, found {s}")
         out.append(tuple(entry))
-    if [len(e) for e in out] != list(ranks):
+    if ranks is not None and [len(e) for e in out] != list(ranks):
         raise AutoParallelError(
             f"strategy for {where}", strategy,
             f"it must have one entry per input with one split count per dimension: input "
