@@ -1,0 +1,241 @@
+"""Fused communication kernels vs their unfused equivalents, side by side on 8 devices.
+
+* mm_reduce_scatter (ring, one way / both ways, pipelined or in fewer matmuls) vs
+  ``x @ w`` followed by ``lax.psum_scatter``; per device x (m, k), w (k, n).
+* all_gather_matmul vs ``lax.all_gather`` followed by the matmul; per device x (m/8, k),
+  w (k, n) -- the mirror of the above (same global matmul).
+* all_gather_v vs padding every rank to the largest count + ``all_gather``, and vs an
+  ``all_gather`` of equal-size inputs that produces the same number of elements.
+
+The machine is noisy (2 cores run 8 emulated devices, other jobs come and go), so every
+round times each variant once, in a shuffled order, and a ratio is the median over rounds
+of (variant / baseline of the same round). ``cpu ratio`` compares process CPU seconds the
+same way: it is the steadier measure of work done when other jobs steal the cores.
+
+Run: ``python -m benchmarks kernels`` (``--quick`` for a smoke run).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from benchmarks._common import setup_devices, timeit, write_results
+
+DEVICES = 8
+COLUMNS = ["kernel", "variant", "ms", "ratio", "cpu ratio", "goal"]
+
+
+@dataclass
+class Case:
+    kernel: str
+    variant: str
+    fn: Callable[[], Any]
+    baseline: bool = False
+    goal: str = ""
+
+
+def _measure(cases: list[Case], rounds: int, repeat: int, seed: int) -> list[dict[str, Any]]:
+    """Interleaved rounds; per case the median ms and paired wall / CPU ratios."""
+    rng = random.Random(seed)
+    wall: dict[str, list[float]] = {c.variant: [] for c in cases}
+    cpu: dict[str, list[float]] = {c.variant: [] for c in cases}
+    for c in cases:                                           # compile + warm up
+        c.fn()
+    for _ in range(rounds):
+        order = list(cases)
+        rng.shuffle(order)
+        for c in order:
+            c0 = time.process_time()
+            wall[c.variant].append(timeit(c.fn, repeat=repeat, warmup=0))
+            cpu[c.variant].append((time.process_time() - c0) / repeat)
+    base = next(c for c in cases if c.baseline).variant
+    rows = []
+    for c in cases:
+        ratio = statistics.median(a / b for a, b in zip(wall[c.variant], wall[base]))
+        cpu_ratio = statistics.median(a / b for a, b in zip(cpu[c.variant], cpu[base]))
+        rows.append({"kernel": c.kernel, "variant": c.variant,
+                     "ms": statistics.median(wall[c.variant]) * 1e3,
+                     "ratio": ratio, "cpu ratio": cpu_ratio, "goal": c.goal})
+    return rows
+
+
+def _check(got: Any, want: Any, what: str) -> None:
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=2e-3, atol=2e-3 * float(np.abs(np.asarray(want)).max() + 1),
+                               err_msg=what)
+
+
+def _cases(kernel: str, fns: dict[str, Callable], args: tuple[Any, ...]) -> list[Case]:
+    """One case per compiled variant; the first is the (unfused) baseline. Each variant's
+    result is checked against the baseline's before anything is timed."""
+    cases, want = [], None
+    for j, (name, fn) in enumerate(fns.items()):
+        out = fn(*args)
+        want = out if want is None else want
+        _check(out, want, f"{kernel}: {name}")
+        cases.append(Case(kernel, name, lambda fn=fn: fn(*args).block_until_ready(),
+                          baseline=j == 0, goal="" if j == 0 else "<= 1.10"))
+    return cases
+
+
+def _matmul_cases(m: int, k: int, n: int) -> tuple[list[Case], list[Case]]:
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from autopar.kernels import all_gather_matmul, mm_reduce_scatter
+
+    p = DEVICES
+    mesh = jax.make_mesh((p,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
+    rng = np.random.default_rng(0)
+    f32 = jnp.float32
+
+    # mm_reduce_scatter: per device x (m, k), w (k, n) -> (m / p, n).
+    def put(shape: tuple[int, int], spec: P) -> jax.Array:
+        return jax.device_put(rng.standard_normal(shape, np.float32), NamedSharding(mesh, spec))
+
+    x, w = put((m, k * p), P(None, "tp")), put((k * p, n), P("tp", None))
+
+    def rs(body: Callable) -> Callable:
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)),
+                                     out_specs=P("tp", None)))
+
+    def unfused_rs(a: jax.Array, b: jax.Array) -> jax.Array:
+        return lax.psum_scatter(jnp.dot(a, b, preferred_element_type=f32), "tp",
+                                scatter_dimension=0, tiled=True)
+
+    rs_variants = {
+        "x @ w + psum_scatter (unfused)": unfused_rs,
+        "ring, pipelined (chunks=8)": lambda a, b: mm_reduce_scatter(a, b, "tp"),
+        "ring bidirectional, pipelined": lambda a, b: mm_reduce_scatter(a, b, "tp",
+                                                                        bidirectional=True),
+        "ring, chunks=2": lambda a, b: mm_reduce_scatter(a, b, "tp", chunks=2),
+        "ring, chunks=1": lambda a, b: mm_reduce_scatter(a, b, "tp", chunks=1),
+        "ring bidirectional, chunks=1": lambda a, b: mm_reduce_scatter(
+            a, b, "tp", bidirectional=True, chunks=1),
+    }
+    rs_cases = _cases("mm_reduce_scatter", {name: rs(body) for name, body in rs_variants.items()},
+                      (x, w))
+
+    # all_gather_matmul: per device x (m / p, k), w (k, n) -> (m, n).
+    xg, wg = put((m, k), P("tp", None)), put((k, n * p), P(None, "tp"))
+
+    def ag(body: Callable) -> Callable:
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp", None), P(None, "tp")),
+                                     out_specs=P(None, "tp")))
+
+    def unfused_ag(a: jax.Array, b: jax.Array) -> jax.Array:
+        return jnp.dot(lax.all_gather(a, "tp", axis=0, tiled=True), b,
+                       preferred_element_type=f32)
+
+    ag_variants = {
+        "all_gather + x @ w (unfused)": unfused_ag,
+        "ring, pipelined (chunks=8)": lambda a, b: all_gather_matmul(a, b, "tp"),
+        "ring bidirectional, pipelined": lambda a, b: all_gather_matmul(a, b, "tp",
+                                                                        bidirectional=True),
+        "ring, chunks=2": lambda a, b: all_gather_matmul(a, b, "tp", chunks=2),
+        "ring, chunks=1": lambda a, b: all_gather_matmul(a, b, "tp", chunks=1),
+    }
+    ag_cases = _cases("all_gather_matmul", {name: ag(body) for name, body in ag_variants.items()},
+                      (xg, wg))
+    return rs_cases, ag_cases
+
+
+def _gather_v_cases(label: str, rows: list[int], width: int) -> list[Case]:
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from autopar.kernels import AllGatherVLayout, all_gather_v
+
+    p = DEVICES
+    mesh = jax.make_mesh((p,), ("r",), axis_types=(jax.sharding.AxisType.Auto,))
+    counts = tuple(r * width for r in rows)
+    displs = tuple(int(sum(counts[:j])) for j in range(p))
+    total_rows = sum(rows)
+    shape = (total_rows, width)
+    rng = np.random.default_rng(1)
+    top = max(rows)
+    data = rng.standard_normal((p * top, width)).astype(np.float32)
+    x = jax.device_put(data, NamedSharding(mesh, P("r", None)))
+    equal_rows = -(-total_rows // p)
+    xe = jax.device_put(rng.standard_normal((p * equal_rows, width)).astype(np.float32),
+                        NamedSharding(mesh, P("r", None)))
+
+    def shard(body: Callable) -> Callable:
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("r", None), out_specs=P("r")))
+
+    def equal(a: jax.Array) -> jax.Array:                 # same output size, equal inputs
+        return lax.all_gather(a, "r", axis=0, tiled=True)[None]
+
+    def pad_to_max(a: jax.Array) -> jax.Array:            # what a user would write
+        return lax.all_gather(a, "r", axis=0, tiled=True)[None]
+
+    def agv(method: str) -> Callable:
+        return lambda a: all_gather_v(a, None, counts, displs, shape, "r", method=method)[None]
+
+    want = np.zeros((total_rows, width), np.float32)
+    at = 0
+    for j, r in enumerate(rows):
+        want[at:at + r] = data[j * top:j * top + r]
+        at += r
+    kernel = f"all_gather_v {label}"
+    cases = [Case(kernel, "all_gather, equal-size inputs", lambda f=shard(equal):
+                  f(xe).block_until_ready(), baseline=True),
+             Case(kernel, "pad to max + all_gather", lambda f=shard(pad_to_max):
+                  f(x).block_until_ready())]
+    chosen = AllGatherVLayout.build(counts, displs, shape).choose("auto")
+    other = "padded" if chosen == "balanced" else "balanced"
+    for method, label in (("auto", f"all_gather_v (auto: {chosen})"),
+                          (other, f"all_gather_v ({other})")):
+        fn = shard(agv(method))
+        _check(fn(x)[0], want, f"{kernel} {method}")
+        cases.append(Case(kernel, label, lambda fn=fn: fn(x).block_until_ready(),
+                          goal="<= 1.2" if method == "auto" else ""))
+    return cases
+
+
+def main(quick: bool = False) -> None:
+    setup_devices(DEVICES)
+    import jax
+
+    if len(jax.devices()) < DEVICES:
+        raise SystemExit(f"bench_kernels needs {DEVICES} devices, found {len(jax.devices())}")
+    m, k, n = (256, 128, 128) if quick else (2048, 512, 512)
+    rounds, repeat = (3, 1) if quick else (15, 2)
+    width = 128 if quick else 512
+    ragged = [32, 32, 32, 32, 32, 32, 32, 28] if quick else [256] * 7 + [252]
+    skewed = [128, 16, 16, 16, 16, 16, 16, 16] if quick else [1024] + [128] * 7
+
+    rs_cases, ag_cases = _matmul_cases(m, k, n)
+    rows = _measure(rs_cases, rounds, repeat, seed=1)
+    rows += _measure(ag_cases, rounds, repeat, seed=2)
+    # all_gather_v runs take milliseconds: more rounds and repeats for the same noise.
+    for seed, (label, counts) in enumerate((("(ragged batch)", ragged), ("(skewed)", skewed))):
+        rows += _measure(_gather_v_cases(label, counts, width), 4 * rounds, 4 * repeat,
+                         seed=3 + seed)
+    meta = {
+        "devices": DEVICES, "quick": quick, "rounds": rounds, "repeat": repeat,
+        "all_gather_v rounds": 4 * rounds, "all_gather_v repeat": 4 * repeat,
+        "mm_reduce_scatter": {"x_per_device": [m, k], "w_per_device": [k, n]},
+        "all_gather_matmul": {"x_per_device": [m // DEVICES, k], "w_per_device": [k, n]},
+        "all_gather_v": {"row_width": width, "ragged_rows": ragged, "skewed_rows": skewed},
+        "ratio": "median over rounds of variant / baseline wall time in the same round",
+        "cpu ratio": "the same with process CPU time",
+        "jax": jax.__version__,
+    }
+    write_results("kernels_quick" if quick else "kernels", rows, COLUMNS, meta)
+
+
+if __name__ == "__main__":
+    main()
