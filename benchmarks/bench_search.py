@@ -54,9 +54,10 @@ if mode == "sharding_propagation":   # ANCHORS: qkv and w1 matmuls fixed to ((dp
     qkv = [n.name for n in dots if n.name.endswith("attn/dot_general_0")]
     w1 = [n.name for n in dots if "mlp/" in n.name and n.name.endswith("dot_general_0")]
     fixed = {}
+    import math
     for name in qkv + w1:
-        rank = len(g.spec(g.node(name).inputs[0]).shape)
-        lhs = (dp,) + (1,) * (rank - 1)
+        shape = g.spec(g.node(name).inputs[0]).shape
+        lhs = (math.gcd(dp, shape[0]),) + (1,) * (len(shape) - 1)  # dp no larger than the batch
         fixed[name] = (lhs, (1, mp))
 ap.set_auto_parallel_context(device_num=devices, parallel_mode="auto_parallel")
 t0 = time.perf_counter()

@@ -31,6 +31,9 @@ def _eliminate_middle(a: np.ndarray, cx: np.ndarray, b: np.ndarray) -> tuple[np.
     """min / argmin over t of a[s, t] + cx[t] + b[t, u]; chunked over s to bound memory."""
     sy, sx = a.shape
     sz = b.shape[1]
+    if sy * sx * sz <= _CHUNK:
+        t = a[:, :, None] + (cx[:, None] + b)[None, :, :]
+        return t.min(axis=1), t.argmin(axis=1)
     best = np.empty((sy, sz))
     arg = np.empty((sy, sz), dtype=np.int32)
     step = max(1, _CHUNK // max(1, sx * sz))

@@ -215,11 +215,14 @@ class Problem:
                  enable_alltoall: bool = False, dataset_strategy: Any = "data_parallel",
                  memory_weight: float = 0.0, full_use: bool = True,
                  fixed: Mapping[str, Any] | None = None,
-                 fixed_splits: Mapping[str, tuple[int, ...]] | None = None) -> None:
+                 fixed_splits: Mapping[str, tuple[int, ...]] | None = None,
+                 lazy: bool = False) -> None:
         self.graph, self.mesh, self.cm = graph, mesh, cost_model
         self.enable_alltoall = enable_alltoall
         self.memory_weight = memory_weight
         self.full_use = full_use
+        self.lazy = lazy  # operators' choice lists left empty until settle() (for solvers that
+        # build their own candidates, like recursive_programming)
         self.requires_grad = _requires_grad(graph)
         self.vertices: list[Vertex] = []
         self.index: dict[str, int] = {}
@@ -393,6 +396,10 @@ class Problem:
                 self._add_vertex(Vertex(node.name, "op", [c], node=node,
                                         **self._vertex_arrays([self.op_costs(node, c)])))
                 continue
+            if self.lazy:
+                self._add_vertex(Vertex(node.name, "op", [], node=node,
+                                        **self._vertex_arrays([])))
+                continue
             key = self._sig[node.name]
             cached = self._node_cache.get(key)
             if cached is None:
@@ -408,21 +415,7 @@ class Problem:
             self._add_vertex(Vertex(node.name, "op", list(choices), node=node,
                                     **{k: a for k, a in arrays.items()}))
         # parameters: the layouts their consumers want, plus replicated
-        factor = 2.0 + self.cm.cluster.optimizer_state_factor
-        for v in g.parameters():
-            spec = g.spec(v)
-            seen: dict[Layout, None] = {Layout.replicated(spec.rank): None}
-            for cname in g.consumers(v):
-                vert = self.vertices[self.index[cname]]
-                for j, inp in enumerate(vert.node.inputs):  # type: ignore[union-attr]
-                    if inp == v:
-                        for c in vert.choices:
-                            seen.setdefault(c.in_layouts[j], None)
-            lays = sorted(seen, key=lambda lay: (lay.split_counts(mesh), str(lay)))
-            rows = [(0.0, 0.0, 0.0, factor * self._local_bytes(v, lay)) for lay in lays]
-            self._add_vertex(Vertex(f"<param>{v}", "param",
-                                    [Choice(lay.split_counts(mesh), (), (lay,), lay.used_axes())
-                                     for lay in lays], **self._vertex_arrays(rows), value=v))
+        self._add_param_vertices()
         # edges: producer (op or input vertex) -> consumer op, one per consumed value
         for node in g.nodes:
             vi = self.index[node.name]
@@ -437,6 +430,56 @@ class Problem:
                     ui = self.index[("<param>" if val.kind == "param" else "<data>") + v]
                     out_index = 0
                 self.edges.append(Edge(ui, vi, v, j, out_index, self))
+
+    def settle(self, splits: Mapping[int, tuple[int, ...]]) -> list[int]:
+        """Give every operator vertex exactly the choice of its splits and every parameter the
+        layouts its consumers now want; returns the operators' picks (all 0)."""
+        for i, s in splits.items():
+            vert = self.vertices[i]
+            c = self._op_choice(vert.node.name, s)  # type: ignore[union-attr]
+            vert.choices = [c]
+            for key, arr in self._vertex_arrays([self.op_costs(vert.node, c)]).items():
+                setattr(vert, key, arr)
+        for e in self.edges:
+            e._matrix = None
+        self._add_param_vertices(replace_existing=True)
+        return [0] * len(self.vertices)
+
+    def _add_param_vertices(self, replace_existing: bool = False) -> None:
+        g, mesh = self.graph, self.mesh
+        factor = 2.0 + self.cm.cluster.optimizer_state_factor
+        wanted: dict[tuple, tuple[Layout, ...]] = {}   # (consumer signature, input) -> layouts
+        made: dict[tuple, tuple[list[Choice], dict]] = {}
+        for v in g.parameters():
+            spec = g.spec(v)
+            keys = []
+            for cname in g.consumers(v):
+                vert = self.vertices[self.index[cname]]
+                for j, inp in enumerate(vert.node.inputs):  # type: ignore[union-attr]
+                    if inp == v:
+                        key = (self._sig[cname], j, len(vert.choices) == 1 and cname)
+                        if key not in wanted:
+                            wanted[key] = tuple(dict.fromkeys(c.in_layouts[j]
+                                                              for c in vert.choices))
+                        keys.append(key)
+            vkey = (spec.shape, spec.dtype, tuple(keys))
+            if vkey not in made:
+                seen = dict.fromkeys((Layout.replicated(spec.rank),))
+                for key in keys:
+                    seen.update(dict.fromkeys(wanted[key]))
+                lays = sorted(seen, key=lambda lay: (lay.split_counts(mesh), str(lay)))
+                rows = [(0.0, 0.0, 0.0, factor * self._local_bytes(v, lay)) for lay in lays]
+                made[vkey] = ([Choice(lay.split_counts(mesh), (), (lay,), lay.used_axes())
+                               for lay in lays], self._vertex_arrays(rows))
+            choices, arrays = made[vkey]
+            if replace_existing:
+                vert = self.vertices[self.index[f"<param>{v}"]]
+                vert.choices = list(choices)
+                for key, arr in arrays.items():
+                    setattr(vert, key, arr)
+            else:
+                self._add_vertex(Vertex(f"<param>{v}", "param", list(choices), **arrays,
+                                        value=v))
 
     def _edge_matrix(self, ui: int, vi: int, value: str, j: int, out_index: int) -> np.ndarray:
         u, v = self.vertices[ui], self.vertices[vi]

@@ -104,9 +104,12 @@ def solve(problem: Problem) -> list[int]:
         for i in ops:
             splits[i] = cands[i][picks[local[i]]]
 
-    picks_all = [0] * len(verts)
-    for i in ops:
-        picks_all[i] = problem.choice_index(i, splits[i])
+    if problem.lazy:
+        picks_all = problem.settle(splits)
+    else:
+        picks_all = [0] * len(verts)
+        for i in ops:
+            picks_all[i] = problem.choice_index(i, splits[i])
     adj = problem.neighbours()
     for i, v in enumerate(verts):
         if v.kind != "param":

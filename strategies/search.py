@@ -121,7 +121,8 @@ def search(graph: Graph, *, mode: str | None = None, device_num: int | None = No
     for weight in _MEMORY_WEIGHTS:
         problem = Problem(graph, mesh, cm, enable_alltoall=cfg.enable_alltoall,
                           dataset_strategy=cfg.dataset_strategy, memory_weight=weight,
-                          fixed=fixed_map, full_use=fully_use_devices)
+                          fixed=fixed_map, full_use=fully_use_devices,
+                          lazy=pmode == "auto_parallel" and m == "recursive_programming")
         if pmode != "auto_parallel" and n > 1:
             dp = data_parallel_splits(problem.specs, graph, n, mesh)
             keep = set(problem.fixed) if pmode in ("semi_auto_parallel",
