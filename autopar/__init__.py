@@ -45,6 +45,9 @@ from autopar.graph import Graph, Node, TensorSpec, Value, matmul, shard, trace
 from autopar.resolve import FusionSetting, ResolvedContext, resolve_context
 from autopar.strategies import CLUSTERS, Cluster, CostModel, DeviceMesh, Layout, Plan
 from autopar.strategies.search import search
+from autopar.fusion import Bucket, GradientBuckets, gradient_buckets
+from autopar.timeline import IterationTrace, plot_timeline, simulate
+from autopar.advisor import SplitAdvice, SplitComparison, advise_split, compare_splits
 
 __version__ = "0.1.0"
 
@@ -57,6 +60,16 @@ __all__ = [
     "Layout",
     "Plan",
     "search",
+    "Bucket",
+    "GradientBuckets",
+    "gradient_buckets",
+    "IterationTrace",
+    "plot_timeline",
+    "simulate",
+    "SplitAdvice",
+    "SplitComparison",
+    "advise_split",
+    "compare_splits",
     "AutoParallelError",
     "AutoParallelTypeError",
     "AutoParallelWarning",

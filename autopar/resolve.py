@@ -27,7 +27,8 @@ from autopar.config import AUTO_FUSION_THRESHOLD_MB, AutoParallelConfig, referen
 from autopar.context import current_config, explicit_keys, public_dict
 from autopar.errors import AutoParallelWarning, ContextConflictError
 
-__all__ = ["Restriction", "RESTRICTIONS", "FusionSetting", "ResolvedContext", "resolve_context"]
+__all__ = ["Restriction", "RESTRICTIONS", "FusionSetting", "ResolvedContext", "fusion_setting",
+           "resolve_context"]
 
 SEMI_AUTO = ("semi_auto_parallel", "auto_parallel")
 MB = 1024 * 1024
@@ -157,8 +158,9 @@ class FusionSetting:
         return f"{self.mode}, threshold {(self.threshold_bytes or 0) / MB:g} MB"
 
 
-def _fusion(c: AutoParallelConfig, kind: Literal["allreduce", "allgather", "reducescatter"]) \
-        -> FusionSetting:
+def fusion_setting(c: AutoParallelConfig,
+                   kind: Literal["allreduce", "allgather", "reducescatter"]) -> FusionSetting:
+    """How comm_fusion fuses one collective type under a configuration (no checks)."""
     spec = getattr(c.comm_fusion, kind)
     if spec is None:
         return FusionSetting(kind, "none")
@@ -232,5 +234,6 @@ def resolve_context(config: AutoParallelConfig | None = None,
         raise ContextConflictError(f"{len(errors)} conflicting setting(s): " + " ".join(errors))
     for w in warns:
         warnings.warn(w, AutoParallelWarning, stacklevel=2)
-    return ResolvedContext(config, explicit, tuple(warns), _fusion(config, "allreduce"),
-                           _fusion(config, "allgather"), _fusion(config, "reducescatter"))
+    return ResolvedContext(config, explicit, tuple(warns), fusion_setting(config, "allreduce"),
+                           fusion_setting(config, "allgather"),
+                           fusion_setting(config, "reducescatter"))

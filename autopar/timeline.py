@@ -1,0 +1,421 @@
+"""Simulate one training iteration: forward, backward, and the bucketed gradient all-reduces.
+
+The model (all times from :class:`~autopar.strategies.cost.CostModel`):
+
+- **forward**: the graph's operators in program order, each taking its roofline compute time
+  ``compute_time(flops, bytes_read + bytes_written)``; with a plan both are divided by the
+  operator's split product (its work per device).
+- **backward**: the operators in reverse order, each taking 2x its forward time. A gradient is
+  *ready* when backward has passed its parameter's first use in forward (unused parameters:
+  at the start of backward).
+- **communication**: the buckets in order on one communication stream. Bucket k starts at
+  ``max(its last gradient ready, end of bucket k-1)`` with ``overlap=True`` (HCCL's
+  ``hcom_parallel``), or ``max(bp_end, end of bucket k-1)`` with ``overlap=False``, and takes
+  the alpha-beta all-reduce time of its bytes over the data-parallel group: every device
+  without a plan (gradient bytes = full parameter bytes), and with a plan, per group of
+  gradients sharing the axes where they are replicated, their local bytes over those axes.
+- ``Iteration_end = max(bp_end, end of the last all-reduce)``.
+
+Events are named as seed 001's iteration trace: ``fp_start``, ``bp_end``,
+``allreduce{k}_start`` / ``allreduce{k}_end`` (k = 1, 2, ... in issue order) and
+``Iteration_end``. :meth:`IterationTrace.to_chrome_trace` gives a Chrome trace that Perfetto
+(ui.perfetto.dev) and chrome://tracing open; :meth:`IterationTrace.plot` draws a PNG
+(matplotlib, the optional ``plot`` extra).
+
+>>> import jax.numpy as jnp, autopar
+>>> g = autopar.trace(lambda params, x: ((x @ params["w"]) ** 2).sum(),
+...                   {"w": jnp.ones((512, 512))}, jnp.ones((64, 512)))
+>>> t = simulate(g, device_num=8)
+>>> [name for name, _ in t.events()]
+['fp_start', 'bp_end', 'allreduce1_start', 'allreduce1_end', 'Iteration_end']
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from autopar.errors import AutoParallelError, AutoParallelTypeError
+from autopar.fusion import Bucket, GradientBuckets, gradients
+
+__all__ = ["CommSegment", "IterationTrace", "simulate", "plot_timeline"]
+
+
+@dataclass(frozen=True, slots=True)
+class CommSegment:
+    """One bucket's all-reduce on the communication stream (seconds from fp_start)."""
+
+    index: int          # 0-based; its events are allreduce{index + 1}_start / _end
+    ready: float        # when its last gradient is ready
+    start: float
+    end: float
+    nbytes: int
+    first: int          # backward-order index of its first gradient
+    last: int           # ... and of its last (inclusive)
+
+    @property
+    def name(self) -> str:
+        return f"allreduce{self.index + 1}"
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True, slots=True)
+class IterationTrace:
+    """The simulated iteration. Times in seconds from ``fp_start`` (= 0)."""
+
+    cluster: str
+    device_num: int
+    overlap: bool
+    source: str                         # which bucket setting was simulated
+    fp_start: float
+    fp_end: float
+    bp_end: float
+    iteration_end: float
+    segments: tuple[CommSegment, ...]
+    node_names: tuple[str, ...]         # forward order
+    node_times: tuple[float, ...]       # forward seconds per node (backward is 2x)
+    gradient_names: tuple[str, ...]     # backward order
+    gradient_ready: tuple[float, ...]
+
+    @property
+    def fp_time(self) -> float:
+        return self.fp_end - self.fp_start
+
+    @property
+    def bp_time(self) -> float:
+        return self.bp_end - self.fp_end
+
+    @property
+    def iteration_time(self) -> float:
+        return self.iteration_end - self.fp_start
+
+    @property
+    def comm_time(self) -> float:
+        """Total busy time of the communication stream."""
+        return sum(s.duration for s in self.segments)
+
+    @property
+    def exposed_comm(self) -> float:
+        """Communication after bp_end: the tail that computation does not hide."""
+        return self.iteration_end - self.bp_end
+
+    def events(self) -> tuple[tuple[str, float], ...]:
+        """Seed 001's trace points, ordered by time (ties keep the logical order)."""
+        ev: list[tuple[str, float]] = [("fp_start", self.fp_start), ("bp_end", self.bp_end)]
+        for s in self.segments:
+            ev += [(f"{s.name}_start", s.start), (f"{s.name}_end", s.end)]
+        ev.append(("Iteration_end", self.iteration_end))
+        return tuple(sorted(ev, key=lambda e: e[1]))
+
+    def summary(self) -> str:
+        """FP, BP, iteration time and exposed communication, in ms."""
+        hidden = sum(1 for s in self.segments if s.end <= self.bp_end)
+        return (f"iteration {self.iteration_time * 1e3:.3f} ms on {self.device_num} devices "
+                f"({self.cluster}, overlap {'on' if self.overlap else 'off'}): FP "
+                f"{self.fp_time * 1e3:.3f} ms, BP {self.bp_time * 1e3:.3f} ms, communication "
+                f"{self.comm_time * 1e3:.3f} ms in {len(self.segments)} segment(s) "
+                f"({hidden} end before bp_end), exposed after bp_end "
+                f"{self.exposed_comm * 1e3:.3f} ms; buckets: {self.source}")
+
+    def table(self) -> str:
+        """The seed's trace points and each segment, one line each (ms)."""
+        lines = [f"{name:<22} {t * 1e3:10.3f} ms" for name, t in self.events()]
+        lines.append("")
+        for s in self.segments:
+            lines.append(f"{s.name:<12} gradients {s.first}..{s.last}  {s.nbytes / 2**20:9.3f} "
+                         f"MB  ready {s.ready * 1e3:9.3f}  start {s.start * 1e3:9.3f}  end "
+                         f"{s.end * 1e3:9.3f} ms")
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------ Chrome trace
+    def to_chrome_trace(self, *, detail: bool = True) -> dict[str, Any]:
+        """``{"traceEvents": [...]}``: complete events (``"ph": "X"``, ts/dur in µs) on a
+        compute track (forward / backward, with one event per operator when ``detail``) and a
+        communication track (one per segment), and instant events for the seed's points."""
+        us = 1e6
+        pid = 1
+        ev: list[dict[str, Any]] = [
+            {"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
+             "args": {"name": f"autopar simulated iteration ({self.device_num} devices, "
+                              f"{self.cluster})"}},
+        ]
+        for tid, name in ((1, "compute"), (2, "communication"), (3, "iteration trace")):
+            ev.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
+                       "args": {"name": name}})
+            ev.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid,
+                       "args": {"sort_index": tid}})
+        ev.append({"name": "forward", "cat": "compute", "ph": "X", "pid": pid, "tid": 1,
+                   "ts": self.fp_start * us, "dur": self.fp_time * us, "args": {}})
+        ev.append({"name": "backward", "cat": "compute", "ph": "X", "pid": pid, "tid": 1,
+                   "ts": self.fp_end * us, "dur": self.bp_time * us, "args": {}})
+        if detail:
+            t = self.fp_start
+            for name, d in zip(self.node_names, self.node_times):
+                ev.append({"name": name, "cat": "forward", "ph": "X", "pid": pid, "tid": 1,
+                           "ts": t * us, "dur": d * us, "args": {}})
+                t += d
+            t = self.fp_end
+            for name, d in zip(reversed(self.node_names), reversed(self.node_times)):
+                ev.append({"name": f"{name} (grad)", "cat": "backward", "ph": "X", "pid": pid,
+                           "tid": 1, "ts": t * us, "dur": 2 * d * us, "args": {}})
+                t += 2 * d
+        for s in self.segments:
+            ev.append({"name": s.name, "cat": "allreduce", "ph": "X", "pid": pid, "tid": 2,
+                       "ts": s.start * us, "dur": s.duration * us,
+                       "args": {"bytes": s.nbytes, "gradients": f"{s.first}..{s.last}",
+                                "first": self.gradient_names[s.first],
+                                "last": self.gradient_names[s.last],
+                                "ready_us": s.ready * us}})
+        for name, t in self.events():
+            ev.append({"name": name, "cat": "iteration_trace", "ph": "i", "s": "t",
+                       "pid": pid, "tid": 3, "ts": t * us, "args": {}})
+        return {"traceEvents": ev, "displayTimeUnit": "ms",
+                "otherData": {"source": self.source, "iteration_ms": self.iteration_time * 1e3,
+                              "exposed_comm_ms": self.exposed_comm * 1e3}}
+
+    def write_chrome_trace(self, path: str | os.PathLike[str], *, detail: bool = True) -> Path:
+        """Write the Chrome trace JSON atomically (temp file + os.replace)."""
+        out = Path(path)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_chrome_trace(detail=detail)))
+        os.replace(tmp, out)
+        return out
+
+    def plot(self, path: str | os.PathLike[str], *, title: str | None = None) -> Path:
+        """Draw the timeline to a PNG (see :func:`plot_timeline`)."""
+        return plot_timeline(self, path, title=title)
+
+
+# ---------------------------------------------------------------------------- the model
+
+
+class _Model:
+    """Everything per (graph, plan, cluster, devices) that does not depend on the buckets:
+    node times, gradient ready times, and the price of any contiguous run of gradients."""
+
+    def __init__(self, graph: Any, plan: Any, cluster: Any, device_num: Any,
+                 overlap: Any) -> None:
+        from autopar.graph.ir import Graph
+        from autopar.strategies.cost import CostModel, get_cluster
+        from autopar.strategies.layout import DeviceMesh
+
+        if not isinstance(graph, Graph):
+            raise AutoParallelTypeError("graph", graph, "an autopar.Graph from autopar.trace")
+        if not isinstance(overlap, bool):
+            raise AutoParallelTypeError("overlap", overlap, "must be a bool")
+        clus = get_cluster(cluster)
+        self.cm = CostModel(clus)
+        self.overlap = overlap
+        if device_num is not None and (isinstance(device_num, bool) or
+                                       not isinstance(device_num, int)):
+            raise AutoParallelTypeError("device_num", device_num, "must be an int")
+        if plan is not None:
+            self.grads = gradients(graph, plan)  # checks the plan
+            if device_num is not None and device_num != plan.mesh.device_num:
+                raise AutoParallelError("device_num", device_num, f"the plan is for "
+                                        f"{plan.mesh.device_num} devices",
+                                        "Omit device_num when passing a plan")
+            self.mesh = plan.mesh
+        else:
+            if device_num is None:
+                from autopar.context import current_config
+
+                device_num = current_config().device_num
+            self.mesh = DeviceMesh.for_devices(device_num)
+            self.grads = gradients(graph)
+        self.device_num = self.mesh.device_num
+        self.cluster = clus.name
+        # forward / backward
+        times = []
+        for n in graph.nodes:
+            w = math.prod(plan.nodes[n.name].splits) if plan is not None and \
+                n.name in plan.nodes else 1
+            times.append(self.cm.compute_time(n.flops / w, (n.bytes_read + n.bytes_written) / w))
+        self.node_names = tuple(n.name for n in graph.nodes)
+        self.node_times = tuple(times)
+        fp_end = 0.0
+        for t in times:
+            fp_end += t
+        t = fp_end
+        bwd_end = [0.0] * len(times)  # when backward of node i ends
+        for i in range(len(times) - 1, -1, -1):
+            t += 2 * times[i]
+            bwd_end[i] = t
+        self.fp_end, self.bp_end = fp_end, t
+        first_use: dict[str, int] = {}
+        for i, n in enumerate(graph.nodes):
+            for v in n.inputs:
+                first_use.setdefault(v, i)
+        self.ready = np.array([bwd_end[first_use[g.name]] if g.name in first_use else fp_end
+                               for g in self.grads])
+        # prices: per all-reduce group, prefix sums of bytes and counts
+        all_axes = self.mesh.names
+        groups: dict[tuple[str, ...], int] = {}
+        gid = []
+        for g in self.grads:
+            axes = all_axes if g.axes is None else g.axes
+            gid.append(groups.setdefault(tuple(axes), len(groups)))
+        self.groups = sorted(groups, key=lambda a: groups[a])
+        n = len(self.grads)
+        self.prefix_bytes = np.zeros((len(self.groups), n + 1), dtype=np.int64)
+        self.prefix_count = np.zeros((len(self.groups), n + 1), dtype=np.int64)
+        for i, (g, k) in enumerate(zip(self.grads, gid)):
+            self.prefix_bytes[k, i + 1] = g.nbytes
+            self.prefix_count[k, i + 1] = 1
+        self.prefix_bytes = np.cumsum(self.prefix_bytes, axis=1)
+        self.prefix_count = np.cumsum(self.prefix_count, axis=1)
+        self.coef = []  # (latency, seconds per byte) of an all-reduce per group
+        for axes in self.groups:
+            p, intra = self.cm.group(axes, self.mesh)
+            if p <= 1:
+                self.coef.append((0.0, 0.0))
+                continue
+            c = clus
+            bw, alpha = (c.intra_bandwidth, c.intra_alpha) if intra else \
+                (c.inter_bandwidth, c.inter_alpha)
+            self.coef.append((2 * (p - 1) * alpha, 2 * ((p - 1) / p) / bw))
+
+    def price(self, i: int, j: int) -> float:
+        """All-reduce seconds of gradients i..j-1 fused in one bucket."""
+        return float(self.price_matrix(np.array([i]), np.array([j]))[0, 0])
+
+    def price_matrix(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """Prices of buckets i..j-1 for every pair (rows i, columns j); inf where j <= i."""
+        i, j = np.asarray(i)[:, None], np.asarray(j)[None, :]
+        out = np.zeros(np.broadcast_shapes(i.shape, j.shape))
+        for k, (a, b) in enumerate(self.coef):
+            nb = (self.prefix_bytes[k][j] - self.prefix_bytes[k][i]).astype(np.float64)
+            present = (self.prefix_count[k][j] - self.prefix_count[k][i]) > 0
+            out += np.where(present, a + b * nb, 0.0)
+        return np.where(j > i, out, np.inf)
+
+    def ready_of(self, i: int, j: int) -> float:
+        """When bucket i..j-1 may start (its last gradient ready, or bp_end without overlap)."""
+        return float(self.ready[i:j].max()) if self.overlap else self.bp_end
+
+    def run(self, ends: Sequence[int], source: str) -> IterationTrace:
+        segs = []
+        prev_end, start_i = 0.0, 0
+        for k, e in enumerate(ends):
+            ready = self.ready_of(start_i, e)
+            start = max(ready, prev_end)
+            end = start + self.price(start_i, e)
+            nbytes = int(sum(self.prefix_bytes[:, e] - self.prefix_bytes[:, start_i]))
+            segs.append(CommSegment(k, ready, start, end, nbytes, start_i, e - 1))
+            prev_end, start_i = end, e
+        return IterationTrace(self.cluster, self.device_num, self.overlap, source, 0.0,
+                              self.fp_end, self.bp_end, max(self.bp_end, prev_end), tuple(segs),
+                              self.node_names, self.node_times,
+                              tuple(g.name for g in self.grads), tuple(float(r) for r in
+                                                                       self.ready))
+
+
+def _ends_of(model: _Model, buckets: Any) -> tuple[list[int], str]:
+    """Bucket boundaries, checked against the simulated gradients (names, in order)."""
+    names = [g.name for g in model.grads]
+    if isinstance(buckets, GradientBuckets):
+        seq: Sequence[Bucket] = buckets.buckets
+        source = buckets.source
+    elif isinstance(buckets, (list, tuple)) and all(isinstance(b, Bucket) for b in buckets):
+        seq, source = buckets, "explicit buckets"
+    else:
+        raise AutoParallelTypeError("buckets", buckets, "None, a policy name ('context', "
+                                    "'hccl', 'none'), autopar.gradient_buckets(...) or a list "
+                                    "of autopar.Bucket")
+    flat = [name for b in seq for name in b.gradients]
+    if flat != names:
+        missing = sorted(set(names) - set(flat))[:3]
+        extra = sorted(set(flat) - set(names))[:3]
+        raise AutoParallelError(
+            "buckets", f"{len(seq)} buckets over {len(flat)} gradients",
+            f"the buckets must hold every gradient of the graph exactly once, in backward "
+            f"order ({len(names)} gradients; missing {missing}, unknown {extra})",
+            "Build them with autopar.gradient_buckets(graph, plan)")
+    ends, acc = [], 0
+    for b in seq:
+        if len(b.gradients) == 0:
+            raise AutoParallelError("buckets", b, "a bucket must hold at least one gradient")
+        acc += len(b.gradients)
+        ends.append(acc)
+    return ends, source
+
+
+def simulate(graph: Any, plan: Any = None, *, buckets: Any = None,
+             cluster: Any = "accelerator-8x", device_num: int | None = None,
+             overlap: bool = True) -> IterationTrace:
+    """Simulate one iteration (see the module doc) and return its trace.
+
+    ``buckets``: ``None`` or a policy name (``"context"``, ``"hccl"``, ``"none"``) to build
+    them with :func:`autopar.gradient_buckets`, or buckets you built (their boundaries are
+    used; bytes are those of this simulation). ``device_num``: with a plan, the plan's;
+    without, the context's unless given.
+    """
+    model = _Model(graph, plan, cluster, device_num, overlap)
+    if buckets is None or isinstance(buckets, str):
+        from autopar.fusion import gradient_buckets
+
+        buckets = gradient_buckets(list(model.grads), policy=buckets or "context")
+    ends, source = _ends_of(model, buckets)
+    return model.run(ends, source)
+
+
+# ---------------------------------------------------------------------------- PNG
+
+
+def plot_timeline(trace: IterationTrace, path: str | os.PathLike[str], *,
+                  title: str | None = None) -> Path:
+    """Draw forward / backward on one row and the all-reduce segments on another, with the
+    seed's bp_end and Iteration_end marked; write a PNG. Needs matplotlib (the ``plot``
+    extra: ``pip install 'autopar[plot]'``); no pyplot global state is touched."""
+    if not isinstance(trace, IterationTrace):
+        raise AutoParallelTypeError("trace", trace, "an IterationTrace from autopar.simulate")
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError("plot_timeline needs matplotlib: pip install 'autopar[plot]'") \
+            from err
+    ms = 1e3
+    fig = Figure(figsize=(11, 2.8), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.broken_barh([(trace.fp_start * ms, trace.fp_time * ms)], (1.6, 0.8),
+                   facecolors="#4c72b0", label="forward")
+    ax.broken_barh([(trace.fp_end * ms, trace.bp_time * ms)], (1.6, 0.8),
+                   facecolors="#55a868", label="backward")
+    colors = ("#c44e52", "#dd8452")
+    for s in trace.segments:
+        ax.broken_barh([(s.start * ms, max(s.duration * ms, 1e-6))], (0.2, 0.8),
+                       facecolors=colors[s.index % 2], edgecolor="black", linewidth=0.3)
+        if len(trace.segments) <= 12:
+            ax.text((s.start + s.duration / 2) * ms, 0.6, f"AR{s.index + 1}", ha="center",
+                    va="center", fontsize=7)
+    ax.axvline(trace.bp_end * ms, color="black", linestyle="--", linewidth=0.8)
+    ax.axvline(trace.iteration_end * ms, color="gray", linestyle=":", linewidth=0.8)
+    ax.text(trace.bp_end * ms, 2.55, " bp_end", fontsize=7, va="bottom")
+    ax.text(trace.iteration_end * ms, 2.55, " Iteration_end", fontsize=7, va="bottom",
+            ha="left")
+    ax.set_yticks([0.6, 2.0], ["communication", "compute"])
+    ax.set_ylim(0, 3.0)
+    ax.set_xlabel("ms")
+    ax.set_xlim(0, trace.iteration_end * ms * 1.1)
+    ax.legend(loc="lower left", fontsize=7)
+    ax.set_title(title or f"{trace.iteration_time * ms:.2f} ms iteration, "
+                 f"{len(trace.segments)} segment(s), exposed {trace.exposed_comm * ms:.2f} ms",
+                 fontsize=9)
+    fig.tight_layout()
+    out = Path(path)
+    tmp = out.with_name(out.name + ".tmp.png")
+    fig.savefig(tmp, format="png")
+    os.replace(tmp, out)
+    return out
+
