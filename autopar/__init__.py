@@ -45,6 +45,9 @@ from autopar.graph import Graph, Node, TensorSpec, Value, matmul, shard, trace
 from autopar.resolve import FusionSetting, ResolvedContext, resolve_context
 from autopar.strategies import CLUSTERS, Cluster, CostModel, DeviceMesh, Layout, Plan
 from autopar.strategies.search import search
+from autopar.rewrite import rewrite
+from autopar.lower import lower
+from autopar.parallelize import parallelize
 from autopar.fusion import Bucket, GradientBuckets, gradient_buckets
 from autopar.timeline import IterationTrace, plot_timeline, simulate
 from autopar.advisor import SplitAdvice, SplitComparison, advise_split, compare_splits
@@ -60,6 +63,9 @@ __all__ = [
     "Layout",
     "Plan",
     "search",
+    "rewrite",
+    "lower",
+    "parallelize",
     "Bucket",
     "GradientBuckets",
     "gradient_buckets",

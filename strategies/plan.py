@@ -40,6 +40,7 @@ class Plan:
     search_seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     parameters: tuple[str, ...] = ()
+    enable_alltoall: bool = False           # the redistribution table the plan was priced with
 
     @property
     def device_num(self) -> int:
@@ -65,7 +66,8 @@ class Plan:
                 layouts[v] = Layout.replicated(val.spec.rank)
         return Plan(mode, mesh, problem.cm.cluster.name, g.fingerprint(), nodes,
                     dict(sorted(layouts.items())), problem.evaluate(picks),
-                    problem.objective(picks), seconds, parameters=g.parameters())
+                    problem.objective(picks), seconds, parameters=g.parameters(),
+                    enable_alltoall=problem.enable_alltoall)
 
     def layout(self, name: str) -> Layout:
         """Layout of a value; a node name means its (first) output."""

@@ -354,13 +354,12 @@ class Problem:
                     "dataset_strategy", dataset_strategy,
                     f"entry {entry} does not fit data input {value!r} of shape {spec.shape}")
             return Layout.from_strategy(entry, self.mesh)
-        # data parallel: the batch dim over the outermost axes, as many as divide it
-        axes: list[str] = []
-        for name, size in self.mesh.axes:
-            if spec.shape[0] % (self.mesh.size_of(axes) * size):
-                break
-            axes.append(name)
-        return Layout((tuple(axes),) + tuple(() for _ in spec.shape[1:]))
+        # data parallel: the batch dim split by the largest divisor of device_num dividing
+        # it, on the canonical axes (repeats outermost), as operators place their splits
+        n = self.mesh.device_num
+        s = max(d for d in range(1, n + 1) if n % d == 0 and spec.shape[0] % d == 0 and
+                self.mesh.assign((d,)) is not None)
+        return Layout.from_strategy((s,) + (1,) * (spec.rank - 1), self.mesh)
 
     def _build(self, dataset_strategy: Any, fixed: dict[str, Any],
                given_splits: dict[str, tuple[int, ...]]) -> None:

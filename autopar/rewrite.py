@@ -1,0 +1,199 @@
+"""``rewrite(graph, plan)``: insert the communication a plan needs, give every value its layout.
+
+Walks the graph's nodes in order. Each input of a node is read in the layout the node's
+strategy needs (``plan.nodes[node].in_layouts[j]``); when the value lives in another layout
+(its producer's output layout, the placement of a parameter or data input, or replicated for
+literals and constants), the redistribution table's steps become explicit communication nodes,
+one per :class:`~autopar.strategies.redistribution.Step`. A value redistributed to the same
+layout twice is redistributed once (later consumers reuse the result). Graph outputs with a
+pending partial sum are all-reduced; splits of outputs are kept (the caller receives a sharded
+global array).
+
+>>> import jax.numpy as jnp, autopar
+>>> g = autopar.trace(lambda w, x: jnp.sum(x @ w), jnp.ones((8, 4)), jnp.ones((2, 8)))
+>>> plan = autopar.search(g, mode="dynamic_programming", device_num=2,
+...                       parallel_mode="auto_parallel")
+>>> pg = rewrite(g, plan)
+>>> sum(pg.comm_counts().values()) >= 1       # the partial sum of the result is resolved
+True
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any
+
+from autopar.errors import AutoParallelError, AutoParallelTypeError
+from autopar.graph.ir import Graph
+from autopar.parallel_graph import PNode, PValue, ParallelGraph
+from autopar.strategies.layout import DeviceMesh, Layout
+from autopar.strategies.plan import Plan
+from autopar.strategies.redistribution import Step, redistribute
+
+__all__ = ["rewrite", "apply_step_to_layout"]
+
+
+def apply_step_to_layout(layout: Layout, step: Step) -> Layout:
+    """The layout after one redistribution step.
+
+    >>> lay = Layout(((), ("a1",)), ("a0",))
+    >>> str(apply_step_to_layout(lay, Step("reduce_scatter", ("a0",), 0)))
+    'S(0)[a0]S(1)[a1]'
+    """
+    dims = [list(d) for d in layout.dims]
+    partial = list(layout.partial)
+    if step.kind == "all_reduce":
+        partial = [a for a in partial if a not in step.axes]
+    elif step.kind == "reduce_scatter":
+        partial = [a for a in partial if a not in step.axes]
+        dims[step.dim] += list(step.axes)  # type: ignore[index]
+    elif step.kind == "all_gather":
+        dims[step.dim] = [a for a in dims[step.dim] if a not in step.axes]  # type: ignore[index]
+    elif step.kind == "all_to_all":
+        dims[step.src_dim] = [a for a in dims[step.src_dim]  # type: ignore[index]
+                              if a not in step.axes]
+        dims[step.dim] += list(step.axes)  # type: ignore[index]
+    elif step.kind == "slice":
+        dims[step.dim] += list(step.axes)  # type: ignore[index]
+    else:  # pragma: no cover - Step kinds are a closed set
+        raise AutoParallelError("step", str(step), "unknown redistribution step kind")
+    return Layout(tuple(tuple(d) for d in dims), tuple(partial))
+
+
+def _check_local(name: str, shape: tuple[int, ...], layout: Layout, mesh: DeviceMesh) -> None:
+    if layout.rank != len(shape):
+        raise AutoParallelError("layout", str(layout), f"value {name!r} has rank {len(shape)}, "
+                                f"its layout has rank {layout.rank}")
+    for d, (n, axes) in enumerate(zip(shape, layout.dims)):
+        unknown = [a for a in axes if a not in mesh.sizes]
+        if unknown:
+            raise AutoParallelError("layout", str(layout), f"value {name!r}: mesh axes "
+                                    f"{unknown} are not in the mesh {mesh}")
+        parts = mesh.size_of(axes)
+        if n % parts:
+            raise AutoParallelError(
+                "layout", str(layout), f"value {name!r}: dim {d} of size {n} cannot be split "
+                f"into {parts} equal parts", "Choose a strategy whose splits divide the dims")
+
+
+class _Rewriter:
+    def __init__(self, graph: Graph, plan: Plan, enable_alltoall: bool) -> None:
+        self.g, self.plan, self.mesh = graph, plan, plan.mesh
+        self.enable_alltoall = enable_alltoall
+        self.nodes: list[PNode] = []
+        self.values: dict[str, PValue] = {}
+        self.home: dict[str, str] = {}                 # graph value -> its own PValue name
+        self.avail: dict[tuple[str, Layout], str] = {}  # (graph value, layout) -> PValue name
+        self.counters: dict[str, int] = {}
+
+    def add_value(self, name: str, origin: str, layout: Layout, kind: str,
+                  data: Any = None) -> str:
+        spec = self.g.spec(origin)
+        _check_local(name, spec.shape, layout, self.mesh)
+        self.values[name] = PValue(name, spec, layout, layout.local_shape(spec.shape, self.mesh),
+                                   kind, origin, data)
+        self.avail[(origin, layout)] = name
+        return name
+
+    def source_value(self, v: str) -> str:
+        """The PValue of a graph value in its home layout (created on first use for constants)."""
+        if v in self.home:
+            return self.home[v]
+        val = self.g.values[v]
+        if val.kind not in ("literal", "const"):
+            raise AutoParallelError("value", v, "is read before it is produced (the graph is "
+                                    "not in topological order)")
+        rank = val.spec.rank
+        self.home[v] = self.add_value(v, v, Layout.replicated(rank), val.kind, val.data)
+        return self.home[v]
+
+    def read(self, v: str, dst: Layout, consumer: str) -> str:
+        """The name of a PValue holding graph value ``v`` in layout ``dst``."""
+        src_name = self.source_value(v)
+        hit = self.avail.get((v, dst))
+        if hit is not None:
+            return hit
+        src = self.values[src_name].layout
+        spec = self.g.spec(v)
+        try:
+            steps = redistribute(spec.shape, spec.itemsize, src, dst, self.mesh,
+                                 self.enable_alltoall)
+        except AutoParallelError as e:
+            raise AutoParallelError(f"cannot redistribute value {v!r} from {src} to {dst} for "
+                                    f"node {consumer!r}: {e}") from None
+        cur, cur_name = src, src_name
+        for step in steps:
+            cur = apply_step_to_layout(cur, step)
+            hit = self.avail.get((v, cur))
+            if hit is not None:  # an earlier consumer already made this intermediate layout
+                cur_name = hit
+                continue
+            k = self.counters.get(step.kind, 0)
+            self.counters[step.kind] = k + 1
+            name = f"{step.kind}_{k}"
+            while name in self.g.values or name in self.values:
+                name += "'"
+            out = self.add_value(name, v, cur, "comm")
+            note = f"{v}: {self.values[cur_name].layout} -> {cur} for {consumer}"
+            self.nodes.append(PNode(name, step.kind, "comm", (cur_name,), (out,), {},
+                                    step=step, note=note))
+            cur_name = out
+        if cur != dst:  # pragma: no cover - the redistribution table guarantees this
+            raise AutoParallelError("layout", f"{src} -> {dst}", f"the steps of value {v!r} end "
+                                    f"in {cur}")
+        return cur_name
+
+    def run(self) -> ParallelGraph:
+        g, plan = self.g, self.plan
+        for v in g.inputs:
+            lay = plan.layouts.get(v, Layout.replicated(g.spec(v).rank))
+            if lay.partial:
+                raise AutoParallelError("layout", str(lay), f"input {v!r} cannot be placed as a "
+                                        f"partial sum")
+            self.home[v] = self.add_value(v, v, lay, g.values[v].kind)
+        for node in g.nodes:
+            ns = plan.nodes.get(node.name)
+            if ns is None:
+                raise AutoParallelError("node", node.name, "the plan has no strategy for this "
+                                        "node (plan and graph do not match)",
+                                        "Search the plan on this graph")
+            if len(ns.in_layouts) != len(node.inputs) or \
+                    len(ns.out_layouts) != len(node.outputs):
+                raise AutoParallelError("node", node.name, "the plan's layouts do not match "
+                                        "the node's inputs and outputs")
+            ins = tuple(self.read(v, lay, node.name) for v, lay in zip(node.inputs,
+                                                                       ns.in_layouts))
+            for v, lay in zip(node.outputs, ns.out_layouts):
+                if plan.layouts.get(v, lay) != lay:
+                    raise AutoParallelError("layout", str(plan.layouts[v]), f"the plan gives "
+                                            f"value {v!r} another layout than its producer's "
+                                            f"output layout {lay}")
+                self.home[v] = self.add_value(v, v, lay, "activation")
+            self.nodes.append(PNode(node.name, node.op, node.kind, ins, node.outputs,
+                                    dict(node.params), node.primitive, strategy=ns.strategy,
+                                    source=node.source))
+        outs = []
+        for v in g.outputs:
+            lay = self.values[self.source_value(v)].layout
+            outs.append(self.read(v, Layout(lay.dims), "<output>") if lay.partial
+                        else self.home[v])
+        return ParallelGraph(g.name, self.mesh, tuple(self.nodes), MappingProxyType(self.values),
+                             g.inputs, tuple(outs), g, plan, g.in_tree, g.out_tree)
+
+
+def rewrite(graph: Graph, plan: Plan) -> ParallelGraph:
+    """The parallel program of ``graph`` under ``plan`` (see the module docstring).
+
+    Redistributions use the table the plan was priced with (``plan.enable_alltoall``: AlltoAll
+    rather than AllGather + slice for moving a split between dims).
+    """
+    if not isinstance(graph, Graph):
+        raise AutoParallelTypeError("graph", graph, "rewrite takes the Graph from autopar.trace")
+    if not isinstance(plan, Plan):
+        raise AutoParallelTypeError("plan", plan, "rewrite takes the Plan from autopar.search")
+    if plan.fingerprint != graph.fingerprint():
+        raise AutoParallelError("plan", plan.fingerprint[:12], "the plan was searched on "
+                                f"another graph (this graph's fingerprint is "
+                                f"{graph.fingerprint()[:12]})", "Search the plan on this graph")
+    return _Rewriter(graph, plan, plan.enable_alltoall).run()
+
