@@ -42,6 +42,19 @@ def _candidates(problem: Problem, i: int, cur: tuple[int, ...], p: int) -> list[
     return out
 
 
+def _round_cost(problem: Problem, node, splits: tuple[int, ...]) -> float:
+    """Operator cost of a candidate, plus the memory of the parameters it reads in the
+    layout it wants (parameters follow their consumers), when memory is priced."""
+    c = problem.op_choice(node, splits)
+    compute, comm, sync, mem = problem.op_costs(node, c)
+    if problem.memory_weight:
+        factor = 2.0 + problem.cm.cluster.optimizer_state_factor
+        g = problem.graph
+        mem += sum(factor * problem._local_bytes(v, lay)
+                   for v, lay in zip(node.inputs, c.in_layouts) if g.values[v].kind == "param")
+    return compute + comm + sync + problem.memory_weight * mem
+
+
 def solve(problem: Problem) -> list[int]:
     verts, edges, mesh = problem.vertices, problem.edges, problem.mesh
     ops = [i for i, v in enumerate(verts) if v.kind == "op"]
@@ -70,9 +83,7 @@ def solve(problem: Problem) -> list[int]:
             key = (sig[node.name], tuple(cands[i]))
             cost = cost_cache.get(key)
             if cost is None:
-                rows = [problem.op_costs(node, problem.op_choice(node, s)) for s in cands[i]]
-                cost = np.array([c + m + g + problem.memory_weight * mem
-                                 for c, m, g, mem in rows])
+                cost = np.array([_round_cost(problem, node, s) for s in cands[i]])
                 cost_cache[key] = cost
             local[i] = len(sub_v)
             sub_v.append(SimpleNamespace(cost=cost))
