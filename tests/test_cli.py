@@ -18,6 +18,8 @@ def test_demo_prints_resolved_configuration():
     assert "device_num" in out and "auto_parallel" in out
     assert "allreduce fusion" in out and "size, threshold 32 MB" in out
     assert "96.54" in out
+    assert "dynamic_programming" in out and "vs exact" in out
+    assert "-> OK" in out  # the plan ran on 8 devices and matched one device
 
 
 def test_bad_arguments_fail_cleanly():
