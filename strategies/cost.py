@@ -147,19 +147,24 @@ class CostModel:
         if hit is not None:
             return hit
         a = b = 0.0
-        todo = list(steps)
-        if backward:
-            todo += [t for t in map(transpose_step, steps) if t is not None]
         c = self.cluster
-        for s in todo:
+        for s in steps:
+            # forward kind, and in backward its transpose: all_gather <-> reduce_scatter and
+            # all_to_all cost the same, slice -> all_gather, all_reduce -> nothing
+            kinds = [s.kind]
+            if backward and s.kind != "all_reduce":
+                kinds.append("all_gather" if s.kind == "slice" else s.kind)
             p, intra = self.group(s.axes, mesh)
-            if p <= 1 or s.kind == "slice":
+            if p <= 1:
                 continue
             bw, alpha = (c.intra_bandwidth, c.intra_alpha) if intra else \
                 (c.inter_bandwidth, c.inter_alpha)
-            k = 2.0 if s.kind == "all_reduce" else 1.0
-            b += k * (p - 1) / p * s.fraction / bw
-            a += k * (p - 1) * alpha
+            for kind in kinds:
+                if kind == "slice":
+                    continue
+                k = 2.0 if kind == "all_reduce" else 1.0
+                b += k * (p - 1) / p * s.fraction / bw
+                a += k * (p - 1) * alpha
         self._coef[key] = (a, b)
         return a, b
 

@@ -68,9 +68,10 @@ def transpose_step(step: Step) -> Step | None:
 
 def _fraction(dims: list[list[str]], mesh: DeviceMesh) -> float:
     """Per-device share of the global tensor for the current dims."""
-    n = 1
+    sizes, n = mesh.sizes, 1
     for axes in dims:
-        n *= mesh.size_of(axes)
+        for a in axes:
+            n *= sizes[a]
     return 1.0 / n
 
 
@@ -96,6 +97,7 @@ def plan_steps(src: Layout, dst: Layout, mesh: DeviceMesh,
         raise AutoParallelError("layout", str(dst), "a redistribution cannot create a partial "
                                 "sum; only resolve one")
     cur = [list(d) for d in src.dims]
+    want = [list(d) for d in dst.dims]
     steps: list[Step] = []
 
     # 1. resolve partial sums: reduce_scatter where the target splits on that axis next,
@@ -103,10 +105,9 @@ def plan_steps(src: Layout, dst: Layout, mesh: DeviceMesh,
     pending = [a for a in src.partial if a not in dst.partial]
     scatter: dict[int, list[str]] = {}
     for d in range(len(shape)):
-        want = dst.dims[d]
-        if cur[d] != list(want[:len(cur[d])]):
+        if cur[d] != want[d][:len(cur[d])]:
             continue
-        nxt = list(want[len(cur[d]):])
+        nxt = want[d][len(cur[d]):]
         take = []
         for a in nxt:
             if a in pending and not any(a in c for c in cur):
@@ -126,10 +127,10 @@ def plan_steps(src: Layout, dst: Layout, mesh: DeviceMesh,
 
     # 2. move splits until every dim matches the target.
     def is_prefix(d: int) -> bool:
-        return cur[d] == list(dst.dims[d][:len(cur[d])])
+        return cur[d] == want[d][:len(cur[d])]
 
     for _ in range(4 * len(mesh.axes) + 4):
-        if all(cur[d] == list(dst.dims[d]) for d in range(len(shape))):
+        if cur == want:
             break
         moved = False
         if enable_alltoall:
@@ -138,9 +139,9 @@ def plan_steps(src: Layout, dst: Layout, mesh: DeviceMesh,
                     continue
                 a = cur[d1][-1]
                 for d2 in range(len(shape)):
-                    want = dst.dims[d2]
-                    if d2 != d1 and is_prefix(d2) and len(want) > len(cur[d2]) \
-                            and want[len(cur[d2])] == a:
+                    w2 = want[d2]
+                    if d2 != d1 and is_prefix(d2) and len(w2) > len(cur[d2]) \
+                            and w2[len(cur[d2])] == a:
                         nb = _fraction(cur, mesh)
                         cur[d1].pop()
                         cur[d2].append(a)
@@ -155,14 +156,14 @@ def plan_steps(src: Layout, dst: Layout, mesh: DeviceMesh,
         if bad:
             d = bad[0]
             k = 0
-            while k < len(cur[d]) and k < len(dst.dims[d]) and cur[d][k] == dst.dims[d][k]:
+            while k < len(cur[d]) and k < len(want[d]) and cur[d][k] == want[d][k]:
                 k += 1
             gone = cur[d][k:]
             del cur[d][k:]
             steps.append(Step("all_gather", tuple(gone), d, fraction=_fraction(cur, mesh)))
             continue
         for d in range(len(shape)):
-            add = list(dst.dims[d][len(cur[d]):])
+            add = want[d][len(cur[d]):]
             if add:
                 cur[d].extend(add)
                 steps.append(Step("slice", tuple(add), d, fraction=_fraction(cur, mesh)))
