@@ -153,6 +153,7 @@ class Graph:
         self.out_tree = out_tree
         self.name = name
         self._by_name = {n.name: n for n in self.nodes}
+        self._fingerprint: str | None = None
         consumers: dict[str, list[str]] = {v: [] for v in self.values}
         for n in self.nodes:
             for v in n.inputs:
@@ -277,8 +278,10 @@ class Graph:
 
     def fingerprint(self) -> str:
         """Stable hash of structure + shapes + dtypes: same graph, same string, any process."""
-        blob = json.dumps(self.structure(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(blob.encode()).hexdigest()[:32]
+        if self._fingerprint is None:  # a graph never changes: hash it once
+            blob = json.dumps(self.structure(), sort_keys=True, separators=(",", ":"))
+            self._fingerprint = hashlib.sha256(blob.encode()).hexdigest()[:32]
+        return self._fingerprint
 
     # ------------------------------------------------------------------ printing
     def summary(self, max_rows: int | None = None) -> str:
