@@ -90,13 +90,21 @@ class Edge:
         if self._matrix is not None:
             return self._matrix[:, other] if at == "u" else self._matrix[other, :]
         p = self.problem
+        key = (p._edge_key(self.u, self.v, self.in_index, self.out_index), at, other)
+        hit = p._vector_cache.get(key)
+        if hit is not None:
+            return hit
         cu, cv = p.vertices[self.u].choices, p.vertices[self.v].choices
         if at == "u":
             dst = cv[other].in_layouts[self.in_index]
-            return np.array([p.edge_cost(self.value, c.out_layouts[self.out_index], dst)
-                             for c in cu])
-        src = cu[other].out_layouts[self.out_index]
-        return np.array([p.edge_cost(self.value, src, c.in_layouts[self.in_index]) for c in cv])
+            vec = np.array([p.edge_cost(self.value, c.out_layouts[self.out_index], dst)
+                            for c in cu])
+        else:
+            src = cu[other].out_layouts[self.out_index]
+            vec = np.array([p.edge_cost(self.value, src, c.in_layouts[self.in_index])
+                            for c in cv])
+        p._vector_cache[key] = vec
+        return vec
 
 
 @dataclass
@@ -233,6 +241,8 @@ class Problem:
         self._edge_cache: dict[tuple, np.ndarray] = {}
         self._pair_cache: dict[tuple, tuple[float, float]] = {}
         self._cost_cache: dict[tuple, tuple[float, float, float, float]] = {}
+        self._vector_cache: dict[tuple, np.ndarray] = {}
+        self._nbytes = {v: val.spec.nbytes for v, val in graph.values.items()}
         self._build(dataset_strategy, dict(fixed or {}), dict(fixed_splits or {}))
 
     # ------------------------------------------------------------------ choices
@@ -324,7 +334,7 @@ class Problem:
             steps = plan_steps(src, dst, self.mesh, self.enable_alltoall)
             coef = self.cm.coefficients(steps, self.mesh, backward=grad)
             self._pair_cache[key] = coef
-        return coef[0] + coef[1] * self.graph.spec(value).nbytes
+        return coef[0] + coef[1] * self._nbytes[value]
 
     # ------------------------------------------------------------------ build
     def _add_vertex(self, vertex: Vertex) -> int:
@@ -480,12 +490,20 @@ class Problem:
                 self._add_vertex(Vertex(f"<param>{v}", "param", list(choices), **arrays,
                                         value=v))
 
+    def _edge_key(self, ui: int, vi: int, j: int, out_index: int) -> tuple:
+        """Edges with equal keys have equal matrices (same signatures and choice lists)."""
+        u, v = self.vertices[ui], self.vertices[vi]
+        vkey = self._sig[v.name] if len(v.choices) != 1 else (self._sig[v.name], v.choices[0])
+        if u.kind == "op":
+            ukey: Any = self._sig[u.name] if len(u.choices) != 1 else (self._sig[u.name],
+                                                                        u.choices[0])
+        else:  # an input vertex: its layouts identify it
+            ukey = tuple(c.out_layouts[0] for c in u.choices)
+        return (ukey, out_index, vkey, j)
+
     def _edge_matrix(self, ui: int, vi: int, value: str, j: int, out_index: int) -> np.ndarray:
         u, v = self.vertices[ui], self.vertices[vi]
-        if u.kind == "op":
-            key: tuple = (self._sig[u.name], out_index, self._sig[v.name], j)
-        else:  # an input vertex: its layouts identify it
-            key = (tuple(c.out_layouts[0] for c in u.choices), self._sig[v.name], j)
+        key = self._edge_key(ui, vi, j, out_index)
         hit = self._edge_cache.get(key)
         if hit is not None:
             return hit
