@@ -66,6 +66,10 @@ def solve(problem: Problem) -> list[int]:
     cand_cache: dict[tuple, list[tuple[int, ...]]] = {}
     cost_cache: dict[tuple, np.ndarray] = {}
     sig = problem._sig
+    interned: dict[tuple, int] = {}   # candidate lists -> small ints, cheap in cache keys
+    data = [i for i, v in enumerate(verts) if v.kind == "data"]
+    links = [(e, sig[verts[e.u].name] if verts[e.u].kind == "op" else None,
+              sig[verts[e.v].name]) for e in edges if verts[e.u].kind != "param"]
     for r, p in enumerate(factors):
         used = set(mesh.names[:r + 1])
         cands = {}
@@ -78,9 +82,10 @@ def solve(problem: Problem) -> list[int]:
                 cand_cache[key] = _candidates(problem, i, splits[i], p)
             cands[i] = cand_cache[key]
         sub_v, sub_e, local = [], [], {}
+        cid = {i: interned.setdefault(tuple(cands[i]), len(interned)) for i in ops}
         for i in ops:
             node = verts[i].node
-            key = (sig[node.name], tuple(cands[i]))
+            key = (sig[node.name], cid[i])
             cost = cost_cache.get(key)
             if cost is None:
                 cost = np.array([_round_cost(problem, node, s) for s in cands[i]])
@@ -88,19 +93,15 @@ def solve(problem: Problem) -> list[int]:
             local[i] = len(sub_v)
             sub_v.append(SimpleNamespace(cost=cost))
         data_layout: dict[int, Layout] = {}
-        for i, v in enumerate(verts):
-            if v.kind == "data":
-                lay = v.choices[0].out_layouts[0]
-                counts = tuple(mesh.size_of([a for a in d if a in used]) for d in lay.dims)
-                data_layout[i] = Layout(mesh.assign(counts) or lay.dims)
-                local[i] = len(sub_v)
-                sub_v.append(SimpleNamespace(cost=np.zeros(1)))
-        for e in edges:
-            if e.u not in local or e.v not in local:
-                continue  # parameters follow their consumers at the end
-            src_key = (e.value, r) if e.u in data_layout else (sig[verts[e.u].name],
-                                                               tuple(cands[e.u]))
-            key = (src_key, e.out_index, sig[verts[e.v].name], e.in_index, tuple(cands[e.v]))
+        for i in data:
+            lay = verts[i].choices[0].out_layouts[0]
+            counts = tuple(mesh.size_of([a for a in d if a in used]) for d in lay.dims)
+            data_layout[i] = Layout(mesh.assign(counts) or lay.dims)
+            local[i] = len(sub_v)
+            sub_v.append(SimpleNamespace(cost=np.zeros(1)))
+        for e, su, sv in links:  # parameters follow their consumers at the end
+            src_key = (e.value, r) if su is None else (su, cid[e.u])
+            key = (src_key, e.out_index, sv, e.in_index, cid[e.v])
             m = cache.get(key)
             if m is None:
                 cu = [data_layout[e.u]] if e.u in data_layout else [
