@@ -48,6 +48,7 @@ from autopar.strategies.search import search
 from autopar.rewrite import rewrite
 from autopar.lower import lower
 from autopar.parallelize import parallelize
+from autopar.train import TrainStep, broadcast_parameters, train_step
 from autopar.fusion import Bucket, GradientBuckets, gradient_buckets
 from autopar.timeline import IterationTrace, plot_timeline, simulate
 from autopar.advisor import SplitAdvice, SplitComparison, advise_split, compare_splits
@@ -66,6 +67,9 @@ __all__ = [
     "rewrite",
     "lower",
     "parallelize",
+    "train_step",
+    "TrainStep",
+    "broadcast_parameters",
     "Bucket",
     "GradientBuckets",
     "gradient_buckets",

@@ -1,0 +1,399 @@
+"""``train_step(loss_fn, params, batch)``: one parallel training step (forward, backward,
+gradient synchronisation, optimizer update) as one jitted program on ``device_num`` devices.
+
+The loss is traced, searched, rewritten and lowered exactly as :func:`autopar.parallelize`
+does; the step differentiates the ``shard_map`` program with ``jax.grad`` (every
+tensor-parallel collective transposes into its dual: AllGather <-> ReduceScatter, AllReduce of
+a replicated cotangent), and the gradient synchronisation is the AllReduce that the transpose
+of ``shard_map`` puts on the cotangent of every parameter that is replicated over some mesh
+axes -- one all-reduce per such gradient, over exactly those axes (MindSpore's gradient
+AllReduce over the parameter's data-parallel group). autopar controls what that AllReduce
+does through the context:
+
+- ``gradients_mean=True``: the synchronised gradient is the gradient of the global loss
+  (the single-device reference). ``gradients_mean=False`` (MindSpore's default): the summed
+  gradient MindSpore produces when every device differentiates its own per-device mean loss,
+  i.e. ``dp x`` the reference, where ``dp`` is the data-parallel degree (the number of pieces
+  dim 0 of the batch is split into, :attr:`TrainStep.data_parallel_degree`).
+- ``loss_repeated_mean=True`` (default): a loss computed redundantly on ``r = device_num / dp``
+  devices contributes once (mean over the repeats). ``False``: the repeats are summed, so the
+  gradient is multiplied by ``r`` (1 under pure data parallel, where nothing is repeated).
+- ``gradient_fp32_sync=True`` (default; semi_auto_parallel and auto_parallel only, as in
+  MindSpore -- elsewhere gradients are all-reduced in their own dtype): bf16/fp16 parameters
+  enter the ``shard_map`` as fp32
+  and are cast down inside it, so their gradient AllReduce runs in fp32; the synchronised
+  gradient is cast back to the parameter dtype before the optimizer.
+- ``parameter_broadcast``: autopar takes one global parameter pytree, so every device starts
+  from the same values by construction; :func:`broadcast_parameters` makes this explicit for
+  arrays whose per-device copies may differ (rank 0's copy wins), and
+  :meth:`TrainStep.prepare` applies it when the key is set.
+- ``dataset_strategy`` / ``full_batch`` / ``enable_alltoall``: chosen by the search (the
+  batch inputs' layouts, the redistribution steps); the step runs whatever the plan says.
+
+``backend="pmap"`` (``parallel_mode="data_parallel"`` only) runs the same step with
+``jax.pmap``: the batch is reshaped to ``[device_num, batch / device_num, ...]``, each device
+differentiates its own loss, and ``lax.psum`` synchronises the gradients (divided by
+``device_num`` under ``gradients_mean``). This assumes the loss is a mean over batch rows (as
+MindSpore's data parallel does); it then gives the same numbers as the ``shard_map`` path.
+
+>>> import jax, autopar as ap
+>>> from autopar.models import mlp
+>>> m = mlp(widths=(8, 16, 8), batch=8)
+>>> params, x = m.example_args(jax.random.key(0))
+>>> with ap.auto_parallel_context(device_num=4, parallel_mode="data_parallel",
+...                               gradients_mean=True):
+...     step = ap.train_step(m.loss, params, (x,))
+>>> state = step.init(params)
+>>> params2, state, loss = step(params, state, x)
+>>> step.data_parallel_degree
+4
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from autopar.context import current_config
+from autopar.errors import AutoParallelError, AutoParallelTypeError
+from autopar.lower import _bind, _read, apply_step, jax_mesh
+from autopar.parallel_graph import ParallelGraph
+from autopar.parallelize import COLLECTIVES, parallelize
+from autopar.strategies.layout import DeviceMesh
+
+__all__ = ["train_step", "TrainStep", "broadcast_parameters", "train_body",
+           "DEFAULT_LEARNING_RATE"]
+
+#: The default optimizer is ``optax.sgd(DEFAULT_LEARNING_RATE)``.
+DEFAULT_LEARNING_RATE = 0.1
+_LOW_PRECISION = ("bfloat16", "float16")
+BACKENDS = ("shard_map", "pmap")
+
+
+def broadcast_parameters(params: Any, mesh: Mesh | None = None) -> Any:
+    """Every leaf of ``params`` placed replicated on ``mesh``, with the values of its first
+    device (rank 0): MindSpore's ``parameter_broadcast``.
+
+    A leaf whose per-device copies differ (e.g. built with
+    ``jax.make_array_from_single_device_arrays``) comes back equal to rank 0's copy on every
+    device; a split leaf is gathered whole first. ``mesh`` defaults to the first
+    ``device_num`` devices of the current context.
+    """
+    if mesh is None:
+        mesh = jax_mesh(DeviceMesh.for_devices(current_config().device_num))
+    if not isinstance(mesh, Mesh):
+        raise AutoParallelTypeError("mesh", mesh, "a jax.sharding.Mesh (or None)")
+    rank0 = mesh.devices.flat[0]
+    target = NamedSharding(mesh, PartitionSpec())
+
+    def one(x: Any) -> Any:
+        value = None
+        if isinstance(x, jax.Array) and x.sharding.is_fully_replicated:
+            for s in x.addressable_shards:
+                if s.device == rank0:
+                    value = np.asarray(s.data)
+                    break
+        if value is None:
+            value = np.asarray(x)
+        return jax.device_put(value, target)
+
+    return jax.tree.map(one, params)
+
+
+def _loss_psum(axes: tuple[str, ...], size: int) -> Callable[[Any], Any]:
+    """AllReduce of the final loss whose transpose needs no communication.
+
+    Under ``check_vma=False`` the transpose of ``shard_map`` hands every device the same
+    cotangent ``ct / device_num`` for a replicated output; ``lax.psum`` would transpose to a
+    second AllReduce giving ``ct * size / device_num``. The cotangent being the same on every
+    device, multiplying by ``size`` gives that result locally.
+    """
+    name = axes[0] if len(axes) == 1 else tuple(axes)
+
+    @jax.custom_vjp
+    def psum(x: Any) -> Any:
+        return lax.psum(x, name)
+
+    def fwd(x: Any) -> tuple[Any, None]:
+        return lax.psum(x, name), None
+
+    def bwd(_: None, ct: Any) -> tuple[Any]:
+        return (ct * size,)
+
+    psum.defvjp(fwd, bwd)
+    return psum
+
+
+def _replicated_tails(pg: ParallelGraph) -> set[str]:
+    """AllReduce nodes from whose output on every value is replicated (e.g. the loss sum):
+    their cotangent is the same on every device, so :func:`_loss_psum` applies."""
+    consumers: dict[str, list[Any]] = {}
+    for node in pg.nodes:
+        for v in node.inputs:
+            consumers.setdefault(v, []).append(node)
+    out: set[str] = set()
+    for node in pg.nodes:
+        if node.step is None or node.step.kind != "all_reduce":
+            continue
+        todo, seen, ok = list(node.outputs), set(), True
+        while todo and ok:
+            v = todo.pop()
+            if v in seen:
+                continue
+            seen.add(v)
+            if pg.values[v].layout.used_axes():
+                ok = False
+            for c in consumers.get(v, []):
+                todo.extend(c.outputs)
+        if ok:
+            out.add(node.name)
+    return out
+
+
+def train_body(pg: ParallelGraph, *flat: Any) -> tuple[Any, ...]:
+    """``lower.run_body`` for training: the AllReduce producing the loss is differentiated
+    without a second AllReduce (:func:`_loss_psum`); everything else is the same program."""
+    env: dict[str, Any] = dict(zip(pg.inputs, flat))
+    final = _replicated_tails(pg)
+    for node in pg.nodes:
+        args = [_read(env, pg, v) for v in node.inputs]
+        if node.step is not None:
+            st = node.step
+            if st.kind == "all_reduce" and node.name in final:
+                outs = [_loss_psum(st.axes, pg.mesh.size_of(st.axes))(args[0])]
+            else:
+                outs = [apply_step(args[0], st, pg.mesh)]
+        else:
+            outs = _bind(node, args, pg)
+        env.update(zip(node.outputs, outs))
+    return tuple(_read(env, pg, v) for v in pg.outputs)
+
+
+class TrainStep:
+    """A jitted parallel training step: ``step(params, opt_state, *batch) -> (params,
+    opt_state, loss)``; ``.init``, ``.grads``, ``.plan``, ``.parallel_graph``, ``.as_text``."""
+
+    def __init__(self, loss_fn: Callable[..., Any], params: Any, batch: tuple[Any, ...],
+                 optimizer: optax.GradientTransformation, *, mode: str | None,
+                 fixed: Mapping[str, Any] | None, cluster: Any, backend: str,
+                 mesh: Mesh | None) -> None:
+        cfg = current_config()
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.backend = backend
+        self.gradients_mean = bool(cfg.gradients_mean)
+        self.gradient_fp32_sync = bool(cfg.gradient_fp32_sync)
+        self.loss_repeated_mean = bool(cfg.loss_repeated_mean)
+        self.parameter_broadcast = bool(cfg.parameter_broadcast)
+        self.parallel_mode = cfg.parallel_mode
+        self.function = parallelize(loss_fn, params, *batch, mode=mode, fixed=fixed,
+                                    cluster=cluster, mesh=mesh)
+        self.plan = self.function.plan
+        self.parallel_graph = pg = self.function.parallel_graph
+        self.mesh: Mesh = self.function.mesh
+        self.device_num = pg.device_num
+        if len(pg.outputs) != 1 or pg.values[pg.outputs[0]].spec.shape != ():
+            raise AutoParallelError("loss_fn", getattr(loss_fn, "__name__", "fn"),
+                                    "must return one scalar loss", "Return jnp.mean(...) etc.")
+        p_leaves, self._p_tree = jax.tree_util.tree_flatten(params)
+        self._n_params = len(p_leaves)
+        self._p_dtypes = [str(np.dtype(x.dtype)) for x in p_leaves]
+        self._n_batch = len(pg.inputs) - self._n_params
+        batch_vals = [pg.values[v] for v in pg.inputs[self._n_params:]]
+        self.data_parallel_degree = 1
+        for v in batch_vals:
+            if v.spec.shape and v.layout.dims[0]:
+                self.data_parallel_degree = max(self.data_parallel_degree,
+                                                pg.mesh.size_of(v.layout.dims[0]))
+        for v in batch_vals:  # the search only splits evenly; never run an uneven split
+            split = pg.mesh.size_of(v.layout.dims[0]) if v.spec.shape else 1
+            if v.spec.shape and v.spec.shape[0] % split:
+                raise _uneven(v.spec.shape[0], split, v.name)
+        dp = self.data_parallel_degree
+        self.repeat = max(1, self.device_num // dp)
+        self.grad_scale = float((1 if self.gradients_mean else dp)
+                                * (1 if self.loss_repeated_mean else self.repeat))
+        # seed 002: gradient_fp32_sync acts in semi_auto_parallel / auto_parallel only
+        fp32 = self.gradient_fp32_sync and cfg.parallel_mode in ("semi_auto_parallel",
+                                                                 "auto_parallel")
+        self._cast = [fp32 and d in _LOW_PRECISION for d in self._p_dtypes]
+        self.param_shardings = [NamedSharding(self.mesh, pg.values[v].layout.partition_spec())
+                                for v in pg.inputs[:self._n_params]]
+        if backend == "pmap":
+            self._build_pmap(batch)
+        else:
+            self._build_shard_map()
+
+    # ------------------------------------------------------------------ shard_map path
+
+    def _build_shard_map(self) -> None:
+        pg, n_p, cast, dtypes = self.parallel_graph, self._n_params, self._cast, self._p_dtypes
+        in_specs = tuple(pg.values[v].layout.partition_spec() for v in pg.inputs)
+        out_specs = tuple(pg.values[v].layout.partition_spec() for v in pg.outputs)
+
+        def body(*flat: Any) -> tuple[Any, ...]:
+            flat = tuple(x.astype(dtypes[i]) if i < n_p and cast[i] else x
+                         for i, x in enumerate(flat))
+            return train_body(pg, *flat)
+
+        sharded = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                                check_vma=False)
+
+        def loss_of(p_leaves: list[Any], b_leaves: list[Any]) -> Any:
+            return sharded(*p_leaves, *b_leaves)[0]
+
+        def grads(p_leaves: list[Any], b_leaves: list[Any]) -> tuple[Any, list[Any]]:
+            sync = [x.astype(jnp.float32) if c else x for x, c in zip(p_leaves, cast)]
+            loss, g = jax.value_and_grad(loss_of)(sync, b_leaves)
+            g = [(gi * self.grad_scale if self.grad_scale != 1.0 else gi).astype(d)
+                 for gi, d in zip(g, dtypes)]
+            return loss, g
+
+        def step(p_leaves: list[Any], opt_state: Any, b_leaves: list[Any]) -> tuple:
+            loss, g = grads(p_leaves, b_leaves)
+            params = jax.tree_util.tree_unflatten(self._p_tree, p_leaves)
+            gtree = jax.tree_util.tree_unflatten(self._p_tree, g)
+            updates, opt_state = self.optimizer.update(gtree, opt_state, params)
+            new = jax.tree_util.tree_leaves(optax.apply_updates(params, updates))
+            new = [lax.with_sharding_constraint(x.astype(d), s)
+                   for x, d, s in zip(new, dtypes, self.param_shardings)]
+            return new, opt_state, loss
+
+        self._grads = jax.jit(grads)
+        self._step = jax.jit(step, donate_argnums=())
+
+    def _place(self, params: Any, batch: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        placed = self.function.lowered.place(params, *batch)
+        return placed[:self._n_params], placed[self._n_params:]
+
+    # ------------------------------------------------------------------ pmap path
+
+    def _build_pmap(self, batch: tuple[Any, ...]) -> None:
+        if self.parallel_mode != "data_parallel":
+            raise AutoParallelError("backend", "pmap", "the pmap lowering runs "
+                                    f"parallel_mode='data_parallel' only (got "
+                                    f"{self.parallel_mode!r})", "Use backend='shard_map'")
+        n = self.device_num
+        for x in jax.tree_util.tree_leaves(batch):
+            if not np.shape(x) or np.shape(x)[0] % n:
+                raise _uneven(np.shape(x)[0] if np.shape(x) else 0, n, "batch")
+        loss_fn, dtypes, cast = self.loss_fn, self._p_dtypes, self._cast
+        p_tree, mean = self._p_tree, self.gradients_mean
+
+        def local_grads(params: Any, *b: Any) -> tuple[Any, Any]:
+            loss, g = jax.value_and_grad(loss_fn)(params, *b)
+            leaves = jax.tree_util.tree_leaves(g)
+            leaves = [x.astype(jnp.float32) if c else x for x, c in zip(leaves, cast)]
+            leaves = [lax.psum(x, "dp") for x in leaves]
+            if mean:
+                leaves = [x / n for x in leaves]
+            leaves = [x.astype(d) for x, d in zip(leaves, dtypes)]
+            return lax.pmean(loss, "dp"), jax.tree_util.tree_unflatten(p_tree, leaves)
+
+        def local_step(params: Any, opt_state: Any, *b: Any) -> tuple:
+            loss, g = local_grads(params, *b)
+            updates, opt_state = self.optimizer.update(g, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        devices = list(np.asarray(self.mesh.devices).flat)
+        k = len(batch)
+        self._pgrads = jax.pmap(local_grads, axis_name="dp", in_axes=(None,) + (0,) * k,
+                                devices=devices)
+        self._pstep = jax.pmap(local_step, axis_name="dp", in_axes=(None, None) + (0,) * k,
+                               devices=devices)
+
+    def _split(self, batch: Sequence[Any]) -> list[Any]:
+        n = self.device_num
+        return [jax.tree.map(lambda x: jnp.reshape(x, (n, x.shape[0] // n) + x.shape[1:]), b)
+                for b in batch]
+
+    # ------------------------------------------------------------------ public
+
+    def init(self, params: Any) -> Any:
+        """The optimizer state for ``params`` (``optimizer.init``)."""
+        return self.optimizer.init(params)
+
+    def prepare(self, params: Any) -> Any:
+        """``params`` placed on the plan's layouts; with ``parameter_broadcast`` set, rank 0's
+        values are broadcast first (:func:`broadcast_parameters`)."""
+        if self.parameter_broadcast:
+            params = broadcast_parameters(params, self.mesh)
+        leaves = jax.tree_util.tree_leaves(params)
+        return jax.tree_util.tree_unflatten(
+            self._p_tree, [jax.device_put(x, s) for x, s in zip(leaves, self.param_shardings)])
+
+    def grads(self, params: Any, *batch: Any) -> tuple[Any, Any]:
+        """``(loss, synchronised gradients)`` as the step feeds them to the optimizer."""
+        if self.backend == "pmap":
+            loss, g = self._pgrads(params, *self._split(batch))
+            return loss[0], jax.tree.map(lambda x: x[0], g)
+        p, b = self._place(params, batch)
+        loss, g = self._grads(p, b)
+        return loss, jax.tree_util.tree_unflatten(self._p_tree, g)
+
+    def __call__(self, params: Any, opt_state: Any, *batch: Any) -> tuple[Any, Any, Any]:
+        if self.backend == "pmap":
+            p, s, loss = self._pstep(params, opt_state, *self._split(batch))
+            first = lambda x: x[0]  # noqa: E731 - replicated over the pmap axis
+            return jax.tree.map(first, p), jax.tree.map(first, s), loss[0]
+        p, b = self._place(params, batch)
+        new, opt_state, loss = self._step(p, opt_state, b)
+        return jax.tree_util.tree_unflatten(self._p_tree, new), opt_state, loss
+
+    def as_text(self, params: Any, opt_state: Any, *batch: Any) -> str:
+        """The lowered StableHLO text of the whole step (forward, backward, sync, update)."""
+        if self.backend == "pmap":
+            return self._pstep.lower(params, opt_state, *self._split(batch)).as_text()
+        p, b = self._place(params, batch)
+        return self._step.lower(p, opt_state, b).as_text()
+
+    def collective_counts(self, params: Any, opt_state: Any, *batch: Any) -> dict[str, int]:
+        """Collectives in the lowered step: ``stablehlo.<kind>`` occurrences per kind."""
+        text = self.as_text(params, opt_state, *batch)
+        return {k: len(re.findall(rf"stablehlo\.{k}\b", text)) for k in COLLECTIVES}
+
+    def __repr__(self) -> str:
+        return (f"TrainStep({getattr(self.loss_fn, '__name__', 'fn')!r}, {self.plan.mode}, "
+                f"{self.device_num} devices, backend={self.backend}, dp="
+                f"{self.data_parallel_degree}, grad_scale={self.grad_scale})")
+
+
+def _uneven(size: int, degree: int, where: str) -> AutoParallelError:
+    return AutoParallelError("batch size", size, f"input {where!r}: the batch size {size} does "
+                             f"not divide evenly over the data-parallel degree {degree}",
+                             f"Use a batch size that is a multiple of {degree}")
+
+
+def train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
+               optimizer: optax.GradientTransformation | None = None, *,
+               mode: str | None = None, fixed: Mapping[str, Any] | None = None,
+               cluster: Any = None, backend: str = "shard_map",
+               mesh: Mesh | None = None) -> TrainStep:
+    """Build a parallel training step for ``loss_fn(params, *batch)`` under the current context.
+
+    ``batch``: a tuple of example arrays (a single array is taken as ``(array,)``).
+    ``optimizer``: an optax ``GradientTransformation`` (default
+    ``optax.sgd(DEFAULT_LEARNING_RATE)``). ``mode`` / ``fixed`` / ``cluster`` / ``mesh``: as
+    for :func:`autopar.parallelize`. ``backend``: ``"shard_map"`` (any plan) or ``"pmap"``
+    (``parallel_mode="data_parallel"`` only). See the module docstring for the semantics of
+    each context key.
+    """
+    if not callable(loss_fn):
+        raise AutoParallelTypeError("loss_fn", loss_fn, "train_step needs a callable loss")
+    if not isinstance(batch, tuple):
+        batch = (batch,)
+    if optimizer is None:
+        optimizer = optax.sgd(DEFAULT_LEARNING_RATE)
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise AutoParallelTypeError("optimizer", optimizer, "an optax GradientTransformation")
+    if backend not in BACKENDS:
+        raise AutoParallelError("backend", backend, f"must be one of {BACKENDS}")
+    return TrainStep(loss_fn, params, batch, optimizer, mode=mode, fixed=fixed,
+                     cluster=cluster, backend=backend, mesh=mesh)

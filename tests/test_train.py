@@ -1,0 +1,312 @@
+"""Training steps: sharded SGD steps equal the single-device ones, and every context key that
+acts on training (gradients_mean, loss_repeated_mean, gradient_fp32_sync, parameter_broadcast,
+dataset_strategy/full_batch, enable_alltoall) changes what it should, observably."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import autopar as ap
+from autopar.lower import jax_mesh
+from autopar.models import mlp, transformer
+from autopar.strategies.cost import Cluster
+from autopar.strategies.layout import DeviceMesh
+
+KEY = jax.random.key(0)
+COMPUTE_BOUND = Cluster(name="compute-bound", devices_per_node=8, peak_flops=1e6,
+                        memory_bandwidth=1e6, memory_bytes=32e9, intra_bandwidth=1e12,
+                        intra_alpha=1e-9, inter_bandwidth=1e12, inter_alpha=1e-9)
+MODELS = {
+    "mlp": lambda: mlp(widths=(16, 64, 16), batch=8),
+    "transformer": lambda: transformer(layers=1, hidden=32, heads=2, seq=8, vocab=64, batch=8),
+}
+CONFIGS = {
+    "data_parallel": dict(parallel_mode="data_parallel"),
+    "semi_auto_parallel": dict(parallel_mode="semi_auto_parallel"),
+    "dynamic_programming": dict(parallel_mode="auto_parallel", search_mode="dynamic_programming"),
+}
+
+
+def close(a, b, rtol=1e-5, atol=1e-6):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=rtol,
+                               atol=atol)
+
+
+def collectives(text: str) -> dict[str, int]:
+    kinds = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "collective_permute")
+    return {k: len(re.findall(rf"stablehlo\.{k}\b", text)) for k in kinds}
+
+
+def reference_steps(loss, params, batch, steps, opt=None):
+    opt = opt or optax.sgd(ap.train.DEFAULT_LEARNING_RATE)
+    state = opt.init(params)
+
+    @jax.jit
+    def one(p, s):
+        l, g = jax.value_and_grad(loss)(p, *batch)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s, l
+
+    losses = []
+    for _ in range(steps):
+        params, state, l = one(params, state)
+        losses.append(l)
+    return params, losses
+
+
+def run_steps(step, params, batch, steps):
+    state = step.init(params)
+    losses = []
+    for _ in range(steps):
+        params, state, l = step(params, state, *batch)
+        losses.append(l)
+    return params, losses
+
+
+def column_fixed(loss, args, n):
+    g = ap.trace(loss, *args)
+    first = next(nd for nd in g.nodes if nd.op == "dot_general")
+    lhs, rhs = (g.spec(v).rank for v in first.inputs)
+    return {first.name: ((1,) * lhs, (1,) * (rhs - 1) + (n,))}
+
+
+# ------------------------------------------------------------------ several steps == reference
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("name", list(MODELS))
+def test_three_sgd_steps_equal_single_device(name, config):
+    m = MODELS[name]()
+    params, *batch = m.example_args(KEY)
+    ap.set_auto_parallel_context(device_num=8, gradients_mean=True, **CONFIGS[config])
+    fixed = column_fixed(m.loss, (params, *batch), 8) if config == "semi_auto_parallel" else None
+    cluster = COMPUTE_BOUND if config == "dynamic_programming" else None
+    step = ap.train_step(m.loss, params, tuple(batch), fixed=fixed, cluster=cluster)
+    got, got_losses = run_steps(step, params, batch, 3)
+    want, want_losses = reference_steps(m.loss, params, batch, 3)
+    rtol = 1e-5 if name == "mlp" else 1e-4
+    for a, b in zip(got_losses, want_losses):
+        close(a, b, rtol=rtol)
+    jax.tree.map(lambda a, b: close(a, b, rtol=rtol, atol=1e-5), got, want)
+    if config != "data_parallel":  # the plan really is not pure data parallel
+        assert any(pg_v.layout.used_axes() for v, pg_v in step.parallel_graph.values.items()
+                   if pg_v.kind == "param")
+
+
+@st.composite
+def mlp_shapes(draw):
+    devices = draw(st.sampled_from([1, 2, 4, 8]))
+    depth = draw(st.integers(1, 3))
+    widths = tuple(draw(st.sampled_from([4, 8, 16])) for _ in range(depth + 1))
+    batch = draw(st.sampled_from([8, 16]))
+    mode = draw(st.sampled_from(["data_parallel", "dynamic_programming"]))
+    return devices, widths, batch, mode
+
+
+@settings(max_examples=8, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(mlp_shapes())
+def test_random_mlp_gradients_match_reference(case):
+    devices, widths, batch, mode = case
+    m = mlp(widths=widths, batch=batch, loss="mse")
+    params, *b = m.example_args(KEY)
+    kw = (dict(parallel_mode="data_parallel") if mode == "data_parallel" else
+          dict(parallel_mode="auto_parallel", search_mode="dynamic_programming"))
+    with ap.auto_parallel_context(device_num=devices, gradients_mean=True, **kw):
+        step = ap.train_step(m.loss, params, tuple(b),
+                             cluster=COMPUTE_BOUND if mode != "data_parallel" else None)
+    loss, grads = step.grads(params, *b)
+    want_loss, want = jax.value_and_grad(m.loss)(params, *b)
+    close(loss, want_loss)
+    jax.tree.map(lambda a, c: close(a, c, atol=1e-5), grads, want)
+
+
+# ------------------------------------------------------------------ context keys
+
+
+def _mlp():
+    m = mlp(widths=(16, 32, 16), batch=16)
+    params, x = m.example_args(KEY)
+    return m, params, x
+
+
+def test_gradients_mean_false_is_dp_times_the_global_gradient():
+    m, params, x = _mlp()
+    want = jax.grad(m.loss)(params, x)
+    for mean, factor in ((True, 1.0), (False, 8.0)):
+        with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel",
+                                      gradients_mean=mean):
+            step = ap.train_step(m.loss, params, (x,))
+        assert step.data_parallel_degree == 8 and step.grad_scale == factor
+        _, g = step.grads(params, x)
+        jax.tree.map(lambda a, b: close(a, factor * b, atol=1e-5), g, want)
+
+
+def test_loss_repeated_mean_scales_by_the_repeat_count():
+    m, params, x = _mlp()
+    want = jax.grad(m.loss)(params, x)
+    fixed = column_fixed(m.loss, (params, x), 8)
+    for repeated_mean, factor in ((True, 1.0), (False, 8.0)):
+        with ap.auto_parallel_context(device_num=8, parallel_mode="semi_auto_parallel",
+                                      dataset_strategy="full_batch", gradients_mean=True,
+                                      loss_repeated_mean=repeated_mean):
+            step = ap.train_step(m.loss, params, (x,), fixed=fixed)
+        assert step.data_parallel_degree == 1 and step.repeat == 8
+        _, g = step.grads(params, x)
+        jax.tree.map(lambda a, b: close(a, factor * b, atol=1e-5), g, want)
+
+
+def test_gradient_fp32_sync_all_reduces_in_f32_and_casts_back():
+    m = mlp(widths=(16, 32, 16), batch=16, dtype=jnp.bfloat16)
+    params, x = m.example_args(KEY)
+    texts = {}
+    for fp32 in (True, False):
+        with ap.auto_parallel_context(device_num=8, parallel_mode="semi_auto_parallel",
+                                      gradients_mean=True, gradient_fp32_sync=fp32):
+            step = ap.train_step(m.loss, params, (x,))
+        state = step.init(params)
+        texts[fp32] = step.as_text(params, state, x)
+        _, g = step.grads(params, x)
+        assert all(a.dtype == jnp.bfloat16 for a in jax.tree.leaves(g))
+        new, _, _ = step(params, state, x)
+        assert all(a.dtype == jnp.bfloat16 for a in jax.tree.leaves(new))
+        want = jax.grad(m.loss)(params, x)
+        jax.tree.map(lambda a, b: close(a, b, rtol=5e-2, atol=5e-2), g, want)
+
+    def reduced_types(text):  # element type of each all-reduce's reduction region
+        return re.findall(r'stablehlo\.all_reduce"[^\n]*\n\s*\^bb0\(%\w+: tensor<(\w+)>', text)
+
+    on, off = reduced_types(texts[True]), reduced_types(texts[False])
+    n = len(jax.tree.leaves(params))
+    assert len(on) == len(off) == collectives(texts[True])["all_reduce"]
+    assert on.count("f32") >= n and on.count("bf16") <= 1  # gradients in f32 (loss: bf16)
+    assert off.count("bf16") >= n  # bf16 gradient all-reduces without the key
+
+
+def test_broadcast_parameters_takes_rank_zeros_copy():
+    mesh = jax_mesh(DeviceMesh.for_devices(8))
+    devices = list(mesh.devices.flat)
+    shape = (4, 3)
+    per_device = [jax.device_put(np.full(shape, float(i), np.float32), d)
+                  for i, d in enumerate(devices)]
+    differing = jax.make_array_from_single_device_arrays(
+        shape, NamedSharding(mesh, P()), per_device)
+    assert {float(s.data[0, 0]) for s in differing.addressable_shards} == set(range(8))
+    out = ap.broadcast_parameters({"w": differing, "b": np.ones(3, np.float32)}, mesh)
+    assert out["w"].sharding.is_fully_replicated
+    assert all(np.all(np.asarray(s.data) == 0.0) for s in out["w"].addressable_shards)
+    close(out["b"], np.ones(3))
+    m, params, x = _mlp()
+    with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel",
+                                  parameter_broadcast=True):
+        step = ap.train_step(m.loss, params, (x,))
+    placed = step.prepare(params)
+    jax.tree.map(close, placed, params)
+
+
+def test_full_batch_replicates_and_data_parallel_splits_the_batch():
+    m, params, x = _mlp()
+    fixed = column_fixed(m.loss, (params, x), 8)
+    with ap.auto_parallel_context(device_num=8, parallel_mode="semi_auto_parallel",
+                                  dataset_strategy="full_batch"):
+        full = ap.train_step(m.loss, params, (x,), fixed=fixed)
+    with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel"):
+        dp = ap.train_step(m.loss, params, (x,))
+    assert full.plan.split_counts("x") == (1, 1)
+    assert dp.plan.split_counts("x") == (8, 1)
+    assert full.data_parallel_degree == 1 and dp.data_parallel_degree == 8
+
+
+def test_enable_alltoall_decides_the_lowered_collectives():
+    m = MODELS["transformer"]()
+    params, *batch = m.example_args(KEY)
+    counts = {}
+    for flag in (True, False):
+        with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel",
+                                      search_mode="dynamic_programming", gradients_mean=True,
+                                      enable_alltoall=flag):
+            step = ap.train_step(m.loss, params, tuple(batch), cluster=COMPUTE_BOUND)
+        counts[flag] = step.collective_counts(params, step.init(params), *batch)
+        _, g = step.grads(params, *batch)
+        want = jax.grad(m.loss)(params, *batch)
+        jax.tree.map(lambda a, b: close(a, b, rtol=1e-4, atol=1e-5), g, want)
+    assert counts[True]["all_to_all"] > 0
+    assert counts[False]["all_to_all"] == 0
+
+
+# ------------------------------------------------------------------ communication, pmap, errors
+
+
+def test_data_parallel_step_has_one_all_reduce_per_gradient_plus_the_loss():
+    m, params, x = _mlp()
+    with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel"):
+        step = ap.train_step(m.loss, params, (x,))
+    counts = step.collective_counts(params, step.init(params), x)
+    assert counts == {"all_reduce": len(jax.tree.leaves(params)) + 1, "reduce_scatter": 0,
+                      "all_gather": 0, "all_to_all": 0, "collective_permute": 0}
+
+
+@pytest.mark.parametrize("mean", [True, False])
+def test_pmap_backend_equals_shard_map(mean):
+    m = mlp(widths=(16, 32, 16), batch=16, loss="mse")
+    params, *batch = m.example_args(KEY)
+    opt = optax.adam(1e-2)
+    with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel",
+                                  gradients_mean=mean):
+        sm = ap.train_step(m.loss, params, tuple(batch), opt)
+        pm = ap.train_step(m.loss, params, tuple(batch), opt, backend="pmap")
+    a, la = run_steps(sm, params, batch, 3)
+    b, lb = run_steps(pm, params, batch, 3)
+    for x, y in zip(la, lb):
+        close(x, y)
+    jax.tree.map(lambda x, y: close(x, y, atol=1e-5), a, b)
+    assert "all_reduce" in pm.as_text(params, pm.init(params), *batch)
+    if mean:
+        want, _ = reference_steps(m.loss, params, batch, 3, opt)
+        jax.tree.map(lambda x, y: close(x, y, atol=1e-5), b, want)
+
+
+def test_pmap_backend_needs_data_parallel():
+    m, params, x = _mlp()
+    with ap.auto_parallel_context(device_num=8, parallel_mode="semi_auto_parallel"):
+        with pytest.raises(ap.AutoParallelError, match="pmap"):
+            ap.train_step(m.loss, params, (x,), backend="pmap")
+
+
+def test_uneven_batch_matches_reference_or_is_rejected():
+    m = mlp(widths=(16, 32, 16), batch=6)
+    params, x = m.example_args(KEY)
+    with ap.auto_parallel_context(device_num=4, parallel_mode="data_parallel",
+                                  gradients_mean=True):
+        step = ap.train_step(m.loss, params, (x,))
+        # shard_map: the search splits the batch only as far as it divides (6 -> 2 ways)
+        assert step.data_parallel_degree == 2 and 6 % step.data_parallel_degree == 0
+        got, _ = run_steps(step, params, (x,), 2)
+        want, _ = reference_steps(m.loss, params, (x,), 2)
+        jax.tree.map(lambda a, b: close(a, b, atol=1e-5), got, want)
+        # pmap cannot split 6 rows over 4 devices: a clear error naming both numbers
+        with pytest.raises(ap.AutoParallelError, match=r"batch size 6 .*degree 4"):
+            ap.train_step(m.loss, params, (x,), backend="pmap")
+
+
+def test_bad_arguments_are_refused():
+    m, params, x = _mlp()
+    ap.set_auto_parallel_context(device_num=8, parallel_mode="data_parallel")
+    with pytest.raises(TypeError):
+        ap.train_step(m.loss, params, (x,), optimizer="sgd")
+    with pytest.raises(ap.AutoParallelError, match="backend"):
+        ap.train_step(m.loss, params, (x,), backend="xmap")
+    with pytest.raises(ap.AutoParallelError, match="scalar"):
+        ap.train_step(lambda p, x: x @ p["layer0"]["w"], params, (x,))
+    step = ap.train_step(m.loss, params, x)  # a bare array is a one-element batch
+    assert "TrainStep" in repr(step)
