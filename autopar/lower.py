@@ -255,13 +255,19 @@ def _read(env: dict[str, Any], pg: ParallelGraph, v: str) -> Any:
     return jnp.asarray(val.data, dtype=val.spec.dtype)
 
 
-def run_body(pg: ParallelGraph, *flat: Any) -> tuple[Any, ...]:
-    """The per-device program: local inputs (in ``pg.inputs`` order) -> local outputs."""
+def run_body(pg: ParallelGraph, *flat: Any,
+             run_step: Callable[[PNode, Any], Any] | None = None) -> tuple[Any, ...]:
+    """The per-device program: local inputs (in ``pg.inputs`` order) -> local outputs.
+
+    ``run_step(node, x)`` may replace how a communication node runs (the training step uses
+    it for the loss all-reduce); it returns None to keep the default collective.
+    """
     env: dict[str, Any] = dict(zip(pg.inputs, flat))
     for node in pg.nodes:
         args = [_read(env, pg, v) for v in node.inputs]
         if node.step is not None:
-            outs = [apply_step(args[0], node.step, pg.mesh)]
+            out = run_step(node, args[0]) if run_step is not None else None
+            outs = [apply_step(args[0], node.step, pg.mesh) if out is None else out]
         else:
             outs = _bind(node, args, pg)
         env.update(zip(node.outputs, outs))

@@ -63,7 +63,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar.context import current_config
 from autopar.errors import AutoParallelError, AutoParallelTypeError
-from autopar.lower import _bind, _read, apply_step, jax_mesh
+from autopar.lower import jax_mesh, run_body
 from autopar.parallel_graph import ParallelGraph
 from autopar.parallelize import COLLECTIVES, parallelize
 from autopar.strategies.layout import DeviceMesh
@@ -160,20 +160,15 @@ def _replicated_tails(pg: ParallelGraph) -> set[str]:
 def train_body(pg: ParallelGraph, *flat: Any) -> tuple[Any, ...]:
     """``lower.run_body`` for training: the AllReduce producing the loss is differentiated
     without a second AllReduce (:func:`_loss_psum`); everything else is the same program."""
-    env: dict[str, Any] = dict(zip(pg.inputs, flat))
     final = _replicated_tails(pg)
-    for node in pg.nodes:
-        args = [_read(env, pg, v) for v in node.inputs]
-        if node.step is not None:
-            st = node.step
-            if st.kind == "all_reduce" and node.name in final:
-                outs = [_loss_psum(st.axes, pg.mesh.size_of(st.axes))(args[0])]
-            else:
-                outs = [apply_step(args[0], st, pg.mesh)]
-        else:
-            outs = _bind(node, args, pg)
-        env.update(zip(node.outputs, outs))
-    return tuple(_read(env, pg, v) for v in pg.outputs)
+
+    def run_step(node: Any, x: Any) -> Any:
+        st = node.step
+        if st.kind == "all_reduce" and node.name in final:
+            return _loss_psum(st.axes, pg.mesh.size_of(st.axes))(x)
+        return None
+
+    return run_body(pg, *flat, run_step=run_step)
 
 
 class TrainStep:
