@@ -195,3 +195,15 @@ def test_memory_budget_prices_memory_or_fails():
                                                                           "memory_bytes": 8e7}))
     with pytest.raises(ValueError, match="no solution"):
         ap.search(g, mode="exact", cluster=ap.Cluster(**{**base, "memory_bytes": 8e7}))
+
+
+@pytest.mark.parametrize("name", ["mlp", "tfm_stack", "transformer", "resnet50"])
+def test_propagation_runs_on_every_zoo_model(name):
+    g = graph(name)
+    first = next(n for n in g.nodes if n.op in ("dot_general", "conv_general_dilated"))
+    entry = tuple((1,) * g.spec(v).rank for v in first.inputs)
+    plan = ap.search(g, mode="sharding_propagation", fixed={first.name: entry})
+    dp = ap.search(g, mode="dynamic_programming", fixed={first.name: entry})
+    assert plan.strategy(first.name) == entry
+    assert plan.objective >= dp.objective * (1 - 1e-9)
+    assert set(plan.nodes) == {n.name for n in g.nodes}
