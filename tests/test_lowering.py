@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 import autopar as ap
 from autopar.lower import apply_step, jax_mesh
 from autopar.models import mlp, resnet50, tfm_stack, transformer
-from autopar.strategies.cost import Cluster
+from clusters import COMPUTE_BOUND
 from autopar.strategies.layout import DeviceMesh, Layout
 from autopar.strategies.redistribution import redistribute
 
@@ -26,11 +26,6 @@ import shards
 
 KEY = jax.random.key(0)
 
-#: Compute so slow and links so fast that the search splits every operator it can: at test
-#: sizes the real presets replicate most of a small model, which would test little.
-COMPUTE_BOUND = Cluster(name="compute-bound", devices_per_node=8, peak_flops=1e6,
-                        memory_bandwidth=1e6, memory_bytes=32e9, intra_bandwidth=1e12,
-                        intra_alpha=1e-9, inter_bandwidth=1e12, inter_alpha=1e-9)
 
 MODELS = {
     "mlp": lambda: mlp(widths=(16, 64, 16), batch=8),

@@ -19,13 +19,10 @@ from jax.sharding import PartitionSpec as P
 import autopar as ap
 from autopar.lower import jax_mesh
 from autopar.models import mlp, transformer
-from autopar.strategies.cost import Cluster
+from clusters import COMPUTE_BOUND
 from autopar.strategies.layout import DeviceMesh
 
 KEY = jax.random.key(0)
-COMPUTE_BOUND = Cluster(name="compute-bound", devices_per_node=8, peak_flops=1e6,
-                        memory_bandwidth=1e6, memory_bytes=32e9, intra_bandwidth=1e12,
-                        intra_alpha=1e-9, inter_bandwidth=1e12, inter_alpha=1e-9)
 MODELS = {
     "mlp": lambda: mlp(widths=(16, 64, 16), batch=8),
     "transformer": lambda: transformer(layers=1, hidden=32, heads=2, seq=8, vocab=64, batch=8),
