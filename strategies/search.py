@@ -19,9 +19,10 @@ memory priced into the objective; if none fits, the error says how much is missi
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, Callable, Mapping
 
-from autopar.errors import AutoParallelError, AutoParallelTypeError
+from autopar.errors import AutoParallelError, AutoParallelTypeError, AutoParallelWarning
 from autopar.graph.ir import Graph
 from autopar.strategies import (dynamic_programming, exact, recursive_programming,
                                 sharding_propagation)
@@ -114,16 +115,24 @@ def search(graph: Graph, *, mode: str | None = None, device_num: int | None = No
                                     "by autopar.trace")
     m, n, clus, fixed_map, pmode, cfg = _resolve(mode, device_num, cluster, fixed,
                                                  parallel_mode)
+    if fixed_map and pmode in ("stand_alone", "data_parallel"):
+        warnings.warn(f"fixed strategies are not used under parallel_mode={pmode!r} (every "
+                      "operator is data parallel there); use semi_auto_parallel or "
+                      "auto_parallel to honour them", AutoParallelWarning, stacklevel=2)
     mesh = DeviceMesh.for_devices(n)
     cm = CostModel(clus)
     t0 = time.perf_counter()
     label = m if pmode == "auto_parallel" else pmode
     for weight in _MEMORY_WEIGHTS:
+        derived = pmode != "auto_parallel" and n > 1  # strategies derived, not searched
+        # (a derived mode only needs this first problem's loop nests and checked fixed
+        # strategies, so it is built lazily: no choice lists)
         problem = Problem(graph, mesh, cm, enable_alltoall=cfg.enable_alltoall,
                           dataset_strategy=cfg.dataset_strategy, memory_weight=weight,
                           fixed=fixed_map, full_use=fully_use_devices,
-                          lazy=pmode == "auto_parallel" and m == "recursive_programming")
-        if pmode != "auto_parallel" and n > 1:
+                          lazy=derived or (pmode == "auto_parallel"
+                                           and m == "recursive_programming"))
+        if derived:
             dp = data_parallel_splits(problem.specs, graph, n, mesh)
             keep = set(problem.fixed) if pmode in ("semi_auto_parallel",
                                                    "hybrid_parallel") else set()

@@ -207,3 +207,12 @@ def test_propagation_runs_on_every_zoo_model(name):
     assert plan.strategy(first.name) == entry
     assert plan.objective >= dp.objective * (1 - 1e-9)
     assert set(plan.nodes) == {n.name for n in g.nodes}
+
+
+def test_fixed_strategies_under_data_parallel_warn():
+    g = graph("mlp")
+    first = [n.name for n in g.nodes if n.op == "dot_general"][0]
+    with ap.auto_parallel_context(parallel_mode="data_parallel"):
+        with pytest.warns(ap.AutoParallelWarning, match="not used"):
+            plan = ap.search(g, fixed={first: ((2, 1), (1, 4))})
+    assert plan.nodes[first].splits[0] == 8  # data parallel all the same
