@@ -48,10 +48,20 @@ from autopar.strategies.search import search
 from autopar.rewrite import rewrite
 from autopar.lower import lower
 from autopar.parallelize import parallelize
+from autopar import checkpoint
+from autopar.checkpoint import (StrategyFileError, load_strategy, read_strategy_file,
+                                save_strategy)
+from autopar.mindspore_import import MindSporeImport, import_mindspore_strategy
+from autopar.compare import ModeResult, compare_modes
 from autopar.train import TrainStep, broadcast_parameters, train_step
+from autopar.grad_sync import sync_gradients
 from autopar.fusion import Bucket, GradientBuckets, gradient_buckets
 from autopar.timeline import IterationTrace, plot_timeline, simulate
 from autopar.advisor import SplitAdvice, SplitComparison, advise_split, compare_splits
+from autopar.pipeline import PackedParams, PipelinePlan, PipelineTrainStep, pipeline_train_step
+from autopar.pipeline_timeline import PipelineTrace, simulate_pipeline, simulate_schedule
+from autopar.schedules import Schedule, schedule as pipeline_schedule
+from autopar.strategies.stages import StagePartition, partition_stages
 
 __version__ = "0.1.0"
 
@@ -67,9 +77,18 @@ __all__ = [
     "rewrite",
     "lower",
     "parallelize",
+    "StrategyFileError",
+    "load_strategy",
+    "read_strategy_file",
+    "save_strategy",
+    "MindSporeImport",
+    "import_mindspore_strategy",
+    "ModeResult",
+    "compare_modes",
     "train_step",
     "TrainStep",
     "broadcast_parameters",
+    "sync_gradients",
     "Bucket",
     "GradientBuckets",
     "gradient_buckets",
@@ -116,4 +135,15 @@ __all__ = [
     "set_auto_parallel_context",
     "set_split_strategy_by_idx",
     "set_split_strategy_by_size",
+    "PackedParams",
+    "PipelinePlan",
+    "PipelineTrainStep",
+    "pipeline_train_step",
+    "PipelineTrace",
+    "simulate_pipeline",
+    "simulate_schedule",
+    "Schedule",
+    "pipeline_schedule",
+    "StagePartition",
+    "partition_stages",
 ]

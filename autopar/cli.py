@@ -1,110 +1,447 @@
-"""The `autopar` command."""
+"""The `autopar` command: demo, search, compare, run, trace, show.
+
+    autopar demo                                   the main job end to end on 8 emulated devices
+    autopar search  --model transformer -o layers=2 --devices 8 --mode dynamic_programming
+    autopar compare --model mlp --devices 8 [--measure] [--out DIR]
+    autopar run     --model mlp --devices 8 --steps 3 --check [--save FILE | --load FILE]
+    autopar trace   --model transformer --devices 8 [--out trace.json] [--png trace.png]
+    autopar show    strategy.json
+
+``--model`` is a zoo name (mlp, transformer, tfm_stack, resnet50; builder options with
+``-o KEY=VALUE``) or ``MODULE:FUNCTION`` naming a function that returns ``(fn, example_args)``.
+``python -m autopar`` is the same command. See docs/cli.md.
+"""
 
 from __future__ import annotations
 
 import argparse
-import os
+import json
 import sys
-from typing import Sequence
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from autopar.cli_util import CLIError, Progress, load_model, parse_options, setup_devices, table
+
+__all__ = ["main", "build_parser"]
+
+MODES = ("recursive_programming", "dynamic_programming", "sharding_propagation", "exact")
+PARALLEL_MODES = ("auto_parallel", "semi_auto_parallel", "data_parallel", "hybrid_parallel",
+                  "stand_alone")
 
 
-def _setup_devices(n: int) -> None:
-    """Emulate n CPU devices; must run before the first JAX computation."""
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import jax
-
-    jax.config.update("jax_num_cpu_devices", n)
+def _out(*a: Any) -> None:
+    print(*a, flush=True)
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    """The main job end to end, as far as it exists: configure, trace, search, compare."""
-    _setup_devices(args.devices)
-    import time
+def _graph(args: argparse.Namespace, *, concrete: bool = False) -> tuple[Any, Any, Any, str]:
+    import autopar as ap
 
+    fn, ex, desc = load_model(args.model, parse_options(args.option), concrete=concrete)
+    with Progress("trace", 1) as bar:
+        graph = ap.trace(fn, *ex)
+        bar.advance(f"{len(graph.nodes)} nodes")
+    return fn, ex, graph, desc
+
+
+def _context(args: argparse.Namespace, **extra: Any) -> Any:
+    import autopar as ap
+
+    keys = dict(device_num=args.devices,
+                parallel_mode=getattr(args, "parallel_mode", None) or "auto_parallel")
+    if getattr(args, "mode", None):
+        keys["search_mode"] = args.mode
+    keys.update({k: v for k, v in extra.items() if v is not None})
+    return ap.auto_parallel_context(**keys)
+
+
+# ---------------------------------------------------------------------------- search
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    import autopar as ap
+
+    _, _, graph, desc = _graph(args)
+    save = str(args.save) if args.save else None
+    load = str(args.load) if args.load else None
+    with _context(args, strategy_ckpt_save_file=save, strategy_ckpt_load_file=load):
+        with Progress("search", 1) as bar:
+            plan = ap.search(graph, cluster=args.cluster)
+            bar.advance(plan.mode)
+    _out(f"{desc}: {len(graph.nodes)} operators, {len(graph.parameters())} parameters, "
+         f"fingerprint {graph.fingerprint()[:12]}")
+    _out(plan.summary())
+    if args.full:
+        _out("\n" + str(plan))
+    else:
+        rows = [("parameter", "shape", "layout", "splits")]
+        rows += [(v, str(graph.spec(v).shape), str(plan.layouts[v]),
+                  str(plan.split_counts(v))) for v in graph.parameters()[:args.limit]]
+        _out("\n" + table(rows, align="llll"))
+        if len(graph.parameters()) > args.limit:
+            _out(f"... {len(graph.parameters()) - args.limit} more (--limit, --full)")
+    for note in plan.notes:
+        _out(f"note: {note}")
+    if save:
+        _out(f"\nstrategy file written: {save}")
+    return 0
+
+
+# ---------------------------------------------------------------------------- compare
+
+
+def _build_step(fn: Any, ex: tuple, plan: Any, graph: Any, devices: int) -> Any:
+    """A compiled, warmed-up training step (forward, backward, sync, SGD) running ``plan``
+    (saved to a strategy file and loaded, so exactly that plan runs)."""
     import jax
 
     import autopar as ap
-    from autopar.models import transformer
 
-    print("autopar demo: configure the auto-parallel context as MindSpore users do\n")
-    print('  ap.set_auto_parallel_context(device_num=%d, parallel_mode="auto_parallel",\n'
-          '      search_mode="dynamic_programming",\n'
-          '      comm_fusion={"allreduce": {"mode": "size", "config": 32}})\n' % args.devices)
-    ap.set_auto_parallel_context(device_num=args.devices, parallel_mode="auto_parallel",
-                                 search_mode="dynamic_programming",
-                                 comm_fusion={"allreduce": {"mode": "size", "config": 32}})
-    resolved = ap.resolve_context()
-    print(resolved.table())
-    split = ap.get_split_strategy()
-    print(f"\nHCCL gradient split ({split.group}): {split.mode} {list(split.values)}"
-          f"{' (default)' if split.is_default else ''}\n")
-
-    model = transformer(layers=args.layers, hidden=256, heads=8, seq=128, vocab=1024, batch=8)
-    t0 = time.perf_counter()
-    graph = ap.trace(model.loss, *jax.eval_shape(model.example_args, jax.random.key(0)))
-    print(f"traced the zoo transformer ({args.layers} layers): {len(graph.nodes)} nodes, "
-          f"{len(graph.parameters())} parameters, fingerprint {graph.fingerprint()[:12]} "
-          f"in {time.perf_counter() - t0:.2f} s\n")
-    plans = {}
-    for mode in ("recursive_programming", "dynamic_programming", "exact"):
-        plans[mode] = ap.search(graph, mode=mode, cluster=args.cluster)
-    best = plans["exact"].objective
-    print(f"search modes on {args.devices} devices, cluster {args.cluster}:")
-    print(f"  {'mode':<24}{'step ms':>10}{'vs exact':>10}{'search s':>10}")
-    for mode, plan in plans.items():
-        print(f"  {mode:<24}{plan.cost.total * 1e3:>10.3f}{plan.objective / best:>10.4f}"
-              f"{plan.search_seconds:>10.3f}")
-    plan = plans[resolved.config.search_mode]
-    print("\n" + plan.summary())
-    for p in graph.parameters()[:6]:
-        print(f"  {p}: {plan.layout(p)} (splits {plan.split_counts(p)})")
-    return _demo_run(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = ap.save_strategy(plan, graph, Path(tmp) / "plan.json")
+        with ap.auto_parallel_context(device_num=devices, parallel_mode="auto_parallel",
+                                      strategy_ckpt_load_file=str(path)):
+            step = ap.train_step(fn, ex[0], tuple(ex[1:]))
+    state = [step.prepare(ex[0]), step.init(ex[0])]
+    params, opt, loss = step(*state, *ex[1:])
+    jax.block_until_ready(loss)
+    return step, [params, opt]
 
 
-def _demo_run(args: argparse.Namespace) -> int:
-    """Run the plan for real on the emulated devices and check it against one device."""
+def _measure_all(fn: Any, ex: tuple, rows: list, graph: Any, devices: int,
+                 steps: int) -> None:
+    """Median step time of every plan, timed round-robin (one step of each plan per round) so
+    that noise from a shared machine hits every plan alike."""
+    import jax
+
+    built = []
+    with Progress("compile", len(rows)) as bar:
+        for r in rows:
+            built.append(_build_step(fn, ex, r.plan, graph, devices))
+            bar.advance(r.mode)
+    times: list[list[float]] = [[] for _ in rows]
+    with Progress("measure rounds", steps) as bar:
+        for _ in range(steps):
+            for k, (step, state) in enumerate(built):
+                t0 = time.perf_counter()
+                params, opt, loss = step(*state, *ex[1:])
+                jax.block_until_ready(loss)
+                times[k].append(time.perf_counter() - t0)
+                state[:] = [params, opt]
+            bar.advance()
+    for r, ts in zip(rows, times):
+        r.measured_step_seconds = sorted(ts)[len(ts) // 2]
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from autopar.compare import compare_modes, comparison_rows, write_comparison
+
+    modes = args.modes or list(MODES)
+    fn, ex, graph, desc = _graph(args, concrete=args.measure)
+    with Progress("search modes", len(modes)) as bar:
+        with _context(args):
+            rows = compare_modes(graph, device_num=args.devices, cluster=args.cluster,
+                                 modes=modes, on_done=bar.advance)
+    if args.measure:
+        _measure_all(fn, ex, rows, graph, args.devices, args.steps)
+    title = f"search modes: {desc} on {args.devices} devices, cluster {args.cluster}"
+    _out(title)
+    _out(table(comparison_rows(rows, measured=args.measure)))
+    meta = {"model": desc, "devices": args.devices, "cluster": args.cluster,
+            "command": "autopar " + " ".join(sys.argv[1:]) if sys.argv else "autopar compare"}
+    paths = write_comparison(rows, args.out, title=title, meta=meta)
+    _out("\nwritten: " + ", ".join(str(p) for p in paths.values()))
+    if "png" not in paths:
+        _out("(no PNG: install the plot extra, pip install 'autopar[plot]')")
+    return 0
+
+
+# ---------------------------------------------------------------------------- run
+
+
+def _distributed(args: argparse.Namespace) -> None:
+    """Multi-process set-up (before any JAX computation): CPU devices, gloo, initialize."""
+    import jax
+
+    if args.num_processes == 1:
+        if args.backend == "cpu":
+            setup_devices(args.devices)
+        return
+    if args.coordinator is None or args.process_id is None:
+        raise CLIError("--num-processes > 1 needs --coordinator HOST:PORT and --process-id")
+    if not 0 <= args.process_id < args.num_processes:
+        raise CLIError(f"--process-id must be in [0, {args.num_processes}), got "
+                       f"{args.process_id}")
+    if args.devices % args.num_processes:
+        raise CLIError(f"--devices {args.devices} must divide evenly over "
+                       f"--num-processes {args.num_processes}")
+    if args.backend == "cpu":  # emulated CPU devices, connected with gloo
+        setup_devices(args.devices // args.num_processes)
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,
+                               process_id=args.process_id)
+
+
+def _global_numpy(tree: Any) -> Any:
+    import jax
+    import numpy as np
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        tree = multihost_utils.process_allgather(tree, tiled=True)
+    return jax.tree.map(np.asarray, tree)
+
+
+def _reference(fn: Any, ex: tuple, steps: int) -> tuple[list[float], Any]:
+    """The same SGD steps on one device (the default device, no sharding)."""
+    import jax
+    import optax
+
+    from autopar.train import DEFAULT_LEARNING_RATE
+
+    opt = optax.sgd(DEFAULT_LEARNING_RATE)
+    dev = jax.local_devices()[0]
+    params = jax.device_put(ex[0], dev)
+    batch = jax.device_put(tuple(ex[1:]), dev)
+    state = opt.init(params)
+
+    @jax.jit
+    def one(p: Any, s: Any, b: Any) -> tuple:
+        loss, g = jax.value_and_grad(fn)(p, *b)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s, loss
+
+    losses = []
+    for _ in range(steps):
+        params, state, loss = one(params, state, batch)
+        losses.append(float(loss))
+    return losses, jax.tree.map(lambda x: jax.device_get(x), params)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
     import jax
     import numpy as np
 
     import autopar as ap
-    from autopar.models import transformer
 
-    small = transformer(layers=args.layers, hidden=64, heads=4, seq=16, vocab=128,
-                                  batch=8)
-    example = small.example_args(jax.random.key(0))
-    f = ap.parallelize(small.loss, *example, cluster=args.cluster)
-    print(f"\nparallelized a small transformer (hidden 64, seq 16, batch 8) on {args.devices} "
-          f"devices; collectives in the lowered program: {f.collective_counts(*example)}")
-    loss_p = float(f(*example))
-    loss_1 = float(jax.jit(small.loss)(*example))
-    grad_p = jax.grad(lambda *a: f(*a))(*example)
-    grad_1 = jax.grad(small.loss)(*example)
-    err = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-              for a, b in zip(jax.tree.leaves(grad_p), jax.tree.leaves(grad_1)))
-    ok = abs(loss_p - loss_1) <= 1e-5 * max(1.0, abs(loss_1)) and err <= 1e-4
-    print(f"loss on {args.devices} devices {loss_p:.6f} vs one device {loss_1:.6f}; max gradient "
-          f"difference {err:.2e} -> {'OK' if ok else 'MISMATCH'}")
+    fn, ex, desc = load_model(args.model, parse_options(args.option), concrete=True)
+    ex = tuple(jax.tree.map(np.asarray, ex))  # host arrays: identical on every process
+    lead = jax.process_index() == 0
+    save = str(args.save) if args.save else None
+    load = str(args.load) if args.load else None
+    with _context(args, strategy_ckpt_save_file=save if lead else None,
+                  strategy_ckpt_load_file=load, gradients_mean=True):
+        step = ap.train_step(fn, ex[0], tuple(ex[1:]), cluster=args.cluster)
+    params, state = step.prepare(ex[0]), step.init(ex[0])
+    losses = []
+    with Progress("train steps", args.steps, quiet=not lead) as bar:
+        for k in range(args.steps):
+            params, state, loss = step(params, state, *ex[1:])
+            losses.append(float(loss))
+            bar.advance(f"loss {losses[-1]:.6f}")
+    final = _global_numpy(params)
+    result: dict[str, Any] = {
+        "model": desc, "devices": args.devices, "processes": jax.process_count(),
+        "mode": step.plan.mode, "losses": losses,
+        "param_sums": [float(np.sum(x, dtype=np.float64)) for x in jax.tree.leaves(final)],
+        "collectives": {k: v for k, v in step.parallel_graph.comm_counts().items()}}
+    ok = True
+    if args.check:
+        ref_losses, ref = _reference(fn, ex, args.steps)
+        diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                   for a, b in zip(jax.tree.leaves(final), jax.tree.leaves(ref)))
+        loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+        ok = diff <= args.atol and loss_diff <= args.atol * max(1.0, abs(ref_losses[0]))
+        result.update(reference_losses=ref_losses, max_param_diff=diff,
+                      max_loss_diff=loss_diff, match=ok)
+    if lead:
+        _out(f"{desc} on {args.devices} devices ({jax.process_count()} process(es)): "
+             f"{step.plan.summary()}")
+        rows = [("step", "loss") + (("one device",) if args.check else ())]
+        for k, loss in enumerate(losses):
+            rows.append((str(k + 1), f"{loss:.6f}") + ((f"{result['reference_losses'][k]:.6f}",)
+                                                      if args.check else ()))
+        _out(table(rows))
+        if args.check:
+            _out(f"max parameter difference vs one device {result['max_param_diff']:.2e} -> "
+                 f"{'OK' if ok else 'MISMATCH'}")
+        if save:
+            _out(f"strategy file written: {save}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
     return 0 if ok else 1
 
 
+# ---------------------------------------------------------------------------- trace / show
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    import autopar as ap
+
+    _, _, graph, desc = _graph(args)
+    with _context(args):
+        with Progress("search + simulate", 2) as bar:
+            plan = ap.search(graph, cluster=args.cluster)
+            bar.advance(plan.mode)
+            it = ap.simulate(graph, plan, buckets=args.buckets, cluster=args.cluster)
+            bar.advance("iteration trace")
+    _out(f"{desc}: {plan.summary()}\n")
+    _out(it.summary())
+    _out(it.table())
+    if args.out:
+        it.write_chrome_trace(args.out)
+        _out(f"\nChrome trace written: {args.out} (open in ui.perfetto.dev)")
+    if args.png:
+        try:
+            it.plot(args.png)
+            _out(f"PNG written: {args.png}")
+        except ImportError:
+            _out("(no PNG: install the plot extra, pip install 'autopar[plot]')")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from autopar.checkpoint import read_strategy_file
+
+    f = read_strategy_file(args.file)
+    p = f.predicted
+    _out(f"strategy file {args.file} (format {f.format} v{f.version})")
+    _out(table([("field", "value"),
+                ("fingerprint", f.fingerprint), ("device_num", f.device_num),
+                ("mesh", " x ".join(f"{a.name}:{a.size}" for a in f.mesh)),
+                ("mode", f.mode), ("cluster", f.cluster.get("name", "?")),
+                ("enable_alltoall", f.enable_alltoall), ("memory_weight", f.memory_weight),
+                ("predicted step", f"{p.step_seconds * 1e3:.3f} ms (compute "
+                 f"{p.compute * 1e3:.3f}, communication {p.communication * 1e3:.3f}, "
+                 f"redistribution {p.redistribution * 1e3:.3f}, gradient sync "
+                 f"{p.gradient_sync * 1e3:.3f})"),
+                ("memory per device", f"{p.memory_bytes / 2**20:.1f} MiB"),
+                ("operators", len(f.parallel_strategy_item)),
+                ("parameters", len(f.parallel_layout_item))], align="ll"))
+    ops = list(f.parallel_strategy_item.items())
+    rows = [("operator", "op", "stage", "strategy", "splits")]
+    rows += [(k, e.op, e.stage, str([tuple(s) for s in e.parallel_strategy]).replace(" ", ""),
+              str(tuple(e.splits)).replace(" ", "")) for k, e in ops[:args.limit]]
+    _out("\n" + table(rows, align="lllll"))
+    if len(ops) > args.limit:
+        _out(f"... {len(ops) - args.limit} more operators (--limit)")
+    items = list(f.parallel_layout_item.items())
+    rows = [("parameter", "tensor_shape", "dev_matrix", "tensor_map", "slice_shape")]
+    rows += [(k, e.tensor_shape, e.dev_matrix, e.tensor_map, e.slice_shape)
+             for k, e in items[:args.limit]]
+    _out("\n" + table(rows, align="lllll"))
+    if len(items) > args.limit:
+        _out(f"... {len(items) - args.limit} more parameters (--limit)")
+    return 0
+
+
+# ---------------------------------------------------------------------------- parser
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 1 <= n <= 4096:
+        raise argparse.ArgumentTypeError(f"must be in [1, 4096], got {n}")
+    return n
+
+
+def _model_args(p: argparse.ArgumentParser, *, devices: bool = True) -> None:
+    p.add_argument("--model", required=True,
+                   help="zoo model (mlp, transformer, tfm_stack, resnet50) or MODULE:FUNCTION "
+                   "returning (fn, example_args)")
+    p.add_argument("-o", "--option", action="append", metavar="KEY=VALUE",
+                   help="model builder option, repeatable (e.g. -o layers=2 -o hidden=64)")
+    if devices:
+        p.add_argument("--devices", type=_positive, default=8, help="device_num (default 8)")
+    p.add_argument("--cluster", default="accelerator-8x",
+                   help="cost-model cluster preset (accelerator-8x, cpu-emulated)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="autopar", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run the main job end to end on emulated devices")
-    demo.add_argument("--devices", type=int, default=8, help="emulated devices (default 8)")
-    demo.add_argument("--layers", type=int, default=2, help="transformer layers (default 2)")
-    demo.add_argument("--cluster", default="accelerator-8x",
-                      help="cost-model cluster preset (default accelerator-8x)")
-    demo.set_defaults(func=cmd_demo)
+    from autopar.demo import add_demo_parser
+
+    parser = argparse.ArgumentParser(prog="autopar", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_demo_parser(sub)
+
+    p = sub.add_parser("search", help="search a plan for a model and print it")
+    _model_args(p)
+    p.add_argument("--mode", choices=MODES, default="dynamic_programming")
+    p.add_argument("--parallel-mode", choices=PARALLEL_MODES, default="auto_parallel")
+    p.add_argument("--save", type=Path, help="write the strategy file here")
+    p.add_argument("--load", type=Path, help="load the plan from this strategy file")
+    p.add_argument("--full", action="store_true", help="print every operator's strategy")
+    p.add_argument("--limit", type=_positive, default=20, help="parameter rows (default 20)")
+    p.set_defaults(func=cmd_search)
+
+    p = sub.add_parser("compare", help="every search mode side by side")
+    _model_args(p)
+    p.add_argument("--modes", nargs="+", choices=MODES, help="default: all four")
+    p.add_argument("--measure", action="store_true",
+                   help="also run each plan's training step on emulated devices")
+    p.add_argument("--steps", type=_positive, default=3, help="timed steps with --measure")
+    p.add_argument("--out", type=Path, default=Path("autopar-compare"),
+                   help="directory for compare.json / .md / .png (default autopar-compare)")
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("run", help="train a few steps on emulated devices (or processes)")
+    _model_args(p)
+    p.add_argument("--mode", choices=MODES)
+    p.add_argument("--parallel-mode", choices=PARALLEL_MODES, default="auto_parallel")
+    p.add_argument("--steps", type=_positive, default=3)
+    p.add_argument("--check", action="store_true", help="compare with one device")
+    p.add_argument("--atol", type=float, default=1e-4, help="tolerance of --check")
+    p.add_argument("--save", type=Path, help="write the strategy file here")
+    p.add_argument("--load", type=Path, help="load the plan from this strategy file")
+    p.add_argument("--json", type=Path, help="write losses and parameter sums as JSON")
+    p.add_argument("--num-processes", type=_positive, default=1,
+                   help="processes (jax.distributed); devices are split evenly")
+    p.add_argument("--process-id", type=int, help="this process's index")
+    p.add_argument("--coordinator", help="HOST:PORT of process 0")
+    p.add_argument("--backend", choices=("cpu", "other"), default="cpu",
+                   help="cpu (default): emulate --devices CPU devices, gloo between "
+                   "processes; other: leave JAX's platform alone (GPU/TPU hosts)")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("trace", help="simulate one iteration: the seed's trace points")
+    _model_args(p)
+    p.add_argument("--mode", choices=MODES)
+    p.add_argument("--buckets", choices=("context", "hccl", "none"), default="context")
+    p.add_argument("--out", type=Path, help="write the Chrome trace JSON here")
+    p.add_argument("--png", type=Path, help="draw the timeline PNG here (plot extra)")
+    p.set_defaults(func=cmd_trace)
+
+    p = sub.add_parser("show", help="pretty-print a strategy file")
+    p.add_argument("file", type=Path)
+    p.add_argument("--limit", type=_positive, default=30, help="rows per table (default 30)")
+    p.set_defaults(func=cmd_show)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if getattr(args, "devices", 1) < 1:
-        print(f"autopar: --devices must be >= 1, got {args.devices}", file=sys.stderr)
+    """Entry point of the console script; returns the exit status."""
+    from autopar.errors import AutoparError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.func is cmd_run:
+            _distributed(args)
+        else:  # the plans are for --devices devices: emulate them (CPU), as a run would
+            setup_devices(getattr(args, "devices", 8))
+        return int(args.func(args))
+    except CLIError as e:
+        print(f"autopar {args.command}: error: {e}", file=sys.stderr)
         return 2
-    if getattr(args, "layers", 1) < 1:
-        print(f"autopar: --layers must be >= 1, got {args.layers}", file=sys.stderr)
+    except AutoparError as e:
+        print(f"autopar {args.command}: error: {e}", file=sys.stderr)
         return 2
-    return int(args.func(args))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

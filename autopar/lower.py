@@ -18,11 +18,17 @@ In-specs are the input layouts' ``PartitionSpec`` s and out-specs the output lay
 (outputs never hold partial sums after the rewrite). The result is jitted, differentiable
 (``jax.grad`` goes through ``shard_map``), and takes and returns the original pytrees.
 
-``shard_map`` runs with ``check_vma=False``: re-bound primitives do not insert the
-varying-axis casts that ``jax.numpy`` adds, and the layouts already say what is replicated.
-In that mode JAX's transpose divides replicated output cotangents by the number of devices and
-sums input cotangents over the axes an input is replicated on, so gradients are exact (the
-tests compare them with the single-device gradients).
+``shard_map`` runs with ``check_vma=True``: re-bound primitives get their operands cast to
+vary alike (``lax.pcast``, what ``jax.numpy`` inserts itself), collectives get inputs varying
+over their axes and an AllGather's result is typed invarying. JAX's transpose then sums a
+replicated input's gradient exactly over the axes its uses vary along -- the gradient
+synchronisation of data parallelism, and nothing for a parameter used only in replicated
+computation -- and the final AllReduce of a loss transposes to no communication. A program
+holding a fused ``all_gather_matmul`` (whose replicated result cannot be typed invarying)
+runs with ``check_vma=False`` instead: the transpose then divides replicated output
+cotangents by the number of devices and sums every replicated input's cotangent, which is
+exact but all-reduces gradients that are already complete. Either way the tests compare
+gradients with the single-device ones.
 
 >>> import jax.numpy as jnp, autopar
 >>> f = lambda w, x: jnp.tanh(x @ w)
@@ -46,11 +52,13 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError
+from autopar.kernel_rules import FusedKernels, fuse_kernels, run_fused
 from autopar.parallel_graph import PNode, PValue, ParallelGraph
 from autopar.strategies.layout import DeviceMesh
 from autopar.strategies.redistribution import Step
 
-__all__ = ["lower", "LoweredFunction", "jax_mesh", "apply_step", "block_index"]
+__all__ = ["lower", "LoweredFunction", "jax_mesh", "apply_step", "block_index", "final_psum",
+           "replicated_tails"]
 
 
 # ---------------------------------------------------------------------------- mesh
@@ -99,14 +107,35 @@ def _axis_name(axes: tuple[str, ...]) -> Any:
     return axes[0] if len(axes) == 1 else tuple(axes)
 
 
-def apply_step(x: Any, step: Step, mesh: DeviceMesh) -> Any:
-    """One redistribution step on a local array, inside ``shard_map`` over ``mesh``'s axes."""
+def varying(x: Any) -> frozenset[str]:
+    """Mesh axes along which ``x`` varies (``shard_map(check_vma=True)``; empty otherwise)."""
+    mat = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(getattr(mat, "varying", ()) or ())
+
+
+def _to_varying(x: Any, axes: Any) -> Any:
+    missing = tuple(a for a in axes if a not in varying(x))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def apply_step(x: Any, step: Step, mesh: DeviceMesh, *, vma: bool = False) -> Any:
+    """One redistribution step on a local array, inside ``shard_map`` over ``mesh``'s axes.
+
+    ``vma``: the program runs under ``check_vma=True``: collectives get inputs typed varying
+    over their axes and an AllGather's result is typed invarying over them (every device of
+    the group holds the same data), so JAX's transpose sums a gradient only where the
+    contributions really differ.
+    """
     name = _axis_name(step.axes)
+    if vma and step.kind in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all"):
+        x = _to_varying(x, step.axes)
     if step.kind == "all_reduce":
         return lax.psum(x, name)
     if step.kind == "reduce_scatter":
         return lax.psum_scatter(x, name, scatter_dimension=step.dim, tiled=True)
     if step.kind == "all_gather":
+        if vma:
+            return lax.all_gather(x, name, axis=step.dim, tiled=True, to="invarying")
         return lax.all_gather(x, name, axis=step.dim, tiled=True)
     if step.kind == "all_to_all":
         return lax.all_to_all(x, name, split_axis=step.dim, concat_axis=step.src_dim,
@@ -214,12 +243,16 @@ def local_params(node: PNode, pg: ParallelGraph) -> dict[str, Any]:
         raise _node_error(node, str(e)) from None
 
 
-def _bind(node: PNode, args: list[Any], pg: ParallelGraph) -> list[Any]:
+def _bind(node: PNode, args: list[Any], pg: ParallelGraph, vma: bool = False) -> list[Any]:
     if node.primitive is None:
         raise _node_error(node, "the node has no JAX primitive to re-bind")
     if node.op == "sharding_constraint":  # layouts are explicit here; the constraint is moot
         return list(args)
     params = local_params(node, pg)
+    if vma:  # primitives need operands varying alike (jax.numpy inserts these casts itself)
+        union = frozenset().union(*(varying(a) for a in args))
+        if union:
+            args = [_to_varying(a, sorted(union)) for a in args]
     try:
         out = node.primitive.bind(*args, **params)
     except Exception as e:  # a JAX shape/type rule refused the local shapes
@@ -255,21 +288,80 @@ def _read(env: dict[str, Any], pg: ParallelGraph, v: str) -> Any:
     return jnp.asarray(val.data, dtype=val.spec.dtype)
 
 
+def replicated_tails(pg: ParallelGraph) -> frozenset[str]:
+    """AllReduce nodes from whose output on every value is replicated (e.g. the loss sum)."""
+    consumers: dict[str, list[PNode]] = {}
+    for node in pg.nodes:
+        for v in node.inputs:
+            consumers.setdefault(v, []).append(node)
+    out = set()
+    for node in pg.nodes:
+        if node.step is None or node.step.kind != "all_reduce":
+            continue
+        todo, seen, ok = list(node.outputs), set(), True
+        while todo and ok:
+            v = todo.pop()
+            if v in seen:
+                continue
+            seen.add(v)
+            ok = not pg.values[v].layout.used_axes()
+            for c in consumers.get(v, []):
+                todo.extend(c.outputs)
+        if ok:
+            out.add(node.name)
+    return frozenset(out)
+
+
+def final_psum(axes: tuple[str, ...], size: int) -> Callable[[Any], Any]:
+    """AllReduce of a value everything after which is replicated, whose transpose needs no
+    communication.
+
+    Under ``check_vma=False`` the transpose of ``shard_map`` hands every device the same
+    cotangent ``ct / device_num`` of a replicated output; ``lax.psum``'s transpose would be
+    a second AllReduce (a sync point at the start of the backward) giving
+    ``ct * size / device_num``. The cotangent being equal on every device, ``ct * size`` is
+    that result, computed locally.
+    """
+    name = _axis_name(axes)
+
+    @jax.custom_vjp
+    def psum(x: Any) -> Any:
+        return lax.psum(x, name)
+
+    def fwd(x: Any) -> tuple[Any, None]:
+        return lax.psum(x, name), None
+
+    def bwd(_: None, ct: Any) -> tuple[Any]:
+        return (ct * size,)
+
+    psum.defvjp(fwd, bwd)
+    return psum
+
+
 def run_body(pg: ParallelGraph, *flat: Any,
-             run_step: Callable[[PNode, Any], Any] | None = None) -> tuple[Any, ...]:
+             run_step: Callable[[PNode, Any], Any] | None = None,
+             before_node: Callable[[int, PNode, dict[str, Any]], None] | None = None,
+             vma: bool = False) -> tuple[Any, ...]:
     """The per-device program: local inputs (in ``pg.inputs`` order) -> local outputs.
 
     ``run_step(node, x)`` may replace how a communication node runs (the training step uses
     it for the loss all-reduce); it returns None to keep the default collective.
+    ``before_node(i, node, env)`` runs before node ``i`` and may replace values in ``env``
+    (the training step inserts its gradient-sync points there). ``vma``: the body runs under
+    ``shard_map(check_vma=True)`` (see :func:`apply_step`).
     """
     env: dict[str, Any] = dict(zip(pg.inputs, flat))
-    for node in pg.nodes:
+    for i, node in enumerate(pg.nodes):
+        if before_node is not None:
+            before_node(i, node, env)
         args = [_read(env, pg, v) for v in node.inputs]
         if node.step is not None:
             out = run_step(node, args[0]) if run_step is not None else None
-            outs = [apply_step(args[0], node.step, pg.mesh) if out is None else out]
+            outs = [apply_step(args[0], node.step, pg.mesh, vma=vma) if out is None else out]
+        elif node.is_fused:
+            outs = run_fused(node, args, pg)
         else:
-            outs = _bind(node, args, pg)
+            outs = _bind(node, args, pg, vma)
         env.update(zip(node.outputs, outs))
     return tuple(_read(env, pg, v) for v in pg.outputs)
 
@@ -288,12 +380,28 @@ class LoweredFunction:
         self.in_shardings = tuple(NamedSharding(mesh, s) for s in in_specs)
         self.out_shardings = tuple(NamedSharding(mesh, s) for s in out_specs)
 
+        # check_vma=True: JAX tracks which values vary over which axes, so the transpose sums
+        # a replicated input's gradient only over the axes its uses vary along (a parameter
+        # used only in replicated computation gets no all-reduce) and a final AllReduce
+        # transposes to nothing. all_gather_matmul's ring result is the same on every device
+        # but typed varying (no invarying cast exists), so programs using it run with
+        # check_vma=False, where the transpose all-reduces every replicated input's gradient
+        # and the final AllReduce is differentiated locally (final_psum).
+        self.vma = not any(n.op == "all_gather_matmul" for n in pg.fused_nodes())
+        tails = frozenset() if self.vma else replicated_tails(pg)
+
+        def final_step(node: PNode, x: Any) -> Any:
+            st = node.step
+            if node.name in tails and st is not None:
+                return final_psum(st.axes, pg.mesh.size_of(st.axes))(x)
+            return None
+
         def body(*flat: Any) -> tuple[Any, ...]:
-            return run_body(pg, *flat)
+            return run_body(pg, *flat, run_step=final_step, vma=self.vma)
 
         body.__name__ = f"autopar_{pg.name}".replace("<", "").replace(">", "")
         self.sharded = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                                     check_vma=False)
+                                     check_vma=self.vma)
         self.flat = jax.jit(self.sharded, in_shardings=self.in_shardings,
                             out_shardings=self.out_shardings)
 
@@ -329,19 +437,25 @@ class LoweredFunction:
         return self.flat.lower(*self.place(*args)).as_text()
 
 
-def lower(parallel_graph: ParallelGraph, mesh: Mesh | None = None) -> LoweredFunction:
+def lower(parallel_graph: ParallelGraph, mesh: Mesh | None = None, *,
+          fused_kernels: FusedKernels | None = None) -> LoweredFunction:
     """Lower a ParallelGraph to a jitted ``shard_map`` function (see the module docstring).
 
     ``mesh``: a ``jax.sharding.Mesh`` with the plan's axis names and sizes (default: the first
     ``device_num`` devices, row-major). Every node is checked at trace time: one that cannot
     run on its local shapes raises :class:`~autopar.errors.AutoParallelError` naming it.
+    ``fused_kernels``: None (default) runs the program as rewritten; ``True`` / ``"auto"``
+    applies the fused-kernel rules of :mod:`autopar.kernel_rules` first (``False`` adds none;
+    nodes the rewrite already fused stay fused).
     """
     if not isinstance(parallel_graph, ParallelGraph):
         raise AutoParallelTypeError("parallel_graph", parallel_graph,
                                     "lower takes the ParallelGraph from autopar.rewrite")
     pg = parallel_graph
     jmesh = jax_mesh(pg.mesh) if mesh is None else _check_mesh(mesh, pg.mesh)
+    if fused_kernels is not None:
+        pg = fuse_kernels(pg, fused_kernels)
     for node in pg.nodes:  # fail early, before any tracing, on nodes that cannot be lowered
-        if node.step is None:
+        if node.step is None and not node.is_fused:
             local_params(node, pg)
     return LoweredFunction(pg, jmesh)

@@ -37,6 +37,8 @@ COMM_OP_NAMES: dict[str, str] = {
     "all_gather": "AllGather",
     "all_to_all": "AlltoAll",
     "slice": "StridedSlice",
+    "mm_reduce_scatter": "MatMulReduceScatter",   # fused kernels (autopar/kernel_rules.py)
+    "all_gather_matmul": "AllGatherMatMul",
 }
 
 
@@ -82,7 +84,14 @@ class PNode:
         return self.step is not None
 
     @property
+    def is_fused(self) -> bool:
+        """A matmul fused with its collective (a ring kernel, see autopar/kernel_rules.py)."""
+        return self.kind == "fused"
+
+    @property
     def display_op(self) -> str:
+        if self.is_fused:
+            return f"{COMM_OP_NAMES[self.op]}[{','.join(self.params['axes'])}]"
         if self.step is None:
             return self.op
         s = self.step
@@ -114,10 +123,15 @@ class ParallelGraph:
     def comm_nodes(self) -> tuple[PNode, ...]:
         return tuple(n for n in self.nodes if n.is_comm)
 
+    def fused_nodes(self) -> tuple[PNode, ...]:
+        """Matmuls fused with their collective (``mm_reduce_scatter``, ``all_gather_matmul``)."""
+        return tuple(n for n in self.nodes if n.is_fused)
+
     def comm_counts(self) -> dict[str, int]:
-        """Communication nodes per step kind, e.g. ``{'all_reduce': 1}`` (slices included)."""
+        """Communication nodes per step kind, e.g. ``{'all_reduce': 1}`` (slices included);
+        fused kernels count under their name (``mm_reduce_scatter``, ``all_gather_matmul``)."""
         out: dict[str, int] = {}
-        for n in self.comm_nodes():
+        for n in self.comm_nodes() + self.fused_nodes():
             out[n.op] = out.get(n.op, 0) + 1
         return dict(sorted(out.items()))
 
@@ -140,7 +154,7 @@ class ParallelGraph:
         return f"%{v}"
 
     def summary(self) -> str:
-        ops = sum(1 for n in self.nodes if not n.is_comm)
+        ops = sum(1 for n in self.nodes if not n.is_comm and not n.is_fused)
         counts = self.comm_counts()
         comm = ", ".join(f"{COMM_OP_NAMES[k]} {c}" for k, c in counts.items())
         return (f"ParallelGraph {self.name!r} on {self.device_num} devices ({self.mesh}): "
@@ -161,7 +175,7 @@ class ParallelGraph:
         rows = [("value", "op", "inputs", "local", "layout", "strategy / note")]
         for n in self.nodes:
             outs = n.outputs
-            extra = n.note if n.is_comm else (str(n.strategy) if n.strategy else "")
+            extra = n.note if n.is_comm or n.is_fused else (str(n.strategy) if n.strategy else "")
             rows.append((", ".join(f"%{o}" for o in outs), n.display_op,
                          "(" + ", ".join(self._ref(i) for i in n.inputs) + ")",
                          " ".join(shape(o) for o in outs),

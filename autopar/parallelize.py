@@ -14,6 +14,11 @@ called like ``fn`` (same pytrees in and out) and runs as one jitted ``shard_map`
 True
 >>> f.parallel_graph.comm_counts()     # data parallel: only the loss is all-reduced
 {'all_reduce': 1}
+
+Under ``semi_auto_parallel`` / ``auto_parallel`` the context's ``strategy_ckpt_save_file``
+saves the plan and ``strategy_ckpt_load_file`` loads it instead of searching (see
+:mod:`autopar.checkpoint`); ``f.plan.in_shardings()`` hands the plan's input layouts to a plain
+``jax.jit``.
 """
 
 from __future__ import annotations
@@ -79,6 +84,8 @@ def parallelize(fn: Callable[..., Any], *example_args: Any, mode: str | None = N
     preset name or :class:`~autopar.strategies.cost.Cluster`). ``mesh``: a
     ``jax.sharding.Mesh`` with the plan's axes (default: the first ``device_num`` devices).
     The first positional argument holds the parameters when there are two or more.
+    ``strategy_ckpt_load_file`` / ``strategy_ckpt_save_file`` in the context load / save the
+    plan (through :func:`autopar.search`).
     """
     if not callable(fn):
         raise AutoParallelTypeError("fn", fn, "parallelize needs a callable JAX function")

@@ -25,6 +25,7 @@ from typing import Any
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.graph.ir import Graph
+from autopar.kernel_rules import FusedKernels, check_fused_kernels, fuse_kernels
 from autopar.parallel_graph import PNode, PValue, ParallelGraph
 from autopar.strategies.layout import DeviceMesh, Layout
 from autopar.strategies.plan import Plan
@@ -181,12 +182,20 @@ class _Rewriter:
                              g.inputs, tuple(outs), g, plan, g.in_tree, g.out_tree)
 
 
-def rewrite(graph: Graph, plan: Plan) -> ParallelGraph:
+def rewrite(graph: Graph, plan: Plan, *, fused_kernels: FusedKernels = "auto",
+            cluster: Any = None) -> ParallelGraph:
     """The parallel program of ``graph`` under ``plan`` (see the module docstring).
 
     Redistributions use the table the plan was priced with (``plan.enable_alltoall``: AlltoAll
     rather than AllGather + slice for moving a split between dims).
+
+    ``fused_kernels``: replace a matmul whose partial output is reduce-scattered by
+    ``autopar.kernels.mm_reduce_scatter`` and an all-gather feeding a matmul by
+    ``all_gather_matmul`` (:mod:`autopar.kernel_rules`): ``True`` wherever they match,
+    ``False`` never, ``"auto"`` (default) where the alpha-beta model with overlap predicts
+    the fused ring is not slower on ``cluster`` (default: the plan's cluster preset).
     """
+    mode = check_fused_kernels(fused_kernels)
     if not isinstance(graph, Graph):
         raise AutoParallelTypeError("graph", graph, "rewrite takes the Graph from autopar.trace")
     if not isinstance(plan, Plan):
@@ -195,5 +204,5 @@ def rewrite(graph: Graph, plan: Plan) -> ParallelGraph:
         raise AutoParallelError("plan", plan.fingerprint[:12], "the plan was searched on "
                                 f"another graph (this graph's fingerprint is "
                                 f"{graph.fingerprint()[:12]})", "Search the plan on this graph")
-    return _Rewriter(graph, plan, plan.enable_alltoall).run()
+    return fuse_kernels(_Rewriter(graph, plan, plan.enable_alltoall).run(), mode, cluster)
 

@@ -2,13 +2,22 @@
 gradient synchronisation, optimizer update) as one jitted program on ``device_num`` devices.
 
 The loss is traced, searched, rewritten and lowered exactly as :func:`autopar.parallelize`
-does; the step differentiates the ``shard_map`` program with ``jax.grad`` (every
-tensor-parallel collective transposes into its dual: AllGather <-> ReduceScatter, AllReduce of
-a replicated cotangent), and the gradient synchronisation is the AllReduce that the transpose
-of ``shard_map`` puts on the cotangent of every parameter that is replicated over some mesh
-axes -- one all-reduce per such gradient, over exactly those axes (MindSpore's gradient
-AllReduce over the parameter's data-parallel group). autopar controls what that AllReduce
-does through the context:
+does. Inside one ``jax.shard_map``, every device computes its **local** gradients with
+``jax.vjp`` of the per-device program (every tensor-parallel collective transposes into its
+dual: AllGather <-> ReduceScatter, AllReduce of a partial cotangent), seeding ``1 / device_num``
+so that a gradient is partial over exactly the mesh axes where its parameter is replicated
+(its sync axes, ``.sync_axes``). Those are then summed **explicitly**
+(:mod:`autopar.grad_sync`), in the buckets of :func:`autopar.gradient_buckets` under the
+context (``.buckets``): one collective per bucket and sync-axes group (``.sync_groups``).
+With fusion configured (comm_fusion allreduce / all_reduce_fusion_config / an HCCL split
+strategy), each bucket is synchronised at a sync point inside backward, as soon as its last
+gradient exists, and XLA keeps exactly those buckets in the compiled program
+(``.compiled_text``); fusion closed (nothing set) lowers one all-reduce per gradient, which
+XLA's CPU combiner is then free to merge. ``grad_accumulation_step = g``: the batch given is g
+micro-batches (dim 0 = g x the traced micro-batch), a ``lax.scan`` accumulates their local
+gradients, which are synchronised once. ``enable_parallel_optimizer``: see
+:mod:`autopar.optimizer_shard`. The optax update runs outside the ``shard_map`` on the
+synchronised gradients (exact for every optimizer). The context keys:
 
 - ``gradients_mean=True``: the synchronised gradient is the gradient of the global loss
   (the single-device reference). ``gradients_mean=False`` (MindSpore's default): the summed
@@ -19,10 +28,9 @@ does through the context:
   devices contributes once (mean over the repeats). ``False``: the repeats are summed, so the
   gradient is multiplied by ``r`` (1 under pure data parallel, where nothing is repeated).
 - ``gradient_fp32_sync=True`` (default; semi_auto_parallel and auto_parallel only, as in
-  MindSpore -- elsewhere gradients are all-reduced in their own dtype): bf16/fp16 parameters
-  enter the ``shard_map`` as fp32
-  and are cast down inside it, so their gradient AllReduce runs in fp32; the synchronised
-  gradient is cast back to the parameter dtype before the optimizer.
+  MindSpore -- elsewhere gradients are all-reduced in their own dtype): bf16/fp16 gradients
+  are cast to fp32 for their AllReduce / ReduceScatter and cast back to the parameter dtype
+  before the optimizer.
 - ``parameter_broadcast``: autopar takes one global parameter pytree, so every device starts
   from the same values by construction; :func:`broadcast_parameters` makes this explicit for
   arrays whose per-device copies may differ (rank 0's copy wins), and
@@ -51,6 +59,7 @@ MindSpore's data parallel does); it then gives the same numbers as the ``shard_m
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Callable, Mapping, Sequence
 
@@ -63,7 +72,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar.context import current_config
 from autopar.errors import AutoParallelError, AutoParallelTypeError
+from autopar.fusion import GradientBuckets, gradient_buckets
+from autopar.grad_sync import METHODS, sync_gradients, sync_groups, sync_point, sync_sites
 from autopar.lower import jax_mesh, run_body
+from autopar.optimizer_shard import (ShardDecision, decide_sharding, gather_parameters,
+                                     scatter_gradients, state_shardings, storage_spec)
 from autopar.parallel_graph import ParallelGraph
 from autopar.parallelize import COLLECTIVES, parallelize
 from autopar.strategies.layout import DeviceMesh
@@ -157,9 +170,12 @@ def _replicated_tails(pg: ParallelGraph) -> set[str]:
     return out
 
 
-def train_body(pg: ParallelGraph, *flat: Any) -> tuple[Any, ...]:
+def train_body(pg: ParallelGraph, *flat: Any,
+               before_node: Callable[[int, Any, dict[str, Any]], None] | None = None) \
+        -> tuple[Any, ...]:
     """``lower.run_body`` for training: the AllReduce producing the loss is differentiated
-    without a second AllReduce (:func:`_loss_psum`); everything else is the same program."""
+    without a second AllReduce (:func:`_loss_psum`); ``before_node`` inserts the gradient
+    sync points; everything else is the same program."""
     final = _replicated_tails(pg)
 
     def run_step(node: Any, x: Any) -> Any:
@@ -168,27 +184,36 @@ def train_body(pg: ParallelGraph, *flat: Any) -> tuple[Any, ...]:
             return _loss_psum(st.axes, pg.mesh.size_of(st.axes))(x)
         return None
 
-    return run_body(pg, *flat, run_step=run_step)
+    return run_body(pg, *flat, run_step=run_step, before_node=before_node)
 
 
 class TrainStep:
     """A jitted parallel training step: ``step(params, opt_state, *batch) -> (params,
-    opt_state, loss)``; ``.init``, ``.grads``, ``.plan``, ``.parallel_graph``, ``.as_text``."""
+    opt_state, loss)``; ``.init``, ``.prepare``, ``.grads``, ``.plan``, ``.parallel_graph``,
+    ``.as_text``, ``.compiled_text``, and the gradient-sync set-up (``.buckets``,
+    ``.sync_groups``, ``.sharding``)."""
 
     def __init__(self, loss_fn: Callable[..., Any], params: Any, batch: tuple[Any, ...],
                  optimizer: optax.GradientTransformation, *, mode: str | None,
                  fixed: Mapping[str, Any] | None, cluster: Any, backend: str,
-                 mesh: Mesh | None) -> None:
+                 mesh: Mesh | None, sync_method: str) -> None:
         cfg = current_config()
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.backend = backend
+        self.sync_method = sync_method
         self.gradients_mean = bool(cfg.gradients_mean)
         self.gradient_fp32_sync = bool(cfg.gradient_fp32_sync)
         self.loss_repeated_mean = bool(cfg.loss_repeated_mean)
         self.parameter_broadcast = bool(cfg.parameter_broadcast)
         self.parallel_mode = cfg.parallel_mode
-        self.function = parallelize(loss_fn, params, *batch, mode=mode, fixed=fixed,
+        self.accumulation = int(cfg.grad_accumulation_step)
+        self.parallel_optimizer = bool(cfg.enable_parallel_optimizer)
+        po = cfg.parallel_optimizer_config
+        self.accumulation_shard = bool(po.gradient_accumulation_shard)
+        self.batch_shapes = [tuple(np.shape(x)) for x in jax.tree_util.tree_leaves(batch)]
+        micro = _micro_batch(batch, self.accumulation)
+        self.function = parallelize(loss_fn, params, *micro, mode=mode, fixed=fixed,
                                     cluster=cluster, mesh=mesh)
         self.plan = self.function.plan
         self.parallel_graph = pg = self.function.parallel_graph
@@ -221,52 +246,186 @@ class TrainStep:
         self._cast = [fp32 and d in _LOW_PRECISION for d in self._p_dtypes]
         self.param_shardings = [NamedSharding(self.mesh, pg.values[v].layout.partition_spec())
                                 for v in pg.inputs[:self._n_params]]
+        self.batch_shardings = [NamedSharding(self.mesh, v.layout.partition_spec())
+                                for v in batch_vals]
+        self._setup_sync(po.parallel_optimizer_threshold)
         if backend == "pmap":
             self._build_pmap(batch)
         else:
             self._build_shard_map()
 
+    # ------------------------------------------------------------------ gradient sync set-up
+
+    def _setup_sync(self, threshold_kb: int) -> None:
+        """Sync axes, parallel-optimizer decisions and the buckets of all three kinds."""
+        pg, n_p = self.parallel_graph, self._n_params
+        names = list(pg.inputs[:n_p])
+        sizes = pg.mesh.sizes
+        self.sync_axes: list[tuple[str, ...]] = []
+        self.sharding: list[ShardDecision] = []
+        for v in names:
+            val = pg.values[v]
+            used = val.layout.used_axes()
+            axes = tuple(a for a in pg.mesh.names if a not in used and sizes[a] > 1)
+            self.sync_axes.append(axes)
+            self.sharding.append(decide_sharding(
+                v, val.spec.shape, val.local_shape, np.dtype(val.spec.dtype).itemsize, axes,
+                sizes, enabled=self.parallel_optimizer, threshold_kb=threshold_kb))
+        self._sharded = [d.sharded for d in self.sharding]
+        self.storage_shardings = [
+            NamedSharding(self.mesh, storage_spec(s.spec, d.axes, len(pg.values[v].spec.shape)))
+            if d.sharded else s for v, s, d in zip(names, self.param_shardings, self.sharding)]
+        order = [n for n in self.function.graph.gradient_order() if n in set(names)]
+        order += [n for n in names if n not in set(order)]
+        self.gradient_order = tuple(order)
+        nbytes = {v: math.prod(pg.values[v].local_shape) * np.dtype(pg.values[v].spec.dtype)
+                  .itemsize for v in names}
+        pos = {v: i for i, v in enumerate(names)}
+
+        def buckets(kind: str, members: list[str]) -> GradientBuckets | None:
+            if not members:
+                return None
+            return gradient_buckets([(m, int(nbytes[m])) for m in members], kind=kind)
+
+        ar = [n for n in order if not self._sharded[pos[n]]]
+        rs = [n for n in order if self._sharded[pos[n]]]
+        self.buckets: dict[str, GradientBuckets | None] = {
+            "allreduce": buckets("allreduce", ar), "reducescatter": buckets("reducescatter", rs),
+            "allgather": buckets("allgather", rs[::-1])}
+        self._bucket_idx = {k: ([[pos[n] for n in bk.gradients] for bk in b] if b else [])
+                            for k, b in self.buckets.items()}
+        self._chain = {k: b is not None and b.mode != "none" for k, b in self.buckets.items()}
+        ar_axes = [a if not s else () for a, s in zip(self.sync_axes, self._sharded)]
+        self.sync_groups = sync_groups(ar_axes, self._bucket_idx["allreduce"]
+                                       + [[i] for i in range(n_p) if self._sharded[i]])
+
+    def _sync(self, g: list[Any], *, scatter: bool = True, reduce: bool = True) -> list[Any]:
+        """All-reduce (non-sharded) and reduce-scatter (sharded) the local gradients."""
+        n_p, sh = self._n_params, self._sharded
+        out = list(g)
+        if reduce:
+            ar_axes = [a if not s else () for a, s in zip(self.sync_axes, sh)]
+            idx = self._bucket_idx["allreduce"] + [[i] for i in range(n_p) if sh[i]]
+            out = sync_gradients(out, ar_axes, idx, method=self.sync_method,
+                                 chain=self._chain["allreduce"], fp32=self._cast)
+        if scatter and any(sh):
+            rs_axes = [a if s else () for a, s in zip(self.sync_axes, sh)]
+            idx = self._bucket_idx["reducescatter"] + [[i] for i in range(n_p) if not sh[i]]
+            out = scatter_gradients(out, rs_axes, idx, fp32=self._cast)
+        return out
+
     # ------------------------------------------------------------------ shard_map path
 
     def _build_shard_map(self) -> None:
-        pg, n_p, cast, dtypes = self.parallel_graph, self._n_params, self._cast, self._p_dtypes
-        in_specs = tuple(pg.values[v].layout.partition_spec() for v in pg.inputs)
-        out_specs = tuple(pg.values[v].layout.partition_spec() for v in pg.outputs)
+        pg, n_p, dtypes = self.parallel_graph, self._n_params, self._p_dtypes
+        sh, acc, N = self._sharded, self.accumulation, self.device_num
+        p_specs = tuple(s.spec for s in self.storage_shardings)
+        b_specs = tuple(s.spec for s in self.batch_shardings)
+        g_specs = p_specs
+        scale = self.grad_scale / acc
+        gather_axes = [a if s else () for a, s in zip(self.sync_axes, sh)]
+        shard_acc = self.accumulation_shard and any(sh)
+
+        ar_axes = [a if not s else () for a, s in zip(self.sync_axes, sh)]
+        ar_buckets = [[i for i in bk if ar_axes[i]] for bk in self._bucket_idx["allreduce"]]
+        # configured buckets (acc == 1): synchronised inside backward at sync points
+        in_backward = acc == 1 and self._chain["allreduce"]
+        sites = sync_sites(pg, ar_buckets) if in_backward else {}
+        cast, method, names = self._cast, self.sync_method, pg.inputs[:n_p]
+
+        def point(k: int) -> Callable[..., Any]:
+            members = ar_buckets[k]
+
+            def sync(cts: list[Any]) -> list[Any]:
+                return sync_gradients(cts, [ar_axes[i] for i in members], [list(range(
+                    len(members)))], method=method, chain=False, fp32=[cast[i] for i in members])
+            return sync_point(sync)
+
+        points = {k: point(k) for at in sites for k, _ in sites[at]}
+
+        def before(i: int, node: Any, env: dict[str, Any]) -> None:
+            for k, live in sites.get(i, ()):
+                ps = tuple(env[names[m]] for m in ar_buckets[k])
+                acts = tuple(env[v] for v in live)
+                ps, acts = points[k](ps, acts)
+                env.update(zip((names[m] for m in ar_buckets[k]), ps))
+                env.update(zip(live, acts))
+
+        def local_grads(p: list[Any], b: list[Any]) -> tuple[Any, list[Any]]:
+            loss, vjp = jax.vjp(lambda *pp: train_body(pg, *pp, *b, before_node=before
+                                                       if sites else None)[0], *p)
+            # every device seeds 1/N: cotangents of replicated values are partial over the
+            # axes they are replicated on, so a gradient is partial over its sync axes
+            return loss, list(vjp(jnp.asarray(1.0 / N, loss.dtype)))
 
         def body(*flat: Any) -> tuple[Any, ...]:
-            flat = tuple(x.astype(dtypes[i]) if i < n_p and cast[i] else x
-                         for i, x in enumerate(flat))
-            return train_body(pg, *flat)
+            p, b = list(flat[:n_p]), list(flat[n_p:])
+            if any(sh):
+                p = gather_parameters(p, gather_axes, self._bucket_idx["allgather"] +
+                                      [[i] for i in range(n_p) if not sh[i]])
+            if acc == 1:
+                loss, g = local_grads(p, b)
+                g = self._sync(g, reduce=not in_backward)
+            else:
+                micro = [x.reshape((acc, x.shape[0] // acc) + x.shape[1:]) for x in b]
 
-        sharded = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
-                                check_vma=False)
+                def one(carry: list[Any], mb: list[Any]) -> tuple[list[Any], Any]:
+                    loss, g = local_grads(p, mb)
+                    if shard_acc:  # gradient_accumulation_shard: keep sharded sums
+                        g = self._sync(g, reduce=False)
+                    return [c + x for c, x in zip(carry, g)], loss
 
-        def loss_of(p_leaves: list[Any], b_leaves: list[Any]) -> Any:
-            return sharded(*p_leaves, *b_leaves)[0]
+                zeros = [jnp.zeros(_acc_shape(x.shape, sh[i] and shard_acc, gather_axes[i],
+                                              pg.mesh.sizes), x.dtype)
+                         for i, x in enumerate(p)]
+                g, losses = lax.scan(one, zeros, micro)
+                loss = jnp.mean(losses)
+                g = self._sync(g, scatter=not shard_acc)
+            g = [(x * scale if scale != 1.0 else x).astype(d) for x, d in zip(g, dtypes)]
+            return (loss, *g)
+
+        sharded = jax.shard_map(body, mesh=self.mesh, in_specs=p_specs + b_specs,
+                                out_specs=(PartitionSpec(),) + g_specs, check_vma=False)
 
         def grads(p_leaves: list[Any], b_leaves: list[Any]) -> tuple[Any, list[Any]]:
-            sync = [x.astype(jnp.float32) if c else x for x, c in zip(p_leaves, cast)]
-            loss, g = jax.value_and_grad(loss_of)(sync, b_leaves)
-            g = [(gi * self.grad_scale if self.grad_scale != 1.0 else gi).astype(d)
-                 for gi, d in zip(g, dtypes)]
-            return loss, g
+            out = sharded(*p_leaves, *b_leaves)
+            return out[0], list(out[1:])
+
+        storage, tree, opt = self.storage_shardings, self._p_tree, self.optimizer
 
         def step(p_leaves: list[Any], opt_state: Any, b_leaves: list[Any]) -> tuple:
             loss, g = grads(p_leaves, b_leaves)
-            params = jax.tree_util.tree_unflatten(self._p_tree, p_leaves)
-            gtree = jax.tree_util.tree_unflatten(self._p_tree, g)
-            updates, opt_state = self.optimizer.update(gtree, opt_state, params)
+            params = jax.tree_util.tree_unflatten(tree, p_leaves)
+            gtree = jax.tree_util.tree_unflatten(tree, g)
+            updates, opt_state = opt.update(gtree, opt_state, params)
             new = jax.tree_util.tree_leaves(optax.apply_updates(params, updates))
             new = [lax.with_sharding_constraint(x.astype(d), s)
-                   for x, d, s in zip(new, dtypes, self.param_shardings)]
+                   for x, d, s in zip(new, dtypes, storage)]
+            if any(sh):  # the optimizer state stays on the parameters' storage layout
+                st = state_shardings(opt, opt_state, jax.tree_util.tree_unflatten(
+                    tree, list(storage)), self.mesh)
+                opt_state = jax.tree.map(lax.with_sharding_constraint, opt_state, st)
             return new, opt_state, loss
 
         self._grads = jax.jit(grads)
-        self._step = jax.jit(step, donate_argnums=())
+        self._step = jax.jit(step)
 
     def _place(self, params: Any, batch: Sequence[Any]) -> tuple[list[Any], list[Any]]:
-        placed = self.function.lowered.place(params, *batch)
-        return placed[:self._n_params], placed[self._n_params:]
+        leaves, tree = jax.tree_util.tree_flatten(params)
+        if tree != self._p_tree:
+            raise AutoParallelError("params", f"{len(leaves)} leaves", f"must have the "
+                                    f"structure of the example parameters ({self._p_tree})")
+        b_leaves = jax.tree_util.tree_leaves(tuple(batch))
+        if [tuple(np.shape(x)) for x in b_leaves] != self.batch_shapes:
+            raise AutoParallelError("batch", [tuple(np.shape(x)) for x in b_leaves],
+                                    f"shapes must be {self.batch_shapes}, as in the example")
+        pg = self.parallel_graph
+        for v, x in zip(pg.inputs, list(leaves) + list(b_leaves)):
+            if hasattr(x, "dtype") and str(np.dtype(x.dtype)) != pg.values[v].spec.dtype:
+                raise AutoParallelError(f"argument {v!r}", str(np.dtype(x.dtype)), f"dtype must "
+                                        f"be {pg.values[v].spec.dtype}, as in the example")
+        p = [jax.device_put(x, s) for x, s in zip(leaves, self.storage_shardings)]
+        return p, [jax.device_put(x, s) for x, s in zip(b_leaves, self.batch_shardings)]
 
     # ------------------------------------------------------------------ pmap path
 
@@ -312,17 +471,25 @@ class TrainStep:
     # ------------------------------------------------------------------ public
 
     def init(self, params: Any) -> Any:
-        """The optimizer state for ``params`` (``optimizer.init``)."""
-        return self.optimizer.init(params)
+        """The optimizer state for ``params`` (``optimizer.init``); with the parallel
+        optimizer its parameter-shaped leaves are placed sharded like their parameters."""
+        state = self.optimizer.init(params)
+        if self.backend == "pmap" or not any(self._sharded):
+            return state
+        st = state_shardings(self.optimizer, state, jax.tree_util.tree_unflatten(
+            self._p_tree, list(self.storage_shardings)), self.mesh)
+        return jax.tree.map(jax.device_put, state, st)
 
     def prepare(self, params: Any) -> Any:
-        """``params`` placed on the plan's layouts; with ``parameter_broadcast`` set, rank 0's
-        values are broadcast first (:func:`broadcast_parameters`)."""
+        """``params`` placed on their storage layouts (the plan's, or sharded by the parallel
+        optimizer); with ``parameter_broadcast`` set, rank 0's values are broadcast first
+        (:func:`broadcast_parameters`)."""
         if self.parameter_broadcast:
             params = broadcast_parameters(params, self.mesh)
         leaves = jax.tree_util.tree_leaves(params)
         return jax.tree_util.tree_unflatten(
-            self._p_tree, [jax.device_put(x, s) for x, s in zip(leaves, self.param_shardings)])
+            self._p_tree, [jax.device_put(x, s) for x, s in zip(leaves,
+                                                                self.storage_shardings)])
 
     def grads(self, params: Any, *batch: Any) -> tuple[Any, Any]:
         """``(loss, synchronised gradients)`` as the step feeds them to the optimizer."""
@@ -342,12 +509,21 @@ class TrainStep:
         new, opt_state, loss = self._step(p, opt_state, b)
         return jax.tree_util.tree_unflatten(self._p_tree, new), opt_state, loss
 
+    def _lowered(self, params: Any, opt_state: Any, *batch: Any) -> Any:
+        if self.backend == "pmap":
+            return self._pstep.lower(params, opt_state, *self._split(batch))
+        p, b = self._place(params, batch)
+        return self._step.lower(p, opt_state, b)
+
     def as_text(self, params: Any, opt_state: Any, *batch: Any) -> str:
         """The lowered StableHLO text of the whole step (forward, backward, sync, update)."""
-        if self.backend == "pmap":
-            return self._pstep.lower(params, opt_state, *self._split(batch)).as_text()
-        p, b = self._place(params, batch)
-        return self._step.lower(p, opt_state, b).as_text()
+        return self._lowered(params, opt_state, *batch).as_text()
+
+    def compiled_text(self, params: Any, opt_state: Any, *batch: Any) -> str:
+        """The compiled (optimised, scheduled) HLO text of the whole step: what XLA runs,
+        after its all-reduce combiner; the entry computation lists instructions in the
+        order they are issued."""
+        return self._lowered(params, opt_state, *batch).compile().as_text()
 
     def collective_counts(self, params: Any, opt_state: Any, *batch: Any) -> dict[str, int]:
         """Collectives in the lowered step: ``stablehlo.<kind>`` occurrences per kind."""
@@ -360,6 +536,31 @@ class TrainStep:
                 f"{self.data_parallel_degree}, grad_scale={self.grad_scale})")
 
 
+def _micro_batch(batch: tuple[Any, ...], g: int) -> tuple[Any, ...]:
+    """The example batch of one micro-step: dim 0 of every leaf divided by ``g``."""
+    if g == 1:
+        return batch
+    leaves, tree = jax.tree_util.tree_flatten(batch)
+    out = []
+    for x in leaves:
+        shape = tuple(np.shape(x))
+        if not shape or shape[0] % g:
+            raise AutoParallelError("grad_accumulation_step", g, f"every batch input needs a "
+                                    f"leading dim divisible by it (got shape {shape})",
+                                    f"Pass the whole batch of {g} micro-batches, dim 0 = "
+                                    f"{g} x micro-batch size")
+        out.append(jax.ShapeDtypeStruct((shape[0] // g,) + shape[1:], x.dtype))
+    return tuple(jax.tree_util.tree_unflatten(tree, out))
+
+
+def _acc_shape(shape: tuple[int, ...], sharded: bool, axes: tuple[str, ...],
+               sizes: Mapping[str, int]) -> tuple[int, ...]:
+    """Shape of one accumulated gradient: the local block, or its reduce-scattered shard."""
+    if not sharded:
+        return shape
+    return (shape[0] // math.prod(sizes[a] for a in axes),) + shape[1:]
+
+
 def _uneven(size: int, degree: int, where: str) -> AutoParallelError:
     return AutoParallelError("batch size", size, f"input {where!r}: the batch size {size} does "
                              f"not divide evenly over the data-parallel degree {degree}",
@@ -370,7 +571,7 @@ def train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
                optimizer: optax.GradientTransformation | None = None, *,
                mode: str | None = None, fixed: Mapping[str, Any] | None = None,
                cluster: Any = None, backend: str = "shard_map",
-               mesh: Mesh | None = None) -> TrainStep:
+               mesh: Mesh | None = None, sync_method: str = "tuple") -> TrainStep:
     """Build a parallel training step for ``loss_fn(params, *batch)`` under the current context.
 
     ``batch``: a tuple of example arrays (a single array is taken as ``(array,)``).
@@ -390,5 +591,7 @@ def train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
         raise AutoParallelTypeError("optimizer", optimizer, "an optax GradientTransformation")
     if backend not in BACKENDS:
         raise AutoParallelError("backend", backend, f"must be one of {BACKENDS}")
+    if sync_method not in METHODS:
+        raise AutoParallelError("sync_method", sync_method, f"must be one of {list(METHODS)}")
     return TrainStep(loss_fn, params, batch, optimizer, mode=mode, fixed=fixed,
-                     cluster=cluster, backend=backend, mesh=mesh)
+                     cluster=cluster, backend=backend, mesh=mesh, sync_method=sync_method)

@@ -28,7 +28,26 @@ import numpy as np
 from benchmarks._common import setup_devices, timeit, write_results
 
 DEVICES = 8
-COLUMNS = ["kernel", "variant", "ms", "ratio", "cpu ratio", "goal"]
+COLUMNS = ["kernel", "variant", "ms", "ratio", "cpu ratio", "goal",
+           "predicted ratio accelerator-8x", "predicted ratio cpu-emulated"]
+
+
+def _predicted(kernel: str, variant: str, m: int, k: int, n: int, cluster: str) -> float:
+    """fused / unfused time from the alpha-beta model with overlap (autopar.kernel_rules)."""
+    from autopar.kernel_rules import predict
+
+    if "unfused" in variant:
+        return 1.0
+    p = DEVICES
+    if kernel == "mm_reduce_scatter":   # per device x (m, k), w (k, n) -> (m / p, n)
+        shapes = dict(flops=2.0 * m * k * n, x_bytes=4.0 * m * k, out_bytes=4.0 * m * n,
+                      comm_bytes=4.0 * m * n)
+    else:                               # per device x (m / p, k), w (k, n) -> (m, n)
+        shapes = dict(flops=2.0 * m * k * n, x_bytes=4.0 * m * k, out_bytes=4.0 * m * n,
+                      comm_bytes=4.0 * m * k)
+    r = predict(kernel, p=p, intra=True, cluster=cluster, bidirectional="bidirectional" in variant,
+                overlap=False if "chunks=1" in variant else None, **shapes)
+    return r["fused"] / r["unfused"]
 
 
 @dataclass
@@ -194,6 +213,14 @@ def _gather_v_cases(label: str, rows: list[int], width: int) -> list[Case]:
                   f(xe).block_until_ready(), baseline=True),
              Case(kernel, "pad to max + all_gather", lambda f=shard(pad_to_max):
                   f(x).block_until_ready())]
+    if label == "(ragged batch)":  # what this backend charges for the pieces of a method
+        cases += [
+            Case(kernel, "evidence: all_gather + slice of its output", lambda f=shard(
+                lambda a: lax.all_gather(a, "r", axis=0, tiled=True)[:total_rows][None]):
+                f(x).block_until_ready()),
+            Case(kernel, "evidence: one tiny ppermute", lambda f=shard(
+                lambda a: lax.ppermute(a[:4], "r", [(i, (i + 1) % p) for i in range(p)])[None]):
+                f(x).block_until_ready())]
     chosen = AllGatherVLayout.build(counts, displs, shape).choose("auto")
     other = "padded" if chosen == "balanced" else "balanced"
     for method, label in (("auto", f"all_gather_v (auto: {chosen})"),
@@ -220,6 +247,10 @@ def main(quick: bool = False) -> None:
     rs_cases, ag_cases = _matmul_cases(m, k, n)
     rows = _measure(rs_cases, rounds, repeat, seed=1)
     rows += _measure(ag_cases, rounds, repeat, seed=2)
+    for row in rows:
+        for cluster in ("accelerator-8x", "cpu-emulated"):
+            row[f"predicted ratio {cluster}"] = _predicted(row["kernel"], row["variant"],
+                                                           m, k, n, cluster)
     # all_gather_v runs take milliseconds: more rounds and repeats for the same noise.
     for seed, (label, counts) in enumerate((("(ragged batch)", ragged), ("(skewed)", skewed))):
         rows += _measure(_gather_v_cases(label, counts, width), 4 * rounds, 4 * repeat,

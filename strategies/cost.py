@@ -171,3 +171,24 @@ class CostModel:
     def all_reduce_time(self, nbytes: float, axes: Iterable[str], mesh: DeviceMesh) -> float:
         p, intra = self.group(axes, mesh)
         return self.collective_time("all_reduce", nbytes, p, intra=intra)
+
+    def parameter_memory(self, local_bytes: float, group: int, *,
+                         sharded: bool = False) -> float:
+        """Bytes per device a parameter costs in training: its stored copy, its gradient and
+        its optimizer state (``optimizer_state_factor`` x the parameter).
+
+        ``local_bytes``: the parameter's block under its layout; ``group``: the size of its
+        data-parallel group (the devices it is replicated on). ``sharded`` (the parallel
+        optimizer, :mod:`autopar.optimizer_shard`): the stored copy and the state are split
+        ``group`` ways; the gradient is still whole until it is reduce-scattered. The
+        communication does not change: a reduce-scatter plus an all-gather move the bytes
+        of one all-reduce (the ring all-reduce is exactly those two phases).
+
+        >>> cm = CostModel(CLUSTERS["accelerator-8x"])
+        >>> cm.parameter_memory(800, 8), cm.parameter_memory(800, 8, sharded=True)
+        (3200.0, 1100.0)
+        """
+        state = self.cluster.optimizer_state_factor
+        if not sharded or group <= 1:
+            return float(local_bytes * (2.0 + state))
+        return float(local_bytes * (1.0 + (1.0 + state) / group))

@@ -36,9 +36,17 @@ class OpSpec:
     summed: tuple[int, ...] = ()       # reduced dims whose split leaves a partial sum
     fixed: tuple[int, ...] = ()        # iteration dims that must not be split
     divides: tuple[tuple[int, int], ...] = ()  # (iter dim, n): its split must also divide n
+    reasons: tuple[tuple[int, int, str], ...] = ()  # (input, dim, why it cannot be split)
 
     def splittable(self, d: int) -> bool:
         return d not in self.fixed
+
+    def why_whole(self, i: int, d: int) -> str:
+        """Why dim ``d`` of input ``i`` cannot be split (for error messages)."""
+        for j, e, why in self.reasons:
+            if (j, e) == (i, d):
+                return why
+        return "it is broadcast, windowed, gathered or concatenated"
 
 
 def _elementwise(in_shapes: Sequence[tuple[int, ...]], out_shape: tuple[int, ...],
@@ -144,6 +152,7 @@ def _reshape(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> OpSpec:
     imap: list[int | None] = [None] * len(in_shape)
     i = o = 0
     divides = []
+    reasons = []
     while i < len(in_shape) and o < len(out_shape):
         if in_shape[i] == 1 and out_shape[o] != 1:
             i += 1
@@ -164,10 +173,17 @@ def _reshape(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> OpSpec:
         imap[gi] = go
         if in_shape[gi] != out_shape[go]:
             divides.append((go, in_shape[gi]))
+        for inner in range(gi + 1, i):
+            if in_shape[inner] != 1:
+                reasons.append((0, inner, (
+                    f"the reshape {in_shape} -> {out_shape} merges it into output dim {go} "
+                    f"as an inner factor, so a split of it would leave each device a strided, "
+                    f"non-contiguous piece of dim {go}, which no layout describes; split dim "
+                    f"{gi} (the leading dim of the merged group) instead")))
     sizes = tuple(out_shape)
     fixed = tuple(d for d in range(len(out_shape)) if d not in imap)
     return OpSpec(sizes, (tuple(imap),), (tuple(range(len(out_shape))),), fixed=fixed,
-                  divides=tuple(divides))
+                  divides=tuple(divides), reasons=tuple(reasons))
 
 
 def op_spec(node: Node, graph: Graph) -> OpSpec:

@@ -8,9 +8,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
-from autopar.errors import AutoParallelError
+from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.strategies.layout import DeviceMesh, Layout
 from autopar.strategies.problem import Breakdown, Problem
 
@@ -41,6 +41,11 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     parameters: tuple[str, ...] = ()
     enable_alltoall: bool = False           # the redistribution table the plan was priced with
+    memory_weight: float = 0.0              # seconds per byte of memory in the objective
+    inputs: tuple[str, ...] = ()            # the graph's inputs (parameters and data), in order
+    in_tree: Any = field(default=None, repr=False, compare=False)  # pytree of the arguments
+    cluster_config: Any = field(default=None, repr=False, compare=False)  # the priced Cluster
+    stages: dict[str, int] = field(default_factory=dict)  # pipeline stage per operator; absent = 0
 
     @property
     def device_num(self) -> int:
@@ -67,7 +72,9 @@ class Plan:
         return Plan(mode, mesh, problem.cm.cluster.name, g.fingerprint(), nodes,
                     dict(sorted(layouts.items())), problem.evaluate(picks),
                     problem.objective(picks), seconds, parameters=g.parameters(),
-                    enable_alltoall=problem.enable_alltoall)
+                    enable_alltoall=problem.enable_alltoall,
+                    memory_weight=problem.memory_weight, inputs=g.inputs, in_tree=g.in_tree,
+                    cluster_config=problem.cm.cluster)
 
     def layout(self, name: str) -> Layout:
         """Layout of a value; a node name means its (first) output."""
@@ -85,6 +92,55 @@ class Plan:
         if node not in self.nodes:
             raise AutoParallelError("node", node, "not an operator of this plan")
         return self.nodes[node].strategy
+
+    def to_jax_shardings(self, mesh: Any = None) -> dict[str, Any]:
+        """``jax.sharding.NamedSharding`` of every parameter and data input, by value name.
+
+        ``mesh``: a ``jax.sharding.Mesh`` with the plan's axis names and sizes (default: the
+        first ``device_num`` devices, as :func:`autopar.lower` builds it). The layouts are the
+        plan's input layouts, so ``jax.jit(fn, in_shardings=plan.in_shardings(mesh))`` runs
+        the plan's data placement with XLA's own partitioner (GSPMD) doing the rest.
+
+        >>> shardings = plan.to_jax_shardings(mesh)           # doctest: +SKIP
+        >>> shardings["params/layer0/w"].spec                 # doctest: +SKIP
+        PartitionSpec(None, ('a0', 'a1', 'a2'))
+        """
+        from jax.sharding import NamedSharding
+
+        jmesh = self._jax_mesh(mesh)
+        return {v: NamedSharding(jmesh, self.layouts[v].partition_spec()) for v in self.inputs}
+
+    def partition_specs(self) -> dict[str, Any]:
+        """``jax.sharding.PartitionSpec`` of every parameter and data input, by value name."""
+        return {v: self.layouts[v].partition_spec() for v in self.inputs}
+
+    def in_shardings(self, mesh: Any = None) -> Any:
+        """The shardings of :meth:`to_jax_shardings` arranged like the example arguments (a
+        tuple, one pytree per positional argument): ``jax.jit(fn, in_shardings=...)``."""
+        import jax
+
+        if self.in_tree is None:
+            raise AutoParallelError("plan", self.mode, "has no argument structure (it was not "
+                                    "built from a traced graph)",
+                                    "Use to_jax_shardings(mesh) by value name instead")
+        by_name = self.to_jax_shardings(mesh)
+        return jax.tree_util.tree_unflatten(self.in_tree, [by_name[v] for v in self.inputs])
+
+    def _jax_mesh(self, mesh: Any) -> Any:
+        from jax.sharding import Mesh
+
+        from autopar.lower import jax_mesh
+
+        if mesh is None:
+            return jax_mesh(self.mesh)
+        if not isinstance(mesh, Mesh):
+            raise AutoParallelTypeError("mesh", mesh, "a jax.sharding.Mesh (or None)")
+        want = dict(self.mesh.axes)
+        have = dict(mesh.shape)
+        if tuple(mesh.axis_names) != self.mesh.names or have != want:
+            raise AutoParallelError("mesh", have, f"the plan needs a mesh with axes {want} in "
+                                    "this order", "Pass mesh=None to build it from the plan")
+        return mesh
 
     def summary(self) -> str:
         c = self.cost

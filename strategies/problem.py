@@ -181,8 +181,7 @@ def splits_from_strategy(spec: OpSpec, strategy: Any, name: str,
             if m is None or not spec.splittable(m):
                 if s != 1:
                     raise AutoParallelError(where, strategy, f"dim {d} of input {i} cannot be "
-                                            f"split by this operator (it is broadcast, "
-                                            f"windowed, gathered or concatenated)")
+                                            f"split by this operator ({spec.why_whole(i, d)})")
                 continue
             if m in owner and splits[m] != s:
                 a, b = owner[m]

@@ -12,7 +12,9 @@ explicit communication nodes, the lowering into ``jax.lax`` collectives. Steps:
 
 With ``enable_alltoall=False`` a move is all_gather + slice, as MindSpore does.
 ``nbytes`` is the per-device byte count the collective formula uses: the gathered (output)
-size for all_gather, the input size for reduce_scatter, all_reduce and all_to_all.
+size for all_gather, the input size for reduce_scatter, all_reduce and all_to_all, and for a
+slice its input size -- the output of the all_gather its backward is (a slice is free in
+forward).
 
 >>> from autopar.strategies.layout import DeviceMesh, Layout
 >>> mesh = DeviceMesh.for_devices(8)
@@ -75,6 +77,17 @@ def _fraction(dims: list[list[str]], mesh: DeviceMesh) -> float:
     return 1.0 / n
 
 
+def _slice(steps: list[Step], axes: tuple[str, ...], dim: int, fraction: float) -> None:
+    """Append a local slice of a tensor holding ``fraction`` of the whole (its input: the
+    size its backward all_gather produces), merged with a slice of the same dim just before
+    it (which keeps its own, larger, input fraction)."""
+    last = steps[-1] if steps else None
+    if last is not None and last.kind == "slice" and last.dim == dim:
+        steps[-1] = Step("slice", last.axes + axes, dim, fraction=last.fraction)
+    else:
+        steps.append(Step("slice", axes, dim, fraction=fraction))
+
+
 def redistribute(shape: tuple[int, ...], itemsize: int, src: Layout, dst: Layout,
                  mesh: DeviceMesh, enable_alltoall: bool = False) -> tuple[Step, ...]:
     """Ordered steps turning a tensor laid out as ``src`` into ``dst``, with byte counts."""
@@ -129,6 +142,7 @@ def plan_steps(src: Layout, dst: Layout, mesh: DeviceMesh,
     def is_prefix(d: int) -> bool:
         return cur[d] == want[d][:len(cur[d])]
 
+    early_done = False
     for _ in range(4 * len(mesh.axes) + 4):
         if cur == want:
             break
@@ -153,20 +167,58 @@ def plan_steps(src: Layout, dst: Layout, mesh: DeviceMesh,
         if moved:
             continue
         bad = [d for d in range(len(shape)) if not is_prefix(d)]
+        if bad and not early_done:
+            # Slice first what no gather will touch: axes free now that a good dim wants
+            # next. The gathers that follow then move smaller pieces.
+            early_done = True
+            used = {a for c in cur for a in c}
+            for d2 in range(len(shape)):
+                if d2 in bad:
+                    continue
+                add = []
+                for a in want[d2][len(cur[d2]):]:
+                    if a in used:
+                        break
+                    add.append(a)
+                if add:
+                    _slice(steps, tuple(add), d2, _fraction(cur, mesh))
+                    cur[d2].extend(add)
+                    used.update(add)
+                    moved = True
+            if moved:
+                continue
         if bad:
             d = bad[0]
             k = 0
             while k < len(cur[d]) and k < len(want[d]) and cur[d][k] == want[d][k]:
                 k += 1
             gone = cur[d][k:]
-            del cur[d][k:]
-            steps.append(Step("all_gather", tuple(gone), d, fraction=_fraction(cur, mesh)))
+            wanted = {a for w in want for a in w}
+            if not wanted.intersection(gone):  # a plain un-split: one collective
+                del cur[d][k:]
+                steps.append(Step("all_gather", tuple(gone), d, fraction=_fraction(cur, mesh)))
+                continue
+            # Some gathered axes split another dim next: gather one axis at a time (innermost
+            # first) and slice it where it is wanted at once, never holding more of the tensor
+            # than needed. In the alpha-beta ring model this is never dearer than one gather
+            # of all the axes followed by slices: the bytes are the same or fewer (later steps
+            # move smaller pieces) and the latency sum(p_i - 1) <= prod(p_i) - 1.
+            a = cur[d].pop()
+            steps.append(Step("all_gather", (a,), d, fraction=_fraction(cur, mesh)))
+            if all(is_prefix(d2) for d2 in range(len(shape))):
+                continue  # no gather follows: the final slices go together
+            for d2 in range(len(shape)):
+                if d2 != d and is_prefix(d2) and len(want[d2]) > len(cur[d2]) \
+                        and want[d2][len(cur[d2])] == a:
+                    _slice(steps, (a,), d2, _fraction(cur, mesh))
+                    cur[d2].append(a)
+                    break
             continue
         for d in range(len(shape)):
             add = want[d][len(cur[d]):]
             if add:
+                _slice(steps, tuple(add), d, _fraction(cur, mesh))
                 cur[d].extend(add)
-                steps.append(Step("slice", tuple(add), d, fraction=_fraction(cur, mesh)))
     else:  # pragma: no cover - the loop always converges; guard against regressions
         raise AutoParallelError("layout", f"{src} -> {dst}", "redistribution did not converge")
     return tuple(steps)

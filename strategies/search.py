@@ -12,7 +12,9 @@ given from the resolved auto-parallel context. ``parallel_mode`` decides who cho
   ``sharding_propagation``, or ``exact``) chooses, honouring fixed strategies.
 
 All modes build the same :class:`~autopar.strategies.problem.Problem` (one cost model), so
-their plans compare like for like. A plan over the cluster's memory budget is re-searched with
+their plans compare like for like. Under ``semi_auto_parallel`` / ``auto_parallel`` the
+context's ``strategy_ckpt_load_file`` replaces the search by a checked load of a saved plan,
+and ``strategy_ckpt_save_file`` saves the plan (:mod:`autopar.checkpoint`). A plan over the cluster's memory budget is re-searched with
 memory priced into the objective; if none fits, the error says how much is missing.
 """
 
@@ -119,6 +121,36 @@ def search(graph: Graph, *, mode: str | None = None, device_num: int | None = No
         warnings.warn(f"fixed strategies are not used under parallel_mode={pmode!r} (every "
                       "operator is data parallel there); use semi_auto_parallel or "
                       "auto_parallel to honour them", AutoParallelWarning, stacklevel=2)
+    if cfg.strategy_ckpt_load_file and pmode in ("semi_auto_parallel", "auto_parallel"):
+        plan = _load(graph, cfg, n, cluster, fixed_map)
+    else:
+        plan = _search(graph, m, n, clus, fixed_map, pmode, cfg, fully_use_devices)
+    if cfg.strategy_ckpt_save_file and pmode in ("semi_auto_parallel", "auto_parallel"):
+        from autopar.checkpoint import save_strategy
+
+        save_strategy(plan, graph, cfg.strategy_ckpt_save_file)
+    return plan
+
+
+def _load(graph: Graph, cfg: Any, n: int, cluster: Any, fixed_map: dict) -> Plan:
+    """The plan of ``strategy_ckpt_load_file``; fixed strategies must agree with it."""
+    from autopar.checkpoint import load_strategy
+
+    plan = load_strategy(cfg.strategy_ckpt_load_file, graph, device_num=n, cluster=cluster)
+    from autopar.graph.ir import check_strategy_shape
+
+    for name, strategy in sorted(fixed_map.items()):
+        graph.node(name)
+        if check_strategy_shape(strategy, None, name) != plan.nodes[name].strategy:
+            raise AutoParallelError(
+                f"fixed strategy of node {name!r}", strategy,
+                f"conflicts with {plan.nodes[name].strategy} in strategy_ckpt_load_file "
+                f"{cfg.strategy_ckpt_load_file!r}", "Drop fixed= or the load file")
+    return plan
+
+
+def _search(graph: Graph, m: str, n: int, clus: Cluster, fixed_map: dict, pmode: str,
+            cfg: Any, fully_use_devices: bool) -> Plan:
     mesh = DeviceMesh.for_devices(n)
     cm = CostModel(clus)
     t0 = time.perf_counter()

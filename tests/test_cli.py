@@ -1,29 +1,231 @@
-"""The `autopar` command, run as a new user would (subprocess)."""
+"""The `autopar` command: every subcommand on small models, in-process (fast) and as a new user
+runs it (subprocess, the console script)."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from autopar.cli import main
+
+SMALL_MLP = ["--model", "mlp", "-o", "widths=(16,32,16)", "-o", "batch=8"]
+SMALL_TFM = ["--model", "transformer", "-o", "layers=1", "-o", "hidden=32", "-o", "heads=2",
+             "-o", "seq=8", "-o", "vocab=64", "-o", "batch=8"]
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
+def run(*args: str, cwd: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "autopar", *args], capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=300, cwd=cwd)
 
 
-def test_demo_prints_resolved_configuration():
-    p = run("demo")
+def test_demo_end_to_end(tmp_path):
+    p = run("demo", "--out", str(tmp_path / "demo"))
     assert p.returncode == 0, p.stderr
     out = p.stdout
     assert "device_num" in out and "auto_parallel" in out
     assert "allreduce fusion" in out and "size, threshold 32 MB" in out
     assert "96.54" in out
-    assert "dynamic_programming" in out and "vs exact" in out
-    assert "-> OK" in out  # the plan ran on 8 devices and matched one device
+    for mode in ("exact", "dynamic_programming", "recursive_programming",
+                 "sharding_propagation"):
+        assert mode in out
+    assert "vs exact" in out and "same plan True, same bytes True" in out
+    assert "-> OK" in out  # trained on 8 devices, matched one device
+    assert "fp_start" not in out and "iteration" in out
+    trace = json.loads((tmp_path / "demo" / "trace.json").read_text())
+    assert any(e.get("name") == "bp_end" for e in trace["traceEvents"])
+    assert (tmp_path / "demo" / "strategy.json").exists()
 
 
-def test_bad_arguments_fail_cleanly():
+def test_console_script_search_and_show(tmp_path):
+    exe = Path(sys.executable).parent / "autopar"
+    if not exe.exists():
+        pytest.skip("console script not installed (pip install -e .)")
+    f = tmp_path / "s.json"
+    p = subprocess.run([str(exe), "search", *SMALL_MLP, "--devices", "8", "--save", str(f)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "plan[dynamic_programming] on 8 devices" in p.stdout and f.exists()
+    p = subprocess.run([str(exe), "show", str(f)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "autopar-strategy" in p.stdout and "tensor_map" in p.stdout
+
+
+def test_bad_arguments_fail_cleanly(tmp_path):
     p = run("demo", "--devices", "0")
     assert p.returncode == 2 and "--devices" in p.stderr
-    p = run("nosuchcommand")
-    assert p.returncode == 2
+    p = run("show", str(tmp_path / "missing.json"))
+    assert p.returncode == 2 and "missing.json" in p.stderr and "Traceback" not in p.stderr
+
+
+# ---------------------------------------------------------------------------- in-process
+
+
+def test_search_prints_plan_and_saves(tmp_path, capsys):
+    f = tmp_path / "plan.json"
+    assert main(["search", *SMALL_TFM, "--devices", "4", "--mode", "recursive_programming",
+                 "--save", str(f)]) == 0
+    out = capsys.readouterr().out
+    assert "plan[recursive_programming] on 4 devices" in out and "parameter" in out
+    doc = json.loads(f.read_text())
+    assert doc["device_num"] == 4 and doc["mode"] == "recursive_programming"
+    assert main(["search", *SMALL_TFM, "--devices", "4", "--load", str(f), "--full"]) == 0
+    out = capsys.readouterr().out
+    assert "loaded from" in out and "dot_general" in out
+
+
+def test_search_with_a_user_model(tmp_path, capsys, monkeypatch):
+    (tmp_path / "mymodels.py").write_text(textwrap.dedent("""
+        import jax.numpy as jnp
+
+        def wide(width=64):
+            def loss(p, x):
+                return jnp.mean(jnp.tanh(x @ p["w1"]) @ p["w2"])
+            return loss, ({"w1": jnp.ones((width, 4 * width)),
+                           "w2": jnp.ones((4 * width, width))}, jnp.ones((8, width)))
+    """))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["search", "--model", "mymodels:wide", "-o", "width=32", "--devices", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "mymodels:wide(width=32)" in out and "p/w1" in out
+
+
+def test_compare_writes_json_markdown_png(tmp_path, capsys):
+    out_dir = tmp_path / "cmp"
+    assert main(["compare", *SMALL_MLP, "--devices", "8", "--out", str(out_dir)]) == 0
+    text = capsys.readouterr().out
+    assert "vs exact" in text and "sharding_propagation" in text
+    doc = json.loads((out_dir / "compare.json").read_text())
+    modes = {m["mode"]: m for m in doc["modes"]}
+    assert set(modes) == {"exact", "dynamic_programming", "recursive_programming",
+                          "sharding_propagation"}
+    assert modes["exact"]["ratio_to_exact"] == 1.0
+    assert modes["dynamic_programming"]["ratio_to_exact"] == pytest.approx(1.0, abs=1e-9)
+    for m in modes.values():
+        assert m["ratio_to_exact"] >= 1.0 - 1e-9 and m["collectives"] >= 0
+        assert m["memory_bytes"] > 0 and m["search_seconds"] >= 0
+    assert "| mode |" in (out_dir / "compare.md").read_text()
+    pytest.importorskip("matplotlib")
+    assert (out_dir / "compare.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_compare_measure(tmp_path, capsys):
+    assert main(["compare", *SMALL_MLP, "--devices", "8", "--out", str(tmp_path),
+                 "--modes", "dynamic_programming", "exact", "--measure", "--steps", "1"]) == 0
+    doc = json.loads((tmp_path / "compare.json").read_text())
+    assert all(m["measured_step_seconds"] > 0 for m in doc["modes"])
+    assert "measured ms" in capsys.readouterr().out
+
+
+def test_run_checks_against_one_device(tmp_path, capsys):
+    out = tmp_path / "run.json"
+    f = tmp_path / "s.json"
+    assert main(["run", *SMALL_MLP, "--devices", "8", "--steps", "2", "--check", "--json",
+                 str(out), "--save", str(f)]) == 0
+    res = json.loads(out.read_text())
+    assert res["match"] is True and len(res["losses"]) == 2 and res["processes"] == 1
+    assert res["max_param_diff"] <= 1e-4
+    assert "-> OK" in capsys.readouterr().out and f.exists()
+    assert main(["run", *SMALL_MLP, "--devices", "8", "--steps", "2", "--load", str(f),
+                 "--json", str(tmp_path / "again.json")]) == 0
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert again["losses"] == res["losses"] and again["param_sums"] == res["param_sums"]
+
+
+def test_trace_writes_chrome_trace(tmp_path, capsys):
+    out = tmp_path / "t.json"
+    assert main(["trace", *SMALL_TFM, "--devices", "8", "--out", str(out), "--buckets",
+                 "hccl"]) == 0
+    text = capsys.readouterr().out
+    assert "bp_end" in text and "Iteration_end" in text and "iteration" in text
+    assert json.loads(out.read_text())["traceEvents"]
+
+
+def test_show_pretty_prints(tmp_path, capsys):
+    f = tmp_path / "s.json"
+    assert main(["search", *SMALL_MLP, "--devices", "8", "--save", str(f)]) == 0
+    capsys.readouterr()
+    assert main(["show", str(f), "--limit", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "fingerprint" in out and "dev_matrix" in out and "more operators" in out
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["search", "--model", "vgg"], "not a zoo model"),
+    (["search", "--model", "mlp", "-o", "layers"], "KEY=VALUE"),
+    (["search", "--model", "mlp", "-o", "depth=3"], "depth"),
+    (["search", "--model", "nosuchmodule_xyz:f"], "cannot import"),
+    (["search", "--model", "os:nothing_here"], "no function"),
+    (["search", "--model", "os:getcwd"], "must return (fn, example_args)"),
+    (["search", "--model", ":f"], "MODULE:FUNCTION"),
+    (["run", *SMALL_MLP, "--num-processes", "2"], "--coordinator"),
+    (["run", *SMALL_MLP, "--num-processes", "2", "--coordinator", "127.0.0.1:1",
+      "--process-id", "5"], "--process-id"),
+    (["run", *SMALL_MLP, "--devices", "7", "--num-processes", "2", "--coordinator",
+      "127.0.0.1:1", "--process-id", "0"], "divide evenly"),
+    (["run", *SMALL_MLP, "--devices", "64"], "devices"),
+])
+def test_bad_input_in_process(argv, needle, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+def test_bad_strategy_file_is_a_clean_error(tmp_path, capsys):
+    f = tmp_path / "bad.json"
+    f.write_text('{"format": "autopar-strategy", "version": 99}')
+    assert main(["show", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert "version" in err and "99" in err
+    assert main(["search", *SMALL_MLP, "--load", str(f)]) == 2
+
+
+def test_argparse_rejects_bad_values():
+    for argv in (["search", "--model", "mlp", "--devices", "x"],
+                 ["search", "--model", "mlp", "--mode", "greedy"],
+                 ["compare"], ["nosuchcommand"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+
+
+def test_python_dash_m_matches_console_script():
+    env = dict(os.environ)
+    p = subprocess.run([sys.executable, "-m", "autopar", "--help"], capture_output=True,
+                       text=True, timeout=120, env=env)
+    assert p.returncode == 0
+    for cmd in ("demo", "search", "compare", "run", "trace", "show"):
+        assert cmd in p.stdout
+
+
+def test_compare_modes_ignores_strategy_files(tmp_path):
+    import jax
+
+    import autopar as ap
+    from autopar.models import mlp
+
+    m = mlp(widths=(64, 256, 64), batch=64)
+    g = ap.trace(m.loss, *jax.eval_shape(m.example_args, jax.random.key(0)))
+    f = tmp_path / "s.json"
+    with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel",
+                                  strategy_ckpt_save_file=str(f)):
+        ap.search(g, mode="recursive_programming")
+        before = f.read_bytes()
+    with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel",
+                                  strategy_ckpt_load_file=str(f), strategy_ckpt_save_file=str(f)):
+        rows = ap.compare_modes(g, modes=["exact", "recursive_programming"])
+    assert [r.mode for r in rows] == ["exact", "recursive_programming"]
+    assert all("loaded from" not in " ".join(r.plan.notes) for r in rows)
+    assert f.read_bytes() == before
+    with pytest.raises(ap.AutoParallelError, match="unknown search modes"):
+        ap.compare_modes(g, modes=["greedy"])
+    with pytest.raises(ap.AutoParallelTypeError):
+        ap.compare_modes(g, modes="exact")
+    with pytest.raises(ap.AutoParallelTypeError):
+        ap.compare_modes("graph")

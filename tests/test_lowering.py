@@ -120,14 +120,36 @@ def test_split_iota_gather_alltoall_are_exercised():
     close(f(*args), ref)
 
 
-def test_gradients_flow_through_the_sharded_program():
-    m, args, _, _, _ = model_case("tfm_stack")
-    ap.set_auto_parallel_context(device_num=8, parallel_mode="auto_parallel",
-                                 search_mode="dynamic_programming", enable_alltoall=True)
-    f = ap.parallelize(m.loss, *args, cluster=COMPUTE_BOUND)
+def close_scaled(a, b, rtol=1e-5, scale=1e-6):
+    """rtol 1e-5 plus an absolute tolerance of 1e-6 x the tensor's largest reference magnitude.
+
+    A sharded program sums partial products (and the backward sums cotangents) in another
+    order than one device: each element is off by a few float32 ulps *of the terms summed*,
+    so an element that is tiny because large terms cancel (a gradient entry of 1e-7 in a
+    tensor whose entries reach 2) has a large relative error with no bug anywhere. Measured on
+    the zoo transformer: max absolute difference 6e-7 at max |ref| 2.2, rtol-only failures
+    only on elements below 1e-4 |ref|max.
+    """
+    b = np.asarray(b)
+    atol = scale * float(np.max(np.abs(b))) if b.size else 0.0
+    np.testing.assert_allclose(np.asarray(a), b, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("name,config", [("tfm_stack", "dynamic_programming"),
+                                         ("transformer", "dynamic_programming"),
+                                         ("transformer", "recursive_programming"),
+                                         ("transformer", "data_parallel")])
+def test_gradients_flow_through_the_sharded_program(name, config):
+    m, args, _, _, _ = model_case(name)
+    kw = dict(CONFIGS[config])
+    auto = kw["parallel_mode"] == "auto_parallel"
+    if auto:  # exercise the transpose of all_to_all too
+        kw["enable_alltoall"] = True
+    ap.set_auto_parallel_context(device_num=8, **kw)
+    f = ap.parallelize(m.loss, *args, cluster=COMPUTE_BOUND if auto else None)
     got = jax.grad(f)(*args)
     want = jax.jit(jax.grad(m.loss))(*args)
-    jax.tree.map(lambda a, b: close(a, b, rtol=1e-4, atol=1e-6), got, want)
+    jax.tree.map(close_scaled, got, want)
 
 
 # ------------------------------------------------------------------ property: random MLPs
@@ -374,3 +396,108 @@ def test_constants_are_sliced_and_pytree_outputs_keep_their_layouts():
     assert set(out) == {"h", "w", "k", "s"}
     jax.tree.map(close, out, ref)
     assert out["h"].sharding.spec == P("a0", "a1")  # outputs stay split: no gather at the end
+
+
+# ------------------------------------------------------------------ fused kernels (issue 7 part 5)
+
+
+def _row_parallel():
+    """tanh(x @ w1) @ w2 with w1 column-split and w2 row-split 4 ways, output rows split:
+    the second matmul's partial output is reduce-scattered and the first's input gathered."""
+    def f(w1, w2, x):
+        return jnp.tanh(jnp.tanh(x @ w1) @ w2)
+
+    args = (jax.random.normal(KEY, (32, 64)) / 32 ** 0.5,
+            jax.random.normal(jax.random.key(1), (64, 32)) / 8.0,
+            jax.random.normal(jax.random.key(2), (16, 32)))
+    g = ap.trace(f, *args)
+    d0, d1 = (n.name for n in g.nodes if n.op == "dot_general")
+    fixed = {d0: ((1, 1), (1, 4)), d1: ((1, 4), (4, 1)), g.nodes[-1].name: ((4, 1),)}
+    with ap.auto_parallel_context(device_num=4, parallel_mode="semi_auto_parallel"):
+        plan = ap.search(g, fixed=fixed)
+    return f, args, g, plan
+
+
+def test_fused_kernels_replace_matmul_collective_pairs_and_stay_differentiable():
+    from autopar.lower import lower
+
+    f, args, g, plan = _row_parallel()
+    plain = ap.rewrite(g, plan, fused_kernels=False)
+    fused = ap.rewrite(g, plan, fused_kernels=True)
+    assert "mm_reduce_scatter" not in plain.comm_counts()
+    counts = fused.comm_counts()
+    assert counts["mm_reduce_scatter"] == 1 and counts["all_gather_matmul"] == 1
+    assert "reduce_scatter" not in counts
+    assert "MatMulReduceScatter" in str(fused) and "AllGatherMatMul" in str(fused)
+    lo_p, lo_f = lower(plain), lower(fused)
+    want = jax.jit(f)(*args)
+    close(lo_p(*args), want)
+    close(lo_f(*args), want)
+    cp, cf = collectives(lo_p.as_text(*args)), collectives(lo_f.as_text(*args))
+    assert cp["reduce_scatter"] == 1 and cp["collective_permute"] == 0
+    assert cf["reduce_scatter"] == 0 and cf["collective_permute"] == 2 * 3  # two rings, p-1
+    assert cf["all_gather"] == cp["all_gather"] - 1
+    loss = lambda lo: lambda *a: jnp.sum(lo(*a) ** 2)  # noqa: E731
+    g_ref = jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2))(*args)
+    g_f = jax.grad(loss(lo_f), argnums=(0, 1, 2))(*args)
+    g_p = jax.grad(loss(lo_p), argnums=(0, 1, 2))(*args)
+    jax.tree.map(close_scaled, g_f, g_ref)
+    jax.tree.map(close_scaled, g_f, g_p)
+    # lower(fused_kernels=True) applies the same rule to an unfused program
+    assert lower(plain, fused_kernels=True).parallel_graph.comm_counts() == counts
+
+
+def test_fused_kernels_auto_follows_the_overlap_model():
+    from autopar.kernel_rules import predict
+
+    _, _, g, plan = _row_parallel()
+    # cpu-emulated: 8 emulated devices share 2 cores, nothing overlaps -> never fused
+    assert ap.rewrite(g, plan, cluster="cpu-emulated").fused_nodes() == ()
+    # accelerator preset: the overlapped ring hides the matmul blocks behind the transfers
+    assert len(ap.rewrite(g, plan, cluster="accelerator-8x").fused_nodes()) == 2
+    big = dict(flops=2 * 8192 * 4096 * 4096, x_bytes=8192 * 4096 * 2, out_bytes=8192 * 4096 * 2,
+               comm_bytes=8192 * 4096 * 2, p=8, intra=True, itemsize=2)
+    acc = predict("all_gather_matmul", cluster="accelerator-8x", **big)
+    cpu = predict("all_gather_matmul", cluster="cpu-emulated", **big)
+    assert acc["gain"] > 1.0 > cpu["gain"]
+
+
+@pytest.mark.parametrize("bad,exc", [("yes", ap.AutoParallelError), (1, ap.AutoParallelTypeError),
+                                     (None, ap.AutoParallelTypeError)])
+def test_fused_kernels_option_is_validated(bad, exc):
+    from autopar.lower import lower
+
+    _, _, g, plan = _row_parallel()
+    with pytest.raises(exc, match="fused_kernels"):
+        ap.rewrite(g, plan, fused_kernels=bad)
+    pg = ap.rewrite(g, plan, fused_kernels=False)
+    if bad is not None:  # None means "as rewritten" for lower
+        with pytest.raises(exc, match="fused_kernels"):
+            lower(pg, fused_kernels=bad)
+
+
+def test_reshape_merging_an_inner_split_dim_is_refused_clearly():
+    """(8, 4, 8) -> (8, 32): splitting the merged group's leading dim runs and matches; its
+    inner dim would give strided pieces no layout describes, so it is refused by name."""
+    def f(x):
+        return jnp.sum(jnp.tanh(x.reshape(8, 32)) * jnp.arange(32.0))
+
+    x = jax.random.normal(KEY, (8, 4, 8))
+    ap.set_auto_parallel_context(device_num=4, parallel_mode="semi_auto_parallel")
+    g = ap.trace(f, x)
+    r = next(n.name for n in g.nodes if n.op == "reshape")
+    pf = ap.parallelize(f, x, fixed={r: ((1, 4, 1),)})
+    close(pf(x), jax.jit(f)(x))
+    with pytest.raises(ap.AutoParallelError, match="inner factor.*leading dim"):
+        ap.parallelize(f, x, fixed={r: ((1, 1, 4),)})
+
+
+def test_batch_that_does_not_divide_the_degree_is_split_by_a_divisor():
+    """data_parallel on 4 devices, batch 6: split 2 ways (exact), never 4 uneven shards."""
+    m = mlp(widths=(8, 16, 8), batch=6)
+    args = m.example_args(KEY)
+    ap.set_auto_parallel_context(device_num=4, parallel_mode="data_parallel")
+    f = ap.parallelize(m.loss, *args)
+    x = f.parallel_graph.values[f.parallel_graph.inputs[-1]]
+    assert x.spec.shape[0] == 6 and x.local_shape[0] == 3
+    close(f(*args), jax.jit(m.loss)(*args))

@@ -91,7 +91,7 @@ def test_three_sgd_steps_equal_single_device(name, config):
     step = ap.train_step(m.loss, params, tuple(batch), fixed=fixed, cluster=cluster)
     got, got_losses = run_steps(step, params, batch, 3)
     want, want_losses = reference_steps(m.loss, params, batch, 3)
-    rtol = 1e-5 if name == "mlp" else 1e-4
+    rtol = 1e-5  # the transformer too, since gradients are synchronised explicitly
     for a, b in zip(got_losses, want_losses):
         close(a, b, rtol=rtol)
     jax.tree.map(lambda a, b: close(a, b, rtol=rtol, atol=1e-5), got, want)

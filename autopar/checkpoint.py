@@ -1,0 +1,473 @@
+"""Strategy files: save a searched plan, load it instead of searching (MindSpore's
+``strategy_ckpt_save_file`` / ``strategy_ckpt_load_file``).
+
+A strategy file is versioned JSON validated by a strict pydantic schema (unknown fields are
+errors). It keeps what MindSpore's strategy checkpoint keeps — per operator the strategy
+tuples and its pipeline stage (``parallel_strategy_item``), per parameter the tensor layout
+(``parallel_layout_item``: device matrix, tensor map, tensor shape, slice shape) — plus what
+autopar needs to rebuild the plan exactly: the graph fingerprint, device_num and mesh, each
+operator's split per loop dimension, the data inputs' layouts, the cluster the plan was priced
+on, ``enable_alltoall`` and the memory weight of the objective.
+
+Writes are atomic (a temporary file in the same directory, then ``os.replace``), and the same
+plan always gives the same bytes (sorted keys, ``repr`` floats, no timings). Loading checks
+everything before anything is used and raises :class:`StrategyFileError` (an
+``AutoParallelError``) naming the file, the field, what was expected and what was found.
+
+>>> import jax.numpy as jnp, autopar as ap
+>>> def loss(p, x):
+...     return jnp.sum(jnp.tanh(x @ p["w"]))
+>>> g = ap.trace(loss, {"w": jnp.ones((16, 32))}, jnp.ones((8, 16)))
+>>> with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel"):
+...     plan = ap.search(g)
+...     path = save_strategy(plan, g, "/tmp/autopar-doctest-strategy.json")
+...     again = load_strategy(path, g)
+>>> (again.nodes, again.layouts, again.cost) == (plan.nodes, plan.layouts, plan.cost)
+True
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from autopar.errors import AutoParallelError, AutoParallelTypeError
+from autopar.graph.ir import Graph, check_strategy_shape
+from autopar.strategies.cost import Cluster, CostModel, get_cluster
+from autopar.strategies.layout import DeviceMesh, Layout
+from autopar.strategies.plan import Plan
+from autopar.strategies.problem import Problem, splits_from_strategy
+
+__all__ = ["FORMAT", "VERSION", "StrategyFile", "StrategyFileError", "save_strategy",
+           "load_strategy", "read_strategy_file", "strategy_document", "dumps_strategy",
+           "layout_entry", "layout_from_entry"]
+
+FORMAT = "autopar-strategy"
+VERSION = 1
+
+
+class StrategyFileError(AutoParallelError):
+    """A strategy file that cannot be used: names the file, the field, expected vs found."""
+
+    def __init__(self, path: str | os.PathLike[str], field: str, expected: str,
+                 found: Any) -> None:
+        self.path, self.field, self.expected, self.found = str(path), field, expected, found
+        text = found if isinstance(found, str) else repr(found)
+        if len(text) > 200:
+            text = text[:200] + "..."
+        super().__init__(f"strategy file {str(path)!r}: field {field!r}: expected {expected}; "
+                         f"found {text}")
+
+
+# ---------------------------------------------------------------------------- schema
+
+_STRICT = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class OperatorEntry(BaseModel):
+    """One operator: MindSpore's ``{"stage", "parallel_strategy"}`` plus autopar's loop splits."""
+
+    model_config = _STRICT
+    op: str
+    stage: int = Field(ge=0)
+    parallel_strategy: list[list[int]]
+    splits: list[int]
+
+
+class LayoutEntry(BaseModel):
+    """MindSpore's tensor layout fields. ``dev_matrix`` is the mesh (outermost axis first);
+    ``tensor_map`` per tensor dim: the device-matrix dim it is split over, counted from the
+    right as MindSpore does (-1: not split), or a list of them (outer first) when a dim is split
+    over several axes; ``slice_shape`` is the local shape on one device."""
+
+    model_config = _STRICT
+    dev_matrix: list[int]
+    tensor_map: list[int | list[int]]
+    tensor_shape: list[int]
+    slice_shape: list[int]
+    field: int = 0
+    opt_weight_shard_step: int = 0
+    opt_weight_shard_size: int = 0
+
+
+class MeshAxis(BaseModel):
+    model_config = _STRICT
+    name: str
+    size: int = Field(ge=2)
+
+
+class Predicted(BaseModel):
+    """The plan's predicted cost when it was saved (seconds, bytes per device)."""
+
+    model_config = _STRICT
+    step_seconds: float
+    compute: float
+    communication: float
+    redistribution: float
+    gradient_sync: float
+    memory_bytes: float
+    objective: float
+
+
+class StrategyFile(BaseModel):
+    """The whole file (format ``autopar-strategy``, version 1)."""
+
+    model_config = _STRICT
+    format: Literal["autopar-strategy"]
+    version: int
+    fingerprint: str = Field(min_length=1)
+    device_num: int = Field(ge=1, le=4096)
+    mesh: list[MeshAxis]
+    mode: str
+    cluster: dict[str, Any]
+    enable_alltoall: bool
+    memory_weight: float = Field(ge=0)
+    current_stage: int = Field(ge=0)
+    parallel_strategy_item: dict[str, OperatorEntry]
+    parallel_layout_item: dict[str, LayoutEntry]
+    data_layout_item: dict[str, LayoutEntry]
+    predicted: Predicted
+
+
+# ---------------------------------------------------------------------------- layouts
+
+
+def layout_entry(layout: Layout, shape: tuple[int, ...], mesh: DeviceMesh) -> dict[str, Any]:
+    """MindSpore's layout fields for a layout (see :class:`LayoutEntry`).
+
+    >>> mesh = DeviceMesh.for_devices(8)
+    >>> layout_entry(Layout(((), ("a1", "a2"))), (16, 32), mesh)["tensor_map"]
+    [-1, [1, 0]]
+    """
+    names = mesh.names
+    tmap: list[int | list[int]] = []
+    for d in layout.dims:
+        idx = [len(names) - 1 - names.index(a) for a in d]
+        tmap.append(-1 if not idx else idx[0] if len(idx) == 1 else idx)
+    return {"dev_matrix": [s for _, s in mesh.axes], "tensor_map": tmap,
+            "tensor_shape": list(shape), "slice_shape": list(layout.local_shape(shape, mesh)),
+            "field": 0, "opt_weight_shard_step": 0, "opt_weight_shard_size": 0}
+
+
+def layout_from_entry(entry: LayoutEntry, mesh: DeviceMesh, where: str,
+                      path: str) -> Layout:
+    """The :class:`Layout` of a layout entry, checked against ``mesh``."""
+    n = len(mesh.axes)
+    dims: list[tuple[str, ...]] = []
+    seen: set[int] = set()
+    for k, m in enumerate(entry.tensor_map):
+        idx = [m] if isinstance(m, int) else list(m)
+        if idx == [-1]:
+            dims.append(())
+            continue
+        if not idx or any(not 0 <= i < n for i in idx) or seen & set(idx) or \
+                len(set(idx)) != len(idx):
+            raise StrategyFileError(path, f"{where}.tensor_map[{k}]",
+                                    f"-1 or distinct device-matrix dims in [0, {n}) not used "
+                                    "by another tensor dim", m)
+        seen.update(idx)
+        dims.append(tuple(mesh.names[n - 1 - i] for i in idx))
+    return Layout(tuple(dims))
+
+
+# ---------------------------------------------------------------------------- save
+
+
+def strategy_document(plan: Plan, graph: Graph) -> dict[str, Any]:
+    """The JSON document of a plan (a plain dict, validated by :class:`StrategyFile`)."""
+    if not isinstance(plan, Plan):
+        raise AutoParallelTypeError("plan", plan, "a Plan from autopar.search")
+    if not isinstance(graph, Graph):
+        raise AutoParallelTypeError("graph", graph, "the Graph the plan was searched for")
+    if plan.fingerprint != graph.fingerprint():
+        raise AutoParallelError("graph", graph.name, f"fingerprint {graph.fingerprint()} is "
+                                f"not the plan's {plan.fingerprint}",
+                                "Save a plan with the graph it was searched for")
+    mesh = plan.mesh
+    stages: Mapping[str, int] = plan.stages
+    cluster_doc = plan.cluster_config
+    if cluster_doc is None and plan.cluster in _preset_names():
+        cluster_doc = get_cluster(plan.cluster)
+    c = plan.cost
+    doc = {
+        "format": FORMAT, "version": VERSION, "fingerprint": plan.fingerprint,
+        "device_num": plan.device_num,
+        "mesh": [{"name": a, "size": s} for a, s in mesh.axes],
+        "mode": plan.mode,
+        "cluster": cluster_doc.model_dump() if cluster_doc is not None else {"name": plan.cluster},
+        "enable_alltoall": plan.enable_alltoall, "memory_weight": float(plan.memory_weight),
+        "current_stage": 0,
+        "parallel_strategy_item": {
+            name: {"op": n.op, "stage": int(stages.get(name, 0)),
+                   "parallel_strategy": [list(e) for e in n.strategy], "splits": list(n.splits)}
+            for name, n in plan.nodes.items()},
+        "parallel_layout_item": {v: layout_entry(plan.layouts[v], graph.spec(v).shape, mesh)
+                                 for v in graph.parameters()},
+        "data_layout_item": {v: layout_entry(plan.layouts[v], graph.spec(v).shape, mesh)
+                             for v in graph.data_inputs()},
+        "predicted": {"step_seconds": float(c.total), "compute": float(c.compute),
+                      "communication": float(c.communication),
+                      "redistribution": float(c.redistribution),
+                      "gradient_sync": float(c.gradient_sync),
+                      "memory_bytes": float(c.memory_bytes), "objective": float(plan.objective)},
+    }
+    return doc
+
+
+def _preset_names() -> set[str]:
+    from autopar.strategies.cost import CLUSTERS
+
+    return set(CLUSTERS)
+
+
+def dumps_strategy(doc: Mapping[str, Any]) -> str:
+    """Canonical text: sorted keys, one-space indent, ``repr`` floats, trailing newline."""
+    return json.dumps(doc, sort_keys=True, indent=1, allow_nan=False) + "\n"
+
+
+def save_strategy(plan: Plan, graph: Graph, path: str | os.PathLike[str]) -> Path:
+    """Write ``plan`` to ``path`` atomically; the same plan always gives the same bytes."""
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise AutoParallelTypeError("strategy_ckpt_save_file", path, "a non-empty path")
+    text = dumps_strategy(strategy_document(plan, graph))
+    target = Path(path)
+    directory = target.parent if str(target.parent) else Path(".")
+    if not directory.is_dir():
+        raise AutoParallelError("strategy_ckpt_save_file", str(path),
+                                f"directory {str(directory)!r} does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return target
+
+
+# ---------------------------------------------------------------------------- load
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def read_strategy_file(path: str | os.PathLike[str]) -> StrategyFile:
+    """Read and validate a strategy file (no graph needed: what ``autopar show`` prints)."""
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise AutoParallelTypeError("strategy_ckpt_load_file", path, "a non-empty path")
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise StrategyFileError(path, "<file>", "a readable file", e.strerror or str(e)) from None
+    try:
+        data = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates,
+                          parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise StrategyFileError(path, "<json>", "a complete JSON document (truncated or "
+                                "corrupted file?)", str(e)) from None
+    if not isinstance(data, dict):
+        raise StrategyFileError(path, "<root>", "a JSON object", type(data).__name__)
+    if data.get("format") != FORMAT:
+        raise StrategyFileError(path, "format", repr(FORMAT), data.get("format", "<missing>"))
+    version = data.get("version", "<missing>")
+    if version != VERSION or isinstance(version, bool):
+        raise StrategyFileError(path, "version", f"{VERSION} (the version this autopar "
+                                "reads)", version)
+    try:
+        return StrategyFile.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"]) or "<root>"
+        found = err.get("input", "<missing>") if err["type"] != "missing" else "<missing>"
+        raise StrategyFileError(path, loc, err["msg"].lower(), found) from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def load_strategy(path: str | os.PathLike[str], graph: Graph, *,
+                  device_num: int | None = None, cluster: str | Cluster | None = None,
+                  enable_alltoall: bool | None = None, dataset_strategy: Any = None,
+                  pipeline_stages: int | None = None) -> Plan:
+    """Rebuild the plan saved in ``path`` for ``graph`` (nothing is searched).
+
+    Settings not given come from the current auto-parallel context; ``cluster=None`` uses the
+    cluster saved in the file, so the loaded plan has the saved cost exactly. Every check runs
+    before the plan is built: a :class:`StrategyFileError` names the field that failed.
+    """
+    from autopar.context import current_config
+
+    if not isinstance(graph, Graph):
+        raise AutoParallelTypeError("graph", graph, "the Graph returned by autopar.trace")
+    cfg = current_config()
+    n = cfg.device_num if device_num is None else device_num
+    alltoall = cfg.enable_alltoall if enable_alltoall is None else enable_alltoall
+    dataset = cfg.dataset_strategy if dataset_strategy is None else dataset_strategy
+    stages = cfg.pipeline_stages if pipeline_stages is None else pipeline_stages
+    t0 = time.perf_counter()
+    f = read_strategy_file(path)
+    p = str(path)
+    if f.fingerprint != graph.fingerprint():
+        raise StrategyFileError(p, "fingerprint", f"{graph.fingerprint()} (the fingerprint of "
+                                f"graph {graph.name!r}: the file was saved for another "
+                                "function or other shapes)", f.fingerprint)
+    if f.device_num != n:
+        raise StrategyFileError(p, "device_num", f"{n} (the context's device_num)",
+                                f.device_num)
+    mesh = DeviceMesh.for_devices(n)
+    if [(a.name, a.size) for a in f.mesh] != list(mesh.axes):
+        raise StrategyFileError(p, "mesh", str([{"name": a, "size": s} for a, s in mesh.axes]),
+                                [a.model_dump() for a in f.mesh])
+    if f.enable_alltoall != alltoall:
+        raise StrategyFileError(p, "enable_alltoall", f"{alltoall} (the context's "
+                                "enable_alltoall; plans are priced with it)", f.enable_alltoall)
+    clus = _file_cluster(f, p) if cluster is None else get_cluster(cluster)
+    splits = _check_operators(f, graph, mesh, p, stages)
+    problem = Problem(graph, mesh, CostModel(clus), enable_alltoall=alltoall,
+                      dataset_strategy=dataset, memory_weight=f.memory_weight,
+                      fixed_splits=splits)
+    picks = _pick_inputs(f, graph, problem, p)
+    plan = Plan.from_picks(problem, picks, f.mode, time.perf_counter() - t0)
+    plan.notes.append(f"loaded from {p}")
+    plan.stages = {k: e.stage for k, e in sorted(f.parallel_strategy_item.items()) if e.stage}
+    return plan
+
+
+def _file_cluster(f: StrategyFile, path: str) -> Cluster:
+    data = dict(f.cluster)
+    if set(data) == {"name"}:
+        name = data["name"]
+        if not isinstance(name, str) or name not in _preset_names():
+            raise StrategyFileError(path, "cluster.name", f"one of {sorted(_preset_names())}",
+                                    name)
+        return get_cluster(name)
+    try:
+        return Cluster.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = "cluster." + ".".join(str(x) for x in err["loc"])
+        raise StrategyFileError(path, loc, err["msg"].lower(),
+                                err.get("input", "<missing>")) from None
+
+
+def _check_operators(f: StrategyFile, graph: Graph, mesh: DeviceMesh, path: str,
+                     stages: int) -> dict[str, tuple[int, ...]]:
+    from autopar.strategies.opspec import op_spec
+
+    names = [n.name for n in graph.nodes]
+    missing = [k for k in names if k not in f.parallel_strategy_item]
+    extra = sorted(set(f.parallel_strategy_item) - set(names))
+    if missing or extra:
+        raise StrategyFileError(path, "parallel_strategy_item", f"one entry per operator of "
+                                f"the graph ({len(names)})", f"missing {missing[:5]}, unknown "
+                                f"{extra[:5]}")
+    out: dict[str, tuple[int, ...]] = {}
+    for node in graph.nodes:
+        e = f.parallel_strategy_item[node.name]
+        where = f"parallel_strategy_item.{node.name}"
+        if e.op != node.op:
+            raise StrategyFileError(path, f"{where}.op", repr(node.op), e.op)
+        if e.stage >= stages:
+            raise StrategyFileError(path, f"{where}.stage", f"a stage in [0, {stages}) "
+                                    "(pipeline_stages)", e.stage)
+        spec = op_spec(node, graph)
+        splits = tuple(e.splits)
+        ok = len(splits) == len(spec.sizes) and all(s >= 1 for s in splits)
+        ok = ok and all(sz % s == 0 and (s == 1 or spec.splittable(d))
+                        for d, (sz, s) in enumerate(zip(spec.sizes, splits)))
+        ok = ok and all(lim % splits[d] == 0 for d, lim in spec.divides)
+        ok = ok and mesh.device_num % math.prod(splits) == 0 and \
+            mesh.assign(splits) is not None
+        if not ok:
+            raise StrategyFileError(path, f"{where}.splits", f"one split per loop dimension of "
+                                    f"sizes {list(spec.sizes)}, each dividing its size, "
+                                    f"product dividing device_num={mesh.device_num}",
+                                    list(e.splits))
+        strategy = tuple(tuple(x) for x in e.parallel_strategy)
+        ranks = [graph.spec(v).rank for v in node.inputs]
+        try:
+            if ranks or strategy:  # an operator without inputs (iota) has the empty strategy
+                check_strategy_shape(strategy, ranks, node.name)
+                splits_from_strategy(spec, strategy, node.name, mesh)
+        except (AutoParallelError, AutoParallelTypeError) as err:
+            raise StrategyFileError(path, f"{where}.parallel_strategy", "a strategy valid for "
+                                    f"the operator's input shapes "
+                                    f"{[list(graph.spec(v).shape) for v in node.inputs]}",
+                                    f"{[list(s) for s in strategy]} ({err})") from None
+        axes = mesh.assign(splits)
+        if axes is None:  # pragma: no cover - checked above
+            raise StrategyFileError(path, f"{where}.splits", "splits fitting the mesh", splits)
+        implied = tuple(tuple(mesh.size_of(axes[m]) if m is not None else 1 for m in mp)
+                        for mp in spec.in_maps)
+        if implied != strategy:
+            raise StrategyFileError(path, f"{where}.parallel_strategy", f"{[list(s) for s in implied]} "
+                                    f"(the strategy of splits {list(splits)})",
+                                    [list(s) for s in strategy])
+        out[node.name] = splits
+    return out
+
+
+def _pick_inputs(f: StrategyFile, graph: Graph, problem: Problem, path: str) -> list[int]:
+    picks = [0] * len(problem.vertices)
+    for field_name, items, values in (("parallel_layout_item", f.parallel_layout_item,
+                                       graph.parameters()),
+                                      ("data_layout_item", f.data_layout_item,
+                                       graph.data_inputs())):
+        missing = [v for v in values if v not in items]
+        extra = sorted(set(items) - set(values))
+        if missing or extra:
+            raise StrategyFileError(path, field_name, f"one entry per "
+                                    f"{'parameter' if field_name[1] == 'a' else 'data input'} "
+                                    f"({len(values)})", f"missing {missing[:5]}, unknown "
+                                    f"{extra[:5]}")
+        for v in values:
+            e = items[v]
+            where = f"{field_name}.{v}"
+            shape = graph.spec(v).shape
+            if e.dev_matrix != [s for _, s in problem.mesh.axes]:
+                raise StrategyFileError(path, f"{where}.dev_matrix",
+                                        str([s for _, s in problem.mesh.axes]), e.dev_matrix)
+            if tuple(e.tensor_shape) != shape:
+                raise StrategyFileError(path, f"{where}.tensor_shape", str(list(shape)),
+                                        e.tensor_shape)
+            if len(e.tensor_map) != len(shape):
+                raise StrategyFileError(path, f"{where}.tensor_map", f"{len(shape)} entries "
+                                        "(one per tensor dim)", e.tensor_map)
+            lay = layout_from_entry(e, problem.mesh, where, path)
+            if any(n % problem.mesh.size_of(d) for n, d in zip(shape, lay.dims)):
+                raise StrategyFileError(path, f"{where}.tensor_map", f"splits dividing the "
+                                        f"shape {list(shape)}", e.tensor_map)
+            if tuple(e.slice_shape) != lay.local_shape(shape, problem.mesh):
+                raise StrategyFileError(path, f"{where}.slice_shape",
+                                        str(list(lay.local_shape(shape, problem.mesh))),
+                                        e.slice_shape)
+            kind = "<param>" if field_name == "parallel_layout_item" else "<data>"
+            i = problem.index[kind + v]
+            layouts = [c.out_layouts[0] for c in problem.vertices[i].choices]
+            if lay not in layouts:
+                rule = ("a layout one of its consumers uses, or replicated" if kind == "<param>"
+                        else "the layout the context's dataset_strategy gives")
+                raise StrategyFileError(path, f"{where}.tensor_map",
+                                        f"{rule}: {[str(x) for x in layouts]}", str(lay))
+            picks[i] = layouts.index(lay)
+    return picks

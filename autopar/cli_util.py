@@ -1,0 +1,197 @@
+"""Helpers of the ``autopar`` command: progress bars, tables, model loading, option parsing.
+
+Kept apart from :mod:`autopar.cli` (the subcommands) so each stays one concept.
+
+>>> print(table([("mode", "ms"), ("exact", "1.50")]))
+mode   ms
+-----  ----
+exact  1.50
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import os
+import sys
+import time
+from typing import Any, Callable, Iterator, Sequence
+
+__all__ = ["CLIError", "Progress", "table", "parse_options", "load_model", "setup_devices"]
+
+
+class CLIError(Exception):
+    """Bad command-line input: printed as ``autopar: error: ...``, exit status 2."""
+
+
+class Progress:
+    """A progress bar on stderr for work that takes more than a second.
+
+    On a terminal it redraws one line (``[#####.....] 3/6 label``); otherwise (CI logs,
+    pipes) it prints a line per finished item, so logs stay readable.
+
+    >>> with Progress("search", 2, stream=sys.stdout, tty=False) as bar:
+    ...     bar.advance("exact")
+    ...     bar.advance("dynamic_programming")
+      [1/2] search: exact
+      [2/2] search: dynamic_programming
+    """
+
+    def __init__(self, label: str, total: int, *, stream: Any = None,
+                 tty: bool | None = None, quiet: bool = False) -> None:
+        self.label, self.total, self.done = label, max(1, total), 0
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = self.stream.isatty() if tty is None else tty
+        self.quiet = quiet
+        self.t0 = time.perf_counter()
+
+    def __enter__(self) -> "Progress":
+        self._draw("")
+        return self
+
+    def advance(self, note: str = "") -> None:
+        self.done += 1
+        self._draw(note)
+
+    def _draw(self, note: str) -> None:
+        if self.quiet:
+            return
+        if self.tty:
+            width = 24
+            filled = width * self.done // self.total
+            bar = "#" * filled + "." * (width - filled)
+            self.stream.write(f"\r  [{bar}] {self.done}/{self.total} {self.label} "
+                              f"{note[:40]:<40} {time.perf_counter() - self.t0:6.1f} s")
+            self.stream.flush()
+        elif self.done:
+            self.stream.write(f"  [{self.done}/{self.total}] {self.label}: {note}\n")
+            self.stream.flush()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.tty and not self.quiet:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def table(rows: Sequence[Sequence[Any]], *, align: str | None = None) -> str:
+    """A plain-text table: the first row is the header; ``align`` per column, ``l`` or ``r``
+    (default: left for the first column, right for the others)."""
+    cells = [[str(c) for c in r] for r in rows]
+    n = max(len(r) for r in cells)
+    widths = [max(len(r[i]) for r in cells if i < len(r)) for i in range(n)]
+    align = align or ("l" + "r" * (n - 1))
+    out = []
+    for k, r in enumerate(cells):
+        parts = [c.rjust(w) if a == "r" and k else c.ljust(w)
+                 for c, w, a in zip(r, widths, align)]
+        out.append("  ".join(parts).rstrip())
+        if k == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def markdown_table(rows: Sequence[Sequence[Any]]) -> str:
+    """The same rows as a GitHub markdown table."""
+    head, *body = [[str(c) for c in r] for r in rows]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in body]
+    return "\n".join(lines)
+
+
+def parse_options(items: Sequence[str] | None) -> dict[str, Any]:
+    """``["layers=2", "hidden=64", "name=gpt"]`` -> ``{"layers": 2, "hidden": 64, ...}``;
+    values are Python literals when they parse as one, strings otherwise."""
+    out: dict[str, Any] = {}
+    for item in items or ():
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise CLIError(f"model option {item!r} must look like KEY=VALUE, e.g. layers=2")
+        try:
+            value: Any = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            value = raw
+        out[key.strip()] = value
+    return out
+
+
+def setup_devices(n: int) -> None:
+    """Emulate ``n`` CPU devices; must run before the first JAX computation. When JAX is
+    already running (``main()`` called from a program or a test), it must have ``n`` devices
+    or more."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        if jax.device_count() < n:
+            raise CLIError(f"JAX is already running with {jax.device_count()} devices; "
+                           f"{n} are needed (run the autopar command in a fresh process)")
+        return
+    current = jax.config.jax_num_cpu_devices
+    jax.config.update("jax_num_cpu_devices", max(n, current if current > 0 else 1))
+
+
+def load_model(spec: str, options: dict[str, Any], *, concrete: bool = True
+               ) -> tuple[Callable[..., Any], tuple[Any, ...], str]:
+    """``(fn, example_args, description)`` for a zoo name or ``module:function``.
+
+    A zoo name builds the model with ``options`` (its ``loss`` and example arguments; with
+    ``concrete=False`` the arguments are ``jax.ShapeDtypeStruct`` s, nothing is allocated).
+    ``module:function`` imports ``module`` (the current directory is on the path) and calls
+    ``function(**options)``, which must return ``(fn, example_args)``.
+    """
+    import jax
+
+    from autopar.errors import AutoparError
+    from autopar.models import MODELS, get_model
+
+    if ":" in spec:
+        mod_name, _, fn_name = spec.partition(":")
+        if not mod_name or not fn_name:
+            raise CLIError(f"--model {spec!r}: expected MODULE:FUNCTION, e.g. mymodels:gpt")
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(mod_name)
+        except ImportError as e:
+            raise CLIError(f"--model {spec!r}: cannot import module {mod_name!r}: {e}") from None
+        builder = getattr(module, fn_name, None)
+        if not callable(builder):
+            raise CLIError(f"--model {spec!r}: module {mod_name!r} has no function {fn_name!r}")
+        try:
+            result = builder(**options)
+        except TypeError as e:
+            raise CLIError(f"--model {spec!r}: calling {fn_name}(**{options}) failed: {e}") \
+                from None
+        if not (isinstance(result, tuple) and len(result) == 2 and callable(result[0])):
+            raise CLIError(f"--model {spec!r}: {fn_name}() must return (fn, example_args), "
+                           f"got {type(result).__name__}")
+        fn, args = result
+        args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
+        return fn, args, f"{spec}({', '.join(f'{k}={v!r}' for k, v in options.items())})"
+    if spec not in MODELS:
+        raise CLIError(f"--model {spec!r}: not a zoo model ({', '.join(sorted(MODELS))}) "
+                       "nor MODULE:FUNCTION")
+    try:
+        model = get_model(spec, **options)
+    except AutoparError as e:
+        raise CLIError(f"--model {spec}: {e}") from None
+    key = jax.random.key(0)
+    args = model.example_args(key) if concrete else jax.eval_shape(model.example_args, key)
+    desc = f"{spec}({', '.join(f'{k}={v!r}' for k, v in sorted(model.config.items()))})"
+    return model.loss, tuple(args), desc
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """``(fn(), seconds)``."""
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def iter_progress(label: str, items: Sequence[Any]) -> Iterator[tuple[Progress, Any]]:
+    """Iterate ``items`` under a progress bar (advance after each item)."""
+    with Progress(label, len(items)) as bar:
+        for item in items:
+            yield bar, item
+            bar.advance(str(item))

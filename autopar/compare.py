@@ -1,0 +1,192 @@
+"""Compare the search modes on one graph: every mode's plan side by side, like for like.
+
+Every mode solves the same :class:`~autopar.strategies.problem.Problem` (one cost model), so
+the predicted figures compare directly; ``exact`` (the integer program) is the referee.
+``sharding_propagation`` needs at least one operator with a strategy (MindSpore propagates the
+strategies the user set): the comparison seeds it with the strategy the ``exact`` plan (or,
+without exact, the first other plan) gives the first matmul / convolution, as a user copying
+one layer's strategy would.
+
+>>> import jax.numpy as jnp, autopar as ap
+>>> g = ap.trace(lambda p, x: jnp.sum(jnp.tanh(x @ p["w"])), {"w": jnp.ones((64, 256))},
+...              jnp.ones((32, 64)))
+>>> rows = compare_modes(g, device_num=8)
+>>> [r.mode for r in rows]
+['exact', 'dynamic_programming', 'recursive_programming', 'sharding_propagation']
+>>> rows[1].ratio_to_exact
+1.0
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import textwrap
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from autopar.errors import AutoParallelError, AutoParallelTypeError
+from autopar.graph.ir import Graph
+from autopar.strategies.plan import Plan
+
+__all__ = ["ModeResult", "compare_modes", "comparison_rows", "write_comparison", "ORDER"]
+
+ORDER = ("exact", "dynamic_programming", "recursive_programming", "sharding_propagation")
+_SEEDED = ("dot_general", "conv_general_dilated")
+
+
+@dataclass
+class ModeResult:
+    """One mode's plan in figures (times in seconds, sizes in bytes per device)."""
+
+    mode: str
+    step_seconds: float
+    objective: float
+    compute_seconds: float
+    communication_seconds: float
+    comm_bytes: int
+    collectives: int
+    collective_kinds: dict[str, int]
+    memory_bytes: float
+    search_seconds: float
+    ratio_to_exact: float | None = None
+    measured_step_seconds: float | None = None
+    plan: Plan | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("plan")
+        return d
+
+
+def _figures(graph: Graph, plan: Plan) -> ModeResult:
+    from autopar.rewrite import rewrite
+
+    pg = rewrite(graph, plan)
+    kinds = {k: v for k, v in pg.comm_counts().items() if k != "slice"}
+    c = plan.cost
+    return ModeResult(plan.mode, c.total, plan.objective, c.compute,
+                      c.communication + c.redistribution + c.gradient_sync, pg.comm_bytes(),
+                      sum(kinds.values()), kinds, c.memory_bytes, plan.search_seconds,
+                      plan=plan)
+
+
+def compare_modes(graph: Graph, *, device_num: int | None = None, cluster: Any = None,
+                  modes: Sequence[str] = ORDER,
+                  on_done: Callable[[str], None] | None = None) -> list[ModeResult]:
+    """Search ``graph`` with every mode in ``modes`` (under ``parallel_mode="auto_parallel"``)
+    and return one :class:`ModeResult` each, in ``modes`` order (exact first when present).
+
+    ``on_done(mode)`` is called after each search (progress bars). The context's strategy
+    files are not used here (each mode searches)."""
+    from autopar.context import auto_parallel_context
+    from autopar.strategies.search import MODES, search
+
+    if not isinstance(graph, Graph):
+        raise AutoParallelTypeError("graph", graph, "the Graph returned by autopar.trace")
+    if isinstance(modes, str) or not modes:
+        raise AutoParallelTypeError("modes", modes, "a non-empty list of search mode names")
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise AutoParallelError("modes", bad, f"unknown search modes; choose from {list(ORDER)}")
+    order = [m for m in ORDER if m in modes]
+    plans: dict[str, Plan] = {}
+    for mode in order:
+        fixed = None
+        if mode == "sharding_propagation":
+            fixed = _seed(graph, plans)
+        # strategy files would make every mode load (or overwrite) the same plan: off here
+        with auto_parallel_context(strategy_ckpt_load_file="", strategy_ckpt_save_file=""):
+            plans[mode] = search(graph, mode=mode, device_num=device_num, cluster=cluster,
+                                 fixed=fixed, parallel_mode="auto_parallel")
+        if fixed:
+            plans[mode].notes.append(f"seeded with {fixed}")
+        if on_done is not None:
+            on_done(mode)
+    rows = [_figures(graph, plans[m]) for m in order]
+    if "exact" in plans:
+        best = plans["exact"].objective
+        for r in rows:
+            r.ratio_to_exact = r.objective / best if best > 0 else 1.0
+    return rows
+
+
+def _seed(graph: Graph, plans: dict[str, Plan]) -> dict[str, Any]:
+    first = next((n for n in graph.nodes if n.op in _SEEDED), graph.nodes[0] if graph.nodes
+                 else None)
+    if first is None:
+        raise AutoParallelError("graph", graph.name, "has no operators to compare")
+    ref = plans.get("exact") or next(iter(plans.values()), None)
+    if ref is not None:
+        return {first.name: ref.nodes[first.name].strategy}
+    return {first.name: tuple((1,) * graph.spec(v).rank for v in first.inputs)}
+
+
+def comparison_rows(rows: Sequence[ModeResult], *, measured: bool = False) -> list[tuple]:
+    """Header + one row per mode, formatted for :func:`autopar.cli_util.table`."""
+    head = ["mode", "step ms", "vs exact", "comm MB", "collectives", "memory MiB",
+            "search s"]
+    if measured:
+        head.append("measured ms")
+    out: list[tuple] = [tuple(head)]
+    for r in rows:
+        row = [r.mode, f"{r.step_seconds * 1e3:.3f}",
+               "-" if r.ratio_to_exact is None else f"{r.ratio_to_exact:.4f}",
+               f"{r.comm_bytes / 2**20:.2f}", str(r.collectives),
+               f"{r.memory_bytes / 2**20:.1f}", f"{r.search_seconds:.3f}"]
+        if measured:
+            row.append("-" if r.measured_step_seconds is None
+                       else f"{r.measured_step_seconds * 1e3:.2f}")
+        out.append(tuple(row))
+    return out
+
+
+def write_comparison(rows: Sequence[ModeResult], out_dir: str | os.PathLike[str], *,
+                     title: str, meta: dict[str, Any]) -> dict[str, Path]:
+    """Write ``compare.json``, ``compare.md`` and, when matplotlib is installed (the ``plot``
+    extra), ``compare.png``; returns the paths written."""
+    from autopar.cli_util import markdown_table
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    measured = any(r.measured_step_seconds is not None for r in rows)
+    paths = {"json": out / "compare.json", "markdown": out / "compare.md"}
+    doc = {"title": title, **meta, "modes": [r.as_json() for r in rows]}
+    paths["json"].write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    md = f"# {title}\n\n" + markdown_table(comparison_rows(rows, measured=measured)) + "\n"
+    md += "\n" + "\n".join(f"- {k}: {v}" for k, v in sorted(meta.items())) + "\n"
+    paths["markdown"].write_text(md)
+    png = _plot(rows, out / "compare.png", title, measured)
+    if png is not None:
+        paths["png"] = png
+    return paths
+
+
+def _plot(rows: Sequence[ModeResult], path: Path, title: str, measured: bool) -> Path | None:
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        return None
+    fig = Figure(figsize=(8, 3.6))
+    FigureCanvasAgg(fig)
+    ax1, ax2 = fig.subplots(1, 2)
+    names = [r.mode.replace("_", "\n") for r in rows]
+    x = range(len(rows))
+    ax1.bar([i - 0.2 for i in x], [r.step_seconds * 1e3 for r in rows], 0.4,
+            label="predicted")
+    if measured:
+        ax1.bar([i + 0.2 for i in x], [(r.measured_step_seconds or math.nan) * 1e3
+                                       for r in rows], 0.4, label="measured")
+    ax1.set_xticks(list(x), names, fontsize=7)
+    ax1.set_ylabel("step time (ms)")
+    ax1.legend(fontsize=7)
+    ax2.bar(list(x), [r.search_seconds for r in rows], 0.5, color="tab:gray")
+    ax2.set_xticks(list(x), names, fontsize=7)
+    ax2.set_ylabel("search time (s)")
+    fig.suptitle("\n".join(textwrap.wrap(title, 110)), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path

@@ -1,0 +1,561 @@
+"""``pipeline_train_step``: a pipelined training step (GPipe or 1F1B) on one JAX mesh.
+
+The loss is traced at micro-batch size, cut into ``p`` stages
+(:func:`autopar.strategies.stages.partition_stages`: searched, or fixed by the user), and
+each stage is searched, rewritten and lowered for its ``D = device_num / p`` devices with the
+ordinary spine (``autopar.search`` on the stage's subgraph, ``autopar.rewrite``,
+``lower.run_body``). This equals MindSpore's recursive programming rolled back by
+``log2(p)`` levels of cuts: the outermost mesh axis becomes the stage axis, the inner axes
+are searched per stage.
+
+**One SPMD program.** The mesh is ``('stage', a0, a1, ...)`` of shape ``(p, *intra)``. One
+``jax.shard_map`` runs a ``lax.scan`` over the schedule's ticks
+(:mod:`autopar.schedules`). At each tick every device reads its stage's row of the tick
+table and enters one branch of a ``lax.switch``: idle, forward of stage ``s`` or backward of
+stage ``s`` (``2p + 1`` branches, stage-heterogeneous code, all with the same signature
+thanks to the padded flat buffers of :mod:`autopar.stage_buffers`). Then two
+``lax.ppermute`` over ``'stage'`` move the activations one stage forward and their
+gradients one stage back; the receiving stage stores them in the slot the schedule assigned.
+Intra-stage collectives run inside the branches, over the intra axes only, so every member
+of a group takes the same branch.
+
+**Backward rematerialises.** A backward branch re-runs its stage's forward under
+``jax.vjp`` from the stored stage input (GPipe's re-materialisation): the only per
+micro-batch state kept across ticks is each stage's input activation, the same shape for
+every stage, so slot memory is exactly what the schedule needs (``m`` slots for GPipe,
+``p`` for 1F1B).
+
+**Gradients.** Every backward adds into a per-stage gradient buffer (the micro-batches of
+all ``grad_accumulation_step`` rounds), then each sync group is all-reduced once over the
+intra-stage axes where its parameters are replicated; the optimizer (optax, SGD 0.1 by
+default) updates the packed buffers elementwise. The loss must be a mean over batch rows
+(mean of the micro-batch means), as in MindSpore; the result equals one device on the whole
+batch (``gradients_mean=True``; ``False`` multiplies by the stage's data-parallel degree as
+:func:`autopar.train_step` does).
+
+>>> import jax, autopar as ap
+>>> from autopar.models import mlp
+>>> m = mlp(widths=(8, 16, 16, 8), batch=8)
+>>> params, x = m.example_args(jax.random.key(0))
+>>> with ap.auto_parallel_context(device_num=4, parallel_mode="semi_auto_parallel",
+...                               pipeline_stages=2, gradients_mean=True):
+...     step = pipeline_train_step(m.loss, params, (x,), micro_batches=4)
+>>> state = step.init(params)
+>>> params2, state, loss = step(params, state, x)
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from autopar.context import current_config
+from autopar.errors import AutoParallelError, AutoParallelTypeError
+from autopar.graph.trace import trace
+from autopar.lower import apply_step, run_body
+from autopar.optimizer_shard import decide_sharding
+from autopar.parallel_graph import ParallelGraph
+from autopar.rewrite import rewrite
+from autopar.schedules import FWD, IDLE, Schedule, schedule as build_schedule
+from autopar.stage_buffers import BoundaryCodec, PackedParams, StagePacking
+from autopar.strategies.layout import DeviceMesh, Layout
+from autopar.strategies.plan import Plan
+from autopar.strategies.redistribution import redistribute
+from autopar.strategies.search import search
+from autopar.strategies.stages import StagePartition, partition_stages, stage_graph
+
+__all__ = ["pipeline_train_step", "PipelineTrainStep", "PipelinePlan", "PackedParams"]
+
+_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all",
+                "collective_permute")
+_LOW_PRECISION = ("bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Stages, schedule and each stage's plan (over ``device_num / p`` devices)."""
+
+    partition: StagePartition
+    schedule: Schedule
+    plans: tuple[Plan, ...]
+    micro_batches: int
+    grad_accumulation_step: int
+
+    @property
+    def stages(self) -> int:
+        return self.partition.stages
+
+    def summary(self) -> str:
+        lines = [f"pipeline: {self.stages} stages x {self.micro_batches} micro-batches, "
+                 f"schedule {self.schedule.name}, grad_accumulation_step "
+                 f"{self.grad_accumulation_step}; {self.schedule.ticks} ticks per round, "
+                 f"peak in-flight micro-batches per stage {self.schedule.peak_in_flight}",
+                 self.partition.summary()]
+        for s, plan in enumerate(self.plans):
+            lines.append(f"  stage {s} {plan.summary()}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def _convert(x: Any, shape: tuple[int, ...], dtype: str, src: Layout, dst: Layout,
+             mesh: DeviceMesh, alltoall: bool) -> Any:
+    if src == dst:
+        return x
+    for st in redistribute(shape, np.dtype(dtype).itemsize, src, dst, mesh, alltoall):
+        x = apply_step(x, st, mesh)
+    return x
+
+
+def _rewrite_unfused(graph: Any, plan: Plan) -> ParallelGraph:
+    """``rewrite`` without the fused ring kernels: their ``collective_permute`` inside a
+    stage's branch would deadlock (XLA's CPU runtime meets a collective-permute with every
+    device of the program, and the other stages are in other branches)."""
+    if "fused_kernels" in inspect.signature(rewrite).parameters:
+        return rewrite(graph, plan, fused_kernels=False)
+    return rewrite(graph, plan)  # pragma: no cover - a rewrite without kernel fusion
+
+
+def _is_float(dt: str) -> bool:
+    return bool(jnp.issubdtype(np.dtype(dt), jnp.inexact))
+
+
+class PipelineTrainStep:
+    """``step(params, opt_state, *batch) -> (params, opt_state, loss)`` pipelined; ``init``,
+    ``grads``, ``pack`` / ``unpack``, ``as_text``, ``collective_counts``, ``plan``."""
+
+    def __init__(self, loss_fn: Callable[..., Any], params: Any, batch: tuple[Any, ...],
+                 optimizer: optax.GradientTransformation, *, stages: int | None,
+                 micro_batches: int | None, schedule: str, boundaries: Any,
+                 mode: str | None, fixed: Mapping[str, Any] | None, cluster: Any) -> None:
+        cfg = current_config()
+        p = cfg.pipeline_stages if stages is None else stages
+        if isinstance(p, bool) or not isinstance(p, int):
+            raise AutoParallelTypeError("pipeline_stages", p, "must be an int")
+        n = cfg.device_num
+        if p < 1 or n % p:
+            raise AutoParallelError("pipeline_stages", p, f"must be >= 1 and divide "
+                                    f"device_num ({n})", "Choose pipeline_stages dividing "
+                                    "device_num")
+        if p > 1 and cfg.parallel_mode in ("stand_alone", "data_parallel"):
+            raise AutoParallelError("parallel_mode", cfg.parallel_mode, "pipeline_stages > 1 "
+                                    "needs semi_auto_parallel, hybrid_parallel or "
+                                    "auto_parallel", "set parallel_mode='semi_auto_parallel'")
+        if isinstance(cfg.dataset_strategy, tuple):
+            raise AutoParallelError("dataset_strategy", cfg.dataset_strategy, "a per-input "
+                                    "strategy tuple is not supported with pipeline stages "
+                                    "(each stage splits its batch over its own devices)",
+                                    "Use dataset_strategy='data_parallel' or 'full_batch'")
+        m = p if micro_batches is None else micro_batches
+        self.schedule_table = build_schedule(schedule, p, m)   # validates schedule and m
+        g = int(cfg.grad_accumulation_step)
+        self.loss_fn, self.optimizer = loss_fn, optimizer
+        self.stages, self.micro_batches, self.grad_accumulation_step = p, m, g
+        self.device_num, self.devices_per_stage = n, n // p
+        self.gradients_mean = bool(cfg.gradients_mean)
+        self.loss_repeated_mean = bool(cfg.loss_repeated_mean)
+        self.alltoall = bool(cfg.enable_alltoall)
+        fp32 = bool(cfg.gradient_fp32_sync) and cfg.parallel_mode in ("semi_auto_parallel",
+                                                                      "auto_parallel")
+        # ---- batch: B rows -> g * m micro-batches of b rows
+        b_leaves, self._b_tree = jax.tree_util.tree_flatten(batch)
+        self._b_shapes = [tuple(np.shape(x)) for x in b_leaves]
+        self._b_dtypes = [str(np.dtype(x.dtype)) for x in b_leaves]
+        parts = g * m
+        for shp in self._b_shapes:
+            if not shp or shp[0] % parts:
+                raise AutoParallelError("batch size", shp[0] if shp else 0, f"must divide into "
+                                        f"grad_accumulation_step x micro_batches = {g} x {m} "
+                                        f"= {parts} equal micro-batches", f"Use a batch size "
+                                        f"that is a multiple of {parts}")
+        micro = [jax.ShapeDtypeStruct((s[0] // parts,) + s[1:], d)
+                 for s, d in zip(self._b_shapes, self._b_dtypes)]
+        p_leaves, self._p_tree = jax.tree_util.tree_flatten(params)
+        p_sds = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in p_leaves]
+        graph = trace(loss_fn, jax.tree_util.tree_unflatten(self._p_tree, p_sds),
+                      *jax.tree_util.tree_unflatten(self._b_tree, micro))
+        if len(graph.outputs) != 1 or graph.spec(graph.outputs[0]).shape != ():
+            raise AutoParallelError("loss_fn", getattr(loss_fn, "__name__", "fn"),
+                                    "must return one scalar loss", "Return jnp.mean(...) etc.")
+        self.graph = graph
+        # ---- stages and their plans
+        part = partition_stages(graph, p, boundaries=boundaries, device_num=n,
+                                micro_batches=m, cluster=cluster)
+        fixed = dict(fixed or {}) if fixed is None or isinstance(fixed, Mapping) else fixed
+        if not isinstance(fixed, dict):
+            raise AutoParallelTypeError("fixed", fixed, "a mapping of node name -> strategy")
+        for name in fixed:
+            graph.node(name)  # unknown names raise, with suggestions
+        sgs = [stage_graph(graph, part, s) for s in range(p)]
+        plans, pgs = [], []
+        for sg in sgs:
+            mine = {k: v for k, v in fixed.items() if k in {nd.name for nd in sg.nodes}}
+            plan = search(sg, mode=mode, device_num=n // p, cluster=cluster, fixed=mine)
+            plans.append(plan)
+            pgs.append(_rewrite_unfused(sg, plan))
+        self.stage_graphs, self.parallel_graphs = tuple(sgs), tuple(pgs)
+        self.plan = PipelinePlan(part, self.schedule_table, tuple(plans), m, g)
+        self.plans, self.partition = self.plan.plans, part
+        intra = pgs[0].mesh
+        self.intra_mesh = intra
+        devs = jax.devices()
+        if len(devs) < n:
+            raise AutoParallelError("device_num", n, f"only {len(devs)} JAX devices are "
+                                    "available", "Lower device_num or start JAX with more "
+                                    "(CPU: jax.config.update('jax_num_cpu_devices', N))")
+        self.mesh = Mesh(np.array(devs[:n], dtype=object).reshape((p,) + tuple(
+            s for _, s in intra.axes)), ("stage",) + intra.names)
+        # ---- parameters: owner stage and layout
+        n_p = len(p_leaves)
+        names = list(graph.inputs[:n_p])
+        stage_of, layouts = [], []
+        for i, v in enumerate(names):
+            owner = next((s for s in range(p) if v in pgs[s].inputs), 0)
+            stage_of.append(owner)
+            layouts.append(pgs[owner].values[v].layout if v in pgs[owner].values
+                           else Layout.replicated(len(p_sds[i].shape)))
+        self._param_names = names
+        self._p_dtypes = [str(np.dtype(x.dtype)) for x in p_leaves]
+        # the parallel optimizer: autopar.optimizer_shard's rule, per parameter of its stage
+        po = cfg.parallel_optimizer_config
+        self.shard_decisions = []
+        for v, lay, x, dt in zip(names, layouts, p_sds, self._p_dtypes):
+            sync = tuple(a for a in intra.names if a not in lay.used_axes())
+            self.shard_decisions.append(decide_sharding(
+                v, tuple(x.shape), lay.local_shape(tuple(x.shape), intra),
+                np.dtype(dt).itemsize, sync, intra.sizes,
+                enabled=bool(cfg.enable_parallel_optimizer) and _is_float(dt),
+                threshold_kb=po.parallel_optimizer_threshold))
+        self.packing = StagePacking([tuple(x.shape) for x in p_sds], self._p_dtypes, stage_of,
+                                    layouts, names, p, intra,
+                                    [d.sharded for d in self.shard_decisions])
+        self.accumulation_shard = bool(po.gradient_accumulation_shard) and \
+            self.packing.any_sharded
+        # ---- boundaries: the layout each crossing value travels in
+        self._wire: list[dict[str, Layout]] = []
+        for b in range(p - 1):
+            wire = {}
+            for v in part.crossing[b]:
+                c = next((c for c in range(b + 1, p) if v in pgs[c].inputs), None)
+                wire[v] = pgs[c].values[v].layout if c is not None else \
+                    Layout.replicated(graph.spec(v).rank)
+            self._wire.append(wire)
+        self.codec = BoundaryCodec([[(v, self._wire[b][v].local_shape(graph.spec(v).shape,
+                                                                       intra),
+                                      graph.spec(v).dtype) for v in part.crossing[b]]
+                                    for b in range(p - 1)])
+        self._batch_names = list(graph.inputs[n_p:])
+        self._scales = []
+        self.stage_data_parallel = []
+        for pg in pgs:  # gradients_mean / loss_repeated_mean per stage, as train_step
+            dp = max([pg.mesh.size_of(pg.values[v].layout.dims[0]) for v in pg.inputs
+                      if pg.values[v].kind == "data" and pg.values[v].spec.shape] + [1])
+            self.stage_data_parallel.append(dp)
+            rep = max(1, self.devices_per_stage // dp)
+            self._scales.append(float((1 if self.gradients_mean else dp)
+                                      * (1 if self.loss_repeated_mean else rep)))
+        self.data_parallel_degree = max(self.stage_data_parallel)
+        self._fp32 = fp32
+        self._build()
+
+    # ------------------------------------------------------------------ one stage, locally
+    def _forward(self, s: int, pflat: dict[str, Any], xbuf: dict[str, Any],
+                 batch: Sequence[Any]) -> tuple[dict[str, Any], Any]:
+        pg, graph, intra = self.parallel_graphs[s], self.graph, self.intra_mesh
+        leaves = self.packing.local_leaves(s, pflat)
+        recv = self.codec.decode(s - 1, xbuf) if s > 0 else {}
+        leaf_of = {v: i for i, v in enumerate(self._param_names)}
+        flat = []
+        for v in pg.inputs:
+            val = pg.values[v]
+            if v in leaf_of:
+                flat.append(leaves[leaf_of[v]])
+            elif v in self._batch_names:
+                x = batch[self._batch_names.index(v)]
+                flat.append(_convert(x, val.spec.shape, val.spec.dtype,
+                                     Layout.replicated(val.spec.rank), val.layout, intra,
+                                     self.alltoall))
+            else:
+                flat.append(recv[v])
+        outs = run_body(pg, *flat)
+        sg = self.stage_graphs[s]
+        produced = {v: (x, pg.values[pv].layout) for v, pv, x in zip(sg.outputs, pg.outputs,
+                                                                        outs)}
+        if s == self.stages - 1:
+            return self.codec.zeros(), produced[graph.outputs[0]][0].astype(jnp.float32)
+        send = {}
+        for v in self.partition.crossing[s]:
+            x, src = produced[v] if v in produced else (recv[v], self._wire[s - 1][v])
+            spec = graph.spec(v)
+            send[v] = _convert(x, spec.shape, spec.dtype, src, self._wire[s][v], intra,
+                               self.alltoall)
+        return self.codec.encode(s, send), jnp.zeros((), jnp.float32)
+
+    def _backward(self, s: int, pflat: dict[str, Any], xbuf: dict[str, Any],
+                  gbuf: dict[str, Any], batch: Sequence[Any]
+                  ) -> tuple[dict[str, Any], dict[str, Any]]:
+        pd = {k: v for k, v in pflat.items() if _is_float(k)}
+        pn = {k: v for k, v in pflat.items() if not _is_float(k)}
+        xd = {k: v for k, v in xbuf.items() if _is_float(k)}
+        xn = {k: v for k, v in xbuf.items() if not _is_float(k)}
+
+        def f(pd_: dict[str, Any], xd_: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+            y, loss = self._forward(s, {**pd_, **pn}, {**xd_, **xn}, batch)
+            return {k: v for k, v in y.items() if _is_float(k)}, loss
+
+        (y, loss), vjp = jax.vjp(f, pd, xd)
+        last = s == self.stages - 1
+        ct_y = {k: (jnp.zeros_like(v) if last else gbuf[k]) for k, v in y.items()}
+        ct_loss = jnp.asarray(self._seed if last else 0.0, loss.dtype)
+        gp, gx = vjp((ct_y, ct_loss))
+        ct = {k: gx.get(k, jnp.zeros_like(v)) for k, v in xbuf.items()}
+        return gp, ct
+
+    # ------------------------------------------------------------------ the program
+    def _build(self) -> None:
+        p, m, g = self.stages, self.micro_batches, self.grad_accumulation_step
+        sched, codec, packing = self.schedule_table, self.codec, self.packing
+        self._seed = 1.0 / (self.devices_per_stage * g * m)
+        fdt = [dt for dt in packing.dtypes if _is_float(dt)]
+        tables = [np.concatenate([a + (r * m if k == 1 else 0) for r in range(g)])
+                  for k, a in enumerate((sched.op, sched.micro, sched.x_slot, sched.g_slot,
+                                         sched.x_write, sched.g_write))]
+        intra_names = self.intra_mesh.names
+        ax = None if not intra_names else intra_names[0] if len(intra_names) == 1 \
+            else intra_names
+        self.param_spec = PartitionSpec("stage", ax, None)
+        self.param_sharding = NamedSharding(self.mesh, self.param_spec)
+        self.batch_sharding = NamedSharding(self.mesh, PartitionSpec())
+        fwd_perm = [(i, i + 1) for i in range(p - 1)]
+        bwd_perm = [(i + 1, i) for i in range(p - 1)]
+
+        def idle(pf, xin, gin, bk, gacc, lacc):  # noqa: ANN001, ANN202
+            return codec.zeros(), codec.zeros(), gacc, lacc
+
+        def fwd_branch(s: int) -> Callable[..., Any]:
+            def run(pf, xin, gin, bk, gacc, lacc):  # noqa: ANN001, ANN202
+                y, loss = self._forward(s, pf, xin, bk)
+                return y, codec.zeros(), gacc, lacc + loss
+            return run
+
+        def bwd_branch(s: int) -> Callable[..., Any]:
+            def run(pf, xin, gin, bk, gacc, lacc):  # noqa: ANN001, ANN202
+                gp, ct = self._backward(s, pf, xin, gin, bk)
+                if self.accumulation_shard:  # reduce-scatter every micro-batch's gradient
+                    gp = {k: packing.scatter(s, k, v, self._fp32 and k in _LOW_PRECISION)
+                          for k, v in gp.items()}
+                return codec.zeros(), ct, {k: gacc[k] + gp[k] for k in gacc}, lacc
+            return run
+
+        branches = [idle] + [fwd_branch(s) for s in range(p)] + [bwd_branch(s)
+                                                                 for s in range(p)]
+
+        def gather_branch(s: int) -> Callable[..., Any]:
+            def run(store: dict[str, Any]) -> dict[str, Any]:
+                return packing.gather(s, store)
+            return run
+
+        def sync_branch(s: int) -> Callable[..., Any]:
+            def run(gacc: dict[str, Any]) -> dict[str, Any]:
+                out = {}
+                for dt, buf in gacc.items():
+                    fp32 = self._fp32 and dt in _LOW_PRECISION
+                    if packing.any_sharded and not self.accumulation_shard:
+                        buf = packing.scatter(s, dt, buf, fp32)   # -> the storage layout
+                    for seg in packing.segments[s][dt]:
+                        if seg.sharded:
+                            continue
+                        part = buf[seg.start:seg.stop]
+                        if fp32:
+                            part = lax.psum(part.astype(jnp.float32), seg.axes).astype(dt)
+                        else:
+                            part = lax.psum(part, seg.axes)
+                        buf = lax.dynamic_update_slice_in_dim(buf, part, seg.start, 0)
+                    out[dt] = buf * jnp.asarray(self._scales[s], buf.dtype) \
+                        if self._scales[s] != 1.0 else buf
+                return out
+            return run
+
+        def body(*args: Any) -> tuple[Any, ...]:
+            nb = len(packing.dtypes)
+            store = {dt: x.reshape(-1) for dt, x in zip(packing.dtypes, args[:nb])}
+            batch = args[nb:]
+            s = lax.axis_index("stage")
+            pf = lax.switch(s, [gather_branch(q) for q in range(p)], store) \
+                if packing.any_sharded else store
+            stash_x = {dt: jnp.zeros((sched.act_slots + 1, n), dt)
+                       for dt, n in codec.sizes.items()}
+            stash_g = {dt: jnp.zeros((sched.grad_slots + 1, n), dt)
+                       for dt, n in codec.sizes.items()}
+            acc_sizes = packing.store_sizes if self.accumulation_shard else packing.sizes
+            gacc = {dt: jnp.zeros((acc_sizes[dt],), dt) for dt in fdt}
+
+            def tick(carry: tuple, row: tuple) -> tuple:
+                sx, sg, gacc, lacc = carry
+                op, k, xs, gs, xw, gw = (r[s] for r in row)
+                bk = [lax.dynamic_index_in_dim(x, k, 0, keepdims=False) for x in batch]
+                xin = {dt: lax.dynamic_index_in_dim(v, xs, 0, keepdims=False)
+                       for dt, v in sx.items()}
+                gin = {dt: lax.dynamic_index_in_dim(v, gs, 0, keepdims=False)
+                       for dt, v in sg.items()}
+                idx = jnp.where(op == IDLE, 0, jnp.where(op == FWD, 1 + s, 1 + p + s))
+                y, ct, gacc, lacc = lax.switch(idx, branches, pf, xin, gin, bk, gacc, lacc)
+                if p > 1:
+                    y = {dt: lax.ppermute(v, "stage", fwd_perm) for dt, v in y.items()}
+                    ct = {dt: lax.ppermute(v, "stage", bwd_perm) for dt, v in ct.items()}
+                sx = {dt: lax.dynamic_update_index_in_dim(v, y[dt], xw, 0)
+                      for dt, v in sx.items()}
+                sg = {dt: lax.dynamic_update_index_in_dim(v, ct[dt], gw, 0)
+                      for dt, v in sg.items()}
+                return (sx, sg, gacc, lacc), None
+
+            rows = tuple(jnp.asarray(t) for t in tables)
+            (_, _, gacc, lacc), _ = lax.scan(tick, (stash_x, stash_g, gacc,
+                                                    jnp.zeros((), jnp.float32)), rows)
+            gacc = lax.switch(s, [sync_branch(q) for q in range(p)], gacc)
+            loss = lax.psum(lacc, "stage") / (g * m)
+            grads = tuple((gacc[dt] if dt in gacc else jnp.zeros_like(store[dt])).reshape(1, 1, -1)
+                          for dt in packing.dtypes)
+            return grads + (loss,)
+
+        n_b = len(self._b_shapes)
+        specs = (self.param_spec,) * len(packing.dtypes)
+        sharded = jax.shard_map(body, mesh=self.mesh, in_specs=specs + (PartitionSpec(),) * n_b,
+                                out_specs=specs + (PartitionSpec(),), check_vma=False)
+        parts = g * m
+
+        def grads(buffers: tuple[Any, ...], batch: list[Any]) -> tuple[Any, tuple[Any, ...]]:
+            mb = [x.reshape((parts, x.shape[0] // parts) + x.shape[1:]) for x in batch]
+            out = sharded(*buffers, *mb)
+            return out[-1], tuple(out[:-1])
+
+        def step(packed: PackedParams, opt_state: Any, batch: list[Any]) -> tuple:
+            loss, gr = grads(packed.buffers, batch)
+            updates, opt_state = self.optimizer.update(PackedParams(gr), opt_state, packed)
+            new = optax.apply_updates(packed, updates)
+            new = PackedParams(tuple(lax.with_sharding_constraint(x.astype(dt),
+                                                                  self.param_sharding)
+                                     for x, dt in zip(new.buffers, packing.dtypes)))
+            return new, opt_state, loss
+
+        self._grads = jax.jit(grads)
+        self._step = jax.jit(step)
+        self._pack = jax.jit(lambda leaves: PackedParams(packing.pack(leaves)),
+                             out_shardings=PackedParams((self.param_sharding,) *
+                                                        len(packing.dtypes)))
+        self._unpack = jax.jit(lambda bufs: packing.unpack(bufs))
+
+    # ------------------------------------------------------------------ public
+    def pack(self, params: Any) -> PackedParams:
+        """The parameter pytree as the step's packed, stage-sharded buffers."""
+        if isinstance(params, PackedParams):
+            return params
+        leaves, tree = jax.tree_util.tree_flatten(params)
+        if tree != self._p_tree:
+            raise AutoParallelError("params", f"{len(leaves)} leaves", "must have the "
+                                    f"structure of the example parameters ({self._p_tree})")
+        for v, x, dt in zip(self._param_names, leaves, self._p_dtypes):
+            want = self.graph.spec(v).shape
+            if tuple(np.shape(x)) != want or str(np.dtype(x.dtype)) != dt:
+                raise AutoParallelError(f"parameter {v!r}", (tuple(np.shape(x)), str(x.dtype)),
+                                        f"must have shape {want} and dtype {dt}, as in the "
+                                        "example")
+        return self._pack(leaves)
+
+    def prepare(self, params: Any) -> PackedParams:
+        """As :meth:`TrainStep.prepare`: the parameters placed for the step (packed)."""
+        return self.pack(params)
+
+    def unpack(self, packed: PackedParams) -> Any:
+        """Packed buffers back to the parameter pytree."""
+        if not isinstance(packed, PackedParams):
+            raise AutoParallelTypeError("packed", packed, "PackedParams from .pack()")
+        return jax.tree_util.tree_unflatten(self._p_tree, self._unpack(packed.buffers))
+
+    def _batch(self, batch: Sequence[Any]) -> list[Any]:
+        leaves, tree = jax.tree_util.tree_flatten(tuple(batch))
+        if tree != self._b_tree:
+            raise AutoParallelError("batch", f"{len(batch)} inputs", f"must have the structure "
+                                    f"of the example batch ({self._b_tree})")
+        for x, shp, dt in zip(leaves, self._b_shapes, self._b_dtypes):
+            if tuple(np.shape(x)) != shp or str(np.dtype(x.dtype)) != dt:
+                raise AutoParallelError("batch input", (tuple(np.shape(x)), str(x.dtype)),
+                                        f"must have shape {shp} and dtype {dt}, as in the "
+                                        "example")
+        return [jax.device_put(x, self.batch_sharding) for x in leaves]
+
+    def init(self, params: Any) -> Any:
+        """The optimizer state, over the packed buffers (``optimizer.init(pack(params))``)."""
+        return self.optimizer.init(self.pack(params))
+
+    def grads(self, params: Any, *batch: Any) -> tuple[Any, Any]:
+        """``(loss, gradients)`` as fed to the optimizer, as a parameter pytree."""
+        loss, gr = self._grads(self.pack(params).buffers, self._batch(batch))
+        return loss, self.unpack(PackedParams(gr))
+
+    def __call__(self, params: Any, opt_state: Any, *batch: Any) -> tuple[Any, Any, Any]:
+        """One step. ``params``: the pytree (returned as a pytree) or :class:`PackedParams`
+        (returned packed: no repacking, the fast path for training loops)."""
+        packed = isinstance(params, PackedParams)
+        new, opt_state, loss = self._step(self.pack(params), opt_state, self._batch(batch))
+        return (new if packed else self.unpack(new)), opt_state, loss
+
+    def lower(self, params: Any, opt_state: Any, *batch: Any) -> Any:
+        """The ``jax.stages.Lowered`` step (``.as_text()``, ``.compile().memory_analysis()``)."""
+        return self._step.lower(self.pack(params), opt_state, self._batch(batch))
+
+    def as_text(self, params: Any, opt_state: Any, *batch: Any) -> str:
+        """The lowered StableHLO text of the whole step."""
+        return self.lower(params, opt_state, *batch).as_text()
+
+    def collective_counts(self, params: Any, opt_state: Any, *batch: Any) -> dict[str, int]:
+        """``stablehlo.<kind>`` occurrences per collective kind in the lowered step."""
+        text = self.as_text(params, opt_state, *batch)
+        return {k: len(re.findall(rf"stablehlo\.{k}\b", text)) for k in _COLLECTIVES}
+
+    def __repr__(self) -> str:
+        return (f"PipelineTrainStep({getattr(self.loss_fn, '__name__', 'fn')!r}, "
+                f"{self.stages} stages x {self.devices_per_stage} devices, "
+                f"{self.micro_batches} micro-batches, {self.schedule_table.name})")
+
+
+def pipeline_train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
+                        optimizer: optax.GradientTransformation | None = None, *,
+                        stages: int | None = None, micro_batches: int | None = None,
+                        schedule: str = "1f1b", boundaries: Sequence[str | int] | None = None,
+                        mode: str | None = None, fixed: Mapping[str, Any] | None = None,
+                        cluster: Any = None) -> PipelineTrainStep:
+    """A pipelined training step for ``loss_fn(params, *batch)`` under the current context.
+
+    ``stages``: pipeline stages ``p`` (default: the context's ``pipeline_stages``; must divide
+    ``device_num``). ``micro_batches``: ``m >= p`` (default ``p``, the fewest MindSpore's
+    ``micro_size`` allows); the batch (every leaf's dim 0) must divide into
+    ``grad_accumulation_step x m`` equal micro-batches. ``schedule``: ``"1f1b"`` (default, as
+    MindSpore) or ``"gpipe"``. ``boundaries``: the unit names (top-level named scopes) or
+    indices where stages 1..p-1 begin (default: searched). ``optimizer`` / ``mode`` /
+    ``fixed`` / ``cluster``: as :func:`autopar.train_step` (``mode`` and ``fixed`` act per
+    stage; ``fixed`` keys are node names of the whole graph).
+    """
+    from autopar.train import DEFAULT_LEARNING_RATE
+
+    if not callable(loss_fn):
+        raise AutoParallelTypeError("loss_fn", loss_fn, "pipeline_train_step needs a callable")
+    if not isinstance(batch, tuple):
+        batch = (batch,)
+    if optimizer is None:
+        optimizer = optax.sgd(DEFAULT_LEARNING_RATE)
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise AutoParallelTypeError("optimizer", optimizer, "an optax GradientTransformation")
+    return PipelineTrainStep(loss_fn, params, batch, optimizer, stages=stages,
+                             micro_batches=micro_batches, schedule=schedule,
+                             boundaries=boundaries, mode=mode, fixed=fixed, cluster=cluster)

@@ -1,0 +1,228 @@
+"""Bucketed gradient synchronisation in the training step: one collective per bucket in the
+lowered and the compiled program, buckets issued during backward, every fusion mode equal to
+one device, and gradient accumulation."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import autopar as ap
+from autopar.grad_sync import bucket_indices, bucketed_collective, sync_gradients, sync_groups
+from autopar.models import mlp
+
+KEY = jax.random.key(0)
+
+
+def close(a, b, rtol=1e-5, atol=1e-6):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=rtol,
+                               atol=atol)
+
+
+def _mlp(batch=16):
+    m = mlp(widths=(16, 64, 64, 64, 16), batch=batch)
+    params, x = m.example_args(KEY)
+    return m, params, x
+
+
+def _step(m, params, x, **ctx):
+    method = ctx.pop("sync_method", "tuple")
+    mode = ctx.pop("parallel_mode", "data_parallel")
+    with ap.auto_parallel_context(device_num=8, parallel_mode=mode, gradients_mean=True, **ctx):
+        return ap.train_step(m.loss, params, (x,), sync_method=method)
+
+
+def _entry(text: str) -> list[str]:
+    return text[text.index("ENTRY"):].split("\n")
+
+
+def _all_reduces(text: str) -> list[str]:
+    return [ln for ln in _entry(text) if re.search(r"\ball-reduce(-start)?\(", ln)]
+
+
+def _shapes(line: str) -> list[str]:
+    head = re.split(r"\ball-reduce(-start)?\(", line.split("=", 1)[1])[0]
+    return re.findall(r"f32\[[\d,]*\]", head)
+
+
+def test_lowered_program_has_one_all_reduce_per_bucket_with_concat():
+    m, params, x = _mlp()
+    n = len(jax.tree.leaves(params))
+    for method, want in (("concat", 3 + 1), ("tuple", n + 1)):
+        step = _step(m, params, x, all_reduce_fusion_config=[2, 5], sync_method=method)
+        assert len(step.buckets["allreduce"]) == 3
+        counts = step.collective_counts(params, step.init(params), x)
+        assert counts["all_reduce"] == want, (method, counts)  # + 1: the loss
+        _, g = step.grads(params, x)
+        jax.tree.map(lambda a, b: close(a, b, atol=1e-6), g, jax.grad(m.loss)(params, x))
+
+
+def test_compiled_program_keeps_exactly_the_configured_buckets():
+    m, params, x = _mlp()
+    step = _step(m, params, x, all_reduce_fusion_config=[2, 5])
+    text = step.compiled_text(params, step.init(params), x)
+    ars = _all_reduces(text)
+    assert len(ars) == 3  # XLA's combiner did not re-merge them (the loss joins one)
+    leaves = dict(zip(step.parallel_graph.inputs, jax.tree.leaves(params)))
+    for line, bucket in zip(ars, step.buckets["allreduce"]):
+        want = sorted(f"f32[{','.join(map(str, leaves[g].shape))}]" for g in bucket.gradients)
+        got = sorted(s for s in _shapes(line) if s != "f32[]")
+        assert got == want
+
+
+def test_fusion_closed_lowers_one_all_reduce_per_gradient():
+    m, params, x = _mlp()
+    step = _step(m, params, x)
+    assert step.buckets["allreduce"].mode == "none"
+    n = len(jax.tree.leaves(params))
+    assert step.collective_counts(params, step.init(params), x)["all_reduce"] == n + 1
+
+
+def test_bucket_all_reduce_is_issued_during_backward():
+    """In the compiled schedule, the first bucket's all-reduce (the last layer's gradients)
+    comes before the backward matmuls of earlier layers; each bucket after its last
+    gradient's matmul."""
+    m, params, x = _mlp()
+    step = _step(m, params, x, all_reduce_fusion_config=[2, 5])
+    lines = _entry(step.compiled_text(params, step.init(params), x))
+    ar = [i for i, ln in enumerate(lines) if re.search(r"\ball-reduce(-start)?\(", ln)]
+    # weight gradients: dots whose result has a weight's shape (64x16, 64x64, 16x64)
+    wgrad = [i for i, ln in enumerate(lines) if re.search(r"= f32\[(64,16|64,64|16,64)\]"
+                                                          r"\{1,0\} dot\(", ln)]
+    assert len(ar) == 3 and len(wgrad) >= 4
+    assert ar[0] < wgrad[1] and ar[1] < wgrad[-1]  # not all at the end
+    assert ar[0] > wgrad[0]
+
+
+@pytest.mark.parametrize("fusion", [
+    dict(comm_fusion={"allreduce": {"mode": "size", "config": 0.02}}),
+    dict(all_reduce_fusion_config=[1, 4, 7]),
+    dict(comm_fusion={"allreduce": {"mode": "auto"}}),
+])
+def test_every_fusion_mode_equals_one_device_under_tensor_parallel(fusion):
+    m, params, x = _mlp()
+    g = ap.trace(m.loss, params, x)
+    first = next(nd for nd in g.nodes if nd.op == "dot_general")
+    with ap.auto_parallel_context(device_num=8, parallel_mode="semi_auto_parallel",
+                                  gradients_mean=True, **fusion):
+        step = ap.train_step(m.loss, params, (x,),
+                             fixed={first.name: ((2, 1), (1, 4))})
+    axes = {a for a in step.sync_axes if a}
+    assert len(axes) >= 2  # gradients with different sync axes: separate collectives
+    assert len(step.sync_groups) >= len(step.buckets["allreduce"])
+    _, got = step.grads(params, x)
+    jax.tree.map(lambda a, b: close(a, b, atol=1e-6), got, jax.grad(m.loss)(params, x))
+
+
+def test_hccl_split_strategy_buckets_the_step():
+    m, params, x = _mlp()
+    ap.set_split_strategy_by_size([50, 50])
+    step = _step(m, params, x)
+    assert len(step.buckets["allreduce"]) == 2
+    assert len(_all_reduces(step.compiled_text(params, step.init(params), x))) == 2
+
+
+# ------------------------------------------------------------------ gradient accumulation
+
+
+def test_grad_accumulation_equals_one_step_on_the_whole_batch():
+    m, params, x = _mlp(batch=32)
+    opt = optax.sgd(0.1)
+    want, s = params, opt.init(params)
+    for _ in range(2):
+        u, s = opt.update(jax.grad(m.loss)(want, x), s, want)
+        want = optax.apply_updates(want, u)
+    for acc in (2, 4):
+        step = _step(m, params, x, grad_accumulation_step=acc,
+                     parallel_mode="semi_auto_parallel")
+        assert step.parallel_graph.values[step.parallel_graph.inputs[-1]].spec.shape[0] == \
+            32 // acc
+        assert "stablehlo.while" in step.as_text(params, step.init(params), x)
+        p, st = params, step.init(params)
+        for _ in range(2):
+            p, st, loss = step(p, st, x)
+        jax.tree.map(lambda a, b: close(a, b, atol=1e-6), p, want)
+
+
+def test_grad_accumulation_restrictions():
+    m, params, x = _mlp(batch=12)
+    with pytest.raises(ap.AutoParallelError, match="grad_accumulation_step"):
+        _step(m, params, x, grad_accumulation_step=5, parallel_mode="semi_auto_parallel")
+    with pytest.raises(ap.ContextConflictError, match="grad_accumulation_step"):
+        _step(m, params, x, grad_accumulation_step=2)  # data_parallel: refused by the seed
+    step = _step(m, params, x, grad_accumulation_step=2, parallel_mode="semi_auto_parallel")
+    with pytest.raises(ap.AutoParallelError, match="shapes"):
+        step.grads(params, x[:6])
+    with pytest.raises(ap.AutoParallelError, match="dtype"):
+        step.grads(params, x.astype(jnp.float16))
+    with pytest.raises(ap.AutoParallelError, match="structure"):
+        step.grads({"w": x}, x)
+
+
+# ------------------------------------------------------------------ the function API
+
+
+def test_sync_groups_split_buckets_by_axes_and_refuse_bad_buckets():
+    groups = sync_groups([("a",), ("a", "b"), ("a",), ()], [[0, 1], [2, 3]])
+    assert [(g.bucket, g.members, g.axes) for g in groups] == [
+        (0, (0,), ("a",)), (0, (1,), ("a", "b")), (1, (2,), ("a",))]
+    with pytest.raises(ap.AutoParallelError, match="no bucket"):
+        sync_groups([("a",), ("a",)], [[0]])
+    with pytest.raises(ap.AutoParallelError, match="exactly one"):
+        sync_groups([("a",), ("a",)], [[0, 1], [1]])
+    with pytest.raises(TypeError):
+        sync_groups([("a",)], "0")
+    with pytest.raises(TypeError):
+        sync_groups([("a",)], [[0.0]])
+    with pytest.raises(ap.AutoParallelError, match="kind"):
+        bucketed_collective([], [], [], kind="broadcast")
+    with pytest.raises(ap.AutoParallelError, match="method"):
+        bucketed_collective([], [], [], method="ring")
+    with pytest.raises(ap.AutoParallelError, match="sync_axes"):
+        sync_gradients([jnp.ones(2)], [], [[0]])
+    with pytest.raises(ap.AutoParallelError, match="not in the gradient list"):
+        bucket_indices(["a"], [["b"]])
+    m, params, x = _mlp()
+    with pytest.raises(ap.AutoParallelError, match="sync_method"):
+        _step(m, params, x, sync_method="ring")
+
+
+def test_sync_gradients_inside_shard_map_matches_psum():
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("a", "b"))
+    xs = [jnp.arange(8.0 * k).reshape(8, k) for k in (1, 2, 3)]
+
+    def body(*loc):
+        return tuple(sync_gradients(list(loc), [("a", "b"), ("a",), ("a", "b")],
+                                    [[0, 1], [2]], method="concat"))
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(("a", "b")), P("a"), P(("a", "b"))),
+                      out_specs=(P(), P(), P()), check_vma=False)
+    out = f(*xs)
+    close(out[0], xs[0].reshape(8, 1, 1).sum(0).reshape(1, 1))
+    close(out[1], xs[1].reshape(4, 2, 2).sum(0))
+    close(out[2], xs[2].reshape(8, 1, 3).sum(0))
+
+
+def test_transformer_sync_points_equal_one_device():
+    """Sync points in a graph with residual branches and a searched (non data-parallel)
+    plan: gradients with several sync axes, every bucket synchronised inside backward."""
+    from autopar.models import transformer
+    from clusters import COMPUTE_BOUND
+
+    m = transformer(layers=2, hidden=32, heads=2, seq=8, vocab=64, batch=8)
+    params, *batch = m.example_args(KEY)
+    with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel",
+                                  search_mode="dynamic_programming", gradients_mean=True,
+                                  comm_fusion={"allreduce": {"mode": "size", "config": 0.01}}):
+        step = ap.train_step(m.loss, params, tuple(batch), cluster=COMPUTE_BOUND)
+    assert len(step.buckets["allreduce"]) > 1
+    assert len({g.axes for g in step.sync_groups}) > 1
+    _, got = step.grads(params, *batch)
+    jax.tree.map(lambda a, b: close(a, b, atol=1e-6), got, jax.grad(m.loss)(params, *batch))

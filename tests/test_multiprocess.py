@@ -1,0 +1,71 @@
+"""Multi-process: `autopar run` under jax.distributed with 2 processes x 4 CPU devices (gloo
+collectives on loopback) gives the same losses and parameters as one process with 8 devices."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+MODEL = ["--model", "transformer", "-o", "layers=1", "-o", "hidden=32", "-o", "heads=2",
+         "-o", "seq=8", "-o", "vocab=64", "-o", "batch=8"]
+TIMEOUT = 240
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _autopar(*args: str) -> list[str]:
+    return [sys.executable, "-m", "autopar", "run", *MODEL, "--devices", "8", "--steps", "2",
+            "--check", *args]
+
+
+def _launch(n: int, tmp_path) -> list[subprocess.CompletedProcess]:
+    """Start ``n`` processes of one job; wait for all (timeout), fail with their output."""
+    port = _free_port()
+    procs = []
+    for i in range(n):
+        cmd = _autopar("--num-processes", str(n), "--process-id", str(i), "--coordinator",
+                       f"127.0.0.1:{port}", "--json", str(tmp_path / f"p{i}.json"))
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    deadline = time.monotonic() + TIMEOUT
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outs.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        logs = "\n".join(f"--- process {i}\n{(p.communicate()[1] or '')[-2000:]}"
+                         for i, p in enumerate(procs))
+        pytest.fail(f"multi-process run did not finish in {TIMEOUT} s\n{logs}")
+    for i, r in enumerate(outs):
+        assert r.returncode == 0, f"process {i} failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+    return outs
+
+
+def test_two_processes_equal_one_process(tmp_path):
+    from autopar.cli import main
+
+    assert main(_autopar("--json", str(tmp_path / "one.json"))[3:]) == 0  # in this process
+    ref = json.loads((tmp_path / "one.json").read_text())
+    outs = _launch(2, tmp_path)
+    got = json.loads((tmp_path / "p0.json").read_text())
+    assert not (tmp_path / "p1.json").exists()  # only process 0 writes results
+    assert got["processes"] == 2 and ref["processes"] == 1
+    assert got["mode"] == ref["mode"] and got["collectives"] == ref["collectives"]
+    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-6)
+    np.testing.assert_allclose(got["param_sums"], ref["param_sums"], rtol=1e-5, atol=1e-6)
+    assert got["match"] is True  # and both equal one device
+    assert "-> OK" in outs[0].stdout  # process 0 reports; process 1 only runs
+    assert "-> OK" not in outs[1].stdout and "train steps" not in outs[1].stderr

@@ -1,0 +1,480 @@
+"""Pipeline parallelism: stage partition (search and fixed), the GPipe / 1F1B schedule tables,
+the pipelined step on 8 devices against one device (p = 2 and 4, both schedules, with and
+without gradient accumulation), collective_permute in the lowered program, memory of the
+two schedules, and the typed errors of every bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import autopar as ap
+from autopar.errors import AutoParallelError, AutoParallelTypeError
+from autopar.models import mlp, tfm_stack, transformer
+from autopar.pipeline import PackedParams, pipeline_train_step
+from autopar.schedules import BWD, FWD, IDLE, bubble_fraction, schedule
+from autopar.strategies.stages import partition_stages, stage_graph, stage_units
+
+KEY = jax.random.key(0)
+PIPE = dict(device_num=8, parallel_mode="semi_auto_parallel", gradients_mean=True)
+
+
+def close(a, b, rtol=1e-5, atol=1e-6):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                               rtol=rtol, atol=atol)
+
+
+def small_tfm(batch=8, layers=4):
+    return transformer(layers=layers, hidden=16, heads=2, seq=8, vocab=32, batch=batch)
+
+
+def graph_of(model):
+    return ap.trace(model.loss, *jax.eval_shape(model.example_args, KEY))
+
+
+# ---------------------------------------------------------------------------- schedules
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 5), (4, 4), (4, 8), (3, 7)])
+def test_schedule_tables_are_valid_and_the_two_orders_differ(p, m):
+    tables = {name: schedule(name, p, m) for name in ("gpipe", "1f1b")}
+    for name, s in tables.items():
+        assert s.ticks == 2 * (m + p - 1)
+        f_at, b_at = {}, {}
+        for t in range(s.ticks):
+            for st in range(p):
+                o, k = int(s.op[t, st]), int(s.micro[t, st])
+                if o == FWD:
+                    f_at[(st, k)] = t
+                elif o == BWD:
+                    b_at[(st, k)] = t
+        assert len(f_at) == len(b_at) == p * m          # every micro-batch once each way
+        for (st, k), t in f_at.items():
+            assert st == 0 or f_at[(st - 1, k)] < t
+            assert b_at[(st, k)] > t
+            assert st == p - 1 or b_at[(st + 1, k)] < b_at[(st, k)]
+        assert s.tick_bubble() == pytest.approx(bubble_fraction(p, m))
+    # GPipe keeps every micro-batch in flight; 1F1B at most p - s on stage s
+    assert tables["gpipe"].peak_in_flight == (m,) * p
+    assert tables["1f1b"].peak_in_flight == tuple(min(p - s, m) for s in range(p))
+    assert tables["gpipe"].act_slots == m
+    assert tables["1f1b"].act_slots <= p
+
+
+def test_schedule_slots_never_overwrite_a_live_buffer():
+    """Replay the tables: every read finds the micro-batch it expects in its slot."""
+    p = 4
+    s = schedule("1f1b", p, 8)
+    for is_act in (True, False):
+        read, write = (s.x_slot, s.x_write) if is_act else (s.g_slot, s.g_write)
+        n_slots = s.act_slots if is_act else s.grad_slots
+        for st in range(p):
+            holder: dict[int, int] = {}
+            for t in range(s.ticks):
+                op = int(s.op[t, st])
+                reads = (op != IDLE and st > 0) if is_act else (op == BWD and st < p - 1)
+                if reads:
+                    assert holder[int(read[t, st])] == int(s.micro[t, st])
+                w = int(write[t, st])
+                if w < n_slots:
+                    src = st - 1 if is_act else st + 1
+                    assert int(s.op[t, src]) == (FWD if is_act else BWD)
+                    holder[w] = int(s.micro[t, src])
+
+
+@pytest.mark.parametrize("bad,err", [
+    (dict(name="interleaved"), AutoParallelError), (dict(name=3), AutoParallelTypeError),
+    (dict(stages=0), AutoParallelError), (dict(stages=2.0), AutoParallelTypeError),
+    (dict(micro_batches=1), AutoParallelError), (dict(micro_batches=True),
+                                                 AutoParallelTypeError)])
+def test_schedule_bad_inputs(bad, err):
+    args = dict(name="1f1b", stages=2, micro_batches=4) | bad
+    with pytest.raises(err):
+        schedule(args["name"], args["stages"], args["micro_batches"])
+
+
+# ---------------------------------------------------------------------------- stages
+
+
+def test_units_follow_top_level_scopes_and_search_balances_layers():
+    g = graph_of(small_tfm(layers=8))
+    names = [u.name for u in stage_units(g)]
+    assert names == ["embed"] + [f"block{i}" for i in range(8)] + ["ln_f", "head", "loss"]
+    part = partition_stages(g, 4, device_num=8, micro_batches=8)
+    per_stage = [sum(n.startswith("block") and n.endswith("/dot_general_0") and "/mlp/" in n
+                     for n in nodes) for nodes in part.stage_nodes]
+    assert sum(per_stage) == 8 and max(per_stage) - min(per_stage) <= 1
+    # only the residual stream crosses each cut
+    assert all(len(c) == 1 for c in part.crossing)
+    assert part.source == "search"
+
+
+def test_search_minimises_alpas_objective_over_all_cuts():
+    """The DP's cuts are optimal: no other cut of the units gives a smaller step estimate."""
+    import itertools
+
+    g = graph_of(small_tfm(layers=4))
+    m = 4
+    part = partition_stages(g, 3, device_num=6, micro_batches=m)
+
+    def estimate(cuts):
+        q = partition_stages(g, 3, device_num=6, boundaries=list(cuts))
+        return sum(q.stage_seconds) + sum(q.send_seconds) + (m - 1) * max(q.stage_seconds)
+
+    best = min(estimate(c) for c in itertools.combinations(range(1, len(part.units)), 2))
+    assert estimate(part.cuts) == pytest.approx(best, rel=1e-9)
+
+
+def test_fixed_boundaries_by_scope_name_and_index():
+    g = graph_of(small_tfm(layers=4))
+    part = partition_stages(g, 2, device_num=8, boundaries=["block2"])
+    assert part.first_units() == ("embed", "block2") and part.source == "user"
+    assert partition_stages(g, 2, device_num=8, boundaries=[3]).cuts == part.cuts
+    sg = stage_graph(g, part, 1)
+    assert [v for v in sg.inputs if sg.values[v].kind != "param"] == [
+        "targets", part.crossing[0][0]]
+    assert sg.outputs == g.outputs
+
+
+@pytest.mark.parametrize("kwargs,err", [
+    (dict(stages=3), AutoParallelError),                       # does not divide 8
+    (dict(stages="2"), AutoParallelTypeError),
+    (dict(boundaries=["block1", "block3"]), AutoParallelError),   # 2 cuts for 2 stages
+    (dict(boundaries=["nope"]), AutoParallelError),
+    (dict(boundaries=[0]), AutoParallelError),                 # stage 0 would be empty
+    (dict(boundaries=[99]), AutoParallelError),
+    (dict(boundaries="block1"), AutoParallelTypeError),
+    (dict(boundaries=[1.5]), AutoParallelTypeError),
+    (dict(stages=4, boundaries=["block2", "block1", "ln_f"]), AutoParallelError),
+    (dict(stages=8), AutoParallelError),                       # 5 units < 8 stages
+])
+def test_partition_bad_inputs(kwargs, err):
+    g = graph_of(small_tfm(layers=1))   # embed, block0, ln_f, head, loss: 5 units
+    args = dict(stages=2) | kwargs
+    with pytest.raises(err):
+        partition_stages(g, args.pop("stages"), device_num=8, **args)
+
+
+def test_parameter_shared_across_stages_is_refused():
+    def loss(params, x):
+        h = x
+        for i in range(2):
+            with jax.named_scope(f"layer{i}"):
+                h = jnp.tanh(h @ params["w"])
+        return jnp.mean(h ** 2)
+
+    g = ap.trace(loss, {"w": jnp.ones((4, 4))}, jnp.ones((8, 4)))
+    with pytest.raises(AutoParallelError, match="shared across pipeline stages"):
+        partition_stages(g, 2, device_num=2)
+
+
+# ---------------------------------------------------------------------------- numerics
+
+
+def _reference(model, params, batch):
+    return jax.value_and_grad(model.loss)(params, *batch)
+
+
+CASES = {
+    # name: (model, stages, schedule, micro_batches, grad_accumulation_step)
+    "mlp-p2-gpipe": (lambda: mlp(widths=(8, 16, 16, 8), batch=8), 2, "gpipe", 2, 1),
+    "mlp-p4-1f1b-acc2": (lambda: mlp(widths=(8, 16, 16, 16, 8), batch=16), 4, "1f1b", 4, 2),
+    "tfm-p4-gpipe-acc2": (lambda: small_tfm(batch=16, layers=2), 4, "gpipe", 4, 2),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_pipelined_gradients_equal_one_device(case):
+    build, p, sched, m, g = CASES[case]
+    model = build()
+    params, *batch = model.example_args(KEY)
+    ref_loss, ref_grads = _reference(model, params, batch)
+    with ap.auto_parallel_context(pipeline_stages=p, grad_accumulation_step=g, **PIPE):
+        step = pipeline_train_step(model.loss, params, tuple(batch), micro_batches=m,
+                                   schedule=sched)
+    loss, grads = step.grads(params, *batch)
+    close(loss, ref_loss)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        close(a, b)
+    assert step.plan.schedule.name == sched and len(step.plans) == p
+
+
+def test_tfm_stack_pipelined_equals_the_mean_of_its_micro_batches():
+    """tfm_stack's batch is baked into the model (rows = batch x seq), so the pipelined
+    batch is m independent micro-batches of the model's size."""
+    model = tfm_stack(blocks=2, batch=1, seq=4, hidden=8, heads=2)
+    params = model.init(KEY)
+    xs = [model.example_batch(jax.random.key(i))[0] for i in range(4)]
+    full = jnp.concatenate(xs)
+    ref = jax.value_and_grad(lambda p: sum(model.loss(p, x) for x in xs) / 4)(params)
+    with ap.auto_parallel_context(pipeline_stages=2, **PIPE):
+        step = pipeline_train_step(model.loss, params, (full,), micro_batches=4,
+                                   schedule="1f1b")
+    loss, grads = step.grads(params, full)
+    close(loss, ref[0])
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref[1])):
+        close(a, b)
+
+
+@pytest.fixture(scope="module")
+def tfm_step():
+    model = small_tfm(batch=8, layers=2)
+    params, *batch = model.example_args(KEY)
+    with ap.auto_parallel_context(pipeline_stages=2, **PIPE):
+        step = pipeline_train_step(model.loss, params, tuple(batch),
+                                   optax.sgd(0.1, momentum=0.9), micro_batches=4,
+                                   schedule="1f1b")
+    return model, params, batch, step
+
+
+def test_momentum_steps_equal_one_device_on_pytree_and_packed_paths(tfm_step):
+    """Transformer, 2 stages x 4 devices, 1F1B: two SGD-momentum steps (optimizer state in
+    the packed buffers) equal one device's."""
+    model, params, batch, step = tfm_step
+    opt = optax.sgd(0.1, momentum=0.9)
+    ref, ref_state = params, opt.init(params)
+    for _ in range(2):
+        _, g = jax.value_and_grad(model.loss)(ref, *batch)
+        u, ref_state = opt.update(g, ref_state, ref)
+        ref = optax.apply_updates(ref, u)
+    state = step.init(params)
+    p1, s1, _ = step(params, state, *batch)          # pytree in, pytree out
+    p1, s1, _ = step(p1, s1, *batch)
+    packed, s2 = step.pack(params), step.init(params)
+    for _ in range(2):                                # packed in, packed out
+        packed, s2, _ = step(packed, s2, *batch)
+    assert isinstance(packed, PackedParams)
+    for a, b, c in zip(jax.tree.leaves(p1), jax.tree.leaves(step.unpack(packed)),
+                       jax.tree.leaves(ref)):
+        close(a, c, rtol=1e-5, atol=2e-6)
+        close(b, c, rtol=1e-5, atol=2e-6)
+
+
+def test_packed_parameters_live_on_their_stage_only(tfm_step):
+    model, params, batch, step = tfm_step
+    packed = step.pack(params)
+    total = sum(x.size for x in jax.tree.leaves(params))
+    for buf in packed.buffers:
+        assert buf.sharding.spec[0] == "stage"
+        local = buf.addressable_shards[0].data.size
+        # one stage's parameters (the larger stage) per device: about half of the model
+        assert local == step.packing.sizes[str(buf.dtype)] < 0.8 * total
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)),
+                                     step.unpack(packed), params))
+
+
+def test_lowered_step_has_collective_permutes_between_stages(tfm_step):
+    model, params, batch, step = tfm_step
+    counts = step.collective_counts(params, step.init(params), *batch)
+    # one ppermute forward and one backward in the scanned tick body (one dtype)
+    assert counts["collective_permute"] == 2
+    assert counts["all_reduce"] >= 1          # the gradient sync of data-parallel stages
+    text = step.as_text(params, step.init(params), *batch)
+    pairs = re.findall(r"source_target_pairs = dense<(\[\[.*?\]\])>", text)
+    assert len(pairs) == 2 and pairs[0] != pairs[1]
+
+
+def test_one_stage_pipeline_has_no_collective_permute():
+    model = mlp(widths=(8, 16, 8), batch=8)
+    params, x = model.example_args(KEY)
+    with ap.auto_parallel_context(**PIPE):
+        step = pipeline_train_step(model.loss, params, (x,), stages=1, micro_batches=2)
+    assert step.collective_counts(params, step.init(params), x)["collective_permute"] == 0
+    close(step.grads(params, x)[0], model.loss(params, x))
+
+
+def test_gpipe_keeps_more_activations_than_1f1b_in_compiled_memory():
+    model = mlp(widths=(64, 64, 64, 64), batch=64)
+    params, x = model.example_args(KEY)
+    temp = {}
+    for sched in ("gpipe", "1f1b"):
+        with ap.auto_parallel_context(pipeline_stages=2, **PIPE):
+            step = pipeline_train_step(model.loss, params, (x,), micro_batches=8,
+                                       schedule=sched)
+        assert step.plan.schedule.act_slots == (8 if sched == "gpipe" else 2)
+        stats = step.lower(params, step.init(params), x).compile().memory_analysis()
+        temp[sched] = stats.temp_size_in_bytes
+    # 6 more stored boundary activations of [64/8 rows / 4 devices, 64] float32
+    assert temp["gpipe"] - temp["1f1b"] >= 6 * (64 // 8 // 4) * 64 * 4
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("ctx,kwargs,err,key", [
+    (dict(pipeline_stages=2), dict(micro_batches=1), AutoParallelError, "micro_batches"),
+    (dict(pipeline_stages=2), dict(micro_batches="4"), AutoParallelTypeError, "micro_batches"),
+    (dict(pipeline_stages=2), dict(schedule="zigzag"), AutoParallelError, "schedule"),
+    (dict(pipeline_stages=2), dict(schedule=None), AutoParallelTypeError, "schedule"),
+    (dict(), dict(stages=3), AutoParallelError, "pipeline_stages"),
+    (dict(), dict(stages=2.5), AutoParallelTypeError, "pipeline_stages"),
+    (dict(pipeline_stages=2), dict(micro_batches=3), AutoParallelError, "batch size"),
+    (dict(pipeline_stages=2), dict(boundaries=["ln_f", "head"]), AutoParallelError,
+     "boundaries"),
+    (dict(pipeline_stages=2), dict(boundaries=["block9"]), AutoParallelError, "boundaries"),
+    (dict(pipeline_stages=2), dict(optimizer="sgd"), AutoParallelTypeError, "optimizer"),
+    (dict(pipeline_stages=2), dict(fixed={"nope": ((1, 1),)}), AutoParallelError, "node"),
+    (dict(pipeline_stages=2), dict(fixed=[1]), AutoParallelTypeError, "fixed"),
+    (dict(pipeline_stages=2, parallel_mode="data_parallel"), dict(), AutoParallelError,
+     "parallel_mode"),
+    (dict(pipeline_stages=2, dataset_strategy=((8, 1), (8, 1))), dict(), AutoParallelError,
+     "dataset_strategy"),
+])
+def test_bad_arguments_raise_typed_errors(ctx, kwargs, err, key):
+    model = small_tfm(batch=8, layers=1)
+    params, *batch = model.example_args(KEY)
+    with ap.auto_parallel_context(**(PIPE | ctx)):
+        before = ap.get_auto_parallel_context("pipeline_stages")
+        with pytest.raises(err, match=re.escape(key)):
+            pipeline_train_step(model.loss, params, tuple(batch), **kwargs)
+        assert ap.get_auto_parallel_context("pipeline_stages") == before
+
+
+def test_not_callable_loss_and_bad_call_arguments(tfm_step):
+    model, params, batch, step = tfm_step
+    with pytest.raises(AutoParallelTypeError, match="loss_fn"):
+        pipeline_train_step(3, params, tuple(batch))
+    state = step.init(params)
+    with pytest.raises(AutoParallelError, match="params"):
+        step({"w": params["head"]["w"]}, state, *batch)
+    with pytest.raises(AutoParallelError, match="batch input"):
+        step(params, state, batch[0][:4], batch[1])
+    with pytest.raises(AutoParallelError, match="batch"):
+        step(params, state, batch[0])
+    with pytest.raises(AutoParallelTypeError, match="packed"):
+        step.unpack(params)
+
+
+# ---------------------------------------------------------------------------- simulator
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (4, 4), (4, 8), (8, 32)])
+def test_simulated_gpipe_bubble_is_p_minus_1_over_m_plus_p_minus_1(p, m):
+    from autopar.pipeline_timeline import simulate_schedule
+
+    for sched in ("gpipe", "1f1b"):   # equal stages, free transfers: the same bubble
+        t = simulate_schedule([1.0] * p, [2.0] * p, micro_batches=m, schedule=sched)
+        assert t.bubble == pytest.approx((p - 1) / (m + p - 1))
+        assert t.makespan == pytest.approx(3.0 * (m + p - 1))
+
+
+def test_simulated_pipeline_trace_is_consistent_and_exports_chrome_json(tmp_path):
+    from autopar.pipeline_timeline import simulate_pipeline
+
+    g = graph_of(small_tfm(layers=8, batch=2))
+    t = simulate_pipeline(g, 4, micro_batches=8, schedule="1f1b", device_num=64)
+    by = {(b.stage, b.kind, b.micro): b for b in t.blocks}
+    assert len(by) == 2 * 4 * 8
+    for (s, kind, k), b in by.items():
+        assert b.end > b.start
+        if kind == "F" and s:
+            assert b.start >= by[(s - 1, "F", k)].end       # + the boundary transfer
+        if kind == "B" and s < 3:
+            assert b.start >= by[(s + 1, "B", k)].end
+    for s in range(4):                                      # one op at a time per stage
+        mine = sorted((b for b in t.blocks if b.stage == s), key=lambda b: b.start)
+        assert all(a.end <= b.start + 1e-15 for a, b in zip(mine, mine[1:]))
+    assert t.iteration_time >= t.makespan and 0 < t.bubble < 1
+    trace = json.loads(t.write_chrome_trace(tmp_path / "pipe.json").read_text())
+    xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert sum(e["cat"] in ("forward", "backward") for e in xs) == 64
+    assert {e["tid"] for e in xs} == {1, 2, 3, 4}
+    # more micro-batches shrink the bubble; the same plan for GPipe has the same bubble
+    t16 = simulate_pipeline(g, 4, micro_batches=16, schedule="gpipe", device_num=64)
+    assert t16.bubble < t.bubble
+
+
+def test_simulator_bad_inputs():
+    from autopar.pipeline_timeline import simulate_pipeline, simulate_schedule
+
+    with pytest.raises(AutoParallelTypeError):
+        simulate_schedule([1.0, 1.0], [1.0], micro_batches=2)
+    with pytest.raises(AutoParallelError):
+        simulate_schedule([1.0, -1.0], [1.0, 1.0], micro_batches=2)
+    with pytest.raises(AutoParallelError):
+        simulate_schedule([1.0, 1.0], [1.0, 1.0], micro_batches=1)
+    with pytest.raises(AutoParallelError):
+        simulate_schedule([1.0, 1.0], [1.0, 1.0], micro_batches=2, schedule="wave")
+    g = graph_of(small_tfm(layers=2))
+    with pytest.raises(AutoParallelError):
+        simulate_pipeline(g, 3, device_num=8)
+    with pytest.raises(AutoParallelTypeError):
+        simulate_pipeline(g, 2, device_num=8, recompute="yes")
+    with pytest.raises(AutoParallelTypeError):
+        simulate_pipeline(g, 2, device_num=8, plans=[None])
+
+
+def test_auto_parallel_stages_get_their_own_tensor_parallel_plans():
+    """Each stage is searched over its 4 devices (dynamic_programming): the wide first
+    layer is split (tensor parallel, its activations redistributed at the stage boundary),
+    and the step still equals one device."""
+    model = mlp(widths=(8, 512, 512, 8), batch=8)
+    params, x = model.example_args(KEY)
+    ref_loss, ref_grads = jax.value_and_grad(model.loss)(params, x)
+    with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel",
+                                  search_mode="dynamic_programming", gradients_mean=True):
+        step = pipeline_train_step(model.loss, params, (x,), stages=2, micro_batches=2)
+    splits = [max(max(pl.split_counts(v)) for v in pl.parameters) for pl in step.plans]
+    assert max(splits) > 1                       # some parameter is split inside its stage
+    loss, grads = step.grads(params, x)
+    close(loss, ref_loss)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        close(a, b)
+
+
+@pytest.mark.parametrize("acc_shard", [True, False])
+def test_parallel_optimizer_inside_the_pipeline(acc_shard):
+    """enable_parallel_optimizer with a pipeline: parameters of >= 1 KB are stored 1/dp per
+    device (with their Adam state), gathered per step, their gradients reduce-scattered
+    (each micro-batch's with gradient_accumulation_shard, else once); biases (256 B) stay
+    replicated. Two Adam steps with grad accumulation equal one device's."""
+    from autopar.optimizer_shard import device_bytes
+
+    model = mlp(widths=(8, 64, 64, 8), batch=16)
+    params, x = model.example_args(KEY)
+    opt = optax.adam(1e-2)
+    ref, ref_state = params, opt.init(params)
+    for _ in range(2):
+        _, g = jax.value_and_grad(model.loss)(ref, x)
+        u, ref_state = opt.update(g, ref_state, ref)
+        ref = optax.apply_updates(ref, u)
+    po = {"parallel_optimizer_threshold": 1, "gradient_accumulation_shard": acc_shard}
+    with ap.auto_parallel_context(pipeline_stages=2, grad_accumulation_step=2,
+                                  enable_parallel_optimizer=True,
+                                  parallel_optimizer_config=po, **PIPE):
+        step = pipeline_train_step(model.loss, params, (x,), opt, micro_batches=2)
+    sharded = {d.name for d in step.shard_decisions if d.sharded}
+    assert sharded == {"params/layer0/w", "params/layer1/w", "params/layer2/w"}
+    assert step.accumulation_shard is acc_shard
+    packed, state = step.pack(params), step.init(params)
+    for _ in range(2):
+        packed, state, _ = step(packed, state, x)
+    for a, b in zip(jax.tree.leaves(step.unpack(packed)), jax.tree.leaves(ref)):
+        close(a, b, atol=2e-6)
+    # per device: parameters + Adam's two moments, the large ones 1/4 (dp = 4 in a stage)
+    work, store = step.packing.sizes["float32"], step.packing.store_sizes["float32"]
+    biases = 64 + 8           # the larger stage's unsharded elements
+    assert store == biases + (work - biases) // 4
+    held = device_bytes((packed, state), jax.devices()[0])
+    assert 3 * 4 * store <= held <= 3 * 4 * store + 64          # + Adam's step count
+    counts = step.collective_counts(packed, state, x)
+    assert counts["reduce_scatter"] >= 1 and counts["all_gather"] >= 1
+
+
+def test_gradients_mean_false_scales_by_the_stage_data_parallel_degree():
+    """As train_step: without gradients_mean the synchronised gradient is the sum MindSpore
+    produces, dp x the global one (dp = 4 devices per stage here)."""
+    model = mlp(widths=(8, 16, 16, 8), batch=8)
+    params, x = model.example_args(KEY)
+    _, ref = jax.value_and_grad(model.loss)(params, x)
+    with ap.auto_parallel_context(**(PIPE | dict(gradients_mean=False, pipeline_stages=2))):
+        step = pipeline_train_step(model.loss, params, (x,), micro_batches=2)
+    _, grads = step.grads(params, x)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
+        close(a, 4 * b)
