@@ -129,6 +129,7 @@ class StrategyFile(BaseModel):
     cluster: dict[str, Any]
     enable_alltoall: bool
     memory_weight: float = Field(ge=0)
+    parallel_optimizer_kb: int | None = Field(default=None, ge=0)
     current_stage: int = Field(ge=0)
     parallel_strategy_item: dict[str, OperatorEntry]
     parallel_layout_item: dict[str, LayoutEntry]
@@ -203,6 +204,7 @@ def strategy_document(plan: Plan, graph: Graph) -> dict[str, Any]:
         "mode": plan.mode,
         "cluster": cluster_doc.model_dump() if cluster_doc is not None else {"name": plan.cluster},
         "enable_alltoall": plan.enable_alltoall, "memory_weight": float(plan.memory_weight),
+        "parallel_optimizer_kb": plan.parallel_optimizer_kb,
         "current_stage": 0,
         "parallel_strategy_item": {
             name: {"op": n.op, "stage": int(stages.get(name, 0)),
@@ -345,7 +347,7 @@ def load_strategy(path: str | os.PathLike[str], graph: Graph, *,
     splits = _check_operators(f, graph, mesh, p, stages)
     problem = Problem(graph, mesh, CostModel(clus), enable_alltoall=alltoall,
                       dataset_strategy=dataset, memory_weight=f.memory_weight,
-                      fixed_splits=splits)
+                      fixed_splits=splits, parallel_optimizer_kb=f.parallel_optimizer_kb)
     picks = _pick_inputs(f, graph, problem, p)
     plan = Plan.from_picks(problem, picks, f.mode, time.perf_counter() - t0)
     plan.notes.append(f"loaded from {p}")

@@ -434,18 +434,26 @@ class TrainStep:
             raise AutoParallelError("backend", "pmap", "the pmap lowering runs "
                                     f"parallel_mode='data_parallel' only (got "
                                     f"{self.parallel_mode!r})", "Use backend='shard_map'")
+        if any(self._sharded):
+            raise AutoParallelError("backend", "pmap", "the pmap lowering does not run the "
+                                    "parallel optimizer (enable_parallel_optimizer=True shards "
+                                    f"{sum(self._sharded)} parameters)",
+                                    "Use backend='shard_map'")
         n = self.device_num
         for x in jax.tree_util.tree_leaves(batch):
             if not np.shape(x) or np.shape(x)[0] % n:
                 raise _uneven(np.shape(x)[0] if np.shape(x) else 0, n, "batch")
         loss_fn, dtypes, cast = self.loss_fn, self._p_dtypes, self._cast
         p_tree, mean = self._p_tree, self.gradients_mean
+        buckets, chain = self._bucket_idx["allreduce"], self._chain["allreduce"]
+        method = self.sync_method
 
         def local_grads(params: Any, *b: Any) -> tuple[Any, Any]:
             loss, g = jax.value_and_grad(loss_fn)(params, *b)
             leaves = jax.tree_util.tree_leaves(g)
-            leaves = [x.astype(jnp.float32) if c else x for x, c in zip(leaves, cast)]
-            leaves = [lax.psum(x, "dp") for x in leaves]
+            # the context's buckets, one psum each over the pmap axis (as the shard_map path)
+            leaves = sync_gradients(leaves, [("dp",)] * len(leaves), buckets, method=method,
+                                    chain=chain, fp32=cast)
             if mean:
                 leaves = [x / n for x in leaves]
             leaves = [x.astype(d) for x, d in zip(leaves, dtypes)]

@@ -42,6 +42,7 @@ class Plan:
     parameters: tuple[str, ...] = ()
     enable_alltoall: bool = False           # the redistribution table the plan was priced with
     memory_weight: float = 0.0              # seconds per byte of memory in the objective
+    parallel_optimizer_kb: int | None = None  # parallel optimizer threshold priced (None: off)
     inputs: tuple[str, ...] = ()            # the graph's inputs (parameters and data), in order
     in_tree: Any = field(default=None, repr=False, compare=False)  # pytree of the arguments
     cluster_config: Any = field(default=None, repr=False, compare=False)  # the priced Cluster
@@ -73,7 +74,8 @@ class Plan:
                     dict(sorted(layouts.items())), problem.evaluate(picks),
                     problem.objective(picks), seconds, parameters=g.parameters(),
                     enable_alltoall=problem.enable_alltoall,
-                    memory_weight=problem.memory_weight, inputs=g.inputs, in_tree=g.in_tree,
+                    memory_weight=problem.memory_weight,
+                    parallel_optimizer_kb=problem.parallel_optimizer_kb, inputs=g.inputs, in_tree=g.in_tree,
                     cluster_config=problem.cm.cluster)
 
     def layout(self, name: str) -> Layout:

@@ -223,10 +223,13 @@ class Problem:
                  memory_weight: float = 0.0, full_use: bool = True,
                  fixed: Mapping[str, Any] | None = None,
                  fixed_splits: Mapping[str, tuple[int, ...]] | None = None,
-                 lazy: bool = False) -> None:
+                 lazy: bool = False, parallel_optimizer_kb: int | None = None) -> None:
         self.graph, self.mesh, self.cm = graph, mesh, cost_model
         self.enable_alltoall = enable_alltoall
         self.memory_weight = memory_weight
+        # enable_parallel_optimizer's threshold (KB), None when it is off: parameters it shards
+        # cost 1/dp of their stored copy and optimizer state per device (param_memory)
+        self.parallel_optimizer_kb = parallel_optimizer_kb
         self.full_use = full_use
         self.lazy = lazy  # operators' choice lists left empty until settle() (for solvers that
         # build their own candidates, like recursive_programming)
@@ -286,6 +289,22 @@ class Problem:
     def _local_bytes(self, value: str, layout: Layout) -> int:
         spec = self.graph.spec(value)
         return math.prod(layout.local_shape(spec.shape, self.mesh)) * spec.itemsize
+
+    def param_memory(self, value: str, layout: Layout) -> float:
+        """Training bytes per device of parameter ``value`` stored in ``layout``: its copy,
+        gradient and optimizer state (:meth:`CostModel.parameter_memory`), sharded over its
+        data-parallel group when the parallel optimizer takes it (the rule of
+        :func:`autopar.optimizer_shard.decide_sharding`: at least the threshold, some axis to
+        shard over, local dim 0 divisible by the group)."""
+        spec = self.graph.spec(value)
+        local = layout.local_shape(spec.shape, self.mesh)
+        nbytes = math.prod(local) * spec.itemsize
+        used = layout.used_axes()
+        group = math.prod(s for a, s in self.mesh.axes if a not in used)
+        kb = self.parallel_optimizer_kb
+        sharded = (kb is not None and spec.nbytes >= kb * 1024 and group > 1
+                   and bool(local) and local[0] % group == 0)
+        return self.cm.parameter_memory(nbytes, group, sharded=sharded)
 
     def op_costs(self, node: Node, choice: Choice) -> tuple[float, float, float, float]:
         """(compute, comm, grad_sync, memory) of one operator choice (memoised)."""
@@ -455,7 +474,6 @@ class Problem:
 
     def _add_param_vertices(self, replace_existing: bool = False) -> None:
         g, mesh = self.graph, self.mesh
-        factor = 2.0 + self.cm.cluster.optimizer_state_factor
         wanted: dict[tuple, tuple[Layout, ...]] = {}   # (consumer signature, input) -> layouts
         made: dict[tuple, tuple[list[Choice], dict]] = {}
         for v in g.parameters():
@@ -476,7 +494,7 @@ class Problem:
                 for key in keys:
                     seen.update(dict.fromkeys(wanted[key]))
                 lays = sorted(seen, key=lambda lay: (lay.split_counts(mesh), str(lay)))
-                rows = [(0.0, 0.0, 0.0, factor * self._local_bytes(v, lay)) for lay in lays]
+                rows = [(0.0, 0.0, 0.0, self.param_memory(v, lay)) for lay in lays]
                 made[vkey] = ([Choice(lay.split_counts(mesh), (), (lay,), lay.used_axes())
                                for lay in lays], self._vertex_arrays(rows))
             choices, arrays = made[vkey]

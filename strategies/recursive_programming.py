@@ -48,9 +48,8 @@ def _round_cost(problem: Problem, node, splits: tuple[int, ...]) -> float:
     c = problem.op_choice(node, splits)
     compute, comm, sync, mem = problem.op_costs(node, c)
     if problem.memory_weight:
-        factor = 2.0 + problem.cm.cluster.optimizer_state_factor
         g = problem.graph
-        mem += sum(factor * problem._local_bytes(v, lay)
+        mem += sum(problem.param_memory(v, lay)
                    for v, lay in zip(node.inputs, c.in_layouts) if g.values[v].kind == "param")
     return compute + comm + sync + problem.memory_weight * mem
 

@@ -149,19 +149,27 @@ def _load(graph: Graph, cfg: Any, n: int, cluster: Any, fixed_map: dict) -> Plan
     return plan
 
 
+def parallel_optimizer_kb(cfg: Any) -> int | None:
+    """The parallel optimizer threshold (KB) the search prices, None when it is off."""
+    if not cfg.enable_parallel_optimizer:
+        return None
+    return int(cfg.parallel_optimizer_config.parallel_optimizer_threshold)
+
+
 def _search(graph: Graph, m: str, n: int, clus: Cluster, fixed_map: dict, pmode: str,
             cfg: Any, fully_use_devices: bool) -> Plan:
     mesh = DeviceMesh.for_devices(n)
     cm = CostModel(clus)
     t0 = time.perf_counter()
     label = m if pmode == "auto_parallel" else pmode
+    po_kb = parallel_optimizer_kb(cfg)
     for weight in _MEMORY_WEIGHTS:
         derived = pmode != "auto_parallel" and n > 1  # strategies derived, not searched
         # (a derived mode only needs this first problem's loop nests and checked fixed
         # strategies, so it is built lazily: no choice lists)
         problem = Problem(graph, mesh, cm, enable_alltoall=cfg.enable_alltoall,
                           dataset_strategy=cfg.dataset_strategy, memory_weight=weight,
-                          fixed=fixed_map, full_use=fully_use_devices,
+                          fixed=fixed_map, full_use=fully_use_devices, parallel_optimizer_kb=po_kb,
                           lazy=derived or (pmode == "auto_parallel"
                                            and m == "recursive_programming"))
         if derived:
@@ -172,7 +180,8 @@ def _search(graph: Graph, m: str, n: int, clus: Cluster, fixed_map: dict, pmode:
             problem = Problem(graph, mesh, cm, enable_alltoall=cfg.enable_alltoall,
                               dataset_strategy=cfg.dataset_strategy, memory_weight=weight,
                               fixed={k: v for k, v in fixed_map.items() if k in keep},
-                              fixed_splits=dp, full_use=fully_use_devices)
+                              fixed_splits=dp, full_use=fully_use_devices,
+                              parallel_optimizer_kb=po_kb)
         if m == "exact" and pmode == "auto_parallel":
             picks = exact.solve(problem, memory_limit=clus.memory_bytes)
         else:

@@ -216,3 +216,29 @@ def test_fixed_strategies_under_data_parallel_warn():
         with pytest.warns(ap.AutoParallelWarning, match="not used"):
             plan = ap.search(g, fixed={first: ((2, 1), (1, 4))})
     assert plan.nodes[first].splits[0] == 8  # data parallel all the same
+
+
+def test_parallel_optimizer_is_priced_in_the_memory_term(tmp_path):
+    """Under data parallel every weight is replicated 8 ways; the parallel optimizer stores
+    its copy and optimizer state 1/8 per device (the gradient stays whole), small ones stay."""
+    m = mlp(widths=(256, 256, 256), batch=64, bias=True)
+    g = ap.trace(m.loss, *_abstract_args(m))
+    state = ap.CLUSTERS["accelerator-8x"].optimizer_state_factor
+    with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel"):
+        off = ap.search(g)
+    with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel",
+                                  enable_parallel_optimizer=True):
+        on = ap.search(g)
+    assert on.parallel_optimizer_kb == 64 and off.parallel_optimizer_kb is None
+    big = [v for v in g.parameters() if g.spec(v).nbytes >= 64 * 1024]
+    assert len(big) == 2  # the two 256 KB weights; the 1 KB biases stay replicated
+    saved = sum(g.spec(v).nbytes * ((2 + state) - (1 + (1 + state) / 8)) for v in big)
+    assert off.cost.memory_bytes - on.cost.memory_bytes == pytest.approx(saved)
+    assert on.cost.total == pytest.approx(off.cost.total)  # same communication volume
+    with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel",
+                                  enable_parallel_optimizer=True,
+                                  strategy_ckpt_save_file=str(tmp_path / "s.json")):
+        plan = ap.search(g, mode="dynamic_programming")
+    loaded = ap.load_strategy(tmp_path / "s.json", g)
+    assert loaded.parallel_optimizer_kb == 64
+    assert loaded.cost.memory_bytes == plan.cost.memory_bytes

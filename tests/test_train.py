@@ -273,6 +273,29 @@ def test_pmap_backend_equals_shard_map(mean):
         jax.tree.map(lambda x, y: close(x, y, atol=1e-5), b, want)
 
 
+def test_pmap_backend_syncs_in_the_context_buckets():
+    m = mlp(widths=(16, 32, 32, 16), batch=16, loss="mse")
+    params, *batch = m.example_args(KEY)
+    n = len(jax.tree.leaves(params))
+    with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel",
+                                  gradients_mean=True, all_reduce_fusion_config=[2]):
+        pm = ap.train_step(m.loss, params, tuple(batch), backend="pmap", sync_method="concat")
+        sm = ap.train_step(m.loss, params, tuple(batch), sync_method="concat")
+    buckets = len(pm.buckets["allreduce"])
+    assert buckets == 2 < n
+    # one all-reduce per bucket, plus the loss (pmean); the shard_map step agrees
+    assert pm.collective_counts(params, pm.init(params), *batch)["all_reduce"] == buckets + 1
+    assert sm.collective_counts(params, sm.init(params), *batch)["all_reduce"] == buckets + 1
+    got, _ = run_steps(pm, params, batch, 2)
+    want, _ = reference_steps(m.loss, params, batch, 2)
+    jax.tree.map(lambda x, y: close(x, y, atol=1e-5), got, want)
+    with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel",
+                                  enable_parallel_optimizer=True,
+                                  parallel_optimizer_config={"parallel_optimizer_threshold": 0}):
+        with pytest.raises(ap.AutoParallelError, match="parallel optimizer"):
+            ap.train_step(m.loss, params, tuple(batch), backend="pmap")
+
+
 def test_pmap_backend_needs_data_parallel():
     m, params, x = _mlp()
     with ap.auto_parallel_context(device_num=8, parallel_mode="semi_auto_parallel"):
