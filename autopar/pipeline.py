@@ -47,6 +47,7 @@ batch (``gradients_mean=True``; ``False`` multiplies by the stage's data-paralle
 from __future__ import annotations
 
 import inspect
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -58,7 +59,7 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from autopar.context import current_config
+from autopar.context import auto_parallel_context, current_config
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.graph.trace import trace
 from autopar.lower import apply_step, run_body
@@ -130,6 +131,18 @@ def _is_float(dt: str) -> bool:
     return bool(jnp.issubdtype(np.dtype(dt), jnp.inexact))
 
 
+
+def stage_file(path: str, stage: int) -> str:
+    """The strategy file of pipeline stage ``stage`` for a context path ("" stays "").
+
+    >>> stage_file("/tmp/strategy.json", 1)
+    '/tmp/strategy_stage1.json'
+    """
+    if not path:
+        return ""
+    root, ext = os.path.splitext(path)
+    return f"{root}_stage{stage}{ext}"
+
 class PipelineTrainStep:
     """``step(params, opt_state, *batch) -> (params, opt_state, loss)`` pipelined; ``init``,
     ``grads``, ``pack`` / ``unpack``, ``as_text``, ``collective_counts``, ``plan``."""
@@ -198,9 +211,14 @@ class PipelineTrainStep:
             graph.node(name)  # unknown names raise, with suggestions
         sgs = [stage_graph(graph, part, s) for s in range(p)]
         plans, pgs = [], []
-        for sg in sgs:
+        cfg = current_config()
+        for s, sg in enumerate(sgs):
             mine = {k: v for k, v in fixed.items() if k in {nd.name for nd in sg.nodes}}
-            plan = search(sg, mode=mode, device_num=n // p, cluster=cluster, fixed=mine)
+            # strategy files: one per stage, as MindSpore keeps them (strategy_stage{s}...)
+            files = {k: stage_file(getattr(cfg, k), s) for k in
+                     ("strategy_ckpt_save_file", "strategy_ckpt_load_file")}
+            with auto_parallel_context(**files):
+                plan = search(sg, mode=mode, device_num=n // p, cluster=cluster, fixed=mine)
             plans.append(plan)
             pgs.append(_rewrite_unfused(sg, plan))
         self.stage_graphs, self.parallel_graphs = tuple(sgs), tuple(pgs)

@@ -1,7 +1,7 @@
 """Resolve the auto-parallel context for one compilation: mode restrictions, derived settings.
 
 Each key is valid on its own when it is set; some combinations are not (seed 002's mode
-restrictions, e.g. pipeline_stages > 1 outside semi_auto_parallel). They are checked here,
+restrictions, e.g. pipeline_stages > 1 under data_parallel). They are checked here,
 when a program is compiled under the context, never silently dropped: an *error* restriction
 raises :class:`~autopar.errors.ContextConflictError` listing every violation, a *warning*
 restriction (a setting that is valid but has no effect in this mode) warns
@@ -60,10 +60,11 @@ RESTRICTIONS: tuple[Restriction, ...] = (
                 lambda c, e: c.global_rank >= c.device_num,
                 "set global_rank in [0, device_num) or raise device_num"),
     Restriction("pipeline_stages", "error",
-                "pipeline_stages > 1 needs parallel_mode 'semi_auto_parallel' (the seed allows "
-                "it only there; auto_parallel follows once stage search exists)",
-                lambda c, e: c.pipeline_stages > 1 and _mode(c) != "semi_auto_parallel",
-                "set parallel_mode='semi_auto_parallel' or pipeline_stages=1"),
+                "pipeline_stages > 1 needs parallel_mode 'semi_auto_parallel' (as the seed) or "
+                "'auto_parallel' (autopar searches the stage boundaries, then each stage)",
+                lambda c, e: c.pipeline_stages > 1 and _mode(c) not in ("semi_auto_parallel",
+                                                                        "auto_parallel"),
+                "set parallel_mode='semi_auto_parallel' or 'auto_parallel', or pipeline_stages=1"),
     Restriction("pipeline_stages", "error", "device_num must be divisible by pipeline_stages",
                 lambda c, e: c.device_num % c.pipeline_stages != 0,
                 "choose pipeline_stages dividing device_num"),

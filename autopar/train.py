@@ -74,7 +74,7 @@ from autopar.context import current_config
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.fusion import GradientBuckets, gradient_buckets
 from autopar.grad_sync import METHODS, sync_gradients, sync_groups, sync_point, sync_sites
-from autopar.lower import jax_mesh, run_body
+from autopar.lower import final_psum, jax_mesh, replicated_tails, run_body
 from autopar.optimizer_shard import (ShardDecision, decide_sharding, gather_parameters,
                                      scatter_gradients, state_shardings, storage_spec)
 from autopar.parallel_graph import ParallelGraph
@@ -120,68 +120,18 @@ def broadcast_parameters(params: Any, mesh: Mesh | None = None) -> Any:
     return jax.tree.map(one, params)
 
 
-def _loss_psum(axes: tuple[str, ...], size: int) -> Callable[[Any], Any]:
-    """AllReduce of the final loss whose transpose needs no communication.
-
-    Under ``check_vma=False`` the transpose of ``shard_map`` hands every device the same
-    cotangent ``ct / device_num`` for a replicated output; ``lax.psum`` would transpose to a
-    second AllReduce giving ``ct * size / device_num``. The cotangent being the same on every
-    device, multiplying by ``size`` gives that result locally.
-    """
-    name = axes[0] if len(axes) == 1 else tuple(axes)
-
-    @jax.custom_vjp
-    def psum(x: Any) -> Any:
-        return lax.psum(x, name)
-
-    def fwd(x: Any) -> tuple[Any, None]:
-        return lax.psum(x, name), None
-
-    def bwd(_: None, ct: Any) -> tuple[Any]:
-        return (ct * size,)
-
-    psum.defvjp(fwd, bwd)
-    return psum
-
-
-def _replicated_tails(pg: ParallelGraph) -> set[str]:
-    """AllReduce nodes from whose output on every value is replicated (e.g. the loss sum):
-    their cotangent is the same on every device, so :func:`_loss_psum` applies."""
-    consumers: dict[str, list[Any]] = {}
-    for node in pg.nodes:
-        for v in node.inputs:
-            consumers.setdefault(v, []).append(node)
-    out: set[str] = set()
-    for node in pg.nodes:
-        if node.step is None or node.step.kind != "all_reduce":
-            continue
-        todo, seen, ok = list(node.outputs), set(), True
-        while todo and ok:
-            v = todo.pop()
-            if v in seen:
-                continue
-            seen.add(v)
-            if pg.values[v].layout.used_axes():
-                ok = False
-            for c in consumers.get(v, []):
-                todo.extend(c.outputs)
-        if ok:
-            out.add(node.name)
-    return out
-
-
 def train_body(pg: ParallelGraph, *flat: Any,
                before_node: Callable[[int, Any, dict[str, Any]], None] | None = None) \
         -> tuple[Any, ...]:
     """``lower.run_body`` for training: the AllReduce producing the loss is differentiated
-    without a second AllReduce (:func:`_loss_psum`); ``before_node`` inserts the gradient
-    sync points; everything else is the same program."""
-    final = _replicated_tails(pg)
+    without a second AllReduce (:func:`autopar.lower.final_psum`); ``before_node`` inserts
+    the gradient sync points; everything else is the same program."""
+    final = replicated_tails(pg)
 
     def run_step(node: Any, x: Any) -> Any:
         st = node.step
         if st.kind == "all_reduce" and node.name in final:
-            return _loss_psum(st.axes, pg.mesh.size_of(st.axes))(x)
+            return final_psum(st.axes, pg.mesh.size_of(st.axes))(x)
         return None
 
     return run_body(pg, *flat, run_step=run_step, before_node=before_node)
@@ -587,7 +537,9 @@ def train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
     ``optax.sgd(DEFAULT_LEARNING_RATE)``). ``mode`` / ``fixed`` / ``cluster`` / ``mesh``: as
     for :func:`autopar.parallelize`. ``backend``: ``"shard_map"`` (any plan) or ``"pmap"``
     (``parallel_mode="data_parallel"`` only). See the module docstring for the semantics of
-    each context key.
+    each context key. Under ``pipeline_stages > 1`` the step is
+    :func:`autopar.pipeline.pipeline_train_step` (stages searched, micro-batches, 1F1B) with the
+    same call conventions.
     """
     if not callable(loss_fn):
         raise AutoParallelTypeError("loss_fn", loss_fn, "train_step needs a callable loss")
@@ -601,5 +553,18 @@ def train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
         raise AutoParallelError("backend", backend, f"must be one of {BACKENDS}")
     if sync_method not in METHODS:
         raise AutoParallelError("sync_method", sync_method, f"must be one of {list(METHODS)}")
+    stages = current_config().pipeline_stages
+    if stages > 1:  # pipeline_stages > 1: the pipelined step (autopar.pipeline)
+        from autopar.pipeline import pipeline_train_step
+
+        for key, value, default in (("backend", backend, "shard_map"), ("mesh", mesh, None),
+                                    ("sync_method", sync_method, "tuple")):
+            if value != default:
+                raise AutoParallelError(key, value if key != "mesh" else "a Mesh",
+                                        f"pipeline_stages={stages} builds its own "
+                                        f"('stage', ...) mesh and step; {key} must be "
+                                        f"{default!r} there", f"Drop {key}=")
+        return pipeline_train_step(loss_fn, params, batch, optimizer, mode=mode, fixed=fixed,
+                                   cluster=cluster)  # type: ignore[return-value]
     return TrainStep(loss_fn, params, batch, optimizer, mode=mode, fixed=fixed,
                      cluster=cluster, backend=backend, mesh=mesh, sync_method=sync_method)

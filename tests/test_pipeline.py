@@ -478,3 +478,30 @@ def test_gradients_mean_false_scales_by_the_stage_data_parallel_degree():
     _, grads = step.grads(params, x)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
         close(a, 4 * b)
+
+
+def test_train_step_dispatches_to_the_pipeline_and_keeps_a_strategy_file_per_stage(tmp_path):
+    model = mlp(widths=(16, 32, 32, 16), batch=8, loss="mse")
+    params, *batch = model.example_args(KEY)
+    ref_loss, ref_grads = _reference(model, params, batch)
+    save = tmp_path / "strategy.json"
+    with ap.auto_parallel_context(pipeline_stages=2, strategy_ckpt_save_file=str(save),
+                                  **{**PIPE, "parallel_mode": "auto_parallel"}):
+        step = ap.train_step(model.loss, params, tuple(batch))
+        for key, value in (("backend", "pmap"), ("sync_method", "concat")):
+            with pytest.raises(AutoParallelError, match=key):
+                ap.train_step(model.loss, params, tuple(batch), **{key: value})
+    assert isinstance(step, ap.PipelineTrainStep) and len(step.plans) == 2
+    loss, grads = step.grads(params, *batch)
+    close(loss, ref_loss)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        close(a, b)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["strategy_stage0.json", "strategy_stage1.json"]
+    texts = [(tmp_path / f).read_text() for f in files]
+    assert json.loads(texts[0])["fingerprint"] != json.loads(texts[1])["fingerprint"]
+    with ap.auto_parallel_context(pipeline_stages=2, strategy_ckpt_load_file=str(save),
+                                  **{**PIPE, "parallel_mode": "auto_parallel"}):
+        again = ap.train_step(model.loss, params, tuple(batch))
+    assert [str(a.nodes) for a in again.plans] == [str(b.nodes) for b in step.plans]
+    assert all("loaded from" in " ".join(p.notes) for p in again.plans)

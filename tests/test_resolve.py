@@ -14,7 +14,7 @@ from autopar.reference import BEGIN, END, context_reference_markdown
 ERRORS = [
     (dict(device_num=4, global_rank=4, parallel_mode="data_parallel"), "global_rank"),
     (dict(device_num=8, parallel_mode="data_parallel", pipeline_stages=2), "pipeline_stages"),
-    (dict(device_num=8, parallel_mode="auto_parallel", pipeline_stages=2), "pipeline_stages"),
+    (dict(device_num=8, parallel_mode="hybrid_parallel", pipeline_stages=2), "pipeline_stages"),
     (dict(device_num=6, parallel_mode="semi_auto_parallel", pipeline_stages=4),
      "divisible by pipeline_stages"),
     (dict(device_num=8, parallel_mode="data_parallel", grad_accumulation_step=2),
