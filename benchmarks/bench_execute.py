@@ -1,8 +1,10 @@
 """Training-step time: autopar's shard_map lowering vs XLA's GSPMD on the same plan.
 
 On 8 emulated CPU devices, for the zoo MLP and transformer (tiny sizes, fit 2 CPU cores), one
-SGD step (loss, gradients, update; the same optax code on every side) is timed in one run,
-interleaved so that every side sees the same machine noise:
+SGD step (loss, gradients, update; the same optax code on every side) is timed in one run:
+``rounds`` rounds, each timing every side ``repeat`` times in a shuffled order; ms columns
+are medians over rounds and ``autopar / gspmd`` is the median over rounds of the ratio in the
+same round (the machine is shared, so paired ratios are steadier than ratios of medians):
 
 - ``autopar``: ``jax.value_and_grad`` of the lowered ``shard_map`` program
   (:func:`autopar.rewrite` with ``cluster="cpu-emulated"`` deciding the fused kernels for
@@ -28,6 +30,8 @@ interleaved so that every side sees the same machine noise:
 
 from __future__ import annotations
 
+import random
+import statistics
 import sys
 from typing import Any, Callable
 
@@ -111,7 +115,7 @@ def main(quick: bool = False) -> None:
 
     import autopar as ap
 
-    repeat = 5 if quick else 20
+    repeat, rounds = (3, 5) if quick else (5, 25)
     rows = []
     for name, make, ctx in _cases(quick):
         m = make()
@@ -163,22 +167,31 @@ def main(quick: bool = False) -> None:
             "train_step": lambda: jax.block_until_ready(tstep(params, t_state, *batch)),
             "single": lambda: jax.block_until_ready(single(*s_args)),
         }
-        best = {k: float("inf") for k in runs}
-        for _ in range(3):  # interleave to share the machine's noise
-            for k, run in runs.items():
-                best[k] = min(best[k], timeit(run, repeat=repeat, warmup=2))
+        for run in runs.values():  # compile and warm up
+            run()
+            run()
+        samples: dict[str, list[float]] = {k: [] for k in runs}
+        order = list(runs)
+        for r in range(rounds):  # shuffled rounds: every side sees the same machine noise
+            random.Random(r).shuffle(order)
+            for k in order:
+                samples[k].append(timeit(runs[k], repeat=repeat, warmup=0))
+        best = {k: statistics.median(v) for k, v in samples.items()}
+        paired = statistics.median(a / g for a, g in zip(samples["autopar"], samples["gspmd"]))
         hlo_ap = ap_step.lower(pl, state, bl).compile().as_text()
         hlo_g = g_step.lower(pl, state, bl).compile().as_text()
         rows.append({"model": name, "plan": ctx.get("search_mode", ctx["parallel_mode"]),
                      "autopar_ms": best["autopar"] * 1e3, "gspmd_ms": best["gspmd"] * 1e3,
-                     "autopar/gspmd": best["autopar"] / best["gspmd"],
+                     "autopar/gspmd": paired,
                      "gspmd_free_ms": best["gspmd_free"] * 1e3,
                      "train_step_ms": best["train_step"] * 1e3,
                      "single_ms": best["single"] * 1e3,
                      "hlo_collectives_autopar": _collectives(hlo_ap),
                      "hlo_collectives_gspmd": _collectives(hlo_g)})
-    write_results("execute", rows, COLUMNS, meta={"devices": 8, "quick": quick,
-                                                  "repeat": repeat})
+    write_results("execute", rows, COLUMNS, meta={
+        "devices": 8, "quick": quick, "repeat": repeat, "rounds": rounds,
+        "ms": "median over rounds of the median of `repeat` runs",
+        "autopar/gspmd": "median over rounds of autopar / gspmd in the same round"})
 
 
 if __name__ == "__main__":
