@@ -5,7 +5,8 @@
    memory, search time, ratio to exact);
 3. save the best plan as a strategy file, load it back (same plan, same bytes);
 4. lower the plan of the best mode for a small transformer and train a few SGD steps on
-   ``--devices`` emulated devices, checking losses and parameters against one device;
+   ``--devices`` emulated devices, checking losses and parameters against one device; then
+   the same pipelined (``--pipeline-stages``, 1F1B, each stage searched on its devices);
 5. simulate the iteration (seed 001's trace points) and write the Chrome trace JSON;
 6. print a summary. ``make demo`` runs it (about a minute on two cores).
 """
@@ -33,6 +34,8 @@ def add_demo_parser(sub: Any) -> None:
     p.add_argument("--devices", type=_positive, default=8, help="emulated devices (default 8)")
     p.add_argument("--layers", type=_positive, default=2, help="transformer layers (default 2)")
     p.add_argument("--steps", type=_positive, default=3, help="training steps (default 3)")
+    p.add_argument("--pipeline-stages", type=_positive, default=2,
+                   help="stages of the pipelined run (default 2; 1 skips it)")
     p.add_argument("--cluster", default="accelerator-8x",
                    help="cost-model cluster preset (default accelerator-8x)")
     p.add_argument("--out", type=Path, default=Path("autopar-demo"),
@@ -96,6 +99,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     # 4. train on the devices and check against one device
     ok = _train(args, best.mode)
 
+    # 4b. the same, pipelined (1F1B over --pipeline-stages stages)
+    piped = _train_pipeline(args, best.mode)
+
     # 5. iteration trace
     it = ap.simulate(graph, plan, cluster=args.cluster)
     trace_path = it.write_chrome_trace(out / "trace.json")
@@ -110,9 +116,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 ("strategy file", f"{path} round trip {'OK' if same and same_bytes else 'FAIL'}"),
                 ("training", f"{args.steps} steps on {args.devices} devices vs one device: "
                  f"{'OK' if ok else 'MISMATCH'}"),
+                ("pipeline", "skipped" if piped is None else
+                 f"{args.pipeline_stages} stages x {args.devices // args.pipeline_stages} "
+                 f"devices, 1F1B, vs one device: {'OK' if piped else 'MISMATCH'}"),
                 ("iteration trace", str(trace_path)),
                 ("wall time", f"{time.perf_counter() - t_start:.1f} s")], align="ll"))
-    return 0 if ok and same and same_bytes else 1
+    return 0 if ok and same and same_bytes and piped is not False else 1
 
 
 def _train(args: argparse.Namespace, mode: str) -> bool:
@@ -148,5 +157,48 @@ def _train(args: argparse.Namespace, mode: str) -> bool:
     ok = err <= 1e-4 and all(abs(a - b) <= 1e-4 * max(1.0, abs(b))
                              for a, b in zip(losses, ref_losses))
     _out(f"max parameter difference after {args.steps} steps {err:.2e} -> "
+         f"{'OK' if ok else 'MISMATCH'}")
+    return ok
+
+
+def _train_pipeline(args: argparse.Namespace, mode: str) -> bool | None:
+    """A few pipelined SGD steps of the small transformer, checked against one device; None
+    when ``--pipeline-stages`` is 1 or does not divide ``--devices``."""
+    import jax
+    import numpy as np
+
+    import autopar as ap
+    from autopar.cli import _reference
+    from autopar.models import transformer
+
+    p = args.pipeline_stages
+    if p == 1 or args.devices % p:
+        _out(f"\npipeline: skipped (--pipeline-stages {p} with {args.devices} devices)")
+        return None
+    small = transformer(layers=max(2, args.layers), hidden=64, heads=4, seq=16, vocab=128,
+                        batch=8)
+    ex = tuple(small.example_args(jax.random.key(0)))
+    with ap.auto_parallel_context(pipeline_stages=p):
+        with Progress("pipeline: stages + lower", 1) as bar:
+            step = ap.train_step(small.loss, ex[0], tuple(ex[1:]), mode=mode,
+                                 cluster=args.cluster)
+            bar.advance(mode)
+    _out(f"\npipelined training: {p} stages x {args.devices // p} devices, "
+         f"{step.plan.micro_batches} micro-batches, {step.plan.schedule.name}")
+    _out(step.plan.summary())
+    params, state = ex[0], step.init(ex[0])
+    losses = []
+    with Progress("pipelined steps", args.steps) as bar:
+        for _ in range(args.steps):
+            params, state, loss = step(params, state, *ex[1:])
+            losses.append(float(loss))
+            bar.advance(f"loss {losses[-1]:.6f}")
+    ref_losses, ref = _reference(small.loss, ex, args.steps)
+    err = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+              for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref)))
+    ok = err <= 1e-4 and all(abs(a - b) <= 1e-4 * max(1.0, abs(b))
+                             for a, b in zip(losses, ref_losses))
+    _out(f"pipelined losses {[round(x, 6) for x in losses]} vs one device "
+         f"{[round(x, 6) for x in ref_losses]}; max parameter difference {err:.2e} -> "
          f"{'OK' if ok else 'MISMATCH'}")
     return ok
