@@ -42,7 +42,7 @@ def _models(quick: bool):
 
 
 def main(quick: bool = False) -> None:
-    rows = measure_sync(repeat=3 if quick else 7)
+    rows = measure_sync(repeat=3 if quick else 15)
     write_results("fusion_sync", rows, ["sync", "buckets", "compiled_all_reduces", "ms",
                                         "x_xla"],
                   meta={"devices": 8, "model": "resnet50 (161 gradients, 97.5 MiB fp32)",
