@@ -30,6 +30,7 @@ from jax.sharding import Mesh
 from autopar.errors import AutoParallelTypeError
 from autopar.graph.ir import Graph
 from autopar.graph.trace import trace
+from autopar.kernel_rules import FusedKernels, check_fused_kernels
 from autopar.lower import LoweredFunction, lower
 from autopar.parallel_graph import ParallelGraph
 from autopar.rewrite import rewrite
@@ -75,7 +76,8 @@ class ParallelFunction:
 
 def parallelize(fn: Callable[..., Any], *example_args: Any, mode: str | None = None,
                 fixed: Mapping[str, Any] | None = None, cluster: Any = None,
-                mesh: Mesh | None = None) -> ParallelFunction:
+                mesh: Mesh | None = None,
+                fused_kernels: FusedKernels = "auto") -> ParallelFunction:
     """Trace, search, rewrite and lower ``fn`` for arguments shaped like ``example_args``.
 
     ``mode``: a search mode (default: the context's ``search_mode``, used under
@@ -85,11 +87,15 @@ def parallelize(fn: Callable[..., Any], *example_args: Any, mode: str | None = N
     ``jax.sharding.Mesh`` with the plan's axes (default: the first ``device_num`` devices).
     The first positional argument holds the parameters when there are two or more.
     ``strategy_ckpt_load_file`` / ``strategy_ckpt_save_file`` in the context load / save the
-    plan (through :func:`autopar.search`).
+    plan (through :func:`autopar.search`). ``fused_kernels``: ``"auto"`` (default) replaces a
+    matmul + ReduceScatter / AllGather + matmul by the pipelined ring kernels where the cost
+    model predicts they are not slower on the cluster, ``True`` wherever they match, ``False``
+    never (:mod:`autopar.kernel_rules`, docs/kernels.md).
     """
     if not callable(fn):
         raise AutoParallelTypeError("fn", fn, "parallelize needs a callable JAX function")
+    check_fused_kernels(fused_kernels)
     graph = trace(fn, *example_args)  # search() resolves the context (restrictions) once
     plan = search(graph, mode=mode, fixed=fixed, cluster=cluster)
-    pg = rewrite(graph, plan)
+    pg = rewrite(graph, plan, fused_kernels=fused_kernels, cluster=cluster)
     return ParallelFunction(fn, graph, plan, pg, lower(pg, mesh))

@@ -46,7 +46,6 @@ batch (``gradients_mean=True``; ``False`` multiplies by the stage's data-paralle
 
 from __future__ import annotations
 
-import inspect
 import os
 import re
 from dataclasses import dataclass
@@ -122,9 +121,7 @@ def _rewrite_unfused(graph: Any, plan: Plan) -> ParallelGraph:
     """``rewrite`` without the fused ring kernels: their ``collective_permute`` inside a
     stage's branch would deadlock (XLA's CPU runtime meets a collective-permute with every
     device of the program, and the other stages are in other branches)."""
-    if "fused_kernels" in inspect.signature(rewrite).parameters:
-        return rewrite(graph, plan, fused_kernels=False)
-    return rewrite(graph, plan)  # pragma: no cover - a rewrite without kernel fusion
+    return rewrite(graph, plan, fused_kernels=False)
 
 
 def _is_float(dt: str) -> bool:

@@ -74,6 +74,7 @@ from autopar.context import current_config
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.fusion import GradientBuckets, gradient_buckets
 from autopar.grad_sync import METHODS, sync_gradients, sync_groups, sync_point, sync_sites
+from autopar.kernel_rules import FusedKernels, check_fused_kernels
 from autopar.lower import final_psum, jax_mesh, replicated_tails, run_body
 from autopar.optimizer_shard import (ShardDecision, decide_sharding, gather_parameters,
                                      scatter_gradients, state_shardings, storage_spec)
@@ -146,7 +147,8 @@ class TrainStep:
     def __init__(self, loss_fn: Callable[..., Any], params: Any, batch: tuple[Any, ...],
                  optimizer: optax.GradientTransformation, *, mode: str | None,
                  fixed: Mapping[str, Any] | None, cluster: Any, backend: str,
-                 mesh: Mesh | None, sync_method: str) -> None:
+                 mesh: Mesh | None, sync_method: str,
+                 fused_kernels: FusedKernels = "auto") -> None:
         cfg = current_config()
         self.loss_fn = loss_fn
         self.optimizer = optimizer
@@ -164,7 +166,7 @@ class TrainStep:
         self.batch_shapes = [tuple(np.shape(x)) for x in jax.tree_util.tree_leaves(batch)]
         micro = _micro_batch(batch, self.accumulation)
         self.function = parallelize(loss_fn, params, *micro, mode=mode, fixed=fixed,
-                                    cluster=cluster, mesh=mesh)
+                                    cluster=cluster, mesh=mesh, fused_kernels=fused_kernels)
         self.plan = self.function.plan
         self.parallel_graph = pg = self.function.parallel_graph
         self.mesh: Mesh = self.function.mesh
@@ -529,14 +531,17 @@ def train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
                optimizer: optax.GradientTransformation | None = None, *,
                mode: str | None = None, fixed: Mapping[str, Any] | None = None,
                cluster: Any = None, backend: str = "shard_map",
-               mesh: Mesh | None = None, sync_method: str = "tuple") -> TrainStep:
+               mesh: Mesh | None = None, sync_method: str = "tuple",
+               fused_kernels: FusedKernels = "auto") -> TrainStep:
     """Build a parallel training step for ``loss_fn(params, *batch)`` under the current context.
 
     ``batch``: a tuple of example arrays (a single array is taken as ``(array,)``).
     ``optimizer``: an optax ``GradientTransformation`` (default
     ``optax.sgd(DEFAULT_LEARNING_RATE)``). ``mode`` / ``fixed`` / ``cluster`` / ``mesh``: as
     for :func:`autopar.parallelize`. ``backend``: ``"shard_map"`` (any plan) or ``"pmap"``
-    (``parallel_mode="data_parallel"`` only). See the module docstring for the semantics of
+    (``parallel_mode="data_parallel"`` only). ``sync_method``: ``"tuple"`` (a psum over each
+    bucket's arrays) or ``"concat"`` (one flat psum per bucket). ``fused_kernels``: as for
+    :func:`autopar.parallelize`. See the module docstring for the semantics of
     each context key. Under ``pipeline_stages > 1`` the step is
     :func:`autopar.pipeline.pipeline_train_step` (stages searched, micro-batches, 1F1B) with the
     same call conventions.
@@ -553,12 +558,14 @@ def train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
         raise AutoParallelError("backend", backend, f"must be one of {BACKENDS}")
     if sync_method not in METHODS:
         raise AutoParallelError("sync_method", sync_method, f"must be one of {list(METHODS)}")
+    check_fused_kernels(fused_kernels)
     stages = current_config().pipeline_stages
     if stages > 1:  # pipeline_stages > 1: the pipelined step (autopar.pipeline)
         from autopar.pipeline import pipeline_train_step
 
         for key, value, default in (("backend", backend, "shard_map"), ("mesh", mesh, None),
-                                    ("sync_method", sync_method, "tuple")):
+                                    ("sync_method", sync_method, "tuple"),
+                                    ("fused_kernels", fused_kernels, "auto")):
             if value != default:
                 raise AutoParallelError(key, value if key != "mesh" else "a Mesh",
                                         f"pipeline_stages={stages} builds its own "
@@ -567,4 +574,5 @@ def train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
         return pipeline_train_step(loss_fn, params, batch, optimizer, mode=mode, fixed=fixed,
                                    cluster=cluster)  # type: ignore[return-value]
     return TrainStep(loss_fn, params, batch, optimizer, mode=mode, fixed=fixed,
-                     cluster=cluster, backend=backend, mesh=mesh, sync_method=sync_method)
+                     cluster=cluster, backend=backend, mesh=mesh, sync_method=sync_method,
+                     fused_kernels=fused_kernels)

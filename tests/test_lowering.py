@@ -476,6 +476,40 @@ def test_fused_kernels_option_is_validated(bad, exc):
             lower(pg, fused_kernels=bad)
 
 
+def test_parallelize_and_train_step_take_the_fused_kernels_option():
+    f, args, g, plan = _row_parallel()
+    fixed = {n: s.strategy for n, s in plan.nodes.items()}
+
+    def loss(params, x):
+        return jnp.mean(f(params[0], params[1], x) ** 2)
+
+    params, x = (args[0], args[1]), args[2]
+    lg = ap.trace(loss, params, x)
+    d0, d1 = (n.name for n in lg.nodes if n.op == "dot_general")
+    lfixed = {d0: ((1, 1), (1, 4)), d1: ((1, 4), (4, 1))}
+    with ap.auto_parallel_context(device_num=4, parallel_mode="semi_auto_parallel",
+                                  gradients_mean=True):
+        on = ap.parallelize(f, *args, fixed=fixed, fused_kernels=True)
+        off = ap.parallelize(f, *args, fixed=fixed, fused_kernels=False)
+        step = ap.train_step(loss, params, (x,), fixed=lfixed, fused_kernels=True)
+        for bad, exc in (("always", ap.AutoParallelError), (1, ap.AutoParallelTypeError)):
+            with pytest.raises(exc, match="fused_kernels"):
+                ap.parallelize(f, *args, fused_kernels=bad)
+            with pytest.raises(exc, match="fused_kernels"):
+                ap.train_step(loss, params, (x,), fused_kernels=bad)
+    assert len(on.parallel_graph.fused_nodes()) == 2 and not off.parallel_graph.fused_nodes()
+    close(on(*args), off(*args))
+    c_on, c_off = on.collective_counts(*args), off.collective_counts(*args)
+    assert c_on["collective_permute"] == 6 and c_on["reduce_scatter"] == 0
+    assert c_off["collective_permute"] == 0 and c_off["reduce_scatter"] == 1
+    # the training step runs the fused ring kernels and its gradients equal one device's
+    assert step.parallel_graph.fused_nodes()
+    got_loss, got = step.grads(params, x)
+    want_loss, want = jax.value_and_grad(loss)(params, x)
+    close(got_loss, want_loss)
+    jax.tree.map(close_scaled, got, want)
+
+
 def test_reshape_merging_an_inner_split_dim_is_refused_clearly():
     """(8, 4, 8) -> (8, 32): splitting the merged group's leading dim runs and matches; its
     inner dim would give strided pieces no layout describes, so it is refused by name."""
