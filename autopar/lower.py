@@ -372,11 +372,16 @@ def run_body(pg: ParallelGraph, *flat: Any,
 class LoweredFunction:
     """The jitted ``shard_map`` program; call it with the original function's arguments."""
 
-    def __init__(self, pg: ParallelGraph, mesh: Mesh) -> None:
+    def __init__(self, pg: ParallelGraph, mesh: Mesh, adapter: Any = None) -> None:
         self.parallel_graph = pg
         self.mesh = mesh
+        # adapter (autopar.uneven.UnevenBatch): how inputs enter and outputs leave the body
+        # when the caller's shapes are not the program's (an uneven batch, padded per device)
+        self.adapter = adapter
         in_specs = tuple(pg.values[v].layout.partition_spec() for v in pg.inputs)
         out_specs = tuple(pg.values[v].layout.partition_spec() for v in pg.outputs)
+        if adapter is not None:
+            in_specs, out_specs = adapter.specs(pg, in_specs, out_specs)
         self.in_shardings = tuple(NamedSharding(mesh, s) for s in in_specs)
         self.out_shardings = tuple(NamedSharding(mesh, s) for s in out_specs)
 
@@ -387,7 +392,9 @@ class LoweredFunction:
         # but typed varying (no invarying cast exists), so programs using it run with
         # check_vma=False, where the transpose all-reduces every replicated input's gradient
         # and the final AllReduce is differentiated locally (final_psum).
-        self.vma = not any(n.op == "all_gather_matmul" for n in pg.fused_nodes())
+        # An adapter's gathered outputs are replicated but typed varying: check_vma=False too.
+        self.vma = adapter is None and not any(n.op == "all_gather_matmul"
+                                               for n in pg.fused_nodes())
         tails = frozenset() if self.vma else replicated_tails(pg)
 
         def final_step(node: PNode, x: Any) -> Any:
@@ -397,6 +404,9 @@ class LoweredFunction:
             return None
 
         def body(*flat: Any) -> tuple[Any, ...]:
+            if adapter is not None:
+                return adapter.leave(pg, run_body(pg, *adapter.enter(pg, flat),
+                                                  run_step=final_step, vma=self.vma))
             return run_body(pg, *flat, run_step=final_step, vma=self.vma)
 
         body.__name__ = f"autopar_{pg.name}".replace("<", "").replace(">", "")
@@ -418,9 +428,10 @@ class LoweredFunction:
         placed = []
         for v, x, sh in zip(pg.inputs, leaves, self.in_shardings):
             spec = pg.values[v].spec
-            if tuple(np.shape(x)) != spec.shape:
+            want = spec.shape if self.adapter is None else self.adapter.arg_shape(v, spec.shape)
+            if tuple(np.shape(x)) != want:
                 raise AutoParallelError(f"argument {v!r}", tuple(np.shape(x)),
-                                        f"shape must be {spec.shape}, as in the example")
+                                        f"shape must be {want}, as in the example")
             if hasattr(x, "dtype") and str(np.dtype(x.dtype)) != spec.dtype:
                 raise AutoParallelError(f"argument {v!r}", str(np.dtype(x.dtype)),
                                         f"dtype must be {spec.dtype}, as in the example")
@@ -438,7 +449,7 @@ class LoweredFunction:
 
 
 def lower(parallel_graph: ParallelGraph, mesh: Mesh | None = None, *,
-          fused_kernels: FusedKernels | None = None) -> LoweredFunction:
+          fused_kernels: FusedKernels | None = None, adapter: Any = None) -> LoweredFunction:
     """Lower a ParallelGraph to a jitted ``shard_map`` function (see the module docstring).
 
     ``mesh``: a ``jax.sharding.Mesh`` with the plan's axis names and sizes (default: the first
@@ -446,7 +457,9 @@ def lower(parallel_graph: ParallelGraph, mesh: Mesh | None = None, *,
     run on its local shapes raises :class:`~autopar.errors.AutoParallelError` naming it.
     ``fused_kernels``: None (default) runs the program as rewritten; ``True`` / ``"auto"``
     applies the fused-kernel rules of :mod:`autopar.kernel_rules` first (``False`` adds none;
-    nodes the rewrite already fused stay fused).
+    nodes the rewrite already fused stay fused). ``adapter``: an
+    :class:`autopar.uneven.UnevenBatch` for a batch split unevenly (``parallelize``'s
+    ``uneven_batch="all_gather_v"``).
     """
     if not isinstance(parallel_graph, ParallelGraph):
         raise AutoParallelTypeError("parallel_graph", parallel_graph,
@@ -458,4 +471,4 @@ def lower(parallel_graph: ParallelGraph, mesh: Mesh | None = None, *,
     for node in pg.nodes:  # fail early, before any tracing, on nodes that cannot be lowered
         if node.step is None and not node.is_fused:
             local_params(node, pg)
-    return LoweredFunction(pg, jmesh)
+    return LoweredFunction(pg, jmesh, adapter)
