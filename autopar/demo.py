@@ -126,10 +126,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace, mode: str) -> bool:
     import jax
-    import numpy as np
 
     import autopar as ap
-    from autopar.cli import _reference
     from autopar.models import transformer
 
     small = transformer(layers=args.layers, hidden=64, heads=4, seq=16, vocab=128, batch=8)
@@ -140,22 +138,13 @@ def _train(args: argparse.Namespace, mode: str) -> bool:
     _out(f"\ntraining a small transformer (hidden 64, seq 16, batch 8) with {mode} on "
          f"{args.devices} devices; communication in the program: "
          f"{step.parallel_graph.comm_counts()}")
-    params, state = step.prepare(ex[0]), step.init(ex[0])
-    losses = []
-    with Progress("train steps", args.steps) as bar:
-        for _ in range(args.steps):
-            params, state, loss = step(params, state, *ex[1:])
-            losses.append(float(loss))
-            bar.advance(f"loss {losses[-1]:.6f}")
-    ref_losses, ref = _reference(small.loss, ex, args.steps)
-    err = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-              for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref)))
+    losses, ref_losses, err = _run_and_compare(step, step.prepare(ex[0]), small.loss, ex,
+                                               args.steps, "train steps")
     rows = [("step", f"{args.devices} devices", "one device")]
     rows += [(str(k + 1), f"{a:.6f}", f"{b:.6f}") for k, (a, b) in
              enumerate(zip(losses, ref_losses))]
     _out(table(rows))
-    ok = err <= 1e-4 and all(abs(a - b) <= 1e-4 * max(1.0, abs(b))
-                             for a, b in zip(losses, ref_losses))
+    ok = _agrees(losses, ref_losses, err)
     _out(f"max parameter difference after {args.steps} steps {err:.2e} -> "
          f"{'OK' if ok else 'MISMATCH'}")
     return ok
@@ -165,10 +154,8 @@ def _train_pipeline(args: argparse.Namespace, mode: str) -> bool | None:
     """A few pipelined SGD steps of the small transformer, checked against one device; None
     when ``--pipeline-stages`` is 1 or does not divide ``--devices``."""
     import jax
-    import numpy as np
 
     import autopar as ap
-    from autopar.cli import _reference
     from autopar.models import transformer
 
     p = args.pipeline_stages
@@ -186,19 +173,35 @@ def _train_pipeline(args: argparse.Namespace, mode: str) -> bool | None:
     _out(f"\npipelined training: {p} stages x {args.devices // p} devices, "
          f"{step.plan.micro_batches} micro-batches, {step.plan.schedule.name}")
     _out(step.plan.summary())
-    params, state = ex[0], step.init(ex[0])
-    losses = []
-    with Progress("pipelined steps", args.steps) as bar:
-        for _ in range(args.steps):
-            params, state, loss = step(params, state, *ex[1:])
-            losses.append(float(loss))
-            bar.advance(f"loss {losses[-1]:.6f}")
-    ref_losses, ref = _reference(small.loss, ex, args.steps)
-    err = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-              for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref)))
-    ok = err <= 1e-4 and all(abs(a - b) <= 1e-4 * max(1.0, abs(b))
-                             for a, b in zip(losses, ref_losses))
+    losses, ref_losses, err = _run_and_compare(step, ex[0], small.loss, ex, args.steps,
+                                               "pipelined steps")
+    ok = _agrees(losses, ref_losses, err)
     _out(f"pipelined losses {[round(x, 6) for x in losses]} vs one device "
          f"{[round(x, 6) for x in ref_losses]}; max parameter difference {err:.2e} -> "
          f"{'OK' if ok else 'MISMATCH'}")
     return ok
+
+
+def _run_and_compare(step: Any, params: Any, loss_fn: Any, ex: tuple[Any, ...], steps: int,
+                     label: str) -> tuple[list[float], list[float], float]:
+    """Run ``steps`` steps; (losses, one-device losses, max parameter difference)."""
+    import jax
+    import numpy as np
+
+    from autopar.cli import _reference
+
+    state, losses = step.init(ex[0]), []
+    with Progress(label, steps) as bar:
+        for _ in range(steps):
+            params, state, loss = step(params, state, *ex[1:])
+            losses.append(float(loss))
+            bar.advance(f"loss {losses[-1]:.6f}")
+    ref_losses, ref = _reference(loss_fn, ex, steps)
+    err = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+              for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref)))
+    return losses, ref_losses, err
+
+
+def _agrees(losses: list[float], ref_losses: list[float], err: float) -> bool:
+    return err <= 1e-4 and all(abs(a - b) <= 1e-4 * max(1.0, abs(b))
+                               for a, b in zip(losses, ref_losses))
