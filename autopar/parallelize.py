@@ -36,6 +36,7 @@ from autopar.parallel_graph import ParallelGraph
 from autopar.rewrite import rewrite
 from autopar.strategies.plan import Plan
 from autopar.strategies.search import search
+from autopar.uneven import UnevenBatch, check_uneven_batch, plan_uneven
 
 __all__ = ["parallelize", "ParallelFunction"]
 
@@ -43,7 +44,13 @@ COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "coll
 
 
 class ParallelFunction:
-    """``fn`` parallelised: call it like ``fn``; ``.plan``, ``.parallel_graph``, ``.as_text``."""
+    """``fn`` parallelised: call it like ``fn``; ``.plan``, ``.parallel_graph``, ``.as_text``.
+
+    ``.uneven``: the :class:`~autopar.uneven.UnevenBatch` (counts, padded rows) when the batch
+    runs split unevenly (``uneven_batch="all_gather_v"``), else None.
+    """
+
+    uneven: UnevenBatch | None = None
 
     def __init__(self, fn: Callable[..., Any], graph: Graph, plan: Plan,
                  parallel_graph: ParallelGraph, lowered: LoweredFunction) -> None:
@@ -77,7 +84,8 @@ class ParallelFunction:
 def parallelize(fn: Callable[..., Any], *example_args: Any, mode: str | None = None,
                 fixed: Mapping[str, Any] | None = None, cluster: Any = None,
                 mesh: Mesh | None = None,
-                fused_kernels: FusedKernels = "auto") -> ParallelFunction:
+                fused_kernels: FusedKernels = "auto",
+                uneven_batch: str = "divisor") -> ParallelFunction:
     """Trace, search, rewrite and lower ``fn`` for arguments shaped like ``example_args``.
 
     ``mode``: a search mode (default: the context's ``search_mode``, used under
@@ -90,12 +98,29 @@ def parallelize(fn: Callable[..., Any], *example_args: Any, mode: str | None = N
     plan (through :func:`autopar.search`). ``fused_kernels``: ``"auto"`` (default) replaces a
     matmul + ReduceScatter / AllGather + matmul by the pipelined ring kernels where the cost
     model predicts they are not slower on the cluster, ``True`` wherever they match, ``False``
-    never (:mod:`autopar.kernel_rules`, docs/kernels.md).
+    never (:mod:`autopar.kernel_rules`, docs/kernels.md). ``uneven_batch``: ``"divisor"``
+    (default) splits the batch by a divisor of it (6 rows on 4 devices run 2-way);
+    ``"all_gather_v"`` splits a batch that does not divide the device count unevenly, pads
+    each device's block, and gathers the outputs with ``all_gather_v`` -- forward only, and
+    refused (naming the node) when an operator mixes batch rows (:mod:`autopar.uneven`).
     """
     if not callable(fn):
         raise AutoParallelTypeError("fn", fn, "parallelize needs a callable JAX function")
     check_fused_kernels(fused_kernels)
-    graph = trace(fn, *example_args)  # search() resolves the context (restrictions) once
+    uneven = plan_uneven(fn, example_args, check_uneven_batch(uneven_batch), _device_num())
+    args = example_args if uneven is None else uneven.padded_args
+    graph = trace(fn, *args)  # search() resolves the context (restrictions) once
     plan = search(graph, mode=mode, fixed=fixed, cluster=cluster)
     pg = rewrite(graph, plan, fused_kernels=fused_kernels, cluster=cluster)
-    return ParallelFunction(fn, graph, plan, pg, lower(pg, mesh))
+    adapter = None if uneven is None else uneven.check(graph, pg)
+    f = ParallelFunction(fn, graph, plan, pg, lower(pg, mesh, adapter=adapter))
+    f.uneven = adapter
+    return f
+
+
+def _device_num() -> int:
+    """Devices the search will use (1 under stand_alone), from the current context."""
+    from autopar.context import current_config
+
+    cfg = current_config()
+    return 1 if cfg.parallel_mode == "stand_alone" else cfg.device_num

@@ -46,6 +46,7 @@ from jax.sharding import PartitionSpec
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.graph.ir import Graph
 from autopar.graph.trace import trace
+from autopar.lower import block_index
 from autopar.parallel_graph import ParallelGraph
 
 __all__ = ["UNEVEN_BATCH_CHOICES", "check_uneven_batch", "batch_counts", "UnevenRequest",
@@ -54,7 +55,8 @@ __all__ = ["UNEVEN_BATCH_CHOICES", "check_uneven_batch", "batch_counts", "Uneven
 #: ``parallelize(uneven_batch=...)``: ``"divisor"`` splits the batch by a divisor of it (the
 #: default: a batch of 6 on 4 devices runs 2-way); ``"all_gather_v"`` splits it unevenly.
 UNEVEN_BATCH_CHOICES = ("divisor", "all_gather_v")
-_HINT = 'Use a batch size divisible by the device count, or uneven_batch="divisor"'
+_HINT = ('Use a batch size divisible by the device count, or uneven_batch="divisor" (and '
+         'parallel_mode="data_parallel" if the search moved the batch)')
 
 
 def check_uneven_batch(value: Any) -> str:
@@ -108,7 +110,6 @@ class UnevenRequest:
 
     def check(self, graph: Graph, pg: ParallelGraph) -> "UnevenBatch":
         """Prove the parallel program row-wise (module docstring) and build its adapter."""
-        self._same_program(graph)
         inputs = [v for v in graph.data_inputs() if graph.spec(v).rank]
         axes: tuple[str, ...] = ()
         for v in inputs:
@@ -120,8 +121,12 @@ class UnevenRequest:
                     f"{pg.mesh.size_of(dims[0])} ways, all_gather_v needs {self.ranks}",
                     'Use parallel_mode="data_parallel" (or strategies that split the batch '
                     'over every device), or uneven_batch="divisor"')
+            if axes and dims[0] != axes:
+                raise self._mixes(v, f"it is split over {list(dims[0])}, the other batch "
+                                  f"inputs over {list(axes)}: their rows would not align")
             axes = dims[0]
-        rows = self._row_values(graph, pg, frozenset(inputs), frozenset(axes))
+        rows = self._row_values(graph, pg, frozenset(inputs), axes)
+        self._same_program(graph)
         outputs = tuple(v in rows for v in pg.outputs)
         return UnevenBatch(self.batch, self.ranks, self.rows, batch_counts(self.batch,
                            self.ranks), axes, frozenset(inputs), outputs)
@@ -135,8 +140,8 @@ class UnevenRequest:
                 why = f"the trace at batch {b} has {nb.op!r} here, at {p} {np_.op!r}"
             for vb, vp in zip(nb.inputs, np_.inputs):
                 xb, xp = self.original.values[vb], graph.values[vp]
-                if xb.data is not None and (xp.data is None or xb.data.shape != xp.data.shape
-                                            or not np.array_equal(xb.data, xp.data)):
+                if (xb.data is None) != (xp.data is None) or xb.data is not None and (
+                        xb.data.shape != xp.data.shape or not np.array_equal(xb.data, xp.data)):
                     why = why or f"its operand {vb!r} depends on the batch size"
             for key in sorted(set(nb.params) | set(np_.params)):
                 if not _same(nb.params.get(key), np_.params.get(key), b, p):
@@ -147,14 +152,14 @@ class UnevenRequest:
             raise self._mixes(graph.name, "its operators depend on the batch size")
 
     def _row_values(self, graph: Graph, pg: ParallelGraph, inputs: frozenset[str],
-                    axes: frozenset[str]) -> frozenset[str]:
+                    axes: tuple[str, ...]) -> frozenset[str]:
         """Rules 2-4: the values carrying batch rows, checked along the program."""
         rows = set(inputs)
         for node in pg.nodes:
             touched = any(v in rows for v in node.inputs)
             if node.step is not None or node.is_fused:
                 over = set(node.step.axes if node.step is not None else node.params["axes"])
-                if touched and over & axes:
+                if touched and over & set(axes):
                     raise self._mixes(node.name, f"{node.display_op} over the batch axes "
                                       f"combines rows: {node.note}")
                 if touched:
@@ -162,7 +167,7 @@ class UnevenRequest:
                 continue
             if node.op == "iota":
                 dim = node.params["dimension"]
-                if set(pg.values[node.outputs[0]].layout.dims[dim]) & axes:
+                if set(pg.values[node.outputs[0]].layout.dims[dim]) & set(axes):
                     raise self._mixes(node.name, "an iota along the split batch dim numbers "
                                       "padded rows")
             for v in node.outputs:
@@ -175,16 +180,16 @@ class UnevenRequest:
                     rows.add(v)
         return frozenset(rows)
 
-    def _row_layout(self, pg: ParallelGraph, v: str, axes: frozenset[str]) -> str:
+    def _row_layout(self, pg: ParallelGraph, v: str, axes: tuple[str, ...]) -> str:
         val, b, p = pg.values[v], self.batch, self.padded
         before = self.original.values.get(v)
         if not val.spec.shape or val.spec.shape[0] != p:
             return f"(shape {val.spec.shape}) no longer has the batch as dim 0"
         if before is None or before.spec.shape != (b,) + val.spec.shape[1:]:
             return "changes shape other than in its batch dim"
-        if set(val.layout.dims[0]) != axes or set(val.layout.partial) & axes or \
-                any(set(d) & axes for d in val.layout.dims[1:]):
-            return f"has layout {val.layout}, not its batch dim split over {sorted(axes)}"
+        if tuple(val.layout.dims[0]) != axes or set(val.layout.partial) & set(axes) or \
+                any(set(d) & set(axes) for d in val.layout.dims[1:]):
+            return f"has layout {val.layout}, not its batch dim split over {list(axes)}"
         return ""
 
 
@@ -285,8 +290,6 @@ class UnevenBatch:
 
     def enter(self, pg: ParallelGraph, flat: Sequence[Any]) -> tuple[Any, ...]:
         """Inside ``shard_map``: each device takes its rows of every batch input."""
-        from autopar.lower import block_index
-
         rank = block_index(self.axes, pg.mesh.sizes)
         mine = jnp.asarray(self.row_table())[rank]
         return tuple(jnp.take(x, mine, axis=0) if v in self.inputs else x
