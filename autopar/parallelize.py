@@ -23,6 +23,8 @@ saves the plan and ``strategy_ckpt_load_file`` loads it instead of searching (se
 
 from __future__ import annotations
 
+import re
+
 from typing import Any, Callable, Mapping
 
 from jax.sharding import Mesh
@@ -41,6 +43,15 @@ from autopar.uneven import UnevenBatch, check_uneven_batch, plan_uneven
 __all__ = ["parallelize", "ParallelFunction"]
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "collective_permute")
+
+
+def count_collectives(text: str) -> dict[str, int]:
+    """``stablehlo.<kind>`` occurrences per collective kind in lowered StableHLO text.
+
+    >>> count_collectives('%0 = "stablehlo.all_reduce"(%a) ... "stablehlo.all_gather"(%b)')
+    {'all_reduce': 1, 'reduce_scatter': 0, 'all_gather': 1, 'all_to_all': 0, 'collective_permute': 0}
+    """
+    return {k: len(re.findall(rf"stablehlo\.{k}\b", text)) for k in COLLECTIVES}
 
 
 class ParallelFunction:
@@ -72,8 +83,7 @@ class ParallelFunction:
 
     def collective_counts(self, *args: Any) -> dict[str, int]:
         """Collectives in the lowered program: ``stablehlo.<kind>`` occurrences per kind."""
-        text = self.as_text(*args)
-        return {k: text.count(f"stablehlo.{k}") for k in COLLECTIVES}
+        return count_collectives(self.as_text(*args))
 
     def __repr__(self) -> str:
         return (f"ParallelFunction({self.__name__!r}, {self.plan.mode}, "

@@ -47,7 +47,6 @@ batch (``gradients_mean=True``; ``False`` multiplies by the stage's data-paralle
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -64,6 +63,7 @@ from autopar.graph.trace import trace
 from autopar.lower import apply_step, run_body
 from autopar.optimizer_shard import decide_sharding
 from autopar.parallel_graph import ParallelGraph
+from autopar.parallelize import count_collectives
 from autopar.rewrite import rewrite
 from autopar.schedules import FWD, IDLE, Schedule, schedule as build_schedule
 from autopar.stage_buffers import BoundaryCodec, PackedParams, StagePacking
@@ -75,8 +75,6 @@ from autopar.strategies.stages import StagePartition, partition_stages, stage_gr
 
 __all__ = ["pipeline_train_step", "PipelineTrainStep", "PipelinePlan", "PackedParams"]
 
-_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all",
-                "collective_permute")
 _LOW_PRECISION = ("bfloat16", "float16")
 
 
@@ -535,8 +533,7 @@ class PipelineTrainStep:
 
     def collective_counts(self, params: Any, opt_state: Any, *batch: Any) -> dict[str, int]:
         """``stablehlo.<kind>`` occurrences per collective kind in the lowered step."""
-        text = self.as_text(params, opt_state, *batch)
-        return {k: len(re.findall(rf"stablehlo\.{k}\b", text)) for k in _COLLECTIVES}
+        return count_collectives(self.as_text(params, opt_state, *batch))
 
     def __repr__(self) -> str:
         return (f"PipelineTrainStep({getattr(self.loss_fn, '__name__', 'fn')!r}, "

@@ -60,7 +60,6 @@ MindSpore's data parallel does); it then gives the same numbers as the ``shard_m
 from __future__ import annotations
 
 import math
-import re
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -79,7 +78,7 @@ from autopar.lower import final_psum, jax_mesh, replicated_tails, run_body
 from autopar.optimizer_shard import (ShardDecision, decide_sharding, gather_parameters,
                                      scatter_gradients, state_shardings, storage_spec)
 from autopar.parallel_graph import ParallelGraph
-from autopar.parallelize import COLLECTIVES, parallelize
+from autopar.parallelize import count_collectives, parallelize
 from autopar.strategies.layout import DeviceMesh
 
 __all__ = ["train_step", "TrainStep", "broadcast_parameters", "train_body",
@@ -487,8 +486,7 @@ class TrainStep:
 
     def collective_counts(self, params: Any, opt_state: Any, *batch: Any) -> dict[str, int]:
         """Collectives in the lowered step: ``stablehlo.<kind>`` occurrences per kind."""
-        text = self.as_text(params, opt_state, *batch)
-        return {k: len(re.findall(rf"stablehlo\.{k}\b", text)) for k in COLLECTIVES}
+        return count_collectives(self.as_text(params, opt_state, *batch))
 
     def __repr__(self) -> str:
         return (f"TrainStep({getattr(self.loss_fn, '__name__', 'fn')!r}, {self.plan.mode}, "
