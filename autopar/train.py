@@ -271,7 +271,7 @@ class TrainStep:
         pg, n_p, dtypes = self.parallel_graph, self._n_params, self._p_dtypes
         sh, acc, N = self._sharded, self.accumulation, self.device_num
         p_specs = tuple(s.spec for s in self.storage_shardings)
-        b_specs = tuple(s.spec for s in self.batch_shardings)
+        b_specs = tuple(s.spec for s in self._feed_shardings())
         g_specs = p_specs
         scale = self.grad_scale / acc
         gather_axes = [a if s else () for a, s in zip(self.sync_axes, sh)]
@@ -318,7 +318,7 @@ class TrainStep:
                 loss, g = local_grads(p, b)
                 g = self._sync(g, reduce=not in_backward)
             else:
-                micro = [x.reshape((acc, x.shape[0] // acc) + x.shape[1:]) for x in b]
+                micro = b  # (acc, micro-batch, ...): micro-batch k = global rows k*B/acc...
 
                 def one(carry: list[Any], mb: list[Any]) -> tuple[list[Any], Any]:
                     loss, g = local_grads(p, mb)
@@ -376,7 +376,19 @@ class TrainStep:
                 raise AutoParallelError(f"argument {v!r}", str(np.dtype(x.dtype)), f"dtype must "
                                         f"be {pg.values[v].spec.dtype}, as in the example")
         p = [jax.device_put(x, s) for x, s in zip(leaves, self.storage_shardings)]
-        return p, [jax.device_put(x, s) for x, s in zip(b_leaves, self.batch_shardings)]
+        acc = self.accumulation
+        if acc > 1:  # micro-batch k is global rows [k*B/acc, (k+1)*B/acc) of every input
+            b_leaves = [(np.reshape if isinstance(x, np.ndarray) else jnp.reshape)(
+                x, (acc, np.shape(x)[0] // acc) + tuple(np.shape(x)[1:])) for x in b_leaves]
+        return p, [jax.device_put(x, s) for x, s in zip(b_leaves, self._feed_shardings())]
+
+    def _feed_shardings(self) -> list[NamedSharding]:
+        """How batch inputs enter the step: their plan layouts; with gradient accumulation a
+        leading micro-batch dim (not split) in front."""
+        if self.accumulation == 1:
+            return list(self.batch_shardings)
+        return [NamedSharding(self.mesh, PartitionSpec(None, *s.spec))
+                for s in self.batch_shardings]
 
     # ------------------------------------------------------------------ pmap path
 

@@ -149,6 +149,28 @@ def test_grad_accumulation_equals_one_step_on_the_whole_batch():
         jax.tree.map(lambda a, b: close(a, b, atol=1e-6), p, want)
 
 
+@pytest.mark.parametrize("dataset", [((8, 1), (1, 1)), ((4, 1), (2, 1)), ((8, 1), (8, 1))])
+def test_grad_accumulation_pairs_the_rows_of_inputs_split_differently(dataset):
+    """Micro-batch k is global rows [k*B/g, (k+1)*B/g) of every input, however each input is
+    split over the devices (a per-device reshape would pair x and y rows of other steps)."""
+    def loss(p, x, y):
+        return jnp.mean((jnp.tanh(x @ p["w"]) - y) ** 2)
+
+    k1, k2, k3 = jax.random.split(KEY, 3)
+    p = {"w": jax.random.normal(k1, (16, 8))}
+    x, y = jax.random.normal(k2, (32, 16)), jax.random.normal(k3, (32, 8))
+    want_loss, want = jax.value_and_grad(loss)(p, x, y)
+    with ap.auto_parallel_context(device_num=8, parallel_mode="semi_auto_parallel",
+                                  gradients_mean=True, grad_accumulation_step=2,
+                                  dataset_strategy=dataset):
+        step = ap.train_step(loss, p, (x, y))
+    got_loss, got = step.grads(p, x, y)
+    close(got_loss, want_loss, atol=1e-6)
+    close(got["w"], want["w"], atol=1e-6)
+    got_loss, _ = step.grads(p, np.asarray(x), np.asarray(y))  # host arrays: same rows
+    close(got_loss, want_loss, atol=1e-6)
+
+
 def test_grad_accumulation_restrictions():
     m, params, x = _mlp(batch=12)
     with pytest.raises(ap.AutoParallelError, match="grad_accumulation_step"):
