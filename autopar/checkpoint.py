@@ -47,7 +47,7 @@ from autopar.strategies.problem import Problem, splits_from_strategy
 
 __all__ = ["FORMAT", "VERSION", "StrategyFile", "StrategyFileError", "save_strategy",
            "load_strategy", "read_strategy_file", "strategy_document", "dumps_strategy",
-           "layout_entry", "layout_from_entry"]
+           "layout_entry", "layout_from_entry", "write_text_atomic"]
 
 FORMAT = "autopar-strategy"
 VERSION = 1
@@ -234,18 +234,17 @@ def dumps_strategy(doc: Mapping[str, Any]) -> str:
     return json.dumps(doc, sort_keys=True, indent=1, allow_nan=False) + "\n"
 
 
-def save_strategy(plan: Plan, graph: Graph, path: str | os.PathLike[str]) -> Path:
-    """Write ``plan`` to ``path`` atomically; the same plan always gives the same bytes."""
-    if not isinstance(path, (str, os.PathLike)) or not str(path):
-        raise AutoParallelTypeError("strategy_ckpt_save_file", path, "a non-empty path")
-    text = dumps_strategy(strategy_document(plan, graph))
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
+    """Write ``text`` to ``path`` atomically: a temporary file in the same directory (with the
+    permissions a plain ``open`` would give, 0o666 minus the umask), then ``os.replace``.
+    Raises ``OSError`` when the directory is missing or not writable; ``path`` is untouched."""
     target = Path(path)
     directory = target.parent if str(target.parent) else Path(".")
-    if not directory.is_dir():
-        raise AutoParallelError("strategy_ckpt_save_file", str(path),
-                                f"directory {str(directory)!r} does not exist")
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
             fh.flush()
@@ -257,6 +256,20 @@ def save_strategy(plan: Plan, graph: Graph, path: str | os.PathLike[str]) -> Pat
         except OSError:
             pass
         raise
+    return target
+
+
+def save_strategy(plan: Plan, graph: Graph, path: str | os.PathLike[str]) -> Path:
+    """Write ``plan`` to ``path`` atomically; the same plan always gives the same bytes."""
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise AutoParallelTypeError("strategy_ckpt_save_file", path, "a non-empty path")
+    text = dumps_strategy(strategy_document(plan, graph))
+    target = Path(path)
+    directory = target.parent if str(target.parent) else Path(".")
+    if not directory.is_dir():
+        raise AutoParallelError("strategy_ckpt_save_file", str(path),
+                                f"directory {str(directory)!r} does not exist")
+    write_text_atomic(target, text)
     return target
 
 
@@ -343,6 +356,18 @@ def load_strategy(path: str | os.PathLike[str], graph: Graph, *,
     if f.enable_alltoall != alltoall:
         raise StrategyFileError(p, "enable_alltoall", f"{alltoall} (the context's "
                                 "enable_alltoall; plans are priced with it)", f.enable_alltoall)
+    from autopar.strategies.search import parallel_optimizer_kb
+
+    po_kb = parallel_optimizer_kb(cfg)
+    if f.parallel_optimizer_kb != po_kb:
+        raise StrategyFileError(p, "parallel_optimizer_kb", f"{po_kb} (the context's parallel "
+                                "optimizer threshold; plans are priced with it)",
+                                f.parallel_optimizer_kb)
+    if f.mode not in _known_modes():
+        raise StrategyFileError(p, "mode", f"one of {sorted(_known_modes())}", f.mode)
+    if f.current_stage >= stages:
+        raise StrategyFileError(p, "current_stage", f"a stage below pipeline_stages={stages}",
+                                f.current_stage)
     clus = _file_cluster(f, p) if cluster is None else get_cluster(cluster)
     splits = _check_operators(f, graph, mesh, p, stages)
     problem = Problem(graph, mesh, CostModel(clus), enable_alltoall=alltoall,
@@ -350,9 +375,36 @@ def load_strategy(path: str | os.PathLike[str], graph: Graph, *,
                       fixed_splits=splits, parallel_optimizer_kb=f.parallel_optimizer_kb)
     picks = _pick_inputs(f, graph, problem, p)
     plan = Plan.from_picks(problem, picks, f.mode, time.perf_counter() - t0)
+    if cluster is None:  # priced on the file's own cluster: the file's prediction must hold
+        _check_predicted(f, plan, p)
     plan.notes.append(f"loaded from {p}")
     plan.stages = {k: e.stage for k, e in sorted(f.parallel_strategy_item.items()) if e.stage}
     return plan
+
+
+def _known_modes() -> set[str]:
+    """The labels a saved plan's ``mode`` can have: a search mode, or the parallel mode whose
+    strategies were derived rather than searched."""
+    from autopar.strategies.search import MODES
+
+    return set(MODES) | {"stand_alone", "data_parallel", "hybrid_parallel",
+                         "semi_auto_parallel"}
+
+
+def _check_predicted(f: StrategyFile, plan: Plan, path: str) -> None:
+    """The re-priced plan must have the cost the file says it was saved with: a file whose
+    strategies, memory_weight or prediction were edited apart does not load."""
+    c = plan.cost
+    for name, value in (("step_seconds", c.total), ("compute", c.compute),
+                        ("communication", c.communication),
+                        ("redistribution", c.redistribution),
+                        ("gradient_sync", c.gradient_sync), ("memory_bytes", c.memory_bytes),
+                        ("objective", plan.objective)):
+        saved = getattr(f.predicted, name)
+        if not math.isclose(float(value), saved, rel_tol=1e-9, abs_tol=1e-15):
+            raise StrategyFileError(path, f"predicted.{name}", f"{float(value)!r} (the plan "
+                                    "re-priced on the file's cluster; the file contradicts "
+                                    "itself)", saved)
 
 
 def _file_cluster(f: StrategyFile, path: str) -> Cluster:
@@ -438,8 +490,8 @@ def _pick_inputs(f: StrategyFile, graph: Graph, problem: Problem, path: str) -> 
         missing = [v for v in values if v not in items]
         extra = sorted(set(items) - set(values))
         if missing or extra:
-            raise StrategyFileError(path, field_name, f"one entry per "
-                                    f"{'parameter' if field_name[1] == 'a' else 'data input'} "
+            what = "parameter" if field_name == "parallel_layout_item" else "data input"
+            raise StrategyFileError(path, field_name, f"one entry per {what} "
                                     f"({len(values)})", f"missing {missing[:5]}, unknown "
                                     f"{extra[:5]}")
         for v in values:
@@ -463,6 +515,11 @@ def _pick_inputs(f: StrategyFile, graph: Graph, problem: Problem, path: str) -> 
                 raise StrategyFileError(path, f"{where}.slice_shape",
                                         str(list(lay.local_shape(shape, problem.mesh))),
                                         e.slice_shape)
+            for extra_field in ("field", "opt_weight_shard_step", "opt_weight_shard_size"):
+                if getattr(e, extra_field) != 0:  # what layout_entry writes: the optimizer
+                    raise StrategyFileError(  # shard is described by parallel_optimizer_kb
+                        path, f"{where}.{extra_field}", "0 (autopar's layouts carry no "
+                        "optimizer shard; see parallel_optimizer_kb)", getattr(e, extra_field))
             kind = "<param>" if field_name == "parallel_layout_item" else "<data>"
             i = problem.index[kind + v]
             layouts = [c.out_layouts[0] for c in problem.vertices[i].choices]

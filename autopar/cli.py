@@ -22,11 +22,15 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from autopar.cli_util import CLIError, Progress, load_model, parse_options, setup_devices, table
+from autopar.checkpoint import write_text_atomic
+from autopar.cli_util import (CLIError, Progress, compare_with_reference, load_model,
+                              parse_options, setup_devices, table)
+from autopar.strategies.search import MODES as _SEARCH_MODES
 
 __all__ = ["main", "build_parser"]
 
-MODES = ("recursive_programming", "dynamic_programming", "sharding_propagation", "exact")
+MODES = tuple(_SEARCH_MODES)
+DEFAULT_CLUSTER = "accelerator-8x"
 PARALLEL_MODES = ("auto_parallel", "semi_auto_parallel", "data_parallel", "hybrid_parallel",
                   "stand_alone")
 
@@ -50,10 +54,27 @@ def _context(args: argparse.Namespace, **extra: Any) -> Any:
 
     keys = dict(device_num=args.devices,
                 parallel_mode=getattr(args, "parallel_mode", None) or "auto_parallel")
-    if getattr(args, "mode", None):
-        keys["search_mode"] = args.mode
     keys.update({k: v for k, v in extra.items() if v is not None})
     return ap.auto_parallel_context(**keys)
+
+
+def _cluster(args: argparse.Namespace) -> str | None:
+    """``--cluster``; when not given, the preset for a search, the file's cluster for a load."""
+    if args.cluster is not None:
+        return str(args.cluster)
+    return None if getattr(args, "load", None) else DEFAULT_CLUSTER
+
+
+def _check_plan_files(args: argparse.Namespace) -> None:
+    """--save / --load only where the search reads them; --mode does not apply to a load."""
+    pmode = args.parallel_mode
+    for flag in ("save", "load"):
+        if getattr(args, flag, None) and pmode not in ("semi_auto_parallel", "auto_parallel"):
+            raise CLIError(f"--{flag} needs --parallel-mode auto_parallel or "
+                           f"semi_auto_parallel (strategy files are not used under {pmode})")
+    if args.load and args.mode:
+        raise CLIError("--mode does not apply with --load: the plan comes from the file "
+                       "(drop --mode, or drop --load to search)")
 
 
 # ---------------------------------------------------------------------------- search
@@ -62,12 +83,13 @@ def _context(args: argparse.Namespace, **extra: Any) -> Any:
 def cmd_search(args: argparse.Namespace) -> int:
     import autopar as ap
 
+    _check_plan_files(args)
     _, _, graph, desc = _graph(args)
     save = str(args.save) if args.save else None
     load = str(args.load) if args.load else None
     with _context(args, strategy_ckpt_save_file=save, strategy_ckpt_load_file=load):
         with Progress("search", 1) as bar:
-            plan = ap.search(graph, cluster=args.cluster)
+            plan = ap.search(graph, mode=args.mode, cluster=_cluster(args))
             bar.advance(plan.mode)
     _out(f"{desc}: {len(graph.nodes)} operators, {len(graph.parameters())} parameters, "
          f"fingerprint {graph.fingerprint()[:12]}")
@@ -138,6 +160,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from autopar.compare import compare_modes, comparison_rows, write_comparison
 
     modes = args.modes or list(MODES)
+    args.cluster = _cluster(args)
     fn, ex, graph, desc = _graph(args, concrete=args.measure)
     with Progress("search modes", len(modes)) as bar:
         with _context(args):
@@ -149,7 +172,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     _out(title)
     _out(table(comparison_rows(rows, measured=args.measure)))
     meta = {"model": desc, "devices": args.devices, "cluster": args.cluster,
-            "command": "autopar " + " ".join(sys.argv[1:]) if sys.argv else "autopar compare"}
+            "command": "autopar " + " ".join(args.argv)}
     paths = write_comparison(rows, args.out, title=title, meta=meta)
     _out("\nwritten: " + ", ".join(str(p) for p in paths.values()))
     if "png" not in paths:
@@ -165,6 +188,8 @@ def _distributed(args: argparse.Namespace) -> None:
     import jax
 
     if args.num_processes == 1:
+        if args.coordinator is not None or args.process_id is not None:
+            raise CLIError("--coordinator / --process-id need --num-processes > 1")
         if args.backend == "cpu":
             setup_devices(args.devices)
         return
@@ -226,6 +251,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     import autopar as ap
 
+    _check_plan_files(args)
     fn, ex, desc = load_model(args.model, parse_options(args.option), concrete=True)
     ex = tuple(jax.tree.map(np.asarray, ex))  # host arrays: identical on every process
     lead = jax.process_index() == 0
@@ -233,7 +259,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     load = str(args.load) if args.load else None
     with _context(args, strategy_ckpt_save_file=save if lead else None,
                   strategy_ckpt_load_file=load, gradients_mean=True):
-        step = ap.train_step(fn, ex[0], tuple(ex[1:]), cluster=args.cluster)
+        step = ap.train_step(fn, ex[0], tuple(ex[1:]), mode=args.mode, cluster=_cluster(args))
     params, state = step.prepare(ex[0]), step.init(ex[0])
     losses = []
     with Progress("train steps", args.steps, quiet=not lead) as bar:
@@ -250,10 +276,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     ok = True
     if args.check:
         ref_losses, ref = _reference(fn, ex, args.steps)
-        diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-                   for a, b in zip(jax.tree.leaves(final), jax.tree.leaves(ref)))
-        loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
-        ok = diff <= args.atol and loss_diff <= args.atol * max(1.0, abs(ref_losses[0]))
+        diff, loss_diff, ok = compare_with_reference(losses, final, ref_losses, ref,
+                                                     atol=args.atol)
         result.update(reference_losses=ref_losses, max_param_diff=diff,
                       max_loss_diff=loss_diff, match=ok)
     if lead:
@@ -270,7 +294,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if save:
             _out(f"strategy file written: {save}")
         if args.json:
-            Path(args.json).write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+            write_text_atomic(args.json, json.dumps(result, indent=1, sort_keys=True) + "\n")
     return 0 if ok else 1
 
 
@@ -281,11 +305,12 @@ def cmd_trace(args: argparse.Namespace) -> int:
     import autopar as ap
 
     _, _, graph, desc = _graph(args)
+    cluster = _cluster(args)
     with _context(args):
         with Progress("search + simulate", 2) as bar:
-            plan = ap.search(graph, cluster=args.cluster)
+            plan = ap.search(graph, mode=args.mode, cluster=cluster)
             bar.advance(plan.mode)
-            it = ap.simulate(graph, plan, buckets=args.buckets, cluster=args.cluster)
+            it = ap.simulate(graph, plan, buckets=args.buckets, cluster=cluster)
             bar.advance("iteration trace")
     _out(f"{desc}: {plan.summary()}\n")
     _out(it.summary())
@@ -358,8 +383,9 @@ def _model_args(p: argparse.ArgumentParser, *, devices: bool = True) -> None:
                    help="model builder option, repeatable (e.g. -o layers=2 -o hidden=64)")
     if devices:
         p.add_argument("--devices", type=_positive, default=8, help="device_num (default 8)")
-    p.add_argument("--cluster", default="accelerator-8x",
-                   help="cost-model cluster preset (accelerator-8x, cpu-emulated)")
+    p.add_argument("--cluster", default=None,
+                   help="cost-model cluster preset (accelerator-8x, cpu-emulated; default "
+                   "accelerator-8x, or the strategy file's cluster with --load)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -372,7 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("search", help="search a plan for a model and print it")
     _model_args(p)
-    p.add_argument("--mode", choices=MODES, default="dynamic_programming")
+    p.add_argument("--mode", choices=MODES,
+                   help="search mode (default: the context's search_mode, dynamic_programming)")
     p.add_argument("--parallel-mode", choices=PARALLEL_MODES, default="auto_parallel")
     p.add_argument("--save", type=Path, help="write the strategy file here")
     p.add_argument("--load", type=Path, help="load the plan from this strategy file")
@@ -392,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="train a few steps on emulated devices (or processes)")
     _model_args(p)
-    p.add_argument("--mode", choices=MODES)
+    p.add_argument("--mode", choices=MODES, help="search mode (auto_parallel only)")
     p.add_argument("--parallel-mode", choices=PARALLEL_MODES, default="auto_parallel")
     p.add_argument("--steps", type=_positive, default=3)
     p.add_argument("--check", action="store_true", help="compare with one device")
@@ -411,7 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("trace", help="simulate one iteration: the seed's trace points")
     _model_args(p)
-    p.add_argument("--mode", choices=MODES)
+    p.add_argument("--mode", choices=MODES, help="search mode (auto_parallel only)")
     p.add_argument("--buckets", choices=("context", "hccl", "none"), default="context")
     p.add_argument("--out", type=Path, help="write the Chrome trace JSON here")
     p.add_argument("--png", type=Path, help="draw the timeline PNG here (plot extra)")
@@ -430,6 +457,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if args.func is cmd_run:
             _distributed(args)
@@ -441,6 +469,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except AutoparError as e:
         print(f"autopar {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a file that cannot be read or written: the path and the reason
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"autopar {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -15,9 +15,10 @@ import importlib
 import os
 import sys
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
-__all__ = ["CLIError", "Progress", "table", "parse_options", "load_model", "setup_devices"]
+__all__ = ["CLIError", "Progress", "table", "parse_options", "load_model", "setup_devices",
+           "compare_with_reference"]
 
 
 class CLIError(Exception):
@@ -182,16 +183,23 @@ def load_model(spec: str, options: dict[str, Any], *, concrete: bool = True
     return model.loss, tuple(args), desc
 
 
-def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
-    """``(fn(), seconds)``."""
-    t0 = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t0
+def compare_with_reference(losses: Sequence[float], params: Any,
+                           ref_losses: Sequence[float], ref_params: Any, *,
+                           atol: float = 1e-4) -> tuple[float, float, bool]:
+    """The pass/fail rule of ``run --check`` and ``demo`` against one device:
+    ``(max parameter difference, max loss difference, ok)``; ok when every parameter is within
+    ``atol`` and every step's loss within ``atol * max(1, |reference loss|)``.
 
+    >>> compare_with_reference([2.0, 1.0], [1.0], [2.0001, 1.5], [1.0])[2]
+    False
+    """
+    import jax
+    import numpy as np
 
-def iter_progress(label: str, items: Sequence[Any]) -> Iterator[tuple[Progress, Any]]:
-    """Iterate ``items`` under a progress bar (advance after each item)."""
-    with Progress(label, len(items)) as bar:
-        for item in items:
-            yield bar, item
-            bar.advance(str(item))
+    leaves, ref_leaves = jax.tree.leaves(params), jax.tree.leaves(ref_params)
+    diff = max((float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                for a, b in zip(leaves, ref_leaves)), default=0.0)
+    loss_diff = max((abs(a - b) for a, b in zip(losses, ref_losses)), default=0.0)
+    ok = (len(leaves) == len(ref_leaves) and len(losses) == len(ref_losses) and diff <= atol
+          and all(abs(a - b) <= atol * max(1.0, abs(b)) for a, b in zip(losses, ref_losses)))
+    return diff, loss_diff, ok

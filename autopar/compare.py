@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from autopar.checkpoint import write_text_atomic
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.graph.ir import Graph
 from autopar.strategies.plan import Plan
@@ -154,10 +155,10 @@ def write_comparison(rows: Sequence[ModeResult], out_dir: str | os.PathLike[str]
     measured = any(r.measured_step_seconds is not None for r in rows)
     paths = {"json": out / "compare.json", "markdown": out / "compare.md"}
     doc = {"title": title, **meta, "modes": [r.as_json() for r in rows]}
-    paths["json"].write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    write_text_atomic(paths["json"], json.dumps(doc, indent=1, sort_keys=True) + "\n")
     md = f"# {title}\n\n" + markdown_table(comparison_rows(rows, measured=measured)) + "\n"
     md += "\n" + "\n".join(f"- {k}: {v}" for k, v in sorted(meta.items())) + "\n"
-    paths["markdown"].write_text(md)
+    write_text_atomic(paths["markdown"], md)
     png = _plot(rows, out / "compare.png", title, measured)
     if png is not None:
         paths["png"] = png

@@ -33,7 +33,9 @@ sum in the buckets of :mod:`autopar.fusion`:
 The same bucketing serves the parallel optimizer's reduce-scatters and all-gathers
 (:mod:`autopar.optimizer_shard`): :func:`bucketed_collective` takes the collective kind.
 
-Reusable API (the pipelined step calls it inside its own ``shard_map``)::
+Reusable API (for steps that build their own ``shard_map``; the pipelined step does not use
+it: it sums each stage's contiguous gradient-sync groups with one ``lax.psum`` apiece and
+ignores ``comm_fusion``)::
 
     sync_gradients(grads, sync_axes, buckets, *, method="tuple", chain=True,
                    fp32=False) -> list[Array]

@@ -164,15 +164,17 @@ def fuse_kernels(pg: ParallelGraph, fused_kernels: FusedKernels = "auto",
                  cluster: str | Cluster | None = None) -> ParallelGraph:
     """``pg`` with the matching matmul + step pairs replaced by fused nodes (module docstring).
 
-    ``cluster`` prices ``"auto"`` (default: the plan's cluster preset; a plan searched on a
-    custom cluster not passed here is not fused under ``"auto"``).
+    ``cluster`` prices ``"auto"`` (default: the cluster the plan was priced on, its
+    ``cluster_config``, else the preset of that name).
     """
     mode = check_fused_kernels(fused_kernels)
     if mode is False:
         return pg
-    if cluster is None:
-        name = getattr(pg.plan, "cluster", None)
-        cluster = name if name in CLUSTERS else None
+    if cluster is None:  # the plan's own cluster (custom ones too), else its preset by name
+        cluster = getattr(pg.plan, "cluster_config", None)
+        if cluster is None:
+            name = getattr(pg.plan, "cluster", None)
+            cluster = name if name in CLUSTERS else None
         if cluster is None and mode == "auto":
             return pg
     nodes = list(pg.nodes)

@@ -139,7 +139,12 @@ def import_mindspore_strategy(path: str | os.PathLike[str], graph: Graph, *,
                                    f"primitive {prim!r}, the graph {len(cands)}; pass name_map")
             continue
         out.mapped.update(zip(names, cands))
+    owner: dict[str, str] = {}  # autopar node -> the MindSpore entry that set its strategy
     for ms, node_name in sorted(out.mapped.items()):
+        if node_name in owner:
+            out.skipped[ms] = (f"maps to {node_name!r} like {owner[node_name]!r} before it; "
+                               "one strategy per node (fix name_map)")
+            continue
         node = nodes[node_name]
         strategy = items[ms]["parallel_strategy"]
         try:
@@ -150,6 +155,7 @@ def import_mindspore_strategy(path: str | os.PathLike[str], graph: Graph, *,
             out.skipped[ms] = f"does not fit {node_name!r}: {e}"
             continue
         out.fixed[node_name] = fixed
+        owner[node_name] = ms
     for ms in out.skipped:
         out.mapped.pop(ms, None)
     if strict and out.skipped:

@@ -50,9 +50,11 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from autopar.errors import AutoParallelError
 from autopar.grad_sync import bucketed_collective
 
 __all__ = ["ShardDecision", "decide_sharding", "storage_spec", "gather_parameters",
@@ -134,7 +136,10 @@ def scatter_gradients(grads: Sequence[Any], axes: Sequence[Sequence[str]],
     updates), one collective group per bucket (built as one collective); bf16/fp16 in fp32
     where ``fp32``. ``chain``: as for :func:`gather_parameters`."""
     grads = list(grads)
-    flags = [bool(fp32)] * len(grads) if isinstance(fp32, bool) else list(fp32)
+    flags = [bool(fp32)] * len(grads) if isinstance(fp32, bool) else [bool(f) for f in fp32]
+    if len(flags) != len(grads):
+        raise AutoParallelError("fp32", len(flags), f"needs one flag per gradient "
+                                f"({len(grads)})")
     up = [g.astype(jnp.float32) if f and str(g.dtype) in ("bfloat16", "float16") else g
           for g, f in zip(grads, flags)]
     out = bucketed_collective(up, [tuple(a) for a in axes], buckets, kind="reduce_scatter",
@@ -143,12 +148,55 @@ def scatter_gradients(grads: Sequence[Any], axes: Sequence[Sequence[str]],
 
 
 def state_shardings(optimizer: optax.GradientTransformation, state: Any,
-                    param_shardings: Any, mesh: Mesh) -> Any:
-    """Shardings for an optax state: every parameter-shaped leaf gets its parameter's storage
-    sharding, everything else (step counts, scalars) is replicated."""
+                    param_shardings: Any, mesh: Mesh, param_shapes: Any = None) -> Any:
+    """Shardings for an optax state: a parameter-mirroring leaf gets its parameter's storage
+    sharding when it has the parameter's shape; everything else (step counts, scalars, and
+    leaves of another shape such as adafactor's factored row / column statistics) is
+    replicated.
+
+    ``param_shapes``: the parameters' shapes (a tree like ``param_shardings`` of shape
+    tuples). Without it, a leaf keeps the storage sharding only when that sharding can lay
+    the leaf out (its rank, and every split dim divisible by its shard count).
+
+    >>> import jax, numpy as np, optax
+    >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    >>> mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
+    >>> opt = optax.adafactor(1e-2, min_dim_size_to_factor=2)
+    >>> params = {"w": np.ones((4, 4), np.float32)}
+    >>> sh = state_shardings(opt, opt.init(params), {"w": NamedSharding(mesh, P("d"))}, mesh,
+    ...                      {"w": (4, 4)})
+    >>> sorted({str(x.spec) for x in jax.tree.leaves(sh)})
+    ['P()']
+    """
     rep = NamedSharding(mesh, PartitionSpec())
-    return optax.tree_map_params(optimizer, lambda _, s: s, state, param_shardings,
-                                 transform_non_params=lambda _: rep)
+
+    def fits(leaf: Any, sharding: Any, shape: Any) -> bool:
+        got = tuple(np.shape(leaf))
+        if shape is not None:
+            return got == tuple(shape)
+        spec = tuple(getattr(sharding, "spec", ()))
+        if len(spec) > len(got):
+            return False
+        for n, axes in zip(got, spec):
+            names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+            if n % math.prod(mesh.shape[a] for a in names):
+                return False
+        return True
+
+    if param_shapes is None:
+        return optax.tree_map_params(
+            optimizer, lambda leaf, sh: sh if fits(leaf, sh, None) else rep, state,
+            param_shardings, transform_non_params=lambda _: rep)
+    def is_shape(x: Any) -> bool:  # a shape tuple (not a tuple of parameters) or a struct
+        return isinstance(x, jax.ShapeDtypeStruct) or (
+            isinstance(x, tuple) and all(isinstance(i, (int, np.integer)) for i in x))
+
+    shapes = jax.tree_util.tree_map(
+        lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(
+            tuple(x), np.float32), param_shapes, is_leaf=is_shape)
+    return optax.tree_map_params(
+        optimizer, lambda leaf, sh, shp: sh if fits(leaf, sh, shp.shape) else rep, state,
+        param_shardings, shapes, transform_non_params=lambda _: rep)
 
 
 def device_bytes(tree: Any, device: Any) -> int:

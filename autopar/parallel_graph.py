@@ -136,9 +136,11 @@ class ParallelGraph:
         return dict(sorted(out.items()))
 
     def comm_bytes(self) -> int:
-        """Per-device bytes the inserted collectives move in forward (the cost formula's n)."""
+        """Per-device bytes the inserted collectives move in forward (the cost formula's n),
+        including those of collectives fused into a matmul (``fused_nodes``)."""
         return sum(n.step.nbytes for n in self.comm_nodes()
-                   if n.step is not None and n.step.kind != "slice")
+                   if n.step is not None and n.step.kind != "slice") + \
+            sum(int(n.params["nbytes"]) for n in self.fused_nodes())
 
     def in_layouts(self) -> tuple[Layout, ...]:
         return tuple(self.values[v].layout for v in self.inputs)

@@ -27,11 +27,13 @@ every stage, so slot memory is exactly what the schedule needs (``m`` slots for 
 
 **Gradients.** Every backward adds into a per-stage gradient buffer (the micro-batches of
 all ``grad_accumulation_step`` rounds), then each sync group is all-reduced once over the
-intra-stage axes where its parameters are replicated; the optimizer (optax, SGD 0.1 by
-default) updates the packed buffers elementwise. The loss must be a mean over batch rows
-(mean of the micro-batch means), as in MindSpore; the result equals one device on the whole
-batch (``gradients_mean=True``; ``False`` multiplies by the stage's data-parallel degree as
-:func:`autopar.train_step` does).
+intra-stage axes where its parameters are replicated (``comm_fusion`` is not applied:
+warned); the optimizer (optax, SGD 0.1 by default) updates the packed buffers, so it must be
+elementwise (:func:`autopar.stage_buffers.check_elementwise_optimizer` refuses
+``clip_by_global_norm``, LAMB / LARS, adafactor, ... at construction). The loss must be a
+mean over batch rows (mean of the micro-batch means), as in MindSpore; the result equals
+one device on the whole batch (``gradients_mean=True``; ``False`` multiplies by the stage's
+data-parallel degree as :func:`autopar.train_step` does).
 
 >>> import jax, autopar as ap
 >>> from autopar.models import mlp
@@ -47,6 +49,7 @@ batch (``gradients_mean=True``; ``False`` multiplies by the stage's data-paralle
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -58,15 +61,16 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar.context import auto_parallel_context, current_config
-from autopar.errors import AutoParallelError, AutoParallelTypeError
+from autopar.errors import AutoParallelError, AutoParallelTypeError, AutoParallelWarning
 from autopar.graph.trace import trace
 from autopar.lower import apply_step, run_body
-from autopar.optimizer_shard import decide_sharding
+from autopar.optimizer_shard import ShardDecision, decide_sharding
 from autopar.parallel_graph import ParallelGraph
 from autopar.parallelize import count_collectives
 from autopar.rewrite import rewrite
 from autopar.schedules import FWD, IDLE, Schedule, schedule as build_schedule
-from autopar.stage_buffers import BoundaryCodec, PackedParams, StagePacking
+from autopar.stage_buffers import (BoundaryCodec, PackedParams, StagePacking,
+                                   check_elementwise_optimizer)
 from autopar.strategies.layout import DeviceMesh, Layout
 from autopar.strategies.plan import Plan
 from autopar.strategies.redistribution import redistribute
@@ -189,6 +193,16 @@ class PipelineTrainStep:
         micro = [jax.ShapeDtypeStruct((s[0] // parts,) + s[1:], d)
                  for s, d in zip(self._b_shapes, self._b_dtypes)]
         p_leaves, self._p_tree = jax.tree_util.tree_flatten(params)
+        # the optimizer runs on the packed [p, D, N] buffers: refuse non-elementwise ones
+        check_elementwise_optimizer(optimizer, len({str(np.dtype(x.dtype)) for x in p_leaves}),
+                                    (p, n // p))
+        fusion = cfg.comm_fusion.as_dict()
+        if fusion:
+            warnings.warn(f"comm_fusion={fusion!r} is ignored by a pipelined step (also when "
+                          "set through all_reduce_fusion_config): it issues one collective per "
+                          "gradient-sync group of each stage's packed buffer. Unset comm_fusion "
+                          "to silence this.", AutoParallelWarning, stacklevel=3)
+        self.parameter_broadcast = bool(cfg.parameter_broadcast)
         p_sds = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in p_leaves]
         graph = trace(loss_fn, jax.tree_util.tree_unflatten(self._p_tree, p_sds),
                       *jax.tree_util.tree_unflatten(self._b_tree, micro))
@@ -249,6 +263,11 @@ class PipelineTrainStep:
                 np.dtype(dt).itemsize, sync, intra.sizes,
                 enabled=bool(cfg.enable_parallel_optimizer) and _is_float(dt),
                 threshold_kb=po.parallel_optimizer_threshold))
+            if cfg.enable_parallel_optimizer and not _is_float(dt):
+                d = self.shard_decisions[-1]
+                self.shard_decisions[-1] = ShardDecision(d.name, False, d.axes, d.nbytes,
+                                                         f"dtype {dt} is not a float (no "
+                                                         "gradient, nothing to update)")
         self.packing = StagePacking([tuple(x.shape) for x in p_sds], self._p_dtypes, stage_of,
                                     layouts, names, p, intra,
                                     [d.sharded for d in self.shard_decisions])
@@ -486,7 +505,13 @@ class PipelineTrainStep:
         return self._pack(leaves)
 
     def prepare(self, params: Any) -> PackedParams:
-        """As :meth:`TrainStep.prepare`: the parameters placed for the step (packed)."""
+        """As :meth:`TrainStep.prepare`: the parameters placed for the step (packed); with
+        ``parameter_broadcast`` set, rank 0's values are broadcast first
+        (:func:`autopar.train.broadcast_parameters`)."""
+        if self.parameter_broadcast and not isinstance(params, PackedParams):
+            from autopar.train import broadcast_parameters
+
+            params = broadcast_parameters(params, self.mesh)
         return self.pack(params)
 
     def unpack(self, packed: PackedParams) -> Any:
@@ -557,6 +582,14 @@ def pipeline_train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
     indices where stages 1..p-1 begin (default: searched). ``optimizer`` / ``mode`` /
     ``fixed`` / ``cluster``: as :func:`autopar.train_step` (``mode`` and ``fixed`` act per
     stage; ``fixed`` keys are node names of the whole graph).
+
+    The optimizer runs on the packed ``[p, D, N]`` parameter buffers, not on the pytree: it
+    must be **elementwise** (an element's update depends only on that element's gradient,
+    parameter and state: SGD, momentum, Adam(W), RMSProp, ``optax.clip``). A transform that
+    reduces over a parameter or all of them (``clip_by_global_norm``, LAMB / LARS, adafactor)
+    or masks the parameter tree is refused with :class:`AutoParallelError` (``optimizer``)
+    by a probe at construction. ``comm_fusion`` is not applied (one collective per
+    gradient-sync group; an :class:`AutoParallelWarning` says so).
     """
     from autopar.train import DEFAULT_LEARNING_RATE
 

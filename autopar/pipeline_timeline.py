@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError
-from autopar.schedules import BWD, FWD, SCHEDULES, op_order, schedule as build_schedule
+from autopar.schedules import FWD, SCHEDULES, op_order, schedule as build_schedule
 
 __all__ = ["PipelineBlock", "PipelineTrace", "simulate_schedule", "simulate_pipeline"]
 

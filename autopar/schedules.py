@@ -160,7 +160,7 @@ def schedule(name: str, stages: int, micro_batches: int) -> Schedule:
     return _tables(name, p, m, rows, done_f, done_b)
 
 
-def _alloc(arrive: list[list[tuple[int, int]]], used: list[dict[int, int]], n_ticks: int
+def _alloc(arrive: list[list[tuple[int, int]]], used: list[dict[int, int]]
            ) -> tuple[dict[tuple[int, int], int], int]:
     """Slots per stage: ``arrive[s]`` = [(tick, k)], ``used[s][k]`` = last tick reading it.
     A slot freed by a read at tick t can take an arrival at the end of the same tick."""
@@ -201,8 +201,8 @@ def _tables(name: str, p: int, m: int, rows: list[list[Op | None]], done_f: np.n
     g_arrive = [[(int(done_b[s + 1, k]), k) for k in range(m)] if s < p - 1 else []
                 for s in range(p)]
     g_used = x_used
-    x_of, n_x = _alloc(x_arrive, x_used, n_ticks)
-    g_of, n_g = _alloc(g_arrive, g_used, n_ticks)
+    x_of, n_x = _alloc(x_arrive, x_used)
+    g_of, n_g = _alloc(g_arrive, g_used)
     x_slot = np.zeros((n_ticks, p), np.int32)
     g_slot = np.zeros((n_ticks, p), np.int32)
     x_write = np.full((n_ticks, p), n_x, np.int32)

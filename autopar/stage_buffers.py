@@ -32,7 +32,7 @@ import numpy as np
 from autopar.strategies.layout import DeviceMesh, Layout
 
 __all__ = ["PackedParams", "ParamSlot", "Segment", "StagePacking", "device_block",
-           "BoundaryCodec"]
+           "BoundaryCodec", "check_elementwise_optimizer"]
 
 
 class PackedParams(NamedTuple):
@@ -320,3 +320,77 @@ class BoundaryCodec:
             out[name] = bufs[dt][offs[dt]:offs[dt] + n].reshape(shape)
             offs[dt] += n
         return out
+
+
+def check_elementwise_optimizer(optimizer: Any, n_buffers: int, lead: tuple[int, ...]) -> None:
+    """Refuse an optimizer whose update of one element depends on other elements.
+
+    A pipelined step runs the optimizer on the packed ``[p, D, N]`` buffers, not on the
+    parameter pytree: an update must depend only on the same element's gradient, parameter
+    and state (SGD, momentum, Adam, AdamW, RMSProp, ...). A transform that reduces over a
+    parameter or over all of them (``clip_by_global_norm``, LAMB / LARS trust ratios,
+    adafactor's factoring and RMS clipping) would see the packed layout, the zero padding and
+    the ``D`` copies of replicated parameters and silently give a different answer.
+
+    The probe (a few eager optax calls on tiny buffers of shape ``lead + (k,)``): two steps on
+    buffers ``a``, on ``b`` and on ``concat(a, b)`` (last axis), with gradients large enough
+    to trigger any clipping; an elementwise optimizer gives ``concat(update(a), update(b))``.
+
+    >>> import optax
+    >>> check_elementwise_optimizer(optax.adam(1e-3), 1, (2, 2))
+    >>> check_elementwise_optimizer(optax.chain(optax.clip_by_global_norm(1.0),
+    ...     optax.sgd(1.0)), 1, (2, 2))  # doctest: +IGNORE_EXCEPTION_DETAIL
+    Traceback (most recent call last):
+    ...
+    autopar.errors.AutoParallelError: ...
+    """
+    import optax
+
+    from autopar.errors import AutoParallelError
+
+    rng = np.random.default_rng(0)
+    ka, kb = 3, 5
+    shape = tuple(lead)
+
+    def draw(k: int, scale: float) -> list[Any]:
+        return [rng.standard_normal(shape + (k,)).astype(np.float32) * scale
+                for _ in range(n_buffers)]
+
+    pa, pb = draw(ka, 1.0), draw(kb, 1.0)
+    ga = [draw(ka, 1e12) for _ in range(2)]
+    gb = [draw(kb, 1e12) for _ in range(2)]
+    cat = lambda x, y: [np.concatenate([u, v], axis=-1) for u, v in zip(x, y)]  # noqa: E731
+
+    def run(params: list[Any], grads: list[list[Any]]) -> list[np.ndarray]:
+        pp = PackedParams(tuple(jnp.asarray(x) for x in params))
+        state = optimizer.init(pp)
+        out: list[np.ndarray] = []
+        for g in grads:
+            upd, state = optimizer.update(PackedParams(tuple(jnp.asarray(x) for x in g)),
+                                          state, pp)
+            pp = optax.apply_updates(pp, upd)
+            out += [np.asarray(u, np.float64) for u in upd.buffers]
+        return out
+
+    try:
+        ua, ub = run(pa, ga), run(pb, gb)
+        uab = run(cat(pa, pb), [cat(x, y) for x, y in zip(ga, gb)])
+    except Exception as e:  # noqa: BLE001 - the user's optimizer: report any failure typed
+        raise AutoParallelError("optimizer", type(optimizer).__name__, "fails on the packed "
+                                f"parameter buffers of a pipelined step ({type(e).__name__}: "
+                                f"{e})", "Use an elementwise optax optimizer (sgd, adam, "
+                                "adamw, rmsprop, ...)") from e
+    for x, y, z in zip(ua, ub, uab):
+        want = np.concatenate([x, y], axis=-1)
+        tol = 1e-4 * float(np.max(np.abs(want), initial=0.0)) + 1e-30
+        if want.shape != z.shape or not np.allclose(want, z, rtol=1e-4, atol=tol,
+                                                     equal_nan=True):
+            raise AutoParallelError("optimizer", type(optimizer).__name__, "is not elementwise "
+                                    "(an update depends on other elements, e.g. "
+                                    "clip_by_global_norm, LAMB/LARS, adafactor, a norm "
+                                    "or a mask over the parameter tree): a pipelined step "
+                                    "applies it to packed [p, D, N] buffers and would "
+                                    "silently compute a different update",
+                                    "Use an elementwise optax optimizer (sgd, adam, adamw, "
+                                    "rmsprop, ...), or autopar.train_step without "
+                                    "pipeline_stages")

@@ -245,7 +245,8 @@ class TrainStep:
             "allgather": buckets("allgather", rs[::-1])}
         self._bucket_idx = {k: ([[pos[n] for n in bk.gradients] for bk in b] if b else [])
                             for k, b in self.buckets.items()}
-        self._chain = {k: b is not None and b.mode != "none" for k, b in self.buckets.items()}
+        ar_b = self.buckets["allreduce"]
+        self._chain = {"allreduce": ar_b is not None and ar_b.mode != "none"}
         ar_axes = [a if not s else () for a, s in zip(self.sync_axes, self._sharded)]
         self.sync_groups = sync_groups(ar_axes, self._bucket_idx["allreduce"]
                                        + [[i] for i in range(n_p) if self._sharded[i]])
@@ -354,7 +355,8 @@ class TrainStep:
                    for x, d, s in zip(new, dtypes, storage)]
             if any(sh):  # the optimizer state stays on the parameters' storage layout
                 st = state_shardings(opt, opt_state, jax.tree_util.tree_unflatten(
-                    tree, list(storage)), self.mesh)
+                    tree, list(storage)), self.mesh, jax.tree_util.tree_unflatten(
+                    tree, [jax.ShapeDtypeStruct(x.shape, np.float32) for x in p_leaves]))
                 opt_state = jax.tree.map(lax.with_sharding_constraint, opt_state, st)
             return new, opt_state, loss
 
@@ -448,7 +450,8 @@ class TrainStep:
         if self.backend == "pmap" or not any(self._sharded):
             return state
         st = state_shardings(self.optimizer, state, jax.tree_util.tree_unflatten(
-            self._p_tree, list(self.storage_shardings)), self.mesh)
+            self._p_tree, list(self.storage_shardings)), self.mesh,
+            jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.float32), params))
         return jax.tree.map(jax.device_put, state, st)
 
     def prepare(self, params: Any) -> Any:
@@ -554,7 +557,10 @@ def train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
     :func:`autopar.parallelize`. See the module docstring for the semantics of
     each context key. Under ``pipeline_stages > 1`` the step is
     :func:`autopar.pipeline.pipeline_train_step` (stages searched, micro-batches, 1F1B) with the
-    same call conventions.
+    same call conventions, except that its optimizer runs on packed per-stage buffers and
+    must therefore be elementwise (SGD, momentum, Adam(W), RMSProp; ``clip_by_global_norm``,
+    LAMB / LARS, adafactor are refused with an ``AutoParallelError``) and that
+    ``comm_fusion`` is not applied there (warned).
     """
     if not callable(loss_fn):
         raise AutoParallelTypeError("loss_fn", loss_fn, "train_step needs a callable loss")

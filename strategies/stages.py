@@ -85,7 +85,8 @@ class StagePartition:
 
     @property
     def bottleneck(self) -> float:
-        """The slowest stage's seconds per micro-batch (the search objective)."""
+        """The slowest stage's seconds per micro-batch, including its outgoing send (one
+        term of the search objective, not the objective itself)."""
         return max(self._stage_total(s) for s in range(self.stages))
 
     def _stage_total(self, s: int) -> float:

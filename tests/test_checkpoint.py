@@ -257,6 +257,45 @@ def test_stage_out_of_range(saved):
     assert e.field.endswith(".stage") and "pipeline_stages" in str(e)
 
 
+@pytest.mark.parametrize("edit,field", [
+    (lambda d: d["predicted"].update(step_seconds=123.0), "predicted.step_seconds"),
+    (lambda d: d.update(memory_weight=1e-6), "predicted.objective"),
+    (lambda d: d.update(mode="garbage"), "mode"),
+    (lambda d: d.update(current_stage=7), "current_stage"),
+    (lambda d: d.update(parallel_optimizer_kb=0), "parallel_optimizer_kb"),
+    (lambda d: d["parallel_layout_item"]["params/layer0/w"].update(opt_weight_shard_size=99),
+     "parallel_layout_item.params/layer0/w.opt_weight_shard_size"),
+])
+def test_self_contradicting_file_is_refused(saved, edit, field):
+    e = _load_error(_edit(saved, edit))
+    assert e.field == field
+
+
+def test_a_file_saved_with_the_parallel_optimizer_needs_it_on(tmp_path):
+    g = graph("mlp")
+    with ap.auto_parallel_context(enable_parallel_optimizer=True):
+        path = save_strategy(ap.search(g), g, tmp_path / "po.json")
+        ap.load_strategy(path, g)  # same threshold: loads
+    e = _load_error(path)
+    assert e.field == "parallel_optimizer_kb" and "None" in str(e)
+
+
+def test_missing_data_input_layout_names_a_data_input(saved):
+    e = _load_error(_edit(saved, lambda d: d["data_layout_item"].clear()))
+    assert e.field == "data_layout_item" and "per data input" in str(e)
+    assert "per parameter" not in str(e)
+
+
+def test_saved_file_has_umask_permissions(tmp_path):
+    g = graph("mlp")
+    old = os.umask(0o022)
+    try:
+        path = save_strategy(ap.search(g), g, tmp_path / "perm.json")
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o644
+
+
 def test_bad_paths_and_types():
     g = graph("mlp")
     plan = ap.search(g)

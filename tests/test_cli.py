@@ -10,6 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from autopar.cli import main
@@ -170,6 +171,10 @@ def test_show_pretty_prints(tmp_path, capsys):
     (["run", *SMALL_MLP, "--devices", "7", "--num-processes", "2", "--coordinator",
       "127.0.0.1:1", "--process-id", "0"], "divide evenly"),
     (["run", *SMALL_MLP, "--devices", "64"], "devices"),
+    (["run", *SMALL_MLP, "--process-id", "0"], "--num-processes > 1"),
+    (["run", *SMALL_MLP, "--coordinator", "127.0.0.1:1"], "--num-processes > 1"),
+    (["run", *SMALL_MLP, "--parallel-mode", "data_parallel", "--save", "x.json"],
+     "--save needs"),
 ])
 def test_bad_input_in_process(argv, needle, capsys):
     assert main(argv) == 2
@@ -229,3 +234,105 @@ def test_compare_modes_ignores_strategy_files(tmp_path):
         ap.compare_modes(g, modes="exact")
     with pytest.raises(ap.AutoParallelTypeError):
         ap.compare_modes("graph")
+
+
+# ---------------------------------------------------------------------------- review fixes
+
+
+def _plan_line(out: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith("plan["))
+
+
+def test_mode_exact_and_every_search_mode_reach_the_search(capsys):
+    from autopar.cli import MODES
+    from autopar.strategies.search import MODES as SEARCH_MODES
+
+    assert MODES == tuple(SEARCH_MODES)
+    assert main(["search", *SMALL_MLP, "--devices", "8", "--mode", "exact"]) == 0
+    assert _plan_line(capsys.readouterr().out).startswith("plan[exact] on 8 devices")
+    # no --mode: the context's search_mode (dynamic_programming)
+    assert main(["search", *SMALL_MLP, "--devices", "8"]) == 0
+    assert _plan_line(capsys.readouterr().out).startswith("plan[dynamic_programming]")
+    # data_parallel without --mode: no search_mode warning (warnings are errors here)
+    assert main(["search", *SMALL_MLP, "--devices", "8", "--parallel-mode",
+                 "data_parallel"]) == 0
+    assert _plan_line(capsys.readouterr().out).startswith("plan[data_parallel]")
+
+
+def test_load_prices_on_the_files_cluster(tmp_path, capsys):
+    f = tmp_path / "s.json"
+    assert main(["search", *SMALL_MLP, "--devices", "8", "--cluster", "cpu-emulated",
+                 "--save", str(f)]) == 0
+    saved = _plan_line(capsys.readouterr().out)
+    assert main(["search", *SMALL_MLP, "--devices", "8", "--load", str(f)]) == 0
+    loaded = _plan_line(capsys.readouterr().out)
+    assert "cluster cpu-emulated" in loaded
+    assert loaded.split(": step ")[1].split(";")[0] == saved.split(": step ")[1].split(";")[0]
+    assert main(["search", *SMALL_MLP, "--devices", "8", "--load", str(f), "--mode",
+                 "exact"]) == 2
+    assert "--mode" in capsys.readouterr().err
+
+
+def test_save_and_load_outside_auto_modes_are_refused(tmp_path, capsys):
+    f = tmp_path / "dp.json"
+    for flag in ("--save", "--load"):
+        assert main(["search", *SMALL_MLP, "--parallel-mode", "data_parallel", flag,
+                     str(f)]) == 2
+        err = capsys.readouterr().err
+        assert flag in err and "auto_parallel" in err
+    assert not f.exists()
+
+
+def test_unwritable_outputs_are_clean_errors(tmp_path, capsys):
+    existing = tmp_path / "afile"
+    existing.write_text("x")
+    assert main(["compare", *SMALL_MLP, "--modes", "dynamic_programming", "--out",
+                 str(existing)]) == 2
+    err = capsys.readouterr().err
+    assert "autopar compare: error:" in err and "afile" in err and "Traceback" not in err
+    assert main(["trace", *SMALL_MLP, "--out", str(tmp_path / "nodir" / "t.json")]) == 2
+    err = capsys.readouterr().err
+    assert "autopar trace: error:" in err and "Traceback" not in err
+
+
+def test_compare_records_the_command_it_was_given(tmp_path):
+    argv = ["compare", *SMALL_MLP, "--modes", "dynamic_programming", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    doc = json.loads((tmp_path / "compare.json").read_text())
+    assert doc["command"] == "autopar " + " ".join(argv)
+    assert doc["cluster"] == "accelerator-8x"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["compare.json", "compare.md"] + (["compare.png"] if (tmp_path / "compare.png").exists()
+                                          else []))  # no temporary files left
+
+
+def test_compare_with_reference_rule():
+    from autopar.cli_util import compare_with_reference
+
+    p = {"w": np.ones(3)}
+    assert compare_with_reference([2.0, 1.0], p, [2.0, 1.0], p) == (0.0, 0.0, True)
+    # a later step's loss off (the old rule scaled every step by the first loss)
+    diff, loss_diff, ok = compare_with_reference([100.0, 1.001], p, [100.0, 1.0], p)
+    assert not ok and loss_diff == pytest.approx(1e-3)
+    assert not compare_with_reference([1.0], {"w": np.ones(3) + 1e-3}, [1.0], p)[2]
+    assert not compare_with_reference([1.0], p, [1.0, 1.0], p)[2]  # lengths differ
+
+
+def test_demo_restores_the_callers_context(monkeypatch, tmp_path):
+    import argparse
+
+    import autopar as ap
+    from autopar import demo
+
+    seen = {}
+
+    def fake(args, out, t0):
+        seen["device_num"] = ap.get_auto_parallel_context("device_num")
+        return 0
+
+    monkeypatch.setattr(demo, "_demo", fake)
+    with ap.auto_parallel_context(device_num=2, parallel_mode="data_parallel"):
+        assert demo.cmd_demo(argparse.Namespace(devices=8, out=tmp_path)) == 0
+        assert seen["device_num"] == 8
+        assert ap.get_auto_parallel_context("device_num") == 2
+        assert ap.get_auto_parallel_context("parallel_mode") == "data_parallel"

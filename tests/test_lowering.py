@@ -447,6 +447,22 @@ def test_fused_kernels_replace_matmul_collective_pairs_and_stay_differentiable()
     assert lower(plain, fused_kernels=True).parallel_graph.comm_counts() == counts
 
 
+def test_comm_bytes_counts_fused_collectives_and_auto_uses_the_plans_cluster():
+    from autopar.strategies.cost import get_cluster
+
+    _, _, g, plan = _row_parallel()
+    plain = ap.rewrite(g, plan, fused_kernels=False)
+    fused = ap.rewrite(g, plan, fused_kernels=True)
+    assert len(fused.fused_nodes()) == 2 and plain.comm_bytes() > 0
+    assert fused.comm_bytes() == plain.comm_bytes()  # fusing moves the same bytes
+    # a plan priced on a custom cluster (not a preset name): "auto" prices with that cluster
+    custom = get_cluster("accelerator-8x").model_copy(update={"name": "my-cluster"})
+    fixed = {n.name: plan.nodes[n.name].strategy for n in g.nodes}
+    with ap.auto_parallel_context(device_num=4, parallel_mode="semi_auto_parallel"):
+        plan_c = ap.search(g, fixed=fixed, cluster=custom)
+    assert len(ap.rewrite(g, plan_c, fused_kernels="auto").fused_nodes()) == 2
+
+
 def test_fused_kernels_auto_follows_the_overlap_model():
     from autopar.kernel_rules import predict
 

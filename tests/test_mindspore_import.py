@@ -75,6 +75,17 @@ def test_ambiguous_and_misfit_strategies_are_skipped_or_strict(tmp_path, graph):
         import_mindspore_strategy(p, graph, strict=True)
 
 
+def test_two_entries_on_one_node_do_not_overwrite(tmp_path, graph):
+    p = _ms_file(tmp_path, {"a_matmul": [[8, 1], [1, 1]], "b_matmul": [[1, 1], [1, 8]]})
+    both = {"a_matmul": "layer0/dot_general_0", "b_matmul": "layer0/dot_general_0"}
+    imp = import_mindspore_strategy(p, graph, name_map=both)
+    assert imp.fixed == {"layer0/dot_general_0": ((8, 1), (1, 1))}  # the first entry's
+    assert imp.mapped == {"a_matmul": "layer0/dot_general_0"}
+    assert "like 'a_matmul'" in imp.skipped["b_matmul"]
+    with pytest.raises(StrategyFileError, match="b_matmul"):
+        import_mindspore_strategy(p, graph, name_map=both, strict=True)
+
+
 def test_bad_files(tmp_path, graph):
     p = tmp_path / "x.json"
     p.write_text("{not json")

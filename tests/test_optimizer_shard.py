@@ -158,3 +158,46 @@ def test_parallel_optimizer_config_is_validated():
     with pytest.raises(ValueError):
         ap.set_auto_parallel_context(parallel_optimizer_config={
             "optimizer_weight_shard_size": 2})
+
+
+def test_adafactor_factored_state_is_replicated_not_sharded():
+    """R1 #3: a state leaf of another shape than its parameter (adafactor's factored row /
+    column statistics) used to get the parameter's storage sharding: IndivisibleError."""
+    m = mlp(widths=(16, 64, 64, 16), batch=16)
+    params, x = m.example_args(KEY)
+    opt = optax.adafactor(1e-2, min_dim_size_to_factor=8)
+    step = _step(m, params, x, opt, enable_parallel_optimizer=True,
+                 parallel_optimizer_config={"parallel_optimizer_threshold": 0})
+    assert any(d.sharded for d in step.sharding)
+    got, _ = _run(step, params, x, 2)
+    jax.tree.map(lambda a, b: close(a, b, rtol=1e-4, atol=1e-6), got,
+                 _reference(m, params, x, opt, 2))
+
+
+def test_state_shardings_keeps_storage_only_for_parameter_shaped_leaves():
+    from jax.sharding import Mesh, NamedSharding
+
+    from autopar.optimizer_shard import state_shardings
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
+    params = {"w": np.ones((4, 4), np.float32), "b": np.ones((4,), np.float32)}
+    shs = {"w": NamedSharding(mesh, P("d")), "b": NamedSharding(mesh, P("d"))}
+    opt = optax.adafactor(1e-2, min_dim_size_to_factor=2)
+    state = opt.init(params)
+    for shapes in (None, {"w": (4, 4), "b": (4,)}):
+        sh = state_shardings(opt, state, shs, mesh, shapes)
+        for leaf, s in zip(jax.tree.leaves(state), jax.tree.leaves(sh)):
+            jax.device_put(leaf, s)  # every sharding lays its leaf out
+            if np.shape(leaf) in ((), (1,)):
+                assert s.spec == P()
+    exact = state_shardings(opt, state, shs, mesh, {"w": (4, 4), "b": (4,)})
+    # w's factored (4,) row/column statistics are replicated; b's full (4,) moment is sharded
+    assert sorted(str(s.spec) for s in jax.tree.leaves(exact)).count("P('d',)") == 1
+
+
+def test_scatter_gradients_checks_fp32_flags_length():
+    from autopar.errors import AutoParallelError
+    from autopar.optimizer_shard import scatter_gradients
+
+    with pytest.raises(AutoParallelError, match="fp32"):
+        scatter_gradients([np.ones(4, np.float32)] * 2, [("d",)] * 2, [[0, 1]], fp32=[True])

@@ -505,3 +505,76 @@ def test_train_step_dispatches_to_the_pipeline_and_keeps_a_strategy_file_per_sta
         again = ap.train_step(model.loss, params, tuple(batch))
     assert [str(a.nodes) for a in again.plans] == [str(b.nodes) for b in step.plans]
     assert all("loaded from" in " ".join(p.notes) for p in again.plans)
+
+
+# ---------------------------------------------------------------------------- review R1
+
+
+@pytest.mark.parametrize("opt", [
+    optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(1.0)),
+    optax.lamb(1e-3),
+    optax.adafactor(1e-2, min_dim_size_to_factor=2),
+], ids=["clip_by_global_norm", "lamb", "adafactor"])
+def test_non_elementwise_optimizer_is_refused(opt):
+    """The optimizer runs on the packed [p, D, N] buffers: a global-norm clip saw the D
+    copies of replicated parameters (update norm 0.0005 instead of 0.001), silently."""
+    model = mlp(widths=(8, 16, 16, 8), batch=8)
+    params, x = model.example_args(KEY)
+    with ap.auto_parallel_context(pipeline_stages=2, **PIPE):
+        with pytest.raises(AutoParallelError, match="optimizer.*not elementwise"):
+            pipeline_train_step(model.loss, params, (x,), opt, micro_batches=2)
+
+
+def test_elementwise_probe_accepts_elementwise_optimizers():
+    from autopar.stage_buffers import check_elementwise_optimizer
+
+    for opt in (optax.sgd(0.1, momentum=0.9), optax.adamw(1e-3), optax.chain(
+            optax.clip(1.0), optax.rmsprop(1e-3))):
+        check_elementwise_optimizer(opt, 2, (2, 4))
+
+
+def test_comm_fusion_warns_and_parameter_broadcast_applies_in_prepare(monkeypatch):
+    """comm_fusion is ignored by the pipeline (one psum per sync group): warned, naming the
+    key. parameter_broadcast: prepare() broadcasts rank 0's copy before packing, as
+    TrainStep.prepare does."""
+    import autopar.train
+
+    model = mlp(widths=(8, 16, 16, 8), batch=8)
+    params, x = model.example_args(KEY)
+    with ap.auto_parallel_context(pipeline_stages=2, all_reduce_fusion_config=[1],
+                                  parameter_broadcast=True, **PIPE):
+        with pytest.warns(ap.AutoParallelWarning, match="comm_fusion"):
+            step = pipeline_train_step(model.loss, params, (x,), micro_batches=2)
+    calls = []
+    real = autopar.train.broadcast_parameters
+
+    def spy(tree, mesh=None):
+        calls.append(mesh)
+        return real(tree, mesh)
+
+    monkeypatch.setattr(autopar.train, "broadcast_parameters", spy)
+    placed = step.prepare(params)
+    assert calls == [step.mesh]
+    for got, want in zip(placed.buffers, step.pack(params).buffers):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    step.prepare(placed)           # already packed: nothing to broadcast
+    assert len(calls) == 1
+
+
+def test_integer_parameter_is_not_sharded_with_its_own_reason():
+    model = mlp(widths=(8, 16, 16, 8), batch=8)
+    params, x = model.example_args(KEY)
+    params = {**params, "k": jnp.arange(8, dtype=jnp.int32)}
+
+    def loss(p, x):
+        q = {k: v for k, v in p.items() if k != "k"}
+        return model.loss(q, x * p["k"].astype(jnp.float32))
+
+    with ap.auto_parallel_context(pipeline_stages=2, enable_parallel_optimizer=True,
+                                  parallel_optimizer_config={"parallel_optimizer_threshold": 0},
+                                  **PIPE):
+        step = pipeline_train_step(loss, params, (x,), micro_batches=2)
+    reasons = {d.name: d.reason for d in step.shard_decisions}
+    k = next(name for name in reasons if name.endswith("k"))
+    assert "int32 is not a float" in reasons[k]
+    assert not any("enable_parallel_optimizer is False" in r for r in reasons.values())

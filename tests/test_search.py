@@ -239,6 +239,6 @@ def test_parallel_optimizer_is_priced_in_the_memory_term(tmp_path):
                                   enable_parallel_optimizer=True,
                                   strategy_ckpt_save_file=str(tmp_path / "s.json")):
         plan = ap.search(g, mode="dynamic_programming")
-    loaded = ap.load_strategy(tmp_path / "s.json", g)
+        loaded = ap.load_strategy(tmp_path / "s.json", g)  # under the same threshold
     assert loaded.parallel_optimizer_kb == 64
     assert loaded.cost.memory_bytes == plan.cost.memory_bytes
