@@ -24,6 +24,11 @@ not slower than the matmul plus the collective (:func:`predict`). On ``cpu-emula
 (devices sharing two cores, communication is a copy by the same cores) nothing overlaps, so
 ``"auto"`` never fuses there: the ring only adds its extra memory pass.
 
+Each fused node also records the ring schedule the same model predicts fastest on the
+cluster (:func:`best_schedule`): one way or both ways round the ring (``bidirectional``) and
+one matmul per block or one for all (``chunks=None`` / ``1``). Without a cluster (``True``
+on a plan priced on none) the kernels' defaults run: one way, pipelined.
+
 >>> predict("mm_reduce_scatter", flops=2 * 4096 * 1024 * 1024, x_bytes=4096 * 1024 * 2,
 ...         out_bytes=4096 * 1024 * 2, comm_bytes=4096 * 1024 * 2, p=8, intra=True,
 ...         cluster="accelerator-8x")["fused"] < \\
@@ -45,8 +50,8 @@ from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.parallel_graph import PNode, ParallelGraph
 from autopar.strategies.cost import CLUSTERS, Cluster, CostModel, get_cluster
 
-__all__ = ["FusedKernels", "FUSED_OPS", "NO_OVERLAP_CLUSTERS", "check_fused_kernels",
-           "fuse_kernels", "predict", "run_fused"]
+__all__ = ["DEFAULT_SCHEDULE", "FusedKernels", "FUSED_OPS", "NO_OVERLAP_CLUSTERS",
+           "best_schedule", "check_fused_kernels", "fuse_kernels", "predict", "run_fused"]
 
 FusedKernels = Union[bool, Literal["auto"]]
 #: MindSpore-style display names of the fused nodes.
@@ -54,6 +59,9 @@ FUSED_OPS: dict[str, str] = {"mm_reduce_scatter": "MatMulReduceScatter",
                              "all_gather_matmul": "AllGatherMatMul"}
 #: Cluster presets whose devices cannot overlap compute and communication.
 NO_OVERLAP_CLUSTERS = frozenset({"cpu-emulated"})
+#: The ring schedule of a fused node when no cluster prices it (the kernels' defaults).
+DEFAULT_SCHEDULE: MappingProxyType[str, Any] = MappingProxyType(
+    {"bidirectional": False, "chunks": None})
 
 
 def check_fused_kernels(value: Any, key: str = "fused_kernels") -> FusedKernels:
@@ -71,48 +79,73 @@ def check_fused_kernels(value: Any, key: str = "fused_kernels") -> FusedKernels:
 def predict(kind: str, *, flops: float, x_bytes: float, out_bytes: float, comm_bytes: float,
             p: int, intra: bool, cluster: str | Cluster,
             itemsize: int = 4, bidirectional: bool = False,
-            overlap: bool | None = None) -> dict[str, float]:
+            chunks: int | None = None) -> dict[str, float]:
     """Alpha-beta times (seconds) of the unfused pair and of the fused ring, with overlap.
 
     ``comm_bytes``: the collective's per-device bytes as the redistribution table counts them
-    (reduce_scatter: its input; all_gather: its output). A ring of ``p`` devices runs ``p - 1``
-    steps each moving ``comm_bytes / p`` (mm_reduce_scatter's accumulators travel in fp32:
-    ``4 / itemsize`` times that) while one of ``p`` matmul blocks runs::
+    (reduce_scatter: its input; all_gather: its output). Every device sends ``p - 1`` blocks
+    of ``comm_bytes / p`` (mm_reduce_scatter's accumulators travel in fp32: ``4 / itemsize``
+    times that) in ``R`` rounds -- ``R = p - 1`` one way, ``ceil((p - 1) / 2)`` both ways
+    (each round then uses both directions of the links) -- while the local matmul runs in
+    ``c = chunks`` pieces (default ``p``), the first of which cannot overlap anything::
 
-        unfused = T_mm + T_collective
-        fused   = T_mm / p + (p - 1) * max(T_mm / p, alpha + block / bw) + extra   (overlap)
-        fused   = T_mm + (p - 1) * (alpha + block / bw) + extra                    (no overlap)
+        unfused = T_mm + T_collective                          (as the search prices it)
+        fused   = T_mm / c + R * max((c - 1) / c * T_mm / R, alpha + block / bw) + extra
+        fused   = T_mm + R * (alpha + block / bw) + extra       (no overlap, or c = 1)
 
-    ``extra`` is the ring's additional local memory pass: mm_reduce_scatter slices x block by
-    block, all_gather_matmul writes the products into row order once. ``bidirectional``: each
-    step sends half a block each way at once (``block / 2`` per link direction). ``overlap``:
-    whether the matmul blocks run while the transfers are in flight (default: unless the
-    cluster is in :data:`NO_OVERLAP_CLUSTERS`; a ring in one matmul, ``chunks=1``, never does).
+    ``extra`` is the ring's additional local memory traffic: mm_reduce_scatter adds each
+    arriving accumulator to a partial product (a pass over three blocks per hop, which a
+    reduce-scatter does inside the collective) and, pipelined, copies the rows of ``x``
+    block by block (``chunks=1`` reads its one product in place);
+    all_gather_matmul writes the products into row order once (``chunks=1``: assembles the
+    gathered ``x`` instead). Clusters in :data:`NO_OVERLAP_CLUSTERS` move data with the cores
+    that compute (emulated devices): nothing overlaps there, neither a matmul and a transfer
+    nor the two directions of a link (``R = p - 1`` both ways).
     """
     clus = get_cluster(cluster)
     cm = CostModel(clus)
+    c = p if chunks is None else int(chunks)
+    if c < 1 or p % c:
+        raise AutoParallelError("chunks", chunks, f"must be a divisor of p = {p}")
     t_mm = cm.compute_time(flops, x_bytes + out_bytes)
+    mem = clus.memory_bandwidth
     if kind == "mm_reduce_scatter":
         coll = "reduce_scatter"
         block = comm_bytes / p * (4 / itemsize)
-        extra = x_bytes / clus.memory_bandwidth
+        # + each hop's add (read two blocks, write one) outside the collective
+        extra = (x_bytes / mem if c > 1 else 0.0) + 3 * (p - 1) * block / mem
     elif kind == "all_gather_matmul":
         coll = "all_gather"
         block = comm_bytes / p
-        extra = out_bytes / clus.memory_bandwidth
+        extra = (out_bytes / mem if c > 1 else 0.0) + (x_bytes / mem if c < p else 0.0)
     else:
         raise AutoParallelError("kind", kind, f"must be one of {sorted(FUSED_OPS)}")
     unfused = t_mm + cm.collective_time(coll, comm_bytes, p, intra=intra)
     bw, alpha = (clus.intra_bandwidth, clus.intra_alpha) if intra else \
         (clus.inter_bandwidth, clus.inter_alpha)
-    t_step = alpha + (block / 2 if bidirectional else block) / bw
-    if overlap is None:
-        overlap = clus.name not in NO_OVERLAP_CLUSTERS
-    if not overlap:
-        fused = t_mm + (p - 1) * t_step + extra
+    t_step = alpha + block / bw
+    serial = clus.name in NO_OVERLAP_CLUSTERS
+    rounds = p // 2 if bidirectional and p > 2 and not serial else p - 1
+    if c == 1 or serial:
+        fused = t_mm + rounds * t_step + extra
     else:
-        fused = t_mm / p + (p - 1) * max(t_mm / p, t_step) + extra
+        fused = t_mm / c + rounds * max((c - 1) / c * t_mm / rounds, t_step) + extra
     return {"unfused": unfused, "fused": fused, "gain": unfused / fused}
+
+
+def best_schedule(kind: str, p: int, cluster: str | Cluster,
+                  **shapes: Any) -> tuple[dict[str, Any], dict[str, float]]:
+    """The ring schedule (``bidirectional``, ``chunks``) the model predicts fastest, and its
+    :func:`predict` result; ties go to the simpler schedule (one way, pipelined)."""
+    best: tuple[dict[str, Any], dict[str, float]] | None = None
+    for bidirectional in (False, True):
+        for chunks in (None, 1):
+            r = predict(kind, p=p, cluster=cluster, bidirectional=bidirectional,
+                        chunks=chunks, **shapes)
+            if best is None or r["fused"] < best[1]["fused"] * (1 - 1e-9):
+                best = ({"bidirectional": bidirectional, "chunks": chunks}, r)
+    assert best is not None
+    return best
 
 
 # ---------------------------------------------------------------------------- matching
@@ -142,8 +175,9 @@ def _group(axes: tuple[str, ...], pg: ParallelGraph) -> int:
     return pg.mesh.size_of(axes)
 
 
-def _costs(kind: str, dot: PNode, comm: PNode, pg: ParallelGraph,
-           cluster: str | Cluster) -> dict[str, float]:
+def _schedule(kind: str, dot: PNode, comm: PNode, pg: ParallelGraph,
+              cluster: str | Cluster) -> tuple[dict[str, Any], dict[str, float]]:
+    """The fastest ring schedule for one matched pair on ``cluster`` (:func:`best_schedule`)."""
     lhs, rhs = (pg.values[v] for v in dot.inputs)
     out = pg.values[dot.outputs[0]]
     m = int(np.prod(lhs.local_shape[:-1]))
@@ -154,10 +188,10 @@ def _costs(kind: str, dot: PNode, comm: PNode, pg: ParallelGraph,
     _, intra = cm.group(comm.step.axes, pg.mesh)  # type: ignore[union-attr]
     if kind == "all_gather_matmul":
         m *= p
-    return predict(kind, flops=2.0 * m * k * n, x_bytes=m * k * item,
-                   out_bytes=int(np.prod(out.local_shape)) * item,
-                   comm_bytes=comm.step.nbytes, p=p, intra=intra,  # type: ignore[union-attr]
-                   cluster=cluster, itemsize=item)
+    return best_schedule(kind, p, cluster, flops=2.0 * m * k * n, x_bytes=m * k * item,
+                         out_bytes=int(np.prod(out.local_shape)) * item,
+                         comm_bytes=comm.step.nbytes, intra=intra,  # type: ignore[union-attr]
+                         itemsize=item)
 
 
 def fuse_kernels(pg: ParallelGraph, fused_kernels: FusedKernels = "auto",
@@ -198,10 +232,11 @@ def fuse_kernels(pg: ParallelGraph, fused_kernels: FusedKernels = "auto",
             p = _group(st.axes, pg)
             if pg.values[node.inputs[0]].local_shape[0] % p:
                 continue
-            if mode == "auto" and _costs("mm_reduce_scatter", node, c, pg,
-                                         cluster)["gain"] < 1.0:  # type: ignore[arg-type]
+            sched, cost = _schedule("mm_reduce_scatter", node, c, pg, cluster) \
+                if cluster is not None else (DEFAULT_SCHEDULE, None)
+            if mode == "auto" and cost is not None and cost["gain"] < 1.0:
                 continue
-            put[i] = _fused("mm_reduce_scatter", node, c, node.inputs, c.outputs)
+            put[i] = _fused("mm_reduce_scatter", node, c, node.inputs, c.outputs, sched)
             drop.add(readers[0])
         elif node.step is not None and node.step.kind == "all_gather" and node.step.dim == 0:
             v = node.outputs[0]
@@ -212,11 +247,12 @@ def fuse_kernels(pg: ParallelGraph, fused_kernels: FusedKernels = "auto",
             d = nodes[j]
             if not _matmul_ok(d, pg) or d.inputs[0] != v or d.inputs[1] == v:
                 continue
-            if mode == "auto" and _costs("all_gather_matmul", d, node, pg,
-                                         cluster)["gain"] < 1.0:  # type: ignore[arg-type]
+            sched, cost = _schedule("all_gather_matmul", d, node, pg, cluster) \
+                if cluster is not None else (DEFAULT_SCHEDULE, None)
+            if mode == "auto" and cost is not None and cost["gain"] < 1.0:
                 continue
             put[j] = _fused("all_gather_matmul", d, node, (node.inputs[0], d.inputs[1]),
-                            d.outputs)
+                            d.outputs, sched)
             drop.add(i)
     if not put:
         return pg
@@ -225,13 +261,17 @@ def fuse_kernels(pg: ParallelGraph, fused_kernels: FusedKernels = "auto",
 
 
 def _fused(op: str, dot: PNode, comm: PNode, inputs: tuple[str, ...],
-           outputs: tuple[str, ...]) -> PNode:
+           outputs: tuple[str, ...], schedule: dict[str, Any]) -> PNode:
     st = comm.step
     assert st is not None
-    note = f"{FUSED_OPS[op]}[{','.join(st.axes)}] = {dot.name} + {comm.name} ({comm.note})"
+    ring = ("both ways" if schedule["bidirectional"] else "one way") + \
+        (", one matmul" if schedule["chunks"] == 1 else ", pipelined")
+    note = (f"{FUSED_OPS[op]}[{','.join(st.axes)}] = {dot.name} + {comm.name} ({comm.note}; "
+            f"ring {ring})")
     return PNode(dot.name if op == "all_gather_matmul" else comm.name, op, "fused", inputs,
                  outputs, MappingProxyType({"axes": st.axes, "dot": dot.name,
-                                            "comm": comm.name, "nbytes": st.nbytes}),
+                                            "comm": comm.name, "nbytes": st.nbytes,
+                                            **schedule}),
                  strategy=dot.strategy, source=dot.source, note=note)
 
 
@@ -247,10 +287,11 @@ def run_fused(node: PNode, args: list[Any], pg: ParallelGraph) -> list[Any]:
     name: Any = axes[0] if len(axes) == 1 else axes
     want = pg.values[node.outputs[0]].local_shape
     x2 = x.reshape(-1, x.shape[-1])
+    sched = {key: node.params.get(key, DEFAULT_SCHEDULE[key]) for key in DEFAULT_SCHEDULE}
     if node.op == "mm_reduce_scatter":
-        out = mm_reduce_scatter(x2, w, name)
+        out = mm_reduce_scatter(x2, w, name, **sched)
     elif node.op == "all_gather_matmul":
-        out = all_gather_matmul(x2, w, name)
+        out = all_gather_matmul(x2, w, name, **sched)
     else:
         raise AutoParallelError("node", node.name, f"unknown fused kernel {node.op!r}")
     return [out.reshape(want)]

@@ -45,8 +45,9 @@ def _predicted(kernel: str, variant: str, m: int, k: int, n: int, cluster: str) 
     else:                               # per device x (m / p, k), w (k, n) -> (m, n)
         shapes = dict(flops=2.0 * m * k * n, x_bytes=4.0 * m * k, out_bytes=4.0 * m * n,
                       comm_bytes=4.0 * m * k)
+    chunks = int(variant.split("chunks=")[1].split(")")[0]) if "chunks=" in variant else None
     r = predict(kernel, p=p, intra=True, cluster=cluster, bidirectional="bidirectional" in variant,
-                overlap=False if "chunks=1" in variant else None, **shapes)
+                chunks=chunks, **shapes)
     return r["fused"] / r["unfused"]
 
 

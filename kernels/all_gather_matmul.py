@@ -20,12 +20,11 @@ The ``p`` products are written once into their final row order by a single gathe
 the stacked products (XLA fuses the stacking into the gather, so this is one pass over the
 output): no per-step ``dynamic_update_slice``, no zero-filled output buffer.
 
-The bidirectional variant splits every block in two halves and runs two rings at once,
-one half travelling left and the other right, so each link carries half the bytes in each
-direction. Rows are split when ``m_local`` is even (each half yields half of the block's
-output rows); otherwise the contraction dim ``k`` is split when even (each half yields a
-partial product, the two are added in the final fused assembly); otherwise it falls back
-to the one-way ring.
+The bidirectional variant sends every block both ways at once: block ``b`` reaches the
+``ceil((p - 1) / 2)`` devices to its right travelling right and the other
+``floor((p - 1) / 2)`` travelling left, so every device still receives ``p - 1`` blocks
+(one ``collective-permute`` each) but in ``ceil((p - 1) / 2)`` rounds, both directions of
+every link busy at once.
 
 ``chunks`` trades overlap for matmul efficiency without changing the communication: the
 ``p`` blocks of a ring are multiplied in ``chunks`` matmuls (default ``p``, one per block
@@ -65,6 +64,7 @@ from autopar.kernels.mm_reduce_scatter import (
     axis_size,
     check_array,
     check_chunks,
+    ring_hops,
     ring_perm,
 )
 
@@ -82,25 +82,41 @@ def _validate(x: jax.Array, w: jax.Array) -> None:
                                 f"first dim must equal x.shape[1] = {x.shape[1]} (k)")
 
 
-def _travel(x: jax.Array, axis_name: AxisName, p: int, shift: int) -> list[jax.Array]:
-    """The blocks passing through this device, in step order (step 0: its own block).
+def _travel(x: jax.Array, axis_name: AxisName, p: int, bidirectional: bool
+            ) -> tuple[list[jax.Array], list[int]]:
+    """The blocks passing through this device in arrival order, and each one's block
+    offset (block ``(axis_index + offset) mod p``); step 0 is the device's own block.
 
-    ``shift=-1``: blocks travel left, step ``t`` holds block ``i + t``;
-    ``shift=+1``: blocks travel right, step ``t`` holds block ``i - t``. The transfer of
-    step ``t + 1`` is issued before anything consumes step ``t``'s block.
+    One way, blocks travel left: step ``t`` holds block ``i + t``. Both ways, every block
+    is sent left and right at once: round ``t`` brings block ``i - t`` from the left
+    (``t <= ceil((p - 1) / 2)``) and block ``i + t`` from the right (the remaining
+    ``floor((p - 1) / 2)`` rounds' worth). The transfer of round ``t + 1`` is issued before
+    anything consumes round ``t``'s blocks.
     """
-    perm = ring_perm(p, shift)
-    held = [x]
-    for _ in range(p - 1):
-        held.append(lax.ppermute(held[-1], axis_name, perm))
-    return held
+    right, left = ring_hops(p, bidirectional)
+    if not bidirectional:
+        right, left = 0, p - 1          # one way: everything travels left
+    held, offsets = [x], [0]
+    to_right, to_left = x, x
+    for t in range(1, max(right, left) + 1):
+        if t <= left:
+            to_left = lax.ppermute(to_left, axis_name, ring_perm(p, -1))
+            held.append(to_left)
+            offsets.append(t)
+        if t <= right:
+            to_right = lax.ppermute(to_right, axis_name, ring_perm(p, +1))
+            held.append(to_right)
+            offsets.append(-t)
+    return held, offsets
 
 
-def _step_of_block(index: jax.Array, p: int, shift: int) -> jax.Array:
-    """For every block ``b`` (a length-p vector), the step at which this device holds it."""
+def _step_of_block(index: jax.Array, offsets: list[int], p: int) -> jax.Array:
+    """For every block ``b`` (a length-p vector), its position in the arrival order."""
+    table = np.zeros(p, np.int32)
+    for pos, off in enumerate(offsets):
+        table[off % p] = pos
     b = jnp.arange(p, dtype=jnp.int32)
-    i = index.astype(jnp.int32)
-    return lax.rem(b - i + p, p) if shift < 0 else lax.rem(i - b + p, p)
+    return jnp.asarray(table)[lax.rem(b - index.astype(jnp.int32) + p, p)]
 
 
 def _by_block(pieces: jax.Array, order: jax.Array) -> jax.Array:
@@ -127,7 +143,8 @@ def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: AxisName, *,
       w: this device's ``(k, n)`` operand (a column slice or a replicated matrix), same
         dtype as ``x``.
       axis_name: the mesh axis (or tuple of axes) of the enclosing ``shard_map``.
-      bidirectional: split each block in halves and send them both ways round the ring.
+      bidirectional: send every block both ways round the ring, so the blocks arrive in
+        ``ceil((p - 1) / 2)`` rounds instead of ``p - 1`` (same ``p - 1`` transfers).
       chunks: how many matmuls consume the ``p`` blocks of a ring, a divisor of ``p``.
         Default ``p``: one matmul per block as it arrives (the fully pipelined ring).
         ``chunks=1`` gathers the blocks in order and runs one matmul; fewer, larger
@@ -152,42 +169,11 @@ def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: AxisName, *,
     if p == 1:
         return jnp.dot(x, w, preferred_element_type=acc).astype(x.dtype)
 
-    index = lax.axis_index(axis_name)
-    left_order = _step_of_block(index, p, -1)
-    right_order = _step_of_block(index, p, +1)
-
-    if bidirectional and ml % 2 == 0:
-        # Row halves: the top half of every block travels left, the bottom half right.
-        h = ml // 2
-        top = _travel(x[:h], axis_name, p, -1)
-        bottom = _travel(x[h:], axis_name, p, +1)
-        if c == 1:   # assemble x in block order, one matmul
-            halves = jnp.stack([_by_block(jnp.stack(top), left_order),
-                                _by_block(jnp.stack(bottom), right_order)], axis=1)
-            out = jnp.dot(halves.reshape(p * ml, k), w, preferred_element_type=acc)
-        else:
-            halves = jnp.stack([_by_block(_products(top, w, q, acc), left_order),
-                                _by_block(_products(bottom, w, q, acc), right_order)], axis=1)
-            out = halves.reshape(p * ml, n)
-    elif bidirectional and k % 2 == 0:
-        # Contraction halves: x[:, :k/2] travels left, x[:, k/2:] right; the two partial
-        # products of a block are added in the final (fused) assembly.
-        h = k // 2
-        first = _travel(x[:, :h], axis_name, p, -1)
-        second = _travel(x[:, h:], axis_name, p, +1)
-        if c == 1:
-            full = jnp.concatenate([_by_block(jnp.stack(first), left_order),
-                                    _by_block(jnp.stack(second), right_order)], axis=2)
-            out = jnp.dot(full.reshape(p * ml, k), w, preferred_element_type=acc)
-        else:
-            out = (_by_block(_products(first, w[:h], q, acc), left_order)
-                   + _by_block(_products(second, w[h:], q, acc), right_order))
-            out = out.reshape(p * ml, n)
+    held, offsets = _travel(x, axis_name, p, bidirectional)
+    order = _step_of_block(lax.axis_index(axis_name), offsets, p)
+    if c == 1:   # assemble x in block order, one matmul
+        gathered = _by_block(jnp.stack(held), order).reshape(p * ml, k)
+        out = jnp.dot(gathered, w, preferred_element_type=acc)
     else:
-        held = _travel(x, axis_name, p, -1)
-        if c == 1:
-            gathered = _by_block(jnp.stack(held), left_order).reshape(p * ml, k)
-            out = jnp.dot(gathered, w, preferred_element_type=acc)
-        else:
-            out = _by_block(_products(held, w, q, acc), left_order).reshape(p * ml, n)
+        out = _by_block(_products(held, w, q, acc), order).reshape(p * ml, n)
     return out.astype(x.dtype)

@@ -18,11 +18,13 @@ matmul while the ``collective-permute`` moves the previous accumulator::
     step s:  acc = ppermute(acc, i -> i+1) + x[B_{i-1-s}] @ w     (s = 1 .. p-1)
     result:  acc (+ bias)                                          == block i of the sum
 
-The bidirectional variant splits every block in two halves (its columns when ``n`` is
-even -- every matmul then keeps all ``m / p`` rows -- else its rows when ``m / p`` is even)
-and runs two rings at once: the first halves travel to the right, the second halves to
-the left, so each link carries half the bytes in each direction. When neither split is
-possible it falls back to the one-way ring.
+The bidirectional variant collects each block from both sides: an accumulator for block
+``b`` starts ``ceil((p - 1) / 2)`` devices to its left and travels right, a second one
+starts the remaining ``floor((p - 1) / 2)`` devices to its right and travels left, and the
+owner adds the two and its own partial product. Every device still sends ``p - 1``
+accumulators (one ``collective-permute`` each), but both directions of every link carry
+traffic at once, so the ring finishes in ``ceil((p - 1) / 2)`` rounds instead of ``p - 1``
+(half the latency; on a full-duplex ring, half the time when the link is the bottleneck).
 
 ``chunks`` trades overlap for matmul efficiency without changing the communication: the
 ``p`` partial products of a ring are computed in ``chunks`` matmuls (default ``p``, one per
@@ -142,68 +144,78 @@ def _validate(x: Any, w: Any, bias: Any, p: int) -> None:
                                     f"must be (n,) = ({w.shape[1]},)")
 
 
-class _Matmuls:
-    """Step partials of one ring, ``p / chunks`` steps per matmul (``chunks >= 2``).
+def ring_hops(p: int, bidirectional: bool) -> tuple[int, int]:
+    """Hops ``(right, left)`` a ring's blocks travel: ``(p - 1, 0)`` one way; both ways
+    ``ceil((p - 1) / 2)`` to the right and the rest to the left, ``p - 1`` in all."""
+    if not bidirectional:
+        return p - 1, 0
+    right = p // 2
+    return right, p - 1 - right
 
-    Step ``s`` of a ring with ``shift`` (+1: accumulators travel right, -1: left) works on
-    block ``(i - shift * (1 + s)) mod p``, rows ``row0 : row0 + rows`` of that block:
 
-    * one step per matmul (the default): ``dynamic_slice(x) @ w_part``;
-    * ``q > 1`` steps per matmul: the rows of ``q`` consecutive steps are gathered (one
-      fused copy) and multiplied at once; each step reads a static slice of the product.
+class _Partials:
+    """Partial products ``x[B_b] @ w`` in the order a ring uses them.
+
+    ``offsets[j]`` is the block of use ``j`` relative to this device: block
+    ``(axis_index + offsets[j]) mod p``. ``q`` consecutive uses share one matmul:
+
+    * ``q == 1`` (one matmul per block, the fully pipelined ring): ``dynamic_slice(x) @ w``;
+    * ``1 < q < p``: the rows of ``q`` uses are gathered (one fused copy) and multiplied
+      at once; each use reads a static slice of the product;
+    * ``q == p`` (``chunks=1``): the whole local ``x @ w`` first; each use is a dynamic
+      slice of it that XLA fuses into the add that consumes it.
     """
 
-    def __init__(self, x: jax.Array, w_part: jax.Array, index: jax.Array, p: int, q: int,
-                 shift: int, row0: int, rows: int, acc: np.dtype) -> None:
-        self.x, self.w, self.index, self.p, self.q = x, w_part, index, p, q
-        self.shift, self.row0, self.rows, self.acc = shift, row0, rows, acc
+    def __init__(self, x: jax.Array, w: jax.Array, index: jax.Array, p: int, q: int,
+                 offsets: list[int], acc: np.dtype) -> None:
+        self.x, self.w, self.index, self.p, self.q = x, w, index, p, q
+        self.offsets, self.acc = offsets, acc
         self.mb = x.shape[0] // p
-        self.group: tuple[int, jax.Array] | None = None
+        self.prod = jnp.dot(x, w, preferred_element_type=acc) if q == p else None
+        self.groups: dict[int, jax.Array] = {}
 
-    def _start(self, step: int) -> jax.Array:
-        return block_start(self.index, -self.shift * (1 + step), self.p, self.mb) + self.row0
+    def _start(self, j: int) -> jax.Array:
+        return block_start(self.index, self.offsets[j], self.p, self.mb)
 
-    def __call__(self, step: int) -> jax.Array:
+    def __call__(self, j: int) -> jax.Array:
+        if self.prod is not None:
+            return lax.dynamic_slice_in_dim(self.prod, self._start(j), self.mb, axis=0)
         if self.q == 1:
-            blk = lax.dynamic_slice_in_dim(self.x, self._start(step), self.rows, axis=0)
+            blk = lax.dynamic_slice_in_dim(self.x, self._start(j), self.mb, axis=0)
             return jnp.dot(blk, self.w, preferred_element_type=self.acc)
-        g, j = divmod(step, self.q)
-        if self.group is None or self.group[0] != g:
-            offsets = jnp.arange(self.rows, dtype=jnp.int32)
-            idx = jnp.concatenate([self._start(g * self.q + t).astype(jnp.int32) + offsets
-                                   for t in range(self.q)])
+        g, t = divmod(j, self.q)
+        if g not in self.groups:
+            offsets = jnp.arange(self.mb, dtype=jnp.int32)
+            idx = jnp.concatenate([self._start(g * self.q + u).astype(jnp.int32) + offsets
+                                   for u in range(self.q)])
             blk = self.x.at[idx].get(mode="promise_in_bounds", unique_indices=True)
-            self.group = (g, jnp.dot(blk, self.w, preferred_element_type=self.acc))
-        return self.group[1][j * self.rows:(j + 1) * self.rows]
+            self.groups[g] = jnp.dot(blk, self.w, preferred_element_type=self.acc)
+        return self.groups[g][t * self.mb:(t + 1) * self.mb]
 
 
-class _FromProduct:
-    """Step partials read from the whole local product ``x @ w`` (``chunks == 1``).
-
-    Each step's window (rows ``row0 : row0 + rows`` of its block, columns ``col0 : col0 +
-    cols``) is a dynamic slice that XLA fuses into the add that consumes it.
-    """
-
-    def __init__(self, prod: jax.Array, index: jax.Array, p: int, shift: int, row0: int,
-                 rows: int, col0: int, cols: int) -> None:
-        self.prod, self.index, self.p, self.shift = prod, index, p, shift
-        self.row0, self.rows, self.col0, self.cols = row0, rows, col0, cols
-        self.mb = prod.shape[0] // p
-
-    def __call__(self, step: int) -> jax.Array:
-        start = block_start(self.index, -self.shift * (1 + step), self.p, self.mb) + self.row0
-        return lax.dynamic_slice(self.prod, (start, jnp.int32(self.col0)),
-                                 (self.rows, self.cols))
+def _uses(p: int, right: int, left: int) -> list[int]:
+    """Block offsets in use order: round ``t`` adds the right-travelling accumulator's block
+    ``right - t`` and the left-travelling one's ``t - left``; this device's own block last."""
+    order = []
+    for t in range(max(right, left)):
+        if t < right:
+            order.append(right - t)
+        if t < left:
+            order.append(t - left)
+    return order + [0]
 
 
-def _ring(partial: _Matmuls | _FromProduct, axis_name: AxisName, p: int, shift: int) -> jax.Array:
-    """Run one ring: returns this device's complete block of the reduced product."""
+def _chain(part: _Partials, uses: list[int], offset: int, hops: int, axis_name: AxisName,
+           p: int, shift: int) -> jax.Array:
+    """One accumulator travelling ``hops`` hops by ``shift``: starts with the block at
+    ``offset`` (= ``shift * hops``), picks up each device's partial product on the way and
+    arrives at the block's owner (before the owner's own partial is added)."""
     perm = ring_perm(p, shift)
-    out = partial(0)
-    for step in range(1, p):
-        nxt = partial(step)                      # independent of the accumulator in flight
-        out = lax.ppermute(out, axis_name, perm) + nxt
-    return out
+    acc = part(uses.index(offset))
+    for t in range(1, hops):
+        nxt = part(uses.index(offset - shift * t))   # independent of the accumulator in flight
+        acc = lax.ppermute(acc, axis_name, perm) + nxt
+    return lax.ppermute(acc, axis_name, perm)
 
 
 def mm_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: AxisName, *,
@@ -217,13 +229,15 @@ def mm_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: AxisName, *,
       axis_name: the mesh axis (or tuple of axes) of the enclosing ``shard_map`` whose
         devices hold the k slices.
       bias: optional ``(n,)`` vector added once to the reduced result.
-      bidirectional: split each block in halves and send them both ways round the ring.
-      chunks: how many matmuls compute the ``p`` partial products of a ring, a divisor of
-        the axis size ``p``. Default ``p``: one matmul per block, each overlapping the
-        transfer of the previous accumulator (the fully pipelined ring). Fewer, larger
-        matmuls are more efficient where the transfer cannot overlap the matmul anyway
-        (CPU emulation); ``chunks=1`` computes the whole local product first. The
-        communication (``p - 1`` ring steps per ring) is the same for every value.
+      bidirectional: collect each block's contributions from both sides of the ring: half
+        of them travel right, half left, so the ring takes ``ceil((p - 1) / 2)`` rounds
+        instead of ``p - 1`` with the same ``p - 1`` transfers per device.
+      chunks: how many matmuls compute the ``p`` partial products, a divisor of the axis
+        size ``p``. Default ``p``: one matmul per block, each overlapping the transfer of
+        the previous accumulator (the fully pipelined ring). Fewer, larger matmuls are
+        cheaper where the transfer cannot overlap the matmul anyway (CPU emulation: a
+        block matmul first copies its rows of ``x``); ``chunks=1`` computes the whole local
+        product first. The communication is the same for every value.
 
     Returns:
       ``(m / p, n)`` in ``x.dtype``: row block ``axis_index`` of ``sum_devices(x @ w)``
@@ -239,9 +253,6 @@ def mm_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: AxisName, *,
     _validate(x, w, bias, p)
     c = check_chunks(chunks, p)
     acc = acc_dtype(x.dtype)
-    m, _ = x.shape
-    n = w.shape[1]
-    mb = m // p
     if p == 1:
         out = jnp.dot(x, w, preferred_element_type=acc)
         if bias is not None:
@@ -249,28 +260,13 @@ def mm_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: AxisName, *,
         return out.astype(x.dtype)
 
     index = lax.axis_index(axis_name)
-    prod = jnp.dot(x, w, preferred_element_type=acc) if c == 1 else None
-
-    def ring(shift: int, row0: int, rows: int, col0: int, cols: int) -> jax.Array:
-        """One ring over rows ``row0 : row0 + rows`` of every block, columns ``col0 ...``."""
-        if prod is not None:
-            part: _Matmuls | _FromProduct = _FromProduct(prod, index, p, shift, row0, rows,
-                                                         col0, cols)
-        else:
-            w_part = w if cols == n else w[:, col0:col0 + cols]
-            part = _Matmuls(x, w_part, index, p, p // c, shift, row0, rows, acc)
-        return _ring(part, axis_name, p, shift)
-
-    if bidirectional and n % 2 == 0:
-        # Column halves: every matmul keeps all rows of its block (taller matmuls than
-        # row halves); each ring moves (m/p, n/2) accumulators.
-        h = n // 2
-        out = jnp.concatenate([ring(+1, 0, mb, 0, h), ring(-1, 0, mb, h, h)], axis=1)
-    elif bidirectional and mb % 2 == 0:
-        h = mb // 2
-        out = jnp.concatenate([ring(+1, 0, h, 0, n), ring(-1, h, h, 0, n)], axis=0)
-    else:
-        out = ring(+1, 0, mb, 0, n)
+    right, left = ring_hops(p, bidirectional)
+    uses = _uses(p, right, left)
+    part = _Partials(x, w, index, p, p // c, uses, acc)
+    out = _chain(part, uses, right, right, axis_name, p, +1)
+    if left:
+        out = out + _chain(part, uses, -left, left, axis_name, p, -1)
+    out = out + part(len(uses) - 1)
     if bias is not None:
         out = out + bias.astype(acc)
     return out.astype(x.dtype)

@@ -7,6 +7,7 @@ axes of 1, 2, 4 and 8 emulated devices; the communication is checked in the lowe
 from __future__ import annotations
 
 import functools
+import json
 import re
 from typing import Any, Callable
 
@@ -35,6 +36,27 @@ def mesh(p: int) -> jax.sharding.Mesh:
 
 def divisors(p: int) -> list[int]:
     return [d for d in range(1, p + 1) if p % d == 0]
+
+
+def permute_shifts(text: str, p: int) -> dict[int, int]:
+    """Ring shift (+1 right, -1 left) -> number of collective_permutes in lowered text."""
+    out: dict[int, int] = {}
+    for pairs in re.findall(r"source_target_pairs = dense<(\[\[.*?\]\])>", text):
+        src, dst = np.asarray(json.loads(pairs)).T
+        shifts = {int((d - s_) % p) for s_, d in zip(src, dst)}
+        assert len(shifts) == 1, pairs
+        shift = shifts.pop()
+        key = +1 if shift == 1 else -1 if shift == p - 1 else shift
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
+def ring_shifts(p: int, bidirectional: bool) -> dict[int, int]:
+    """Expected permutes per direction: one way p - 1 to the right; both ways p // 2 right
+    and the rest left."""
+    if not bidirectional or p == 2:
+        return {+1: p - 1}
+    return {+1: p // 2, -1: p - 1 - p // 2}
 
 
 @functools.cache
@@ -99,6 +121,26 @@ def test_mm_reduce_scatter_matches_numpy_fp32(case: dict[str, Any], with_bias: b
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
 
 
+
+@pytest.mark.parametrize("p", [3, 6])
+def test_rings_on_odd_and_uneven_axis_sizes(p: int) -> None:
+    """Both kernels, one way and both ways, every chunks value, on axes that are not powers
+    of two (the two directions of a bidirectional ring then differ in length)."""
+    rng = np.random.default_rng(p)
+    x, w, b = randn(rng, (2 * p, 3 * p), np.float32), randn(rng, (3 * p, 4), np.float32), \
+        randn(rng, (4,), np.float32)
+    xg, wg = randn(rng, (2 * p, 3), np.float32), randn(rng, (3, 2 * p), np.float32)
+    for bidirectional in (False, True):
+        for chunks in divisors(p):
+            out = rs_fn(p, bidirectional, chunks, True)(x, w, b)
+            np.testing.assert_allclose(np.asarray(out), x.astype(np.float64) @ w + b,
+                                       rtol=1e-5, atol=1e-5)
+            out = ag_fn(p, bidirectional, chunks)(xg, wg)
+            np.testing.assert_allclose(np.asarray(out), xg.astype(np.float64) @ wg,
+                                       rtol=1e-5, atol=1e-5)
+    text = rs_fn(p, True, None, True).lower(x, w, b).as_text()
+    assert permute_shifts(text, p) == ring_shifts(p, True)
+
 @FEW
 @given(case=ring_case((2, 4, 8)), dtype=st.sampled_from([jnp.bfloat16, jnp.float16]))
 def test_mm_reduce_scatter_low_precision(case: dict[str, Any], dtype: Any) -> None:
@@ -136,10 +178,12 @@ def test_mm_reduce_scatter_lowers_to_collective_permutes_only(p: int, bidirectio
     x = jax.ShapeDtypeStruct((4 * p, 3 * p), jnp.float32)
     w = jax.ShapeDtypeStruct((3 * p, 6), jnp.float32)
     b = jax.ShapeDtypeStruct((6,), jnp.float32)
-    ops = count_ops(rs_fn(p, bidirectional, None, True).lower(x, w, b).as_text())
-    rings = 2 if bidirectional else 1
-    assert ops == {"collective_permute": rings * (p - 1), "all_reduce": 0, "reduce_scatter": 0,
-                   "all_gather": 0, "all_to_all": 0}
+    text = rs_fn(p, bidirectional, None, True).lower(x, w, b).as_text()
+    # p - 1 transfers per device either way; both ways they run in two chains, one per
+    # direction, of ceil((p - 1) / 2) and floor((p - 1) / 2) hops.
+    assert count_ops(text) == {"collective_permute": p - 1, "all_reduce": 0,
+                               "reduce_scatter": 0, "all_gather": 0, "all_to_all": 0}
+    assert permute_shifts(text, p) == ring_shifts(p, bidirectional)
 
 
 def test_mm_reduce_scatter_chunks_change_matmuls_not_communication() -> None:
@@ -237,10 +281,11 @@ def test_all_gather_matmul_low_precision(case: dict[str, Any], dtype: Any) -> No
 def test_all_gather_matmul_lowers_to_collective_permutes_only(p: int, bidirectional: bool) -> None:
     x = jax.ShapeDtypeStruct((2 * p, 6), jnp.float32)
     w = jax.ShapeDtypeStruct((6, 3 * p), jnp.float32)
-    ops = count_ops(ag_fn(p, bidirectional, None).lower(x, w).as_text())
-    rings = 2 if bidirectional else 1
-    assert ops == {"collective_permute": rings * (p - 1), "all_reduce": 0, "reduce_scatter": 0,
-                   "all_gather": 0, "all_to_all": 0}
+    text = ag_fn(p, bidirectional, None).lower(x, w).as_text()
+    assert count_ops(text) == {"collective_permute": p - 1, "all_reduce": 0,
+                               "reduce_scatter": 0, "all_gather": 0, "all_to_all": 0}
+    one_way = {-1 if p > 2 else +1: p - 1}                         # blocks travel left
+    assert permute_shifts(text, p) == (ring_shifts(p, True) if bidirectional else one_way)
 
 
 def test_all_gather_matmul_rejects_bad_operands() -> None:

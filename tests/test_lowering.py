@@ -478,6 +478,48 @@ def test_fused_kernels_auto_follows_the_overlap_model():
     assert acc["gain"] > 1.0 > cpu["gain"]
 
 
+def test_fused_nodes_run_the_ring_schedule_the_model_picks():
+    """Each fused node records (bidirectional, chunks) from best_schedule on the cluster and
+    lowers to that ring: both ways on the accelerator preset (ceil((p-1)/2) rounds, same
+    p - 1 transfers), one matmul per ring where nothing overlaps; results stay exact."""
+    from autopar.kernel_rules import DEFAULT_SCHEDULE, best_schedule, predict
+    from autopar.lower import lower
+
+    f, args, g, plan = _row_parallel()
+    want = jax.jit(f)(*args)
+    acc = ap.rewrite(g, plan, cluster="accelerator-8x")
+    cpu = ap.rewrite(g, plan, fused_kernels=True, cluster="cpu-emulated")
+    for pg, bidirectional in ((acc, True), (cpu, False)):
+        nodes = pg.fused_nodes()
+        assert len(nodes) == 2
+        assert all(n.params["bidirectional"] is bidirectional for n in nodes)
+        assert all(("both ways" if bidirectional else "one way") in n.note for n in nodes)
+        lo = lower(pg)
+        close(lo(*args), want)
+        text = lo.as_text(*args)
+        assert collectives(text)["collective_permute"] == 2 * 3   # p - 1 per kernel
+    # ring steps of the both-ways schedule: 2 to the right and 1 to the left per kernel (p=4)
+    pairs = re.findall(r"source_target_pairs = dense<(\[\[.*?\]\])>", lower(acc).as_text(*args))
+    assert len(set(pairs)) == 2
+    # no overlap: mm_reduce_scatter in one matmul (block matmuls would copy x's rows for
+    # nothing); all_gather_matmul picks the smaller of its two re-layout passes
+    rs = [n for n in cpu.fused_nodes() if n.op == "mm_reduce_scatter"]
+    assert [n.params["chunks"] for n in rs] == [1]
+    shapes = dict(flops=2.0 * 4096 * 1024 * 1024, x_bytes=4096 * 1024 * 4.0,
+                  out_bytes=4096 * 1024 * 4.0, comm_bytes=4096 * 1024 * 4.0, p=8, intra=True)
+    one = predict("all_gather_matmul", cluster="accelerator-8x", **shapes)
+    both = predict("all_gather_matmul", cluster="accelerator-8x", bidirectional=True, **shapes)
+    assert both["fused"] < one["fused"]                      # 4 rounds instead of 7
+    serial = [predict("all_gather_matmul", cluster="cpu-emulated", bidirectional=b, **shapes)
+              for b in (False, True)]
+    assert serial[0]["fused"] == serial[1]["fused"]          # one core pool moves both ways
+    sched, cost = best_schedule("all_gather_matmul", cluster="accelerator-8x", **shapes)
+    assert sched == {"bidirectional": True, "chunks": None} and cost["fused"] == both["fused"]
+    assert set(DEFAULT_SCHEDULE) == set(sched)
+    with pytest.raises(ap.AutoParallelError, match="chunks"):
+        predict("all_gather_matmul", cluster="accelerator-8x", chunks=3, **shapes)
+
+
 @pytest.mark.parametrize("bad,exc", [("yes", ap.AutoParallelError), (1, ap.AutoParallelTypeError),
                                      (None, ap.AutoParallelTypeError)])
 def test_fused_kernels_option_is_validated(bad, exc):
