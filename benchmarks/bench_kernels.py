@@ -29,26 +29,44 @@ from benchmarks._common import setup_devices, timeit, write_results
 
 DEVICES = 8
 COLUMNS = ["kernel", "variant", "ms", "ratio", "cpu ratio", "goal",
-           "predicted ratio accelerator-8x", "predicted ratio cpu-emulated"]
+           "predicted ratio accelerator-8x", "predicted ratio cpu-emulated", "rewrite picks on"]
+#: The ring schedules measured: (bidirectional, chunks) -- every one the rewrite can pick.
+SCHEDULES: dict[str, dict[str, Any]] = {
+    "ring one way, pipelined (chunks=8)": {"bidirectional": False, "chunks": None},
+    "ring both ways, pipelined (chunks=8)": {"bidirectional": True, "chunks": None},
+    "ring one way, one matmul (chunks=1)": {"bidirectional": False, "chunks": 1},
+    "ring both ways, one matmul (chunks=1)": {"bidirectional": True, "chunks": 1},
+}
 
 
-def _predicted(kernel: str, variant: str, m: int, k: int, n: int, cluster: str) -> float:
+def _shapes(kernel: str, m: int, k: int, n: int) -> dict[str, float]:
+    if kernel == "mm_reduce_scatter":   # per device x (m, k), w (k, n) -> (m / p, n)
+        return dict(flops=2.0 * m * k * n, x_bytes=4.0 * m * k, out_bytes=4.0 * m * n,
+                    comm_bytes=4.0 * m * n)
+    return dict(flops=2.0 * m * k * n, x_bytes=4.0 * m * k, out_bytes=4.0 * m * n,  # mirror
+                comm_bytes=4.0 * m * k)
+
+
+def _predicted(kernel: str, variant: str, m: int, k: int, n: int, cluster: str) -> Any:
     """fused / unfused time from the alpha-beta model with overlap (autopar.kernel_rules)."""
     from autopar.kernel_rules import predict
 
     if "unfused" in variant:
         return 1.0
-    p = DEVICES
-    if kernel == "mm_reduce_scatter":   # per device x (m, k), w (k, n) -> (m / p, n)
-        shapes = dict(flops=2.0 * m * k * n, x_bytes=4.0 * m * k, out_bytes=4.0 * m * n,
-                      comm_bytes=4.0 * m * n)
-    else:                               # per device x (m / p, k), w (k, n) -> (m, n)
-        shapes = dict(flops=2.0 * m * k * n, x_bytes=4.0 * m * k, out_bytes=4.0 * m * n,
-                      comm_bytes=4.0 * m * k)
-    chunks = int(variant.split("chunks=")[1].split(")")[0]) if "chunks=" in variant else None
-    r = predict(kernel, p=p, intra=True, cluster=cluster, bidirectional="bidirectional" in variant,
-                chunks=chunks, **shapes)
+    if variant not in SCHEDULES:
+        return ""
+    r = predict(kernel, p=DEVICES, intra=True, cluster=cluster, **SCHEDULES[variant],
+                **_shapes(kernel, m, k, n))
     return r["fused"] / r["unfused"]
+
+
+def _picked_by(kernel: str, variant: str, m: int, k: int, n: int) -> str:
+    """The clusters on which the rewrite would run this schedule for these shapes."""
+    from autopar.kernel_rules import best_schedule
+
+    return ", ".join(c for c in ("accelerator-8x", "cpu-emulated") if variant in SCHEDULES and
+                     best_schedule(kernel, DEVICES, c, intra=True, **_shapes(kernel, m, k, n))[0]
+                     == SCHEDULES[variant])
 
 
 @dataclass
@@ -98,9 +116,10 @@ def _cases(kernel: str, fns: dict[str, Callable], args: tuple[Any, ...]) -> list
     for j, (name, fn) in enumerate(fns.items()):
         out = fn(*args)
         want = out if want is None else want
-        _check(out, want, f"{kernel}: {name}")
+        if not name.startswith("evidence"):   # evidence rows time pieces, not the result
+            _check(out, want, f"{kernel}: {name}")
         cases.append(Case(kernel, name, lambda fn=fn: fn(*args).block_until_ready(),
-                          baseline=j == 0, goal="" if j == 0 else "<= 1.10"))
+                          baseline=j == 0, goal="<= 1.10" if name in SCHEDULES else ""))
     return cases
 
 
@@ -132,16 +151,17 @@ def _matmul_cases(m: int, k: int, n: int) -> tuple[list[Case], list[Case]]:
         return lax.psum_scatter(jnp.dot(a, b, preferred_element_type=f32), "tp",
                                 scatter_dimension=0, tiled=True)
 
-    rs_variants = {
-        "x @ w + psum_scatter (unfused)": unfused_rs,
-        "ring, pipelined (chunks=8)": lambda a, b: mm_reduce_scatter(a, b, "tp"),
-        "ring bidirectional, pipelined": lambda a, b: mm_reduce_scatter(a, b, "tp",
-                                                                        bidirectional=True),
-        "ring, chunks=2": lambda a, b: mm_reduce_scatter(a, b, "tp", chunks=2),
-        "ring, chunks=1": lambda a, b: mm_reduce_scatter(a, b, "tp", chunks=1),
-        "ring bidirectional, chunks=1": lambda a, b: mm_reduce_scatter(
-            a, b, "tp", bidirectional=True, chunks=1),
-    }
+    blocks = [slice(j * (m // p), (j + 1) * (m // p)) for j in range(p)]
+
+    def split_products(a: jax.Array, b: jax.Array) -> jax.Array:
+        """Evidence: the pipelined ring's matmuls alone -- p block matmuls, no transfer."""
+        return sum((jnp.dot(a[r], b, preferred_element_type=f32) for r in blocks[1:]),
+                   jnp.dot(a[blocks[0]], b, preferred_element_type=f32))
+
+    rs_variants: dict[str, Callable] = {"x @ w + psum_scatter (unfused)": unfused_rs}
+    for label, kw in SCHEDULES.items():
+        rs_variants[label] = (lambda kw: lambda a, b: mm_reduce_scatter(a, b, "tp", **kw))(kw)
+    rs_variants["evidence: p block matmuls + adds, no transfer"] = split_products
     rs_cases = _cases("mm_reduce_scatter", {name: rs(body) for name, body in rs_variants.items()},
                       (x, w))
 
@@ -156,14 +176,18 @@ def _matmul_cases(m: int, k: int, n: int) -> tuple[list[Case], list[Case]]:
         return jnp.dot(lax.all_gather(a, "tp", axis=0, tiled=True), b,
                        preferred_element_type=f32)
 
-    ag_variants = {
-        "all_gather + x @ w (unfused)": unfused_ag,
-        "ring, pipelined (chunks=8)": lambda a, b: all_gather_matmul(a, b, "tp"),
-        "ring bidirectional, pipelined": lambda a, b: all_gather_matmul(a, b, "tp",
-                                                                        bidirectional=True),
-        "ring, chunks=2": lambda a, b: all_gather_matmul(a, b, "tp", chunks=2),
-        "ring, chunks=1": lambda a, b: all_gather_matmul(a, b, "tp", chunks=1),
-    }
+    def gathered_then_products(a: jax.Array, b: jax.Array) -> jax.Array:
+        """Evidence: all_gather, then p block matmuls written into row order (the pipelined
+        ring's matmuls and output assembly without its transfers)."""
+        full = lax.all_gather(a, "tp", axis=0, tiled=True)
+        outs = jnp.stack([jnp.dot(full[r], b, preferred_element_type=f32) for r in blocks])
+        order = lax.rem(jnp.arange(p) + lax.axis_index("tp"), p)   # a device-dependent order
+        return outs.at[order].get(mode="promise_in_bounds", unique_indices=True).reshape(m, -1)
+
+    ag_variants: dict[str, Callable] = {"all_gather + x @ w (unfused)": unfused_ag}
+    for label, kw in SCHEDULES.items():
+        ag_variants[label] = (lambda kw: lambda a, b: all_gather_matmul(a, b, "tp", **kw))(kw)
+    ag_variants["evidence: all_gather + p block matmuls into row order"] = gathered_then_products
     ag_cases = _cases("all_gather_matmul", {name: ag(body) for name, body in ag_variants.items()},
                       (xg, wg))
     return rs_cases, ag_cases
@@ -204,6 +228,14 @@ def _gather_v_cases(label: str, rows: list[int], width: int) -> list[Case]:
     def agv(method: str) -> Callable:
         return lambda a: all_gather_v(a, None, counts, displs, shape, "r", method=method)[None]
 
+    def chunk_pass(a: jax.Array) -> jax.Array:
+        """The balanced method without its ppermute: one select pass builds this rank's 1/p
+        of the output from its own data, one all_gather of the equal chunks."""
+        c = total_rows * width // p
+        keep = jnp.arange(c) < lax.axis_index("r") * 7 + c // 2   # a rank-dependent mask
+        chunk = jnp.where(keep, a.reshape(-1)[:c], jnp.zeros((), a.dtype))
+        return lax.all_gather(chunk, "r", axis=0, tiled=True).reshape(shape)[None]
+
     want = np.zeros((total_rows, width), np.float32)
     at = 0
     for j, r in enumerate(rows):
@@ -221,7 +253,9 @@ def _gather_v_cases(label: str, rows: list[int], width: int) -> list[Case]:
                 f(x).block_until_ready()),
             Case(kernel, "evidence: one tiny ppermute", lambda f=shard(
                 lambda a: lax.ppermute(a[:4], "r", [(i, (i + 1) % p) for i in range(p)])[None]):
-                f(x).block_until_ready())]
+                f(x).block_until_ready()),
+            Case(kernel, "evidence: all_gather of a chunk built in one pass, no ppermute",
+                 lambda f=shard(chunk_pass): f(x).block_until_ready())]
     chosen = AllGatherVLayout.build(counts, displs, shape).choose("auto")
     other = "padded" if chosen == "balanced" else "balanced"
     for method, label in (("auto", f"all_gather_v (auto: {chosen})"),
@@ -252,6 +286,7 @@ def main(quick: bool = False) -> None:
         for cluster in ("accelerator-8x", "cpu-emulated"):
             row[f"predicted ratio {cluster}"] = _predicted(row["kernel"], row["variant"],
                                                            m, k, n, cluster)
+        row["rewrite picks on"] = _picked_by(row["kernel"], row["variant"], m, k, n)
     # all_gather_v runs take milliseconds: more rounds and repeats for the same noise.
     for seed, (label, counts) in enumerate((("(ragged batch)", ragged), ("(skewed)", skewed))):
         rows += _measure(_gather_v_cases(label, counts, width), 4 * rounds, 4 * repeat,

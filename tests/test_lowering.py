@@ -498,6 +498,9 @@ def test_fused_nodes_run_the_ring_schedule_the_model_picks():
         close(lo(*args), want)
         text = lo.as_text(*args)
         assert collectives(text)["collective_permute"] == 2 * 3   # p - 1 per kernel
+    g_ref = jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2))(*args)
+    g_acc = jax.grad(lambda *a: jnp.sum(lower(acc)(*a) ** 2), argnums=(0, 1, 2))(*args)
+    jax.tree.map(close_scaled, g_acc, g_ref)                      # both-ways rings transpose
     # ring steps of the both-ways schedule: 2 to the right and 1 to the left per kernel (p=4)
     pairs = re.findall(r"source_target_pairs = dense<(\[\[.*?\]\])>", lower(acc).as_text(*args))
     assert len(set(pairs)) == 2
