@@ -40,6 +40,12 @@ ignores ``comm_fusion``)::
     sync_gradients(grads, sync_axes, buckets, *, method="tuple", chain=True,
                    fp32=False) -> list[Array]
 
+The rules every training step (``train_step``, its pmap path, the pipelined step, the
+parallel optimizer) shares: :func:`replicated_axes` (a parameter's sync axes),
+:func:`data_parallel_degree` and :func:`gradient_scale` (gradients_mean /
+loss_repeated_mean), :func:`fp32_sync_active` and :func:`fp32_collective`
+(gradient_fp32_sync).
+
 >>> import jax, jax.numpy as jnp, numpy as np
 >>> from jax.sharding import Mesh, PartitionSpec as P
 >>> mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
@@ -62,13 +68,89 @@ import numpy as np
 from jax import lax
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError
+from autopar.strategies.layout import DeviceMesh, Layout
 
 __all__ = ["SyncGroup", "sync_groups", "sync_gradients", "bucketed_collective",
-           "bucket_indices", "sync_point", "sync_sites", "METHODS", "KINDS"]
+           "bucket_indices", "sync_point", "sync_sites", "replicated_axes",
+           "data_parallel_degree", "gradient_scale", "fp32_sync_active", "fp32_collective",
+           "METHODS", "KINDS", "LOW_PRECISION"]
 
 METHODS = ("tuple", "concat")
 #: collective kinds of :func:`bucketed_collective`
 KINDS = ("all_reduce", "reduce_scatter", "all_gather")
+#: dtypes that gradient_fp32_sync sums in float32
+LOW_PRECISION = ("bfloat16", "float16")
+
+
+def replicated_axes(layout: Layout, mesh: DeviceMesh) -> tuple[str, ...]:
+    """The sync axes of a parameter laid out as ``layout``: the mesh axes (in mesh order, of
+    size > 1) it is not split over, so that its gradient is partial over them and must be
+    summed over them.
+
+    >>> mesh = DeviceMesh((("a0", 2), ("a1", 1), ("a2", 4)))
+    >>> replicated_axes(Layout((("a2",), ())), mesh)
+    ('a0',)
+    """
+    if not isinstance(layout, Layout):
+        raise AutoParallelTypeError("layout", layout, "an autopar Layout")
+    if not isinstance(mesh, DeviceMesh):
+        raise AutoParallelTypeError("mesh", mesh, "an autopar DeviceMesh")
+    used = layout.used_axes()
+    return tuple(a for a in mesh.names if a not in used and mesh.sizes[a] > 1)
+
+
+def data_parallel_degree(values: Sequence[Any], mesh: DeviceMesh) -> int:
+    """The data-parallel degree of a step: the most pieces dim 0 of any batch input (a
+    ``PValue`` of ``values``; scalars ignored) is split into over ``mesh``; 1 if none is."""
+    return max([mesh.size_of(v.layout.dims[0]) for v in values if v.spec.shape] + [1])
+
+
+def gradient_scale(dp: int, devices: int, *, gradients_mean: bool,
+                   loss_repeated_mean: bool) -> float:
+    """The factor a step multiplies its synchronised gradients by, relative to the gradient
+    of the global loss: ``dp`` (the data-parallel degree) unless ``gradients_mean``, times
+    the repeat count ``max(1, devices // dp)`` unless ``loss_repeated_mean``.
+
+    >>> gradient_scale(4, 8, gradients_mean=False, loss_repeated_mean=False)
+    8.0
+    >>> gradient_scale(4, 8, gradients_mean=True, loss_repeated_mean=True)
+    1.0
+    """
+    for key, n in (("dp", dp), ("devices", devices)):
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+            raise AutoParallelTypeError(key, n, "must be an int")
+        if n < 1:
+            raise AutoParallelError(key, n, "must be >= 1")
+    repeat = max(1, devices // dp)
+    return float((1 if gradients_mean else dp) * (1 if loss_repeated_mean else repeat))
+
+
+def fp32_sync_active(gradient_fp32_sync: bool, parallel_mode: str) -> bool:
+    """Whether ``gradient_fp32_sync`` acts: in semi_auto_parallel and auto_parallel only
+    (seed 002); elsewhere gradients are synchronised in their own dtype."""
+    return bool(gradient_fp32_sync) and parallel_mode in ("semi_auto_parallel", "auto_parallel")
+
+
+def fp32_collective(collective: Callable[[list[Any]], list[Any]], xs: Sequence[Any],
+                    fp32: bool | Sequence[bool]) -> list[Any]:
+    """``collective(xs)`` with every bf16 / fp16 array whose flag is set cast to float32
+    before it and every result cast back to its input's dtype (gradient_fp32_sync).
+    ``fp32``: one flag per array, or one for all.
+
+    >>> seen = []
+    >>> out = fp32_collective(lambda xs: seen.extend(a.dtype for a in xs) or xs,
+    ...                       [jnp.ones(2, jnp.bfloat16)], True)
+    >>> str(seen[0]), str(out[0].dtype)
+    ('float32', 'bfloat16')
+    """
+    xs = list(xs)
+    flags = [bool(fp32)] * len(xs) if isinstance(fp32, bool) else [bool(f) for f in fp32]
+    if len(flags) != len(xs):
+        raise AutoParallelError("fp32", len(flags), f"needs one flag per gradient "
+                                f"({len(xs)})")
+    up = [x.astype(jnp.float32) if f and str(x.dtype) in LOW_PRECISION else x
+          for x, f in zip(xs, flags)]
+    return [o.astype(x.dtype) for o, x in zip(collective(up), xs)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,25 +254,16 @@ def _collective(xs: list[Any], kind: str, axes: tuple[str, ...], method: str,
         return list(lax.psum(tuple(xs), name))
     if len(xs) > 1 and dim == 0:  # one collective: each array as (group, -1), side by side
         dtype = jnp.result_type(*xs)
-        if kind == "reduce_scatter":
-            n = size
-            cols = [x.reshape(n, -1).astype(dtype) for x in xs]
-            red = lax.psum_scatter(jnp.concatenate(cols, axis=1), name, scatter_dimension=0,
-                                   tiled=True)
-            out, start = [], 0
-            for x, c in zip(xs, cols):
-                w = c.shape[1]
-                out.append(red[:, start:start + w].reshape((x.shape[0] // n,) + x.shape[1:])
-                           .astype(x.dtype))
-                start += w
-            return out
-        cols = [x.reshape(1, -1).astype(dtype) for x in xs]
-        gat = lax.all_gather(jnp.concatenate(cols, axis=1), name, axis=0, tiled=True)
+        scatter = kind == "reduce_scatter"
+        cols = [x.reshape(size if scatter else 1, -1).astype(dtype) for x in xs]
+        flat = jnp.concatenate(cols, axis=1)
+        res = lax.psum_scatter(flat, name, scatter_dimension=0, tiled=True) if scatter \
+            else lax.all_gather(flat, name, axis=0, tiled=True)
         out, start = [], 0
         for x, c in zip(xs, cols):
             w = c.shape[1]
-            out.append(gat[:, start:start + w].reshape((x.shape[0] * size,) + x.shape[1:])
-                       .astype(x.dtype))
+            lead = x.shape[0] // size if scatter else x.shape[0] * size
+            out.append(res[:, start:start + w].reshape((lead,) + x.shape[1:]).astype(x.dtype))
             start += w
         return out
     if kind == "reduce_scatter":
@@ -238,17 +311,8 @@ def sync_gradients(grads: Sequence[Any], sync_axes: Sequence[tuple[str, ...] | N
     ``method`` / ``chain``: see the module docstring. Returns the synchronised gradients in
     the order of ``grads``.
     """
-    grads = list(grads)
-    flags = [bool(fp32)] * len(grads) if isinstance(fp32, bool) else [bool(f) for f in fp32]
-    if len(flags) != len(grads):
-        raise AutoParallelError("fp32", len(flags), f"needs one flag per gradient "
-                                f"({len(grads)})")
-    low = ("bfloat16", "float16")
-    up = [g.astype(jnp.float32) if f and str(g.dtype) in low else g
-          for g, f in zip(grads, flags)]
-    out = bucketed_collective(up, sync_axes, buckets, kind="all_reduce", method=method,
-                              chain=chain)
-    return [o.astype(g.dtype) for o, g in zip(out, grads)]
+    return fp32_collective(lambda up: bucketed_collective(
+        up, sync_axes, buckets, kind="all_reduce", method=method, chain=chain), grads, fp32)
 
 
 def sync_point(sync: Callable[[list[Any]], list[Any]]) -> Callable[..., tuple[Any, Any]]:

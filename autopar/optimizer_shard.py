@@ -49,13 +49,11 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from autopar.errors import AutoParallelError
-from autopar.grad_sync import bucketed_collective
+from autopar.grad_sync import bucketed_collective, fp32_collective
 
 __all__ = ["ShardDecision", "decide_sharding", "storage_spec", "gather_parameters",
            "scatter_gradients", "state_shardings", "device_bytes"]
@@ -135,16 +133,8 @@ def scatter_gradients(grads: Sequence[Any], axes: Sequence[Sequence[str]],
     """Reduce-scatter local gradients along dim 0 over their axes (the shard this device
     updates), one collective group per bucket (built as one collective); bf16/fp16 in fp32
     where ``fp32``. ``chain``: as for :func:`gather_parameters`."""
-    grads = list(grads)
-    flags = [bool(fp32)] * len(grads) if isinstance(fp32, bool) else [bool(f) for f in fp32]
-    if len(flags) != len(grads):
-        raise AutoParallelError("fp32", len(flags), f"needs one flag per gradient "
-                                f"({len(grads)})")
-    up = [g.astype(jnp.float32) if f and str(g.dtype) in ("bfloat16", "float16") else g
-          for g, f in zip(grads, flags)]
-    out = bucketed_collective(up, [tuple(a) for a in axes], buckets, kind="reduce_scatter",
-                              chain=chain)
-    return [o.astype(g.dtype) for o, g in zip(out, grads)]
+    return fp32_collective(lambda up: bucketed_collective(
+        up, [tuple(a) for a in axes], buckets, kind="reduce_scatter", chain=chain), grads, fp32)
 
 
 def state_shardings(optimizer: optax.GradientTransformation, state: Any,

@@ -62,6 +62,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar.context import auto_parallel_context, current_config
 from autopar.errors import AutoParallelError, AutoParallelTypeError, AutoParallelWarning
+from autopar.grad_sync import (LOW_PRECISION, data_parallel_degree, fp32_collective,
+                               fp32_sync_active, gradient_scale, replicated_axes)
 from autopar.graph.trace import trace
 from autopar.lower import apply_step, run_body
 from autopar.optimizer_shard import ShardDecision, decide_sharding
@@ -78,8 +80,6 @@ from autopar.strategies.search import search
 from autopar.strategies.stages import StagePartition, partition_stages, stage_graph
 
 __all__ = ["pipeline_train_step", "PipelineTrainStep", "PipelinePlan", "PackedParams"]
-
-_LOW_PRECISION = ("bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -177,8 +177,7 @@ class PipelineTrainStep:
         self.gradients_mean = bool(cfg.gradients_mean)
         self.loss_repeated_mean = bool(cfg.loss_repeated_mean)
         self.alltoall = bool(cfg.enable_alltoall)
-        fp32 = bool(cfg.gradient_fp32_sync) and cfg.parallel_mode in ("semi_auto_parallel",
-                                                                      "auto_parallel")
+        fp32 = fp32_sync_active(cfg.gradient_fp32_sync, cfg.parallel_mode)
         # ---- batch: B rows -> g * m micro-batches of b rows
         b_leaves, self._b_tree = jax.tree_util.tree_flatten(batch)
         self._b_shapes = [tuple(np.shape(x)) for x in b_leaves]
@@ -257,10 +256,9 @@ class PipelineTrainStep:
         po = cfg.parallel_optimizer_config
         self.shard_decisions = []
         for v, lay, x, dt in zip(names, layouts, p_sds, self._p_dtypes):
-            sync = tuple(a for a in intra.names if a not in lay.used_axes())
             self.shard_decisions.append(decide_sharding(
                 v, tuple(x.shape), lay.local_shape(tuple(x.shape), intra),
-                np.dtype(dt).itemsize, sync, intra.sizes,
+                np.dtype(dt).itemsize, replicated_axes(lay, intra), intra.sizes,
                 enabled=bool(cfg.enable_parallel_optimizer) and _is_float(dt),
                 threshold_kb=po.parallel_optimizer_threshold))
             if cfg.enable_parallel_optimizer and not _is_float(dt):
@@ -290,12 +288,12 @@ class PipelineTrainStep:
         self._scales = []
         self.stage_data_parallel = []
         for pg in pgs:  # gradients_mean / loss_repeated_mean per stage, as train_step
-            dp = max([pg.mesh.size_of(pg.values[v].layout.dims[0]) for v in pg.inputs
-                      if pg.values[v].kind == "data" and pg.values[v].spec.shape] + [1])
+            dp = data_parallel_degree([pg.values[v] for v in pg.inputs
+                                       if pg.values[v].kind == "data"], pg.mesh)
             self.stage_data_parallel.append(dp)
-            rep = max(1, self.devices_per_stage // dp)
-            self._scales.append(float((1 if self.gradients_mean else dp)
-                                      * (1 if self.loss_repeated_mean else rep)))
+            self._scales.append(gradient_scale(dp, self.devices_per_stage,
+                                               gradients_mean=self.gradients_mean,
+                                               loss_repeated_mean=self.loss_repeated_mean))
         self.data_parallel_degree = max(self.stage_data_parallel)
         self._fp32 = fp32
         self._build()
@@ -384,7 +382,7 @@ class PipelineTrainStep:
             def run(pf, xin, gin, bk, gacc, lacc):  # noqa: ANN001, ANN202
                 gp, ct = self._backward(s, pf, xin, gin, bk)
                 if self.accumulation_shard:  # reduce-scatter every micro-batch's gradient
-                    gp = {k: packing.scatter(s, k, v, self._fp32 and k in _LOW_PRECISION)
+                    gp = {k: packing.scatter(s, k, v, self._fp32 and k in LOW_PRECISION)
                           for k, v in gp.items()}
                 return codec.zeros(), ct, {k: gacc[k] + gp[k] for k in gacc}, lacc
             return run
@@ -401,17 +399,14 @@ class PipelineTrainStep:
             def run(gacc: dict[str, Any]) -> dict[str, Any]:
                 out = {}
                 for dt, buf in gacc.items():
-                    fp32 = self._fp32 and dt in _LOW_PRECISION
+                    fp32 = self._fp32 and dt in LOW_PRECISION
                     if packing.any_sharded and not self.accumulation_shard:
                         buf = packing.scatter(s, dt, buf, fp32)   # -> the storage layout
                     for seg in packing.segments[s][dt]:
                         if seg.sharded:
                             continue
-                        part = buf[seg.start:seg.stop]
-                        if fp32:
-                            part = lax.psum(part.astype(jnp.float32), seg.axes).astype(dt)
-                        else:
-                            part = lax.psum(part, seg.axes)
+                        part = fp32_collective(lambda xs: [lax.psum(xs[0], seg.axes)],
+                                               [buf[seg.start:seg.stop]], fp32)[0]
                         buf = lax.dynamic_update_slice_in_dim(buf, part, seg.start, 0)
                     out[dt] = buf * jnp.asarray(self._scales[s], buf.dtype) \
                         if self._scales[s] != 1.0 else buf
@@ -591,16 +586,10 @@ def pipeline_train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
     by a probe at construction. ``comm_fusion`` is not applied (one collective per
     gradient-sync group; an :class:`AutoParallelWarning` says so).
     """
-    from autopar.train import DEFAULT_LEARNING_RATE
+    from autopar.train import _step_arguments
 
-    if not callable(loss_fn):
-        raise AutoParallelTypeError("loss_fn", loss_fn, "pipeline_train_step needs a callable")
-    if not isinstance(batch, tuple):
-        batch = (batch,)
-    if optimizer is None:
-        optimizer = optax.sgd(DEFAULT_LEARNING_RATE)
-    if not isinstance(optimizer, optax.GradientTransformation):
-        raise AutoParallelTypeError("optimizer", optimizer, "an optax GradientTransformation")
+    batch, optimizer = _step_arguments(loss_fn, batch, optimizer,
+                                       "pipeline_train_step needs a callable")
     return PipelineTrainStep(loss_fn, params, batch, optimizer, stages=stages,
                              micro_batches=micro_batches, schedule=schedule,
                              boundaries=boundaries, mode=mode, fixed=fixed, cluster=cluster)

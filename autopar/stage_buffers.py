@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from autopar.grad_sync import replicated_axes
 from autopar.strategies.layout import DeviceMesh, Layout
 
 __all__ = ["PackedParams", "ParamSlot", "Segment", "StagePacking", "device_block",
@@ -125,8 +126,7 @@ class StagePacking:
         for s in range(stages):
             keyed = []
             for i in (i for i in range(len(shapes)) if stage_of[i] == s):
-                sync = tuple(a for a in mesh.names if a not in layouts[i].used_axes()
-                             and mesh.sizes[a] > 1)
+                sync = replicated_axes(layouts[i], mesh)
                 keyed.append((dtypes[i], flags[i] and bool(sync), sync, i))
             offsets = {dt: 0 for dt in self.dtypes}
             for dt, shard, sync, i in sorted(keyed):

@@ -72,7 +72,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from autopar.context import current_config
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.fusion import GradientBuckets, gradient_buckets
-from autopar.grad_sync import METHODS, sync_gradients, sync_groups, sync_point, sync_sites
+from autopar.grad_sync import (LOW_PRECISION, METHODS, data_parallel_degree, fp32_sync_active,
+                               gradient_scale, replicated_axes, sync_gradients, sync_groups,
+                               sync_point, sync_sites)
 from autopar.kernel_rules import FusedKernels, check_fused_kernels
 from autopar.lower import final_psum, jax_mesh, replicated_tails, run_body
 from autopar.optimizer_shard import (ShardDecision, decide_sharding, gather_parameters,
@@ -86,7 +88,6 @@ __all__ = ["train_step", "TrainStep", "broadcast_parameters", "train_body",
 
 #: The default optimizer is ``optax.sgd(DEFAULT_LEARNING_RATE)``.
 DEFAULT_LEARNING_RATE = 0.1
-_LOW_PRECISION = ("bfloat16", "float16")
 BACKENDS = ("shard_map", "pmap")
 
 
@@ -178,23 +179,17 @@ class TrainStep:
         self._p_dtypes = [str(np.dtype(x.dtype)) for x in p_leaves]
         self._n_batch = len(pg.inputs) - self._n_params
         batch_vals = [pg.values[v] for v in pg.inputs[self._n_params:]]
-        self.data_parallel_degree = 1
-        for v in batch_vals:
-            if v.spec.shape and v.layout.dims[0]:
-                self.data_parallel_degree = max(self.data_parallel_degree,
-                                                pg.mesh.size_of(v.layout.dims[0]))
+        self.data_parallel_degree = data_parallel_degree(batch_vals, pg.mesh)
         for v in batch_vals:  # the search only splits evenly; never run an uneven split
             split = pg.mesh.size_of(v.layout.dims[0]) if v.spec.shape else 1
             if v.spec.shape and v.spec.shape[0] % split:
                 raise _uneven(v.spec.shape[0], split, v.name)
         dp = self.data_parallel_degree
         self.repeat = max(1, self.device_num // dp)
-        self.grad_scale = float((1 if self.gradients_mean else dp)
-                                * (1 if self.loss_repeated_mean else self.repeat))
-        # seed 002: gradient_fp32_sync acts in semi_auto_parallel / auto_parallel only
-        fp32 = self.gradient_fp32_sync and cfg.parallel_mode in ("semi_auto_parallel",
-                                                                 "auto_parallel")
-        self._cast = [fp32 and d in _LOW_PRECISION for d in self._p_dtypes]
+        self.grad_scale = gradient_scale(dp, self.device_num, gradients_mean=self.gradients_mean,
+                                         loss_repeated_mean=self.loss_repeated_mean)
+        fp32 = fp32_sync_active(self.gradient_fp32_sync, cfg.parallel_mode)
+        self._cast = [fp32 and d in LOW_PRECISION for d in self._p_dtypes]
         self.param_shardings = [NamedSharding(self.mesh, pg.values[v].layout.partition_spec())
                                 for v in pg.inputs[:self._n_params]]
         self.batch_shardings = [NamedSharding(self.mesh, v.layout.partition_spec())
@@ -216,8 +211,7 @@ class TrainStep:
         self.sharding: list[ShardDecision] = []
         for v in names:
             val = pg.values[v]
-            used = val.layout.used_axes()
-            axes = tuple(a for a in pg.mesh.names if a not in used and sizes[a] > 1)
+            axes = replicated_axes(val.layout, pg.mesh)
             self.sync_axes.append(axes)
             self.sharding.append(decide_sharding(
                 v, val.spec.shape, val.local_shape, np.dtype(val.spec.dtype).itemsize, axes,
@@ -247,8 +241,10 @@ class TrainStep:
                             for k, b in self.buckets.items()}
         ar_b = self.buckets["allreduce"]
         self._chain = {"allreduce": ar_b is not None and ar_b.mode != "none"}
-        ar_axes = [a if not s else () for a, s in zip(self.sync_axes, self._sharded)]
-        self.sync_groups = sync_groups(ar_axes, self._bucket_idx["allreduce"]
+        # each gradient's axes for its all-reduce (unsharded) / reduce-scatter (sharded)
+        self._ar_axes = [a if not s else () for a, s in zip(self.sync_axes, self._sharded)]
+        self._rs_axes = [a if s else () for a, s in zip(self.sync_axes, self._sharded)]
+        self.sync_groups = sync_groups(self._ar_axes, self._bucket_idx["allreduce"]
                                        + [[i] for i in range(n_p) if self._sharded[i]])
 
     def _sync(self, g: list[Any], *, scatter: bool = True, reduce: bool = True) -> list[Any]:
@@ -256,14 +252,12 @@ class TrainStep:
         n_p, sh = self._n_params, self._sharded
         out = list(g)
         if reduce:
-            ar_axes = [a if not s else () for a, s in zip(self.sync_axes, sh)]
             idx = self._bucket_idx["allreduce"] + [[i] for i in range(n_p) if sh[i]]
-            out = sync_gradients(out, ar_axes, idx, method=self.sync_method,
+            out = sync_gradients(out, self._ar_axes, idx, method=self.sync_method,
                                  chain=self._chain["allreduce"], fp32=self._cast)
         if scatter and any(sh):
-            rs_axes = [a if s else () for a, s in zip(self.sync_axes, sh)]
             idx = self._bucket_idx["reducescatter"] + [[i] for i in range(n_p) if not sh[i]]
-            out = scatter_gradients(out, rs_axes, idx, fp32=self._cast)
+            out = scatter_gradients(out, self._rs_axes, idx, fp32=self._cast)
         return out
 
     # ------------------------------------------------------------------ shard_map path
@@ -275,10 +269,9 @@ class TrainStep:
         b_specs = tuple(s.spec for s in self._feed_shardings())
         g_specs = p_specs
         scale = self.grad_scale / acc
-        gather_axes = [a if s else () for a, s in zip(self.sync_axes, sh)]
+        gather_axes, ar_axes = self._rs_axes, self._ar_axes
         shard_acc = self.accumulation_shard and any(sh)
 
-        ar_axes = [a if not s else () for a, s in zip(self.sync_axes, sh)]
         ar_buckets = [[i for i in bk if ar_axes[i]] for bk in self._bucket_idx["allreduce"]]
         # configured buckets (acc == 1): synchronised inside backward at sync points
         in_backward = acc == 1 and self._chain["allreduce"]
@@ -540,6 +533,22 @@ def _uneven(size: int, degree: int, where: str) -> AutoParallelError:
                              f"Use a batch size that is a multiple of {degree}")
 
 
+def _step_arguments(loss_fn: Any, batch: Any, optimizer: Any, loss_rule: str
+                    ) -> tuple[tuple[Any, ...], optax.GradientTransformation]:
+    """The arguments every step builder (this module's and :mod:`autopar.pipeline`'s) checks
+    alike: ``(batch as a tuple, optimizer or the default SGD)``; a ``loss_fn`` that is not
+    callable raises with ``loss_rule``."""
+    if not callable(loss_fn):
+        raise AutoParallelTypeError("loss_fn", loss_fn, loss_rule)
+    if not isinstance(batch, tuple):
+        batch = (batch,)
+    if optimizer is None:
+        optimizer = optax.sgd(DEFAULT_LEARNING_RATE)
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise AutoParallelTypeError("optimizer", optimizer, "an optax GradientTransformation")
+    return batch, optimizer
+
+
 def train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
                optimizer: optax.GradientTransformation | None = None, *,
                mode: str | None = None, fixed: Mapping[str, Any] | None = None,
@@ -562,14 +571,8 @@ def train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
     LAMB / LARS, adafactor are refused with an ``AutoParallelError``) and that
     ``comm_fusion`` is not applied there (warned).
     """
-    if not callable(loss_fn):
-        raise AutoParallelTypeError("loss_fn", loss_fn, "train_step needs a callable loss")
-    if not isinstance(batch, tuple):
-        batch = (batch,)
-    if optimizer is None:
-        optimizer = optax.sgd(DEFAULT_LEARNING_RATE)
-    if not isinstance(optimizer, optax.GradientTransformation):
-        raise AutoParallelTypeError("optimizer", optimizer, "an optax GradientTransformation")
+    batch, optimizer = _step_arguments(loss_fn, batch, optimizer,
+                                       "train_step needs a callable loss")
     if backend not in BACKENDS:
         raise AutoParallelError("backend", backend, f"must be one of {BACKENDS}")
     if sync_method not in METHODS:

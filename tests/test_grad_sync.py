@@ -13,7 +13,9 @@ import optax
 import pytest
 
 import autopar as ap
-from autopar.grad_sync import bucket_indices, bucketed_collective, sync_gradients, sync_groups
+from autopar.grad_sync import (bucket_indices, bucketed_collective, data_parallel_degree,
+                               fp32_collective, fp32_sync_active, gradient_scale,
+                               replicated_axes, sync_gradients, sync_groups)
 from autopar.models import mlp
 
 KEY = jax.random.key(0)
@@ -212,6 +214,67 @@ def test_sync_groups_split_buckets_by_axes_and_refuse_bad_buckets():
     m, params, x = _mlp()
     with pytest.raises(ap.AutoParallelError, match="sync_method"):
         _step(m, params, x, sync_method="ring")
+
+
+def test_replicated_axes_are_the_unsplit_mesh_axes_of_size_above_one():
+    from autopar.strategies.layout import DeviceMesh, Layout
+
+    mesh = DeviceMesh((("a0", 2), ("a1", 1), ("a2", 4)))
+    assert replicated_axes(Layout(((), ())), mesh) == ("a0", "a2")     # size-1 a1 dropped
+    assert replicated_axes(Layout((("a2",), ())), mesh) == ("a0",)
+    assert replicated_axes(Layout((("a2",), ("a0",))), mesh) == ()
+    assert replicated_axes(Layout(((),), partial=("a0",)), mesh) == ("a2",)  # partial: used
+    with pytest.raises(ap.AutoParallelTypeError, match="layout"):
+        replicated_axes(((), ()), mesh)
+    with pytest.raises(ap.AutoParallelTypeError, match="mesh"):
+        replicated_axes(Layout(((),)), {"a0": 2})
+
+
+def test_gradient_scale_and_data_parallel_degree():
+    from types import SimpleNamespace as NS
+
+    from autopar.strategies.layout import DeviceMesh, Layout
+
+    for mean, rep_mean, want in ((True, True, 1.0), (False, True, 4.0), (True, False, 2.0),
+                                 (False, False, 8.0)):   # dp 4 of 8 devices: 2 repeats
+        got = gradient_scale(4, 8, gradients_mean=mean, loss_repeated_mean=rep_mean)
+        assert got == want and isinstance(got, float)
+    assert gradient_scale(8, 4, gradients_mean=False, loss_repeated_mean=False) == 8.0
+    for bad, err in ((0, ap.AutoParallelError), (2.0, ap.AutoParallelTypeError),
+                     (True, ap.AutoParallelTypeError)):
+        with pytest.raises(err, match="dp"):
+            gradient_scale(bad, 8, gradients_mean=True, loss_repeated_mean=True)
+    with pytest.raises(ap.AutoParallelError, match="devices"):
+        gradient_scale(1, -1, gradients_mean=True, loss_repeated_mean=True)
+    mesh = DeviceMesh((("a0", 2), ("a1", 4)))
+    val = lambda shape, dims: NS(spec=NS(shape=shape), layout=Layout(dims))  # noqa: E731
+    assert data_parallel_degree([], mesh) == 1
+    assert data_parallel_degree([val((8, 3), (("a0",), ())), val((), ())], mesh) == 2
+    assert data_parallel_degree([val((8,), (("a0",),)), val((8,), (("a0", "a1"),))], mesh) == 8
+    assert data_parallel_degree([val((8,), ((),))], mesh) == 1
+
+
+def test_fp32_collective_casts_low_precision_around_the_collective():
+    seen = []
+
+    def spy(xs):
+        seen[:] = [str(x.dtype) for x in xs]
+        return [x * 2 for x in xs]
+
+    xs = [jnp.ones(2, jnp.bfloat16), jnp.ones(2, jnp.float16), jnp.ones(2, jnp.float32)]
+    out = fp32_collective(spy, xs, True)
+    assert seen == ["float32", "float32", "float32"]
+    assert [str(o.dtype) for o in out] == ["bfloat16", "float16", "float32"]
+    close(out[0], 2.0)
+    fp32_collective(spy, xs, [False, True, True])
+    assert seen == ["bfloat16", "float32", "float32"]
+    fp32_collective(spy, xs, False)
+    assert seen == ["bfloat16", "float16", "float32"]
+    with pytest.raises(ap.AutoParallelError, match="one flag per gradient"):
+        fp32_collective(spy, xs, [True])
+    assert fp32_sync_active(True, "semi_auto_parallel") and fp32_sync_active(True, "auto_parallel")
+    assert not fp32_sync_active(True, "data_parallel") and not fp32_sync_active(False,
+                                                                                "auto_parallel")
 
 
 def test_sync_gradients_inside_shard_map_matches_psum():

@@ -330,3 +330,17 @@ def test_bad_arguments_are_refused():
         ap.train_step(lambda p, x: x @ p["layer0"]["w"], params, (x,))
     step = ap.train_step(m.loss, params, x)  # a bare array is a one-element batch
     assert "TrainStep" in repr(step)
+
+
+def test_step_arguments_shared_by_both_step_builders():
+    from autopar.train import DEFAULT_LEARNING_RATE, _step_arguments
+
+    x = jnp.ones(2)
+    batch, opt = _step_arguments(jnp.sum, x, None, "rule")
+    assert batch == (x,) and isinstance(opt, optax.GradientTransformation)
+    sgd = optax.sgd(DEFAULT_LEARNING_RATE)
+    assert _step_arguments(jnp.sum, (x, x), sgd, "rule") == ((x, x), sgd)
+    with pytest.raises(ap.AutoParallelTypeError, match="train_step needs a callable loss"):
+        ap.train_step(3, {}, (x,))
+    with pytest.raises(ap.AutoParallelTypeError, match="optimizer"):
+        _step_arguments(jnp.sum, x, "sgd", "rule")
