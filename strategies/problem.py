@@ -417,15 +417,15 @@ class Problem:
                                             lay.used_axes())],
                                     **self._vertex_arrays([(0.0, 0.0, 0.0, mem)]), value=v))
         # operators
+        no_arrays = self._vertex_arrays([])
         for node in g.nodes:
             if node.name in fixed_splits:
                 c = self._op_choice(node.name, fixed_splits[node.name])
                 self._add_vertex(Vertex(node.name, "op", [c], node=node,
                                         **self._vertex_arrays([self.op_costs(node, c)])))
                 continue
-            if self.lazy:
-                self._add_vertex(Vertex(node.name, "op", [], node=node,
-                                        **self._vertex_arrays([])))
+            if self.lazy:  # (empty arrays, shared: never written in place)
+                self._add_vertex(Vertex(node.name, "op", [], node=node, **no_arrays))
                 continue
             key = self._sig[node.name]
             cached = self._node_cache.get(key)
@@ -461,12 +461,17 @@ class Problem:
     def settle(self, splits: Mapping[int, tuple[int, ...]]) -> list[int]:
         """Give every operator vertex exactly the choice of its splits and every parameter the
         layouts its consumers now want; returns the operators' picks (all 0)."""
+        made: dict[tuple, dict[str, np.ndarray]] = {}  # per (signature, splits), shared
         for i, s in splits.items():
             vert = self.vertices[i]
             c = self._op_choice(vert.node.name, s)  # type: ignore[union-attr]
             vert.choices = [c]
-            for key, arr in self._vertex_arrays([self.op_costs(vert.node, c)]).items():
-                setattr(vert, key, arr)
+            key = (self._sig[vert.name], s)
+            arrays = made.get(key)
+            if arrays is None:
+                arrays = made[key] = self._vertex_arrays([self.op_costs(vert.node, c)])
+            for name, arr in arrays.items():
+                setattr(vert, name, arr)
         for e in self.edges:
             e._matrix = None
         self._add_param_vertices(replace_existing=True)
