@@ -104,47 +104,11 @@ def redistribute(shape: tuple[int, ...], itemsize: int, src: Layout, dst: Layout
 @lru_cache(maxsize=500_000)
 def plan_steps(src: Layout, dst: Layout, mesh: DeviceMesh,
                enable_alltoall: bool = False) -> tuple[Step, ...]:
-    """The shape-free steps (``fraction`` set, ``nbytes`` 0); pure and cached.
-
-    The planning below never looks at an axis's name, only at its size and where it sits in
-    the two layouts, so it is computed once per *shape* of the problem: the axes are renamed
-    in order of first appearance (source dims, source partial, target dims, target partial;
-    then the unused ones) and the canonical plan is cached and renamed back. On 64 devices
-    (six axes of size 2) tens of thousands of layout pairs share a few hundred plans.
-    """
+    """The shape-free steps (``fraction`` set, ``nbytes`` 0); pure and cached."""
+    shape = tuple(0 for _ in src.dims)
     if set(dst.partial) - set(src.partial):
         raise AutoParallelError("layout", str(dst), "a redistribution cannot create a partial "
                                 "sum; only resolve one")
-    order: dict[str, str] = {}
-    for axes in (*src.dims, src.partial, *dst.dims, dst.partial):
-        for a in axes:
-            if a not in order:
-                order[a] = f"c{len(order)}"
-    sizes = mesh.sizes
-    canon_axes = [(c, sizes[a]) for a, c in order.items()]
-    canon_axes += [(f"u{j}", size) for j, (a, size) in
-                   enumerate((a, size) for a, size in mesh.axes if a not in order)]
-
-    def rename(layout: Layout) -> Layout:
-        return Layout(tuple(tuple(order[a] for a in d) for d in layout.dims),
-                      tuple(order[a] for a in layout.partial))
-
-    try:
-        steps = _plan_canonical(rename(src), rename(dst), DeviceMesh(tuple(canon_axes)),
-                                enable_alltoall)
-    except AutoParallelError:  # pragma: no cover - only the convergence guard raises here
-        raise AutoParallelError("layout", f"{src} -> {dst}",
-                                "redistribution did not converge") from None
-    back = {c: a for a, c in order.items()}
-    return tuple(Step(st.kind, tuple(back[c] for c in st.axes), st.dim, st.src_dim,
-                      st.nbytes, st.fraction) for st in steps)
-
-
-@lru_cache(maxsize=100_000)
-def _plan_canonical(src: Layout, dst: Layout, mesh: DeviceMesh,
-                    enable_alltoall: bool) -> tuple[Step, ...]:
-    """:func:`plan_steps` on canonically named axes (see there)."""
-    shape = tuple(0 for _ in src.dims)
     cur = [list(d) for d in src.dims]
     want = [list(d) for d in dst.dims]
     steps: list[Step] = []
