@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -477,6 +477,17 @@ class Problem:
         self._add_param_vertices(replace_existing=True)
         return [0] * len(self.vertices)
 
+    def param_choice_set(self, v: str, layouts: Iterable[Layout]
+                         ) -> tuple[list[Choice], dict[str, np.ndarray]]:
+        """Parameter ``v``'s choices -- replicated plus ``layouts``, deduplicated and ordered
+        by split counts then name -- and their cost arrays (memory only)."""
+        mesh = self.mesh
+        seen = dict.fromkeys((Layout.replicated(self.graph.spec(v).rank), *layouts))
+        lays = sorted(seen, key=lambda lay: (lay.split_counts(mesh), str(lay)))
+        rows = [(0.0, 0.0, 0.0, self.param_memory(v, lay)) for lay in lays]
+        return ([Choice(lay.split_counts(mesh), (), (lay,), lay.used_axes()) for lay in lays],
+                self._vertex_arrays(rows))
+
     def _add_param_vertices(self, replace_existing: bool = False) -> None:
         g, mesh = self.graph, self.mesh
         wanted: dict[tuple, tuple[Layout, ...]] = {}   # (consumer signature, input) -> layouts
@@ -495,13 +506,8 @@ class Problem:
                         keys.append(key)
             vkey = (spec.shape, spec.dtype, tuple(keys))
             if vkey not in made:
-                seen = dict.fromkeys((Layout.replicated(spec.rank),))
-                for key in keys:
-                    seen.update(dict.fromkeys(wanted[key]))
-                lays = sorted(seen, key=lambda lay: (lay.split_counts(mesh), str(lay)))
-                rows = [(0.0, 0.0, 0.0, self.param_memory(v, lay)) for lay in lays]
-                made[vkey] = ([Choice(lay.split_counts(mesh), (), (lay,), lay.used_axes())
-                               for lay in lays], self._vertex_arrays(rows))
+                made[vkey] = self.param_choice_set(v, (lay for key in keys
+                                                       for lay in wanted[key]))
             choices, arrays = made[vkey]
             if replace_existing:
                 vert = self.vertices[self.index[f"<param>{v}"]]

@@ -294,13 +294,8 @@ def _widen_parameters(problem: Problem) -> None:
         settled = tuple(c.out_layouts[0] for c in vert.choices)
         vkey = (spec.shape, spec.dtype, tuple(keys), settled)
         if vkey not in made:
-            seen = dict.fromkeys((Layout.replicated(spec.rank),) + settled)
-            for key in keys:
-                seen.update(dict.fromkeys(wanted[key]))
-            lays = sorted(seen, key=lambda lay: (lay.split_counts(mesh), str(lay)))
-            rows = [(0.0, 0.0, 0.0, problem.param_memory(v, lay)) for lay in lays]
-            made[vkey] = ([Choice(lay.split_counts(mesh), (), (lay,), lay.used_axes())
-                           for lay in lays], problem._vertex_arrays(rows))
+            made[vkey] = problem.param_choice_set(v, settled + tuple(
+                lay for key in keys for lay in wanted[key]))
         choices, arrays = made[vkey]
         vert.choices = list(choices)
         for name, arr in arrays.items():
