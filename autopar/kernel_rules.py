@@ -42,11 +42,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 from types import MappingProxyType
-from typing import Any, Literal, Union
+from typing import Any, Literal, Mapping, Union
 
 import numpy as np
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError
+from autopar.kernels.mm_reduce_scatter import ring_hops
 from autopar.parallel_graph import PNode, ParallelGraph
 from autopar.strategies.cost import CLUSTERS, Cluster, CostModel, get_cluster
 
@@ -125,7 +126,7 @@ def predict(kind: str, *, flops: float, x_bytes: float, out_bytes: float, comm_b
         (clus.inter_bandwidth, clus.inter_alpha)
     t_step = alpha + block / bw
     serial = clus.name in NO_OVERLAP_CLUSTERS
-    rounds = p // 2 if bidirectional and p > 2 and not serial else p - 1
+    rounds = ring_hops(p, bidirectional and not serial)[0]  # the kernels' own round count
     if c == 1 or serial:
         fused = t_mm + rounds * t_step + extra
     else:
@@ -175,9 +176,12 @@ def _group(axes: tuple[str, ...], pg: ParallelGraph) -> int:
     return pg.mesh.size_of(axes)
 
 
-def _schedule(kind: str, dot: PNode, comm: PNode, pg: ParallelGraph,
-              cluster: str | Cluster) -> tuple[dict[str, Any], dict[str, float]]:
-    """The fastest ring schedule for one matched pair on ``cluster`` (:func:`best_schedule`)."""
+def _schedule(kind: str, dot: PNode, comm: PNode, pg: ParallelGraph, cluster: str | Cluster | None
+              ) -> tuple[Mapping[str, Any], dict[str, float] | None]:
+    """The fastest ring schedule for one matched pair on ``cluster`` (:func:`best_schedule`);
+    without a cluster the kernels' defaults, unpriced."""
+    if cluster is None:
+        return DEFAULT_SCHEDULE, None
     lhs, rhs = (pg.values[v] for v in dot.inputs)
     out = pg.values[dot.outputs[0]]
     m = int(np.prod(lhs.local_shape[:-1]))
@@ -232,8 +236,7 @@ def fuse_kernels(pg: ParallelGraph, fused_kernels: FusedKernels = "auto",
             p = _group(st.axes, pg)
             if pg.values[node.inputs[0]].local_shape[0] % p:
                 continue
-            sched, cost = _schedule("mm_reduce_scatter", node, c, pg, cluster) \
-                if cluster is not None else (DEFAULT_SCHEDULE, None)
+            sched, cost = _schedule("mm_reduce_scatter", node, c, pg, cluster)
             if mode == "auto" and cost is not None and cost["gain"] < 1.0:
                 continue
             put[i] = _fused("mm_reduce_scatter", node, c, node.inputs, c.outputs, sched)
@@ -247,8 +250,7 @@ def fuse_kernels(pg: ParallelGraph, fused_kernels: FusedKernels = "auto",
             d = nodes[j]
             if not _matmul_ok(d, pg) or d.inputs[0] != v or d.inputs[1] == v:
                 continue
-            sched, cost = _schedule("all_gather_matmul", d, node, pg, cluster) \
-                if cluster is not None else (DEFAULT_SCHEDULE, None)
+            sched, cost = _schedule("all_gather_matmul", d, node, pg, cluster)
             if mode == "auto" and cost is not None and cost["gain"] < 1.0:
                 continue
             put[j] = _fused("all_gather_matmul", d, node, (node.inputs[0], d.inputs[1]),
@@ -261,7 +263,7 @@ def fuse_kernels(pg: ParallelGraph, fused_kernels: FusedKernels = "auto",
 
 
 def _fused(op: str, dot: PNode, comm: PNode, inputs: tuple[str, ...],
-           outputs: tuple[str, ...], schedule: dict[str, Any]) -> PNode:
+           outputs: tuple[str, ...], schedule: Mapping[str, Any]) -> PNode:
     st = comm.step
     assert st is not None
     ring = ("both ways" if schedule["bidirectional"] else "one way") + \
