@@ -44,6 +44,8 @@ from autopar.errors import (
 from autopar.graph import Graph, Node, TensorSpec, Value, matmul, shard, trace
 from autopar.resolve import FusionSetting, ResolvedContext, resolve_context
 from autopar.strategies import CLUSTERS, Cluster, CostModel, DeviceMesh, Layout, Plan
+from autopar.calibration import calibrate
+from autopar.clusters import ClusterFileError, load_cluster, resolve_cluster, save_cluster
 from autopar.strategies.search import search
 from autopar.rewrite import rewrite
 from autopar.lower import lower
@@ -69,7 +71,12 @@ __all__ = [
     "AutoParallelConfig",
     "CLUSTERS",
     "Cluster",
+    "ClusterFileError",
     "CostModel",
+    "calibrate",
+    "load_cluster",
+    "resolve_cluster",
+    "save_cluster",
     "DeviceMesh",
     "Layout",
     "Plan",

@@ -232,7 +232,7 @@ def _advise(model: _Model, max_segments: int) -> SplitAdvice:
                        lower, tight, max(model.bp_end, unb_t), tuple(unb_ends), tuple(notes))
 
 
-def advise_split(graph: Any, plan: Any = None, *, cluster: Any = "accelerator-8x",
+def advise_split(graph: Any, plan: Any = None, *, cluster: Any = None,
                  device_num: int | None = None, max_segments: int = MAX_SEGMENTS,
                  overlap: bool = True) -> SplitAdvice:
     """The split of at most ``max_segments`` segments that minimises the simulated iteration
@@ -318,7 +318,7 @@ class SplitComparison:
         return "\n".join(lines)
 
 
-def compare_splits(graph: Any, plan: Any = None, *, cluster: Any = "accelerator-8x",
+def compare_splits(graph: Any, plan: Any = None, *, cluster: Any = None,
                    device_num: int | None = None, max_segments: int = MAX_SEGMENTS,
                    overlap: bool = True,
                    extra: dict[str, GradientBuckets] | None = None) -> SplitComparison:

@@ -47,7 +47,7 @@ from autopar.strategies.problem import Problem, splits_from_strategy
 
 __all__ = ["FORMAT", "VERSION", "StrategyFile", "StrategyFileError", "save_strategy",
            "load_strategy", "read_strategy_file", "strategy_document", "dumps_strategy",
-           "layout_entry", "layout_from_entry", "write_text_atomic"]
+           "layout_entry", "layout_from_entry", "write_bytes_atomic", "write_text_atomic"]
 
 FORMAT = "autopar-strategy"
 VERSION = 1
@@ -202,7 +202,8 @@ def strategy_document(plan: Plan, graph: Graph) -> dict[str, Any]:
         "device_num": plan.device_num,
         "mesh": [{"name": a, "size": s} for a, s in mesh.axes],
         "mode": plan.mode,
-        "cluster": cluster_doc.model_dump() if cluster_doc is not None else {"name": plan.cluster},
+        "cluster": cluster_doc.model_dump(mode="json") if cluster_doc is not None else
+        {"name": plan.cluster},
         "enable_alltoall": plan.enable_alltoall, "memory_weight": float(plan.memory_weight),
         "parallel_optimizer_kb": plan.parallel_optimizer_kb,
         "current_stage": 0,
@@ -235,7 +236,12 @@ def dumps_strategy(doc: Mapping[str, Any]) -> str:
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
-    """Write ``text`` to ``path`` atomically: a temporary file in the same directory (with the
+    """Write ``text`` (UTF-8) to ``path`` atomically (:func:`write_bytes_atomic`)."""
+    return write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically: a temporary file in the same directory (with the
     permissions a plain ``open`` would give, 0o666 minus the umask), then ``os.replace``.
     Raises ``OSError`` when the directory is missing or not writable; ``path`` is untouched."""
     target = Path(path)
@@ -245,8 +251,8 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
         umask = os.umask(0)
         os.umask(umask)
         os.fchmod(fd, 0o666 & ~umask)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, target)
@@ -368,7 +374,12 @@ def load_strategy(path: str | os.PathLike[str], graph: Graph, *,
     if f.current_stage >= stages:
         raise StrategyFileError(p, "current_stage", f"a stage below pipeline_stages={stages}",
                                 f.current_stage)
-    clus = _file_cluster(f, p) if cluster is None else get_cluster(cluster)
+    if cluster is None:
+        clus = _file_cluster(f, p)
+    else:
+        from autopar.clusters import resolve_cluster
+
+        clus = resolve_cluster(cluster)
     splits = _check_operators(f, graph, mesh, p, stages)
     problem = Problem(graph, mesh, CostModel(clus), enable_alltoall=alltoall,
                       dataset_strategy=dataset, memory_weight=f.memory_weight,
@@ -416,7 +427,7 @@ def _file_cluster(f: StrategyFile, path: str) -> Cluster:
                                     name)
         return get_cluster(name)
     try:
-        return Cluster.model_validate(data)
+        return Cluster.model_validate_json(json.dumps(data))
     except ValidationError as e:
         err = e.errors()[0]
         loc = "cluster." + ".".join(str(x) for x in err["loc"])

@@ -30,7 +30,6 @@ from autopar.strategies.search import MODES as _SEARCH_MODES
 __all__ = ["main", "build_parser"]
 
 MODES = tuple(_SEARCH_MODES)
-DEFAULT_CLUSTER = "accelerator-8x"
 PARALLEL_MODES = ("auto_parallel", "semi_auto_parallel", "data_parallel", "hybrid_parallel",
                   "stand_alone")
 
@@ -58,11 +57,15 @@ def _context(args: argparse.Namespace, **extra: Any) -> Any:
     return ap.auto_parallel_context(**keys)
 
 
-def _cluster(args: argparse.Namespace) -> str | None:
-    """``--cluster``; when not given, the preset for a search, the file's cluster for a load."""
-    if args.cluster is not None:
-        return str(args.cluster)
-    return None if getattr(args, "load", None) else DEFAULT_CLUSTER
+def _cluster(args: argparse.Namespace) -> Any:
+    """The command's cost model, resolved once (:func:`autopar.clusters.resolve_cluster`):
+    ``--cluster`` (a preset, ``calibrated`` or a calibration file) or the default of the
+    devices present; None for a ``--load`` without ``--cluster`` (the file's own)."""
+    if args.cluster is None and getattr(args, "load", None):
+        return None
+    from autopar.clusters import resolve_cluster
+
+    return resolve_cluster(args.cluster)
 
 
 def _check_plan_files(args: argparse.Namespace) -> None:
@@ -168,10 +171,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
                                  modes=modes, on_done=bar.advance)
     if args.measure:
         _measure_all(fn, ex, rows, graph, args.devices, args.steps)
-    title = f"search modes: {desc} on {args.devices} devices, cluster {args.cluster}"
+    title = f"search modes: {desc} on {args.devices} devices, cluster {args.cluster.name}"
     _out(title)
     _out(table(comparison_rows(rows, measured=args.measure)))
-    meta = {"model": desc, "devices": args.devices, "cluster": args.cluster,
+    meta = {"model": desc, "devices": args.devices, "cluster": args.cluster.name,
             "command": "autopar " + " ".join(args.argv)}
     paths = write_comparison(rows, args.out, title=title, meta=meta)
     _out("\nwritten: " + ", ".join(str(p) for p in paths.values()))
@@ -365,6 +368,28 @@ def cmd_show(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------- parser
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    import autopar as ap
+    from autopar.clusters import describe_cluster, save_cluster
+
+    if not (args.budget > 0 and args.budget < 1e6):
+        raise CLIError(f"--budget: must be a positive number of seconds, got {args.budget}")
+    if args.fresh:
+        import jax
+
+        from autopar.clusters import forget_calibration
+
+        forget_calibration(jax.devices()[:args.devices])
+    t0 = time.perf_counter()
+    cluster = ap.calibrate(args.devices, budget_s=args.budget)
+    _out(describe_cluster(cluster))
+    _out(f"\n{cluster.name}: {time.perf_counter() - t0:.1f} s; plans on these devices are "
+         "priced on it when no cluster is named")
+    if args.out:
+        _out(f"calibration file written: {save_cluster(cluster, args.out)}")
+    return 0
+
+
 def _positive(text: str) -> int:
     try:
         n = int(text)
@@ -384,8 +409,9 @@ def _model_args(p: argparse.ArgumentParser, *, devices: bool = True) -> None:
     if devices:
         p.add_argument("--devices", type=_positive, default=8, help="device_num (default 8)")
     p.add_argument("--cluster", default=None,
-                   help="cost-model cluster preset (accelerator-8x, cpu-emulated; default "
-                   "accelerator-8x, or the strategy file's cluster with --load)")
+                   help="cost model: a preset (accelerator-8x, cpu-emulated), 'calibrated' "
+                   "or a calibration file (.json); default: the cached calibration of these "
+                   "devices, else their platform's preset (the strategy file's with --load)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -443,6 +469,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="write the Chrome trace JSON here")
     p.add_argument("--png", type=Path, help="draw the timeline PNG here (plot extra)")
     p.set_defaults(func=cmd_trace)
+
+    p = sub.add_parser("calibrate", help="measure these devices and fit the cost model")
+    p.add_argument("--devices", type=_positive, default=8,
+                   help="devices to measure (default 8; CPU devices are emulated)")
+    p.add_argument("--out", type=Path, help="also write the calibration file here")
+    p.add_argument("--budget", type=float, default=60.0,
+                   help="seconds to aim for (default 60)")
+    p.add_argument("--fresh", action="store_true",
+                   help="measure even when a calibration of these devices is cached")
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("show", help="pretty-print a strategy file")
     p.add_argument("file", type=Path)

@@ -20,9 +20,10 @@ or gathered operand) has another reader or is a program output.
 
 When to fuse (``fused_kernels``): ``False`` never, ``True`` wherever the pattern matches,
 ``"auto"`` (the default) where the alpha-beta model with overlap predicts the fused ring is
-not slower than the matmul plus the collective (:func:`predict`). On ``cpu-emulated``
-(devices sharing two cores, communication is a copy by the same cores) nothing overlaps, so
-``"auto"`` never fuses there: the ring only adds its extra memory pass.
+not slower than the matmul plus the collective (:func:`predict`). Where the cluster's
+``overlap`` is 0 (``cpu-emulated``, and a calibration of emulated devices: communication is a
+copy by the cores that compute) nothing overlaps, so ``"auto"`` never fuses there: the ring
+only adds its extra memory pass.
 
 Each fused node also records the ring schedule the same model predicts fastest on the
 cluster (:func:`best_schedule`): one way or both ways round the ring (``bidirectional``) and
@@ -51,15 +52,13 @@ from autopar.kernels.mm_reduce_scatter import ring_hops
 from autopar.parallel_graph import PNode, ParallelGraph
 from autopar.strategies.cost import CLUSTERS, Cluster, CostModel, get_cluster
 
-__all__ = ["DEFAULT_SCHEDULE", "FusedKernels", "FUSED_OPS", "NO_OVERLAP_CLUSTERS",
+__all__ = ["DEFAULT_SCHEDULE", "FusedKernels", "FUSED_OPS",
            "best_schedule", "check_fused_kernels", "fuse_kernels", "predict", "run_fused"]
 
 FusedKernels = Union[bool, Literal["auto"]]
 #: MindSpore-style display names of the fused nodes.
 FUSED_OPS: dict[str, str] = {"mm_reduce_scatter": "MatMulReduceScatter",
                              "all_gather_matmul": "AllGatherMatMul"}
-#: Cluster presets whose devices cannot overlap compute and communication.
-NO_OVERLAP_CLUSTERS = frozenset({"cpu-emulated"})
 #: The ring schedule of a fused node when no cluster prices it (the kernels' defaults).
 DEFAULT_SCHEDULE: MappingProxyType[str, Any] = MappingProxyType(
     {"bidirectional": False, "chunks": None})
@@ -99,11 +98,15 @@ def predict(kind: str, *, flops: float, x_bytes: float, out_bytes: float, comm_b
     reduce-scatter does inside the collective) and, pipelined, copies the rows of ``x``
     block by block (``chunks=1`` reads its one product in place);
     all_gather_matmul writes the products into row order once (``chunks=1``: assembles the
-    gathered ``x`` instead). Clusters in :data:`NO_OVERLAP_CLUSTERS` move data with the cores
-    that compute (emulated devices): nothing overlaps there, neither a matmul and a transfer
-    nor the two directions of a link (``R = p - 1`` both ways).
+    gathered ``x`` instead). A hop is priced as the cluster's ``collective_permute`` of one
+    block. The cluster's ``overlap`` (measured by :func:`autopar.calibrate`) is the fraction
+    of the transfers that hides behind compute; at 0 (emulated devices, whose cores both
+    compute and move data) nothing overlaps, neither a matmul and a transfer nor the two
+    directions of a link (``R = p - 1`` both ways).
     """
-    clus = get_cluster(cluster)
+    from autopar.clusters import resolve_cluster
+
+    clus = resolve_cluster(cluster)
     cm = CostModel(clus)
     c = p if chunks is None else int(chunks)
     if c < 1 or p % c:
@@ -122,15 +125,15 @@ def predict(kind: str, *, flops: float, x_bytes: float, out_bytes: float, comm_b
     else:
         raise AutoParallelError("kind", kind, f"must be one of {sorted(FUSED_OPS)}")
     unfused = t_mm + cm.collective_time(coll, comm_bytes, p, intra=intra)
-    bw, alpha = (clus.intra_bandwidth, clus.intra_alpha) if intra else \
-        (clus.inter_bandwidth, clus.inter_alpha)
-    t_step = alpha + block / bw
-    serial = clus.name in NO_OVERLAP_CLUSTERS
-    rounds = ring_hops(p, bidirectional and not serial)[0]  # the kernels' own round count
-    if c == 1 or serial:
-        fused = t_mm + rounds * t_step + extra
-    else:
-        fused = t_mm / c + rounds * max((c - 1) / c * t_mm / rounds, t_step) + extra
+    t_step = cm.collective_time("collective_permute", block, p, intra=intra)  # one hop
+    ov = clus.overlap
+    rounds = ring_hops(p, bidirectional and ov > 0)[0]  # the kernels' own round count
+    serial = t_mm + rounds * t_step + extra
+    if c == 1 or ov == 0:
+        fused = serial
+    else:  # the overlappable fraction of the transfers hides behind the matmul chunks
+        hidden = t_mm / c + rounds * max((c - 1) / c * t_mm / rounds, t_step) + extra
+        fused = ov * hidden + (1 - ov) * serial
     return {"unfused": unfused, "fused": fused, "gain": unfused / fused}
 
 
@@ -188,7 +191,7 @@ def _schedule(kind: str, dot: PNode, comm: PNode, pg: ParallelGraph, cluster: st
     k, n = rhs.local_shape
     item = int(np.dtype(lhs.spec.dtype).itemsize)
     p = _group(comm.step.axes, pg)  # type: ignore[union-attr]
-    cm = CostModel(get_cluster(cluster))
+    cm = CostModel(get_cluster(cluster))  # resolved by fuse_kernels
     _, intra = cm.group(comm.step.axes, pg.mesh)  # type: ignore[union-attr]
     if kind == "all_gather_matmul":
         m *= p
@@ -208,7 +211,11 @@ def fuse_kernels(pg: ParallelGraph, fused_kernels: FusedKernels = "auto",
     mode = check_fused_kernels(fused_kernels)
     if mode is False:
         return pg
-    if cluster is None:  # the plan's own cluster (custom ones too), else its preset by name
+    if cluster is not None:
+        from autopar.clusters import resolve_cluster
+
+        cluster = resolve_cluster(cluster)
+    else:  # the plan's own cluster (custom ones too), else its preset by name
         cluster = getattr(pg.plan, "cluster_config", None)
         if cluster is None:
             name = getattr(pg.plan, "cluster", None)

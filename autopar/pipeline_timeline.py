@@ -197,15 +197,16 @@ def simulate_schedule(forward: Sequence[float], backward: Sequence[float], *,
 
 def simulate_pipeline(graph: Any, stages: int, *, micro_batches: int | None = None,
                       schedule: str = "1f1b", boundaries: Sequence[str | int] | None = None,
-                      device_num: int | None = None, cluster: Any = "accelerator-8x",
+                      device_num: int | None = None, cluster: Any = None,
                       plans: Sequence[Any] | None = None,
                       recompute: bool = True) -> PipelineTrace:
     """Simulate ``graph`` (traced at micro-batch size) pipelined over ``stages`` stages of
     ``device_num / stages`` devices (see the module docstring). ``plans``: the stages'
     plans (e.g. ``PipelineTrainStep.plans``) for their splits and gradient-sync times;
     without, each stage is data parallel over its devices."""
+    from autopar.clusters import cluster_for
     from autopar.context import current_config
-    from autopar.strategies.cost import CostModel, get_cluster
+    from autopar.strategies.cost import BACKWARD_FACTOR, CostModel
     from autopar.strategies.stages import partition_stages, send_time
 
     if not isinstance(recompute, bool):
@@ -214,9 +215,11 @@ def simulate_pipeline(graph: Any, stages: int, *, micro_batches: int | None = No
         build_schedule(schedule, 1, 1)  # raises the typed error
     n = current_config().device_num if device_num is None else device_num
     m = stages if micro_batches is None else micro_batches
+    # the stages' plans were priced on one cluster: simulate on it unless one is named
+    clus = cluster_for(plans[0] if isinstance(plans, (list, tuple)) and plans else None,
+                       cluster)
     part = partition_stages(graph, stages, boundaries=boundaries, device_num=n,
-                            micro_batches=m, cluster=cluster)
-    clus = get_cluster(cluster)
+                            micro_batches=m, cluster=clus)
     cm = CostModel(clus)
     d = n // stages
     if plans is not None and (not isinstance(plans, (list, tuple)) or len(plans) != stages):
@@ -234,7 +237,7 @@ def simulate_pipeline(graph: Any, stages: int, *, micro_batches: int | None = No
                     w *= x
             t += cm.compute_time(node.flops / w, (node.bytes_read + node.bytes_written) / w)
         if plan is not None:
-            t += (plan.cost.communication + plan.cost.redistribution) / 3.0
+            t += (plan.cost.communication + plan.cost.redistribution) / (1 + BACKWARD_FACTOR)
             sync.append(plan.cost.gradient_sync)
         else:
             nbytes = sum(graph.spec(v).nbytes for v in dict.fromkeys(
@@ -243,7 +246,7 @@ def simulate_pipeline(graph: Any, stages: int, *, micro_batches: int | None = No
             sync.append(cm.collective_time("all_reduce", nbytes, d,
                                            intra=d <= clus.devices_per_node))
         fwd.append(t)
-    bwd = [(3.0 if recompute else 2.0) * t for t in fwd]
-    sends = [send_time(b, clus, d) for b in part.crossing_bytes]
+    bwd = [(BACKWARD_FACTOR + (1.0 if recompute else 0.0)) * t for t in fwd]
+    sends = [send_time(b, cm, d) for b in part.crossing_bytes]
     return simulate_schedule(fwd, bwd, micro_batches=m, schedule=schedule, sends=sends,
                              sync=sync, cluster=clus.name, device_num=n)

@@ -205,14 +205,17 @@ class _Model:
     def __init__(self, graph: Any, plan: Any, cluster: Any, device_num: Any,
                  overlap: Any) -> None:
         from autopar.graph.ir import Graph
-        from autopar.strategies.cost import CostModel, get_cluster
+        from autopar.clusters import cluster_for
+        from autopar.strategies.cost import BACKWARD_FACTOR, CostModel
         from autopar.strategies.layout import DeviceMesh
 
         if not isinstance(graph, Graph):
             raise AutoParallelTypeError("graph", graph, "an autopar.Graph from autopar.trace")
         if not isinstance(overlap, bool):
             raise AutoParallelTypeError("overlap", overlap, "must be a bool")
-        clus = get_cluster(cluster)
+        if plan is not None:
+            gradients(graph, plan)  # checks the plan before pricing on its cluster
+        clus = cluster_for(plan, cluster)
         self.cm = CostModel(clus)
         self.overlap = overlap
         if device_num is not None and (isinstance(device_num, bool) or
@@ -248,7 +251,7 @@ class _Model:
         t = fp_end
         bwd_end = [0.0] * len(times)  # when backward of node i ends
         for i in range(len(times) - 1, -1, -1):
-            t += 2 * times[i]
+            t += BACKWARD_FACTOR * times[i]
             bwd_end[i] = t
         self.fp_end, self.bp_end = fp_end, t
         first_use: dict[str, int] = {}
@@ -276,13 +279,8 @@ class _Model:
         self.coef = []  # (latency, seconds per byte) of an all-reduce per group
         for axes in self.groups:
             p, intra = self.cm.group(axes, self.mesh)
-            if p <= 1:
-                self.coef.append((0.0, 0.0))
-                continue
-            c = clus
-            bw, alpha = (c.intra_bandwidth, c.intra_alpha) if intra else \
-                (c.inter_bandwidth, c.inter_alpha)
-            self.coef.append((2 * (p - 1) * alpha, 2 * ((p - 1) / p) / bw))
+            self.coef.append(self.cm.alpha_beta("all_reduce", p, intra) if p > 1 else
+                             (0.0, 0.0))
 
     def price(self, i: int, j: int) -> float:
         """All-reduce seconds of gradients i..j-1 fused in one bucket."""
@@ -350,7 +348,7 @@ def _ends_of(model: _Model, buckets: Any) -> tuple[list[int], str]:
 
 
 def simulate(graph: Any, plan: Any = None, *, buckets: Any = None,
-             cluster: Any = "accelerator-8x", device_num: int | None = None,
+             cluster: Any = None, device_num: int | None = None,
              overlap: bool = True) -> IterationTrace:
     """Simulate one iteration (see the module doc) and return its trace.
 

@@ -68,3 +68,16 @@ def write_results(name: str, rows: Sequence[dict[str, Any]], columns: Sequence[s
     print(markdown_table(rows, columns))
     print(f"\n(written to {path})")
     return path
+
+
+def replace_between_markers(path: Path, name: str, text: str) -> None:
+    """Replace what lies between ``<!-- name:begin -->`` and ``<!-- name:end -->`` in a doc
+    (tables of measured figures are written by the benchmark, never copied by hand)."""
+    from autopar.checkpoint import write_text_atomic
+
+    doc = path.read_text(encoding="utf-8")
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    i, j = doc.find(begin), doc.find(end)
+    if i < 0 or j < i:
+        raise SystemExit(f"{path}: markers {begin} ... {end} not found")
+    write_text_atomic(path, doc[:i + len(begin)] + "\n" + text.strip() + "\n" + doc[j:])

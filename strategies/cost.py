@@ -22,7 +22,7 @@ Cluster presets (figures documented in docs/search.md):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -30,7 +30,69 @@ from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.strategies.layout import DeviceMesh
 from autopar.strategies.redistribution import Step, transpose_step
 
-__all__ = ["Cluster", "CLUSTERS", "CostModel", "get_cluster"]
+__all__ = ["BACKWARD_FACTOR", "COLLECTIVE_KINDS", "Calibration", "Cluster", "CLUSTERS",
+           "CollectiveFit", "CostModel", "get_cluster"]
+
+
+#: Collective kinds the model prices, each with its alpha-beta shape over a group of p devices:
+#: (latency steps, bandwidth factor) -> ``steps * alpha + factor * n / B``.
+COLLECTIVE_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all",
+                    "collective_permute")
+#: Backward of an operator costs this many times its forward (two matmuls per matmul: the
+#: gradient of each input); the one place the factor lives.
+BACKWARD_FACTOR = 2.0
+
+
+def _formula(kind: str, p: int) -> tuple[float, float]:
+    """(latency steps, bytes factor) of the ring formula of ``kind`` over ``p`` devices."""
+    frac = (p - 1) / p
+    if kind == "all_reduce":
+        return 2.0 * (p - 1), 2.0 * frac
+    if kind in ("reduce_scatter", "all_gather", "all_to_all"):
+        return float(p - 1), frac
+    if kind == "collective_permute":
+        return 1.0, 1.0
+    raise AutoParallelError("collective", kind, f"unknown collective kind; one of "
+                            f"{list(COLLECTIVE_KINDS)}")
+
+
+class CollectiveFit(BaseModel):
+    """A measured collective: ``seconds = alpha + beta * n`` for one kind and group size.
+
+    ``n`` is counted as the model counts it: per-device input bytes (all_reduce,
+    reduce_scatter, all_to_all, collective_permute), per-device output bytes (all_gather).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    kind: Literal["all_reduce", "reduce_scatter", "all_gather", "all_to_all",
+                  "collective_permute"]
+    group: int = Field(ge=2, description="devices in the group")
+    intra: bool = Field(description="every device of the group in one node (process)")
+    alpha: float = Field(ge=0, description="seconds: the fixed cost of one collective")
+    beta: float = Field(ge=0, description="seconds per byte (n as the model counts it)")
+    residual: float = Field(ge=0, description="largest |fit / measured - 1| over the samples")
+    samples: int = Field(ge=2, description="message sizes measured")
+
+
+class Calibration(BaseModel):
+    """Where and how a calibrated cluster was measured (``autopar.calibrate``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    version: int = Field(description="calibration format version")
+    platform: str = Field(description="jax backend platform: cpu, gpu, tpu")
+    device_kind: str = Field(description="jax Device.device_kind")
+    device_count: int = Field(ge=1, description="devices measured")
+    process_count: int = Field(ge=1, description="processes (nodes) measured")
+    jax_version: str
+    matmul_residual: float = Field(ge=0, description="largest |fit / measured - 1|, matmuls")
+    memory_residual: float = Field(ge=0, description="largest |fit / measured - 1|, "
+                                   "elementwise")
+    shared_compute: float = Field(gt=0, description="one device alone / every device at "
+                                  "once, matmul throughput per device (1: independent "
+                                  "devices; device count / cores: emulated devices)")
+    seconds: float = Field(ge=0, description="wall seconds the calibration took")
 
 
 class Cluster(BaseModel):
@@ -49,6 +111,16 @@ class Cluster(BaseModel):
     inter_alpha: float = Field(ge=0, description="seconds of latency per ring step, inter")
     optimizer_state_factor: float = Field(
         default=2.0, ge=0, description="optimizer state bytes per parameter byte (Adam: 2)")
+    op_overhead: float = Field(default=0.0, ge=0, description="seconds per operator per "
+                               "device (dispatch, kernel launch)")
+    overlap: float = Field(default=1.0, ge=0, le=1, description="fraction of a transfer "
+                           "that can hide behind compute (0: the cores that compute move "
+                           "the data, as emulated devices do)")
+    collectives: tuple[CollectiveFit, ...] = Field(
+        default=(), description="measured collectives; kinds and group sizes not listed "
+        "use the ring formulas with the link figures above")
+    calibration: Calibration | None = Field(default=None, description="how it was measured "
+                                            "(None: a hand-written preset)")
 
 
 CLUSTERS: dict[str, Cluster] = {
@@ -59,18 +131,19 @@ CLUSTERS: dict[str, Cluster] = {
         name="accelerator-8x", devices_per_node=8, peak_flops=1.28e14,
         memory_bandwidth=1.2e12, memory_bytes=32e9, intra_bandwidth=100e9, intra_alpha=5e-6,
         inter_bandwidth=12.5e9, inter_alpha=20e-6),
-    # This machine: 8 emulated CPU devices sharing 2 cores and their memory. Figures measured
-    # by benchmarks/bench_calibrate.py (per device = machine total / 8).
+    # Emulated CPU devices sharing a few cores and their memory (jax_num_cpu_devices): the
+    # preset for CPU devices when no calibration is cached. Figures per device (machine
+    # total / 8) rounded from `autopar calibrate` on a 2-core machine; nothing overlaps.
     "cpu-emulated": Cluster(
         name="cpu-emulated", devices_per_node=4096, peak_flops=4e9, memory_bandwidth=2e9,
         memory_bytes=2.5e9, intra_bandwidth=1e9, intra_alpha=30e-6, inter_bandwidth=1e9,
-        inter_alpha=30e-6),
+        inter_alpha=30e-6, overlap=0.0),
 }
 
 
-def get_cluster(cluster: str | Cluster | None) -> Cluster:
-    if cluster is None:
-        return CLUSTERS["accelerator-8x"]
+def get_cluster(cluster: str | Cluster) -> Cluster:
+    """A preset by name, or the Cluster itself. Which cluster to use when none is named is
+    the entry points' decision (:func:`autopar.clusters.resolve_cluster`), not the model's."""
     if isinstance(cluster, Cluster):
         return cluster
     if not isinstance(cluster, str):
@@ -89,23 +162,46 @@ class CostModel:
     _groups: dict = field(default_factory=dict, repr=False, compare=False)
     _steps: dict = field(default_factory=dict, repr=False, compare=False)
     _coef: dict = field(default_factory=dict, repr=False, compare=False)
+    _lin: dict = field(default_factory=dict, repr=False, compare=False)
 
     def compute_time(self, flops: float, nbytes: float) -> float:
+        """Seconds of one operator's forward on one device: launch + roofline."""
         c = self.cluster
-        return max(flops / c.peak_flops, nbytes / c.memory_bandwidth)
+        return c.op_overhead + max(flops / c.peak_flops, nbytes / c.memory_bandwidth)
+
+    def alpha_beta(self, kind: str, p: int, intra: bool) -> tuple[float, float]:
+        """(seconds, seconds per byte) of one ``kind`` collective over ``p`` devices: its
+        time for ``n`` bytes (counted as :class:`CollectiveFit` says) is ``a + b * n``.
+
+        The measured fit of (kind, p, intra) when the cluster has one; else the ring formula
+        with the link figures (a kind measured at other group sizes takes its per-step
+        latency and bandwidth from the nearest measured size)."""
+        key = (kind, p, intra)
+        hit = self._coef.get(key)
+        if hit is not None:
+            return hit
+        steps, factor = _formula(kind, p)
+        c = self.cluster
+        fits = [f for f in c.collectives if f.kind == kind and f.intra == intra]
+        exact = [f for f in fits if f.group == p]
+        if exact:
+            hit = (exact[0].alpha, exact[0].beta)
+        elif fits:
+            near = min(fits, key=lambda f: (abs(f.group - p), f.group))
+            s0, f0 = _formula(kind, near.group)
+            hit = (near.alpha / s0 * steps, near.beta / f0 * factor)
+        else:
+            bw, alpha = (c.intra_bandwidth, c.intra_alpha) if intra else \
+                (c.inter_bandwidth, c.inter_alpha)
+            hit = (steps * alpha, factor / bw)
+        self._coef[key] = hit
+        return hit
 
     def collective_time(self, kind: str, nbytes: float, p: int, *, intra: bool) -> float:
         if p <= 1 or kind == "slice":
             return 0.0
-        c = self.cluster
-        bw, alpha = (c.intra_bandwidth, c.intra_alpha) if intra else \
-            (c.inter_bandwidth, c.inter_alpha)
-        frac = (p - 1) / p
-        if kind == "all_reduce":
-            return 2 * frac * nbytes / bw + 2 * (p - 1) * alpha
-        if kind in ("reduce_scatter", "all_gather", "all_to_all"):
-            return frac * nbytes / bw + (p - 1) * alpha
-        raise AutoParallelError("collective", kind, "unknown collective kind")
+        a, b = self.alpha_beta(kind, p, intra)
+        return a + b * nbytes
 
     def group(self, axes: Iterable[str], mesh: DeviceMesh) -> tuple[int, bool]:
         """(group size, whether the group is inside one node) of collectives over axes."""
@@ -143,29 +239,22 @@ class CostModel:
         """(latency seconds, seconds per global byte) of shape-free steps (``fraction`` set):
         the steps' time for a tensor of B global bytes is ``a + b * B`` (memoised)."""
         key = (steps, mesh, backward)
-        hit = self._coef.get(key)
+        hit = self._lin.get(key)
         if hit is not None:
             return hit
         a = b = 0.0
-        c = self.cluster
         for s in steps:
-            # forward kind, and in backward its transpose: all_gather <-> reduce_scatter and
-            # all_to_all cost the same, slice -> all_gather, all_reduce -> nothing
-            kinds = [s.kind]
-            if backward and s.kind != "all_reduce":
-                kinds.append("all_gather" if s.kind == "slice" else s.kind)
             p, intra = self.group(s.axes, mesh)
             if p <= 1:
                 continue
-            bw, alpha = (c.intra_bandwidth, c.intra_alpha) if intra else \
-                (c.inter_bandwidth, c.inter_alpha)
-            for kind in kinds:
-                if kind == "slice":
-                    continue
-                k = 2.0 if kind == "all_reduce" else 1.0
-                b += k * (p - 1) / p * s.fraction / bw
-                a += k * (p - 1) * alpha
-        self._coef[key] = (a, b)
+            # forward, and in backward the transpose (which moves the same n: all_gather's
+            # output is reduce_scatter's input)
+            for t in (s, transpose_step(s) if backward else None):
+                if t is not None and t.kind != "slice":
+                    ka, kb = self.alpha_beta(t.kind, p, intra)
+                    a += ka
+                    b += kb * s.fraction
+        self._lin[key] = (a, b)
         return a, b
 
     def all_reduce_time(self, nbytes: float, axes: Iterable[str], mesh: DeviceMesh) -> float:

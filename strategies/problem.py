@@ -21,7 +21,7 @@ import numpy as np
 
 from autopar.errors import AutoParallelError
 from autopar.graph.ir import Graph, Node
-from autopar.strategies.cost import CostModel
+from autopar.strategies.cost import BACKWARD_FACTOR, CostModel
 from autopar.strategies.layout import DeviceMesh, Layout
 from autopar.strategies.opspec import OpSpec, op_spec
 from autopar.strategies.redistribution import plan_steps
@@ -323,7 +323,8 @@ class Problem:
                     if g.values[v].kind != "literal")
         local += sum(self._local_bytes(v, lay) for v, lay in zip(node.outputs,
                                                                 choice.out_layouts))
-        compute = cm.compute_time(node.flops / work, local) * (3.0 if grad else 1.0)
+        compute = cm.compute_time(node.flops / work, local) * (
+            1.0 + BACKWARD_FACTOR if grad else 1.0)
         comm = sync = 0.0
         for v, lay in zip(node.inputs, choice.in_layouts):
             if not self.requires_grad[v]:

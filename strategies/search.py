@@ -28,7 +28,7 @@ from autopar.errors import AutoParallelError, AutoParallelTypeError, AutoParalle
 from autopar.graph.ir import Graph
 from autopar.strategies import (dynamic_programming, exact, recursive_programming,
                                 sharding_propagation)
-from autopar.strategies.cost import Cluster, CostModel, get_cluster
+from autopar.strategies.cost import Cluster, CostModel
 from autopar.strategies.layout import DeviceMesh
 from autopar.strategies.plan import Plan
 from autopar.strategies.problem import Problem
@@ -74,7 +74,8 @@ def data_parallel_splits(problem_specs: Mapping[str, Any], graph: Graph,
 
 
 def _resolve(mode: Any, device_num: Any, cluster: Any, fixed: Any,
-             parallel_mode: Any) -> tuple[str, int, Cluster, dict, str, Any]:
+             parallel_mode: Any) -> tuple[str, int, Cluster | None, dict, str, Any]:
+    from autopar.clusters import resolve_cluster
     from autopar.resolve import resolve_context
 
     ctx = resolve_context()
@@ -97,7 +98,11 @@ def _resolve(mode: Any, device_num: Any, cluster: Any, fixed: Any,
         n = 1
     if fixed is not None and not isinstance(fixed, Mapping):
         raise AutoParallelTypeError("fixed", fixed, "a mapping of node name -> strategy")
-    return m, n, get_cluster(cluster), dict(fixed or {}), pmode, cfg
+    loading = bool(cfg.strategy_ckpt_load_file) and pmode in ("semi_auto_parallel",
+                                                               "auto_parallel")
+    # a load prices on the file's own cluster unless one is named
+    clus = None if loading and cluster is None else resolve_cluster(cluster)
+    return m, n, clus, dict(fixed or {}), pmode, cfg
 
 
 def search(graph: Graph, *, mode: str | None = None, device_num: int | None = None,
@@ -122,8 +127,9 @@ def search(graph: Graph, *, mode: str | None = None, device_num: int | None = No
                       "operator is data parallel there); use semi_auto_parallel or "
                       "auto_parallel to honour them", AutoParallelWarning, stacklevel=2)
     if cfg.strategy_ckpt_load_file and pmode in ("semi_auto_parallel", "auto_parallel"):
-        plan = _load(graph, cfg, n, cluster, fixed_map)
+        plan = _load(graph, cfg, n, clus, fixed_map)
     else:
+        assert clus is not None
         plan = _search(graph, m, n, clus, fixed_map, pmode, cfg, fully_use_devices)
     if cfg.strategy_ckpt_save_file and pmode in ("semi_auto_parallel", "auto_parallel"):
         from autopar.checkpoint import save_strategy

@@ -46,7 +46,7 @@ import numpy as np
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.graph.ir import Graph, Value
-from autopar.strategies.cost import Cluster, CostModel, get_cluster
+from autopar.strategies.cost import BACKWARD_FACTOR, Cluster, CostModel
 
 __all__ = ["Unit", "StagePartition", "stage_units", "partition_stages", "stage_graph",
            "send_time"]
@@ -123,8 +123,11 @@ class StagePartition:
 
 def stage_units(graph: Graph, cm: CostModel | None = None, devices: int = 1) -> tuple[Unit, ...]:
     """The graph's units (see the module docstring), with their compute seconds on
-    ``devices`` devices (forward + 2x backward + recomputed forward = 4x forward)."""
-    cm = cm or CostModel(get_cluster(None))
+    ``devices`` devices (forward + backward + recomputed forward); ``cm``: the cost model
+    (default: the ``accelerator-8x`` preset, for listing units without a cluster)."""
+    from autopar.strategies.cost import CLUSTERS
+
+    cm = cm or CostModel(CLUSTERS["accelerator-8x"])
     units: list[Unit] = []
     seen: dict[str, int] = {}
     start = 0
@@ -136,7 +139,7 @@ def stage_units(graph: Graph, cm: CostModel | None = None, devices: int = 1) -> 
         k = seen.get(top, 0)
         seen[top] = k + 1
         name = top if k == 0 else f"{top}#{k}"
-        sec = 4.0 * sum(cm.compute_time(n.flops / devices,
+        sec = (2.0 + BACKWARD_FACTOR) * sum(cm.compute_time(n.flops / devices,
                                         (n.bytes_read + n.bytes_written) / devices)
                         for n in nodes[start:i])
         units.append(Unit(len(units), name, start, i, sec))
@@ -144,16 +147,15 @@ def stage_units(graph: Graph, cm: CostModel | None = None, devices: int = 1) -> 
     return tuple(units)
 
 
-def send_time(nbytes: float, cluster: Cluster, devices_per_stage: int) -> float:
+def send_time(nbytes: float, cm: CostModel, devices_per_stage: int) -> float:
     """One ``collective_permute`` of a boundary: each of the stage's devices sends its share
     (``nbytes / devices_per_stage``, the batch dim being split inside a stage) to its peer in
     the next stage, on the inter-node link when a stage fills a node or more."""
     if nbytes <= 0:
         return 0.0
-    inter = devices_per_stage >= cluster.devices_per_node
-    bw, alpha = (cluster.inter_bandwidth, cluster.inter_alpha) if inter else \
-        (cluster.intra_bandwidth, cluster.intra_alpha)
-    return alpha + nbytes / devices_per_stage / bw
+    intra = devices_per_stage < cm.cluster.devices_per_node
+    return cm.collective_time("collective_permute", nbytes / devices_per_stage, 2,
+                              intra=intra)
 
 
 def _crossing(graph: Graph, units: Sequence[Unit]) -> list[tuple[list[str], int]]:
@@ -295,7 +297,9 @@ def partition_stages(graph: Graph, stages: int, *, boundaries: Sequence[str | in
     if isinstance(device_num, bool) or not isinstance(device_num, int) or device_num < 1:
         raise AutoParallelError("device_num", device_num, "must be an int >= 1")
     stages = _check_stages(stages, device_num)
-    clus = get_cluster(cluster)
+    from autopar.clusters import resolve_cluster  # the entry point's step (issue 16)
+
+    clus = resolve_cluster(cluster)
     cm = CostModel(clus)
     per_stage = device_num // stages
     units = stage_units(graph, cm, per_stage)
@@ -305,7 +309,7 @@ def partition_stages(graph: Graph, stages: int, *, boundaries: Sequence[str | in
                                 f"to cut into {stages} stages",
                                 "Wrap layers in jax.named_scope or use fewer stages")
     cross = _crossing(graph, units)
-    sends = [2.0 * send_time(b, clus, per_stage) for _, b in cross] + [0.0]
+    sends = [2.0 * send_time(b, cm, per_stage) for _, b in cross] + [0.0]
     if boundaries is None:
         m = stages if micro_batches is None else micro_batches
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:

@@ -1,0 +1,390 @@
+"""``autopar.calibrate``: measure the devices present and fit the cost model to them.
+
+Measured on every device at once, as a plan runs them (so devices that share cores show it):
+
+- **matmul**: square matmuls per device over several sizes -> ``peak_flops`` (the slope);
+- **elementwise** (``x * a + b``) over KiB to tens of MiB -> ``memory_bandwidth`` (the slope)
+  and ``op_overhead`` (the intercept: what one more operator costs however small);
+- **shared compute**: one matmul on one device alone vs on every device at once (1 for
+  independent devices; about devices / cores for emulated ones);
+- **collectives**: each kind autopar lowers to (all_reduce, all_gather, reduce_scatter,
+  all_to_all, collective_permute) over every group size the mesh can form, messages of
+  4 KiB to 32 MiB -> ``alpha + beta * n`` per kind and group size (:class:`CollectiveFit`,
+  with the fit's largest relative residual);
+- **overlap**: a matmul and an independent all-reduce in one loop body against each alone.
+
+Every measurement runs its operation ``r`` times in a ``fori_loop`` inside one jitted
+``shard_map`` (``r`` a runtime argument, so one compile serves every ``r``); the time per
+operation is ``(t(R) - t(1)) / (R - 1)``, medians of interleaved pairs, so dispatch and the
+call's own transfers cancel. Fits are non-negative least squares on relative error
+(:func:`fit_alpha_beta`). Nothing about a backend is hard-coded: sizes and group sizes come
+from the devices given.
+
+The result is a :class:`~autopar.strategies.cost.Cluster` whose ``calibration`` says what it
+was measured on; :func:`calibrate` caches it per device kind and count
+(:mod:`autopar.clusters`), so a second call returns at once.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from autopar.errors import AutoParallelError, AutoParallelTypeError
+from autopar.strategies.cost import (COLLECTIVE_KINDS, Calibration, Cluster, CollectiveFit)
+
+__all__ = ["CALIBRATION_VERSION", "calibrate", "fit_alpha_beta", "group_sizes"]
+
+CALIBRATION_VERSION = 1
+#: Message sizes (bytes, as the model counts them), in the order they are measured: the
+#: ends first, so a fit has its latency and its bandwidth whatever the budget cuts.
+MESSAGE_SIZES = (2 ** 12, 2 ** 24, 2 ** 20, 2 ** 16, 2 ** 22, 2 ** 25)
+MATMUL_SIZES = (64, 128, 256, 512)
+ELEMENTWISE_BYTES = (2 ** 14, 2 ** 24, 2 ** 20, 2 ** 22)
+_MIN_SAMPLES = 2
+#: Operations one measurement runs (warm-up, estimate, three pairs at R = 1).
+_MEASURE_COST = 13
+
+
+def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float]
+                   ) -> tuple[float, float, float]:
+    """Fit ``seconds = alpha + beta * size`` with alpha, beta >= 0, minimising the relative
+    error; returns (alpha, beta, largest |fit / measured - 1|).
+
+    >>> a, b, r = fit_alpha_beta([1e3, 1e6, 1e7], [1e-5 + 1e-9 * n for n in (1e3, 1e6, 1e7)])
+    >>> round(a * 1e6, 3), round(b * 1e9, 3), r < 1e-9
+    (10.0, 1.0, True)
+    """
+    from scipy.optimize import nnls
+
+    x = np.asarray(sizes, dtype=np.float64)
+    t = np.asarray(seconds, dtype=np.float64)
+    if x.shape != t.shape or x.size < _MIN_SAMPLES:
+        raise AutoParallelError("samples", int(x.size), f"a fit needs at least {_MIN_SAMPLES} "
+                                "(size, seconds) pairs of equal length")
+    t = np.maximum(t, 1e-9)
+    sol, _ = nnls(np.stack([1.0 / t, x / t], axis=1), np.ones_like(t))
+    alpha, beta = float(sol[0]), float(sol[1])
+    resid = float(np.max(np.abs((alpha + beta * x) / t - 1.0)))
+    return alpha, beta, resid
+
+
+def group_sizes(device_count: int) -> list[int]:
+    """Every group size a mesh of ``device_count`` devices can form: the products of its
+    prime axes' subsets, above 1 (8 -> [2, 4, 8]; 12 -> [2, 3, 4, 6, 12])."""
+    from autopar.strategies.layout import DeviceMesh
+
+    sizes = {1}
+    for _, s in DeviceMesh.for_devices(device_count).axes:
+        sizes |= {k * s for k in sizes}
+    return sorted(k for k in sizes if k > 1)
+
+
+# ---------------------------------------------------------------------------- timing
+
+
+class _Clock:
+    """The budget: what is left, shared out over the measurements still to come."""
+
+    def __init__(self, budget_s: float) -> None:
+        self.t0, self.budget = time.perf_counter(), float(budget_s)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def share(self, remaining_items: int, reserve: float = 0.0) -> float:
+        """Seconds for the next item: what is left (less ``reserve``) over the items left."""
+        left = self.budget - reserve - self.elapsed()
+        return max(0.0, left) / max(1, remaining_items)
+
+
+def _loop_program(mesh: Any, body: Callable[[Any], Any], spec: Any) -> Any:
+    """``f(x, r)``: ``body`` applied ``r`` times to every device's block of ``x``."""
+    import jax
+    from jax import lax
+    from jax.sharding import PartitionSpec
+
+    def run(x: Any, r: Any) -> Any:
+        return lax.fori_loop(0, r, lambda _, v: body(v), x)
+
+    return jax.jit(jax.shard_map(run, mesh=mesh, in_specs=(spec, PartitionSpec()),
+                                 out_specs=spec, check_vma=False))
+
+
+def _per_op(f: Any, x: Any, limit_s: float) -> float:
+    """Seconds per loop iteration of ``f(x, r)``: the median over interleaved pairs of
+    ``(t(1 + R) - t(1)) / R``, R chosen so one pair's difference is a few milliseconds (at
+    least 3 pairs, at most 9, more while ``limit_s`` lasts)."""
+    import jax
+
+    def run(r: int) -> float:
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x, np.int32(r)))
+        return time.perf_counter() - t0
+
+    deadline = time.perf_counter() + limit_s
+    run(1)  # compile and warm up
+    est = max(run(2) - run(1), 1e-6)
+    reps = int(min(64, max(1, 4e-3 / est)))
+    pairs: list[float] = []
+    while len(pairs) < 9 and (len(pairs) < 3 or time.perf_counter() < deadline):
+        a = run(1)
+        pairs.append((run(1 + reps) - a) / reps)
+    return max(float(np.median(pairs)), 1e-9)
+
+
+# ---------------------------------------------------------------------------- what is run
+
+
+def _collective_body(kind: str, axis: str, p: int) -> Callable[[Any], Any]:
+    """One ``kind`` collective over ``axis``, chained so iteration i + 1 needs iteration i;
+    the glue (a slice or an in-place update of one block) moves at most n / p bytes."""
+    from jax import lax
+
+    if kind == "all_reduce":
+        return lambda x: lax.psum(x, axis)
+    if kind == "all_gather":
+        return lambda x: lax.dynamic_slice(lax.all_gather(x, axis, tiled=True), (0,),
+                                           (x.shape[0],))
+    if kind == "reduce_scatter":
+        return lambda x: lax.dynamic_update_slice(x, lax.psum_scatter(x, axis, tiled=True),
+                                                  (0,))
+    if kind == "all_to_all":
+        return lambda x: lax.all_to_all(x.reshape(p, -1), axis, 0, 0,
+                                        tiled=True).reshape(-1)
+    if kind == "collective_permute":
+        perm = [(i, (i + 1) % p) for i in range(p)]
+        return lambda x: lax.ppermute(x, axis, perm)
+    raise AutoParallelError("kind", kind, f"one of {list(COLLECTIVE_KINDS)}")
+
+
+def _placed(mesh: Any, spec: Any, per_device: int, dtype: Any = np.float32) -> Any:
+    """A 1-D array of ``per_device`` elements per device, made on the devices (no host copy)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    shape = (per_device * mesh.size,)
+    return jax.jit(lambda: jnp.full(shape, 1e-3, dtype),
+                   out_shardings=NamedSharding(mesh, spec))()
+
+
+def _group_meshes(devices: Sequence[Any]) -> list[tuple[int, bool, Any]]:
+    """(group size, inside one process, mesh with the group on axis 'g') to measure: the
+    inner (contiguous) group of every size, and with several processes the outer one too."""
+    from jax.sharding import Mesh
+
+    n = len(devices)
+    arr = np.array(devices, dtype=object)
+    out = []
+    for p in group_sizes(n):
+        inner = Mesh(arr.reshape(n // p, p), ("r", "g"))
+        out.append((p, _one_process(inner.devices.reshape(-1, p)), inner))
+        outer = Mesh(arr.reshape(p, n // p).T, ("r", "g"))
+        if not _one_process(outer.devices.reshape(-1, p)) and \
+                _one_process(inner.devices.reshape(-1, p)):
+            out.append((p, False, outer))
+    return out
+
+
+def _one_process(groups: np.ndarray) -> bool:
+    return all(len({d.process_index for d in row}) == 1 for row in groups)
+
+
+def _measure_collectives(devices: Sequence[Any], clock: _Clock, bar: Any
+                         ) -> list[CollectiveFit]:
+    """Every kind over every group, in passes over :data:`MESSAGE_SIZES`: the first two
+    passes always run (a fit needs two sizes), later ones while the budget lasts, so every
+    fit gets the same sizes."""
+    from jax.sharding import PartitionSpec
+
+    spec = PartitionSpec(("r", "g"))
+    cases = [(kind, p, intra, mesh) for p, intra, mesh in _group_meshes(devices)
+             for kind in COLLECTIVE_KINDS]
+    programs = [_loop_program(mesh, _collective_body(kind, "g", p), spec)
+                for kind, p, _, mesh in cases]
+    samples: list[list[tuple[float, float]]] = [[] for _ in cases]
+    todo = len(cases) * len(MESSAGE_SIZES)
+    for k, n in enumerate(MESSAGE_SIZES):
+        for i, (kind, p, intra, mesh) in enumerate(cases):
+            share = clock.share(todo)
+            todo -= 1
+            if k >= _MIN_SAMPLES:  # skip what the fit so far says the budget cannot pay
+                fa, fb, _ = fit_alpha_beta([x for x, _ in samples[i]],
+                                           [t for _, t in samples[i]])
+                if _MEASURE_COST * (fa + fb * n) > share:
+                    bar.advance(f"{kind} x{p}: {n} B skipped (budget)")
+                    continue
+            elems = n // 4 // (p if kind == "all_gather" else 1)
+            elems -= elems % p
+            samples[i].append((float(n), _per_op(programs[i], _placed(mesh, spec, elems),
+                                                  limit_s=share)))
+            bar.advance(f"{kind} x{p}: {n} B")
+    fits = []
+    for (kind, p, intra, _), pts in zip(cases, samples):
+        a, b, r = fit_alpha_beta([x for x, _ in pts], [t for _, t in pts])
+        fits.append(CollectiveFit(kind=kind, group=p, intra=intra, alpha=a, beta=b,
+                                  residual=r, samples=len(pts)))
+    return fits
+
+
+def _measure_compute(devices: Sequence[Any], share: float, bar: Any) -> dict[str, float]:
+    """peak_flops, memory_bandwidth, op_overhead, their residuals, shared_compute, overlap."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    n = len(devices)
+    mesh = Mesh(np.array(devices, dtype=object).reshape(n), ("g",))
+    spec = PartitionSpec("g")
+    limit = max(0.05, share / 12)
+
+    def matmul_input(m: int, mm: Any) -> Any:
+        return jax.jit(lambda: jnp.full((m * mm.size, m), 1e-3, jnp.float32),
+                       out_shardings=NamedSharding(mm, spec))()
+
+    def mm_body(x: Any) -> Any:
+        return x @ jnp.eye(x.shape[1], dtype=x.dtype)
+
+    f_mm = None
+    flops, t_mm = [], []
+    for m in MATMUL_SIZES:
+        f_mm = _loop_program(mesh, mm_body, spec)
+        t_mm.append(_per_op(f_mm, matmul_input(m, mesh), limit))
+        flops.append(2.0 * m ** 3)
+    _, inv_peak, mm_resid = fit_alpha_beta(flops, t_mm)
+    bar.advance("matmul")
+    f_ew = _loop_program(mesh, lambda x: x * np.float32(0.5) + np.float32(1e-3), spec)
+    nbytes, t_ew = [], []
+    for b in ELEMENTWISE_BYTES:
+        t_ew.append(_per_op(f_ew, _placed(mesh, spec, b // 4), limit))
+        nbytes.append(2.0 * b)  # read + write
+    overhead, inv_bw, ew_resid = fit_alpha_beta(nbytes, t_ew)
+    bar.advance("elementwise")
+    # one device alone, the same matmul
+    solo = Mesh(np.array(devices[:1], dtype=object), ("g",))
+    m = MATMUL_SIZES[-2]
+    t_solo = _per_op(_loop_program(solo, mm_body, spec), matmul_input(m, solo), limit)
+    shared = t_mm[-2] / t_solo
+    # overlap: a matmul and an independent all-reduce in one body, against each alone
+    ar_elems = 2 ** 20 // 4
+
+    def both(v: Any) -> Any:
+        x, y = v[:m * m].reshape(m, m), v[m * m:]
+        return jnp.concatenate([mm_body(x).reshape(-1), lax.psum(y, "g")])
+
+    t_ar = _per_op(_loop_program(mesh, lambda y: lax.psum(y, "g"), spec),
+                   _placed(mesh, spec, ar_elems), limit)
+    t_both = _per_op(_loop_program(mesh, both, spec), _placed(mesh, spec, m * m + ar_elems),
+                     limit)
+    overlap = (t_mm[-2] + t_ar - t_both) / max(1e-12, min(t_mm[-2], t_ar))
+    bar.advance("overlap")
+    return {"peak_flops": 1.0 / max(inv_peak, 1e-30),
+            "memory_bandwidth": 1.0 / max(inv_bw, 1e-30), "op_overhead": overhead, "matmul_residual": mm_resid,
+        "memory_residual": ew_resid, "shared_compute": max(shared, 1e-3),
+        "overlap": min(1.0, max(0.0, overlap))}
+
+
+# ---------------------------------------------------------------------------- the entry
+
+
+def _devices(devices: Any) -> list[Any]:
+    import jax
+
+    every = jax.devices()
+    if devices is None:
+        return list(every)
+    if isinstance(devices, bool) or not isinstance(devices, (int, list, tuple)):
+        raise AutoParallelTypeError("devices", devices, "None, a device count or a list of "
+                                    "jax devices")
+    if isinstance(devices, int):
+        if not 1 <= devices <= len(every):
+            raise AutoParallelError("devices", devices, f"must be in [1, {len(every)}] (the "
+                                    "devices present)")
+        return list(every[:devices])
+    if not devices or not all(d in every for d in devices):
+        raise AutoParallelError("devices", devices, "a non-empty list of jax.devices()")
+    return list(devices)
+
+
+def _memory_per_device(devices: Sequence[Any]) -> float:
+    stats = getattr(devices[0], "memory_stats", lambda: None)()
+    if stats and stats.get("bytes_limit"):
+        return float(stats["bytes_limit"])
+    local = max(1, sum(1 for d in devices if d.process_index == devices[0].process_index))
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 8 * 2 ** 30
+    return float(total) / local
+
+
+def _link(fits: Sequence[CollectiveFit], intra: bool) -> tuple[float, float] | None:
+    """(bandwidth, alpha per ring step) from the all_gather fit of the largest group: the
+    figures the ring formulas use for groups and kinds not measured."""
+    ag = [f for f in fits if f.kind == "all_gather" and f.intra == intra]
+    if not ag:
+        return None
+    f = max(ag, key=lambda f: f.group)
+    p = f.group
+    return (p - 1) / p / max(f.beta, 1e-30), f.alpha / (p - 1)
+
+
+def calibrate(devices: Any = None, *, budget_s: float = 60.0, cache: bool = True,
+              progress: bool = True) -> Cluster:
+    """Measure ``devices`` (default: every device present) and return the fitted Cluster.
+
+    ``budget_s``: the wall time to aim for (the measurement plan shrinks to fit: fewer
+    message sizes, never fewer than two per fit). ``cache``: return the cached calibration of
+    these devices when there is one, and cache a new one (``autopar.clusters``).
+    ``progress``: a progress bar on stderr.
+    """
+    import jax
+
+    from autopar import clusters
+    from autopar.cli_util import Progress
+
+    if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or \
+            not math.isfinite(budget_s) or budget_s <= 0:
+        raise AutoParallelError("budget_s", budget_s, "must be a positive number of seconds")
+    for key, value in (("cache", cache), ("progress", progress)):
+        if not isinstance(value, bool):
+            raise AutoParallelTypeError(key, value, "must be a bool")
+    devs = _devices(devices)
+    if cache:
+        hit = clusters.cached_calibration(devs)
+        if hit is not None:
+            return hit
+    clock = _Clock(budget_s)
+    cases = len(_group_meshes(devs)) * len(COLLECTIVE_KINDS) if len(devs) > 1 else 0
+    total = 3 + cases * len(MESSAGE_SIZES)
+    with Progress("calibrate", total, quiet=not progress) as bar:
+        comp = _measure_compute(devs, 0.25 * budget_s, bar)
+        fits = _measure_collectives(devs, clock, bar) if cases else []
+    platform, kind = devs[0].platform, devs[0].device_kind
+    intra_link = _link(fits, True) or (1e12, 0.0)
+    inter_link = _link(fits, False) or intra_link
+    procs = len({d.process_index for d in devs})
+    local = len(devs) // procs
+    cal = Calibration(version=CALIBRATION_VERSION, platform=platform, device_kind=kind,
+                      device_count=len(devs), process_count=procs,
+                      jax_version=jax.__version__,
+                      matmul_residual=comp["matmul_residual"],
+                      memory_residual=comp["memory_residual"],
+                      shared_compute=comp["shared_compute"], seconds=round(clock.elapsed(), 3))
+    cluster = Cluster(
+        name=clusters.calibrated_name(platform, len(devs), procs), devices_per_node=local,
+        peak_flops=comp["peak_flops"], memory_bandwidth=comp["memory_bandwidth"],
+        memory_bytes=_memory_per_device(devs), intra_bandwidth=intra_link[0],
+        intra_alpha=intra_link[1], inter_bandwidth=inter_link[0], inter_alpha=inter_link[1],
+        op_overhead=comp["op_overhead"], overlap=comp["overlap"],
+        collectives=tuple(sorted(fits, key=lambda f: (f.kind, f.group, f.intra))),
+        calibration=cal)
+    if cache:
+        clusters.store_calibration(cluster, devs)
+    return cluster

@@ -1,0 +1,294 @@
+"""Which machine a plan is priced for: presets, calibration files, the cache, the default.
+
+:func:`resolve_cluster` is what every entry point calls with the user's ``cluster=``:
+
+- a :class:`~autopar.strategies.cost.Cluster`: itself;
+- a preset name (``"accelerator-8x"``, ``"cpu-emulated"``): the preset;
+- ``"calibrated"``: the cached calibration of the devices present, measured now if there is
+  none (:func:`autopar.calibrate`);
+- a path to a calibration file (``.json``, written by ``autopar calibrate --out``);
+- ``None``: the ``AUTOPAR_CLUSTER`` environment variable when set (any of the above forms),
+  else the cached calibration of the devices present, else the preset of their platform
+  (CPU devices: ``cpu-emulated``; anything else: ``accelerator-8x``). Either way one line on
+  stderr says which model prices the plans and how to calibrate (once per process).
+
+Calibrations are cached in ``$AUTOPAR_CACHE_DIR`` (default ``~/.cache/autopar``), one file
+per platform, device kind, device count and process count; ``AUTOPAR_CACHE_DIR=off`` switches
+the cache off. A calibration file is versioned JSON written canonically (sorted keys,
+``repr`` floats) through the one atomic writer, so loading and saving it again gives the same
+bytes; a file that cannot be used raises :class:`ClusterFileError` naming the file and field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from pydantic import ValidationError
+
+from autopar.errors import AutoParallelError, AutoParallelTypeError
+from autopar.strategies.cost import CLUSTERS, Cluster, get_cluster
+
+__all__ = ["CACHE_ENV", "CLUSTER_ENV", "ClusterFileError", "FORMAT", "MAX_FILE_BYTES",
+           "PLATFORM_PRESETS", "cached_calibration", "calibrated_name", "cluster_for",
+           "describe_cluster", "dumps_cluster", "forget_calibration", "load_cluster",
+           "resolve_cluster", "save_cluster", "store_calibration"]
+
+FORMAT = "autopar-cluster"
+VERSION = 1
+CLUSTER_ENV = "AUTOPAR_CLUSTER"
+CACHE_ENV = "AUTOPAR_CACHE_DIR"
+#: A calibration file is a few KiB; anything past this is not one.
+MAX_FILE_BYTES = 4 * 2 ** 20
+#: The preset for a platform when nothing was measured (never the accelerator's for a CPU).
+PLATFORM_PRESETS = {"cpu": "cpu-emulated"}
+_DEFAULT_PRESET = "accelerator-8x"
+_noticed: set[str] = set()
+
+
+class ClusterFileError(AutoParallelError):
+    """A calibration file that cannot be used: names the file, the field, expected vs found."""
+
+    def __init__(self, path: str | os.PathLike[str], field: str, expected: str,
+                 found: Any) -> None:
+        self.path, self.field, self.expected, self.found = str(path), field, expected, found
+        text = found if isinstance(found, str) else repr(found)
+        if len(text) > 200:
+            text = text[:200] + "..."
+        super().__init__(f"calibration file {str(path)!r}: field {field!r}: expected "
+                         f"{expected}; found {text}")
+
+
+# ---------------------------------------------------------------------------- files
+
+
+def dumps_cluster(cluster: Cluster) -> str:
+    """Canonical text of a calibration file: the same cluster always gives the same bytes."""
+    doc = {"format": FORMAT, "version": VERSION, "cluster": cluster.model_dump(mode="json")}
+    return json.dumps(doc, sort_keys=True, indent=1, allow_nan=False) + "\n"
+
+
+def save_cluster(cluster: Cluster, path: str | os.PathLike[str]) -> Path:
+    """Write ``cluster`` to ``path`` (atomic; refuses a path that is not a regular file)."""
+    from autopar.checkpoint import write_text_atomic
+
+    if not isinstance(cluster, Cluster):
+        raise AutoParallelTypeError("cluster", cluster, "an autopar.Cluster")
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise AutoParallelTypeError("path", path, "a non-empty path")
+    target = Path(path)
+    if target.exists() and not target.is_file():
+        raise AutoParallelError("path", str(path), "not a regular file; calibration files "
+                                "are written only over regular files")
+    return write_text_atomic(target, dumps_cluster(cluster))
+
+
+def load_cluster(path: str | os.PathLike[str]) -> Cluster:
+    """Read and validate a calibration file (see the module doc)."""
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise AutoParallelTypeError("path", path, "a non-empty path")
+    p = Path(path)
+    try:
+        if not p.is_file():
+            raise ClusterFileError(path, "<file>", "a regular file", "missing" if not
+                                   p.exists() else "not a regular file")
+        if p.stat().st_size > MAX_FILE_BYTES:
+            raise ClusterFileError(path, "<file>", f"at most {MAX_FILE_BYTES} bytes",
+                                   p.stat().st_size)
+        raw = p.read_bytes()[:MAX_FILE_BYTES + 1]
+    except OSError as e:
+        raise ClusterFileError(path, "<file>", "a readable file", e.strerror or str(e)) \
+            from None
+    try:
+        data = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ClusterFileError(path, "<json>", "a complete JSON document", str(e)[:120]) \
+            from None
+    if not isinstance(data, dict):
+        raise ClusterFileError(path, "<root>", "a JSON object", type(data).__name__)
+    if data.get("format") != FORMAT:
+        raise ClusterFileError(path, "format", repr(FORMAT), data.get("format", "<missing>"))
+    version = data.get("version", "<missing>")
+    if type(version) is not int or version != VERSION:
+        raise ClusterFileError(path, "version", f"the integer {VERSION} (the version this "
+                               "autopar reads)", version)
+    extra = sorted(set(data) - {"format", "version", "cluster"})
+    if extra:
+        raise ClusterFileError(path, extra[0], "no such field", data[extra[0]])
+    try:
+        return Cluster.model_validate_json(json.dumps(data.get("cluster")))
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(["cluster", *(str(x) for x in err["loc"])])
+        found = err.get("input", "<missing>") if err["type"] != "missing" else "<missing>"
+        raise ClusterFileError(path, loc, err["msg"].lower(), found) from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+# ---------------------------------------------------------------------------- the cache
+
+
+def calibrated_name(platform: str, device_count: int, process_count: int = 1) -> str:
+    """``calibrated-cpu-8``; with several processes ``calibrated-gpu-2x8``."""
+    per = device_count // process_count
+    return f"calibrated-{platform}-" + (f"{process_count}x{per}" if process_count > 1
+                                        else str(device_count))
+
+
+def _cache_dir() -> Path | None:
+    value = os.environ.get(CACHE_ENV, "")
+    if value.lower() == "off":
+        return None
+    if value:
+        return Path(value)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "autopar"
+
+
+def _cache_path(devices: Sequence[Any]) -> Path | None:
+    d = _cache_dir()
+    if d is None:
+        return None
+    procs = len({dev.process_index for dev in devices})
+    kind = re.sub(r"[^A-Za-z0-9._-]+", "_", devices[0].device_kind)
+    return d / f"{devices[0].platform}-{kind}-{len(devices)}-{procs}.json"
+
+
+def cached_calibration(devices: Sequence[Any]) -> Cluster | None:
+    """The cached calibration of exactly these devices' kind and count, or None (a cache file
+    that cannot be read counts as none: it is measured again and replaced)."""
+    path = _cache_path(devices)
+    if path is None or not path.is_file():
+        return None
+    try:
+        return load_cluster(path)
+    except ClusterFileError:
+        return None
+
+
+def store_calibration(cluster: Cluster, devices: Sequence[Any]) -> Path | None:
+    path = _cache_path(devices)
+    if path is None:
+        return None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return save_cluster(cluster, path)
+    except OSError:
+        return None  # a read-only home: the calibration is still returned, just not kept
+
+
+def forget_calibration(devices: Sequence[Any]) -> None:
+    """Drop the cached calibration of these devices (the next one measures again)."""
+    path = _cache_path(devices)
+    if path is not None and path.is_file():
+        path.unlink()
+
+
+def describe_cluster(cluster: Cluster) -> str:
+    """A plain-text summary: the compute figures and each measured collective's fit.
+
+    >>> print(describe_cluster(CLUSTERS["cpu-emulated"]).splitlines()[0])
+    cpu-emulated (preset): 4.00 GFLOP/s, 2.00 GB/s memory, 0.0 us per operator, overlap 0.00
+    """
+    from autopar.cli_util import table
+
+    c = cluster
+    head = (f"{c.name} ({'preset' if c.calibration is None else 'calibrated'}): "
+            f"{c.peak_flops / 1e9:.2f} GFLOP/s, {c.memory_bandwidth / 1e9:.2f} GB/s memory, "
+            f"{c.op_overhead * 1e6:.1f} us per operator, overlap {c.overlap:.2f}")
+    lines = [head]
+    if c.calibration is not None:
+        k = c.calibration
+        lines.append(f"measured on {k.device_count} {k.platform} device(s) ({k.device_kind}, "
+                     f"{k.process_count} process(es)) in {k.seconds:.1f} s; fit residuals: "
+                     f"matmul {k.matmul_residual:.0%}, memory {k.memory_residual:.0%}; "
+                     f"shared compute x{k.shared_compute:.2f}")
+    if c.collectives:
+        rows = [("collective", "group", "link", "alpha us", "GB/s (1/beta)", "max residual",
+                 "sizes")]
+        rows += [(f.kind, f.group, "intra" if f.intra else "inter", f"{f.alpha * 1e6:.1f}",
+                  f"{1 / f.beta / 1e9:.3f}" if f.beta > 0 else "inf", f"{f.residual:.0%}",
+                  f.samples) for f in c.collectives]
+        lines += ["", table(rows)]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- resolution
+
+
+def _present_devices() -> list[Any]:
+    import jax
+
+    return list(jax.devices())
+
+
+def _notice(text: str) -> None:
+    if text not in _noticed:
+        _noticed.add(text)
+        print(f"autopar: {text}", file=sys.stderr)
+
+
+def _looks_like_path(value: str) -> bool:
+    return value.endswith(".json") or os.sep in value or (os.altsep or os.sep) in value
+
+
+def resolve_cluster(cluster: Any = None) -> Cluster:
+    """The Cluster that prices a plan for ``cluster`` (see the module doc)."""
+    if isinstance(cluster, Cluster):
+        return cluster
+    if isinstance(cluster, os.PathLike):
+        return load_cluster(cluster)
+    if cluster is not None and not isinstance(cluster, str):
+        raise AutoParallelTypeError("cluster", cluster, "a preset name, 'calibrated', a "
+                                    "calibration file path or an autopar.Cluster")
+    if cluster is None:
+        env = os.environ.get(CLUSTER_ENV, "")
+        if env:
+            return resolve_cluster(env)
+        return _default_cluster()
+    if cluster in CLUSTERS:
+        return get_cluster(cluster)
+    if cluster == "calibrated":
+        from autopar.calibration import calibrate
+
+        return calibrate()
+    if _looks_like_path(cluster):
+        return load_cluster(cluster)
+    raise AutoParallelError("cluster", cluster, f"unknown cluster; choose a preset "
+                            f"{sorted(CLUSTERS)}, 'calibrated', a calibration file path "
+                            "(.json) or pass autopar.Cluster(...)")
+
+
+def _default_cluster() -> Cluster:
+    devices = _present_devices()
+    hit = cached_calibration(devices)
+    where = f"{len(devices)} {devices[0].platform} device(s)"
+    if hit is not None:
+        _notice(f"pricing plans on the calibration of these {where} ({hit.name}, cached; "
+                f"`autopar calibrate` measures again)")
+        return hit
+    preset = PLATFORM_PRESETS.get(devices[0].platform, _DEFAULT_PRESET)
+    _notice(f"pricing plans on the {preset!r} preset (no calibration cached for these "
+            f"{where}; run `autopar calibrate` or autopar.calibrate() to measure them)")
+    return CLUSTERS[preset]
+
+
+def cluster_for(plan: Any, cluster: Any = None) -> Cluster:
+    """The cluster that prices work on ``plan``: the one named, else the plan's own (so a
+    simulation, a fused-kernel choice or a re-pricing agrees with the search), else the
+    default (:func:`resolve_cluster`)."""
+    if cluster is None and plan is not None:
+        own = getattr(plan, "cluster_config", None)
+        if isinstance(own, Cluster):
+            return own
+        name = getattr(plan, "cluster", None)
+        if isinstance(name, str) and name in CLUSTERS:
+            return CLUSTERS[name]
+    return resolve_cluster(cluster)
