@@ -46,8 +46,10 @@ MESSAGE_SIZES = (2 ** 12, 2 ** 24, 2 ** 20, 2 ** 16, 2 ** 22, 2 ** 25)
 MATMUL_SIZES = (64, 128, 256, 512)
 ELEMENTWISE_BYTES = (2 ** 14, 2 ** 24, 2 ** 20, 2 ** 22)
 _MIN_SAMPLES = 2
-#: Operations one measurement runs (warm-up, estimate, three pairs at R = 1).
-_MEASURE_COST = 13
+#: Operations in the long chain of a measurement, and what one measurement runs (warm-up
+#: and three pairs of one and ``_CHAIN`` operations).
+_CHAIN = 4
+_MEASURE_COST = 4 * (1 + _CHAIN)
 
 
 def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float]
@@ -102,39 +104,49 @@ class _Clock:
         return max(0.0, left) / max(1, remaining_items)
 
 
-def _loop_program(mesh: Any, body: Callable[[Any], Any], spec: Any) -> Any:
-    """``f(x, r)``: ``body`` applied ``r`` times to every device's block of ``x``."""
-    import jax
-    from jax import lax
-    from jax.sharding import PartitionSpec
-
-    def run(x: Any, r: Any) -> Any:
-        return lax.fori_loop(0, r, lambda _, v: body(v), x)
-
-    return jax.jit(jax.shard_map(run, mesh=mesh, in_specs=(spec, PartitionSpec()),
-                                 out_specs=spec, check_vma=False))
-
-
-def _per_op(f: Any, x: Any, limit_s: float) -> float:
-    """Seconds per loop iteration of ``f(x, r)``: the median over interleaved pairs of
-    ``(t(1 + R) - t(1)) / R``, R chosen so one pair's difference is a few milliseconds (at
-    least 3 pairs, at most 9, more while ``limit_s`` lasts)."""
+def _chain(mesh: Any, body: Callable[[Any], Any], spec: Any, k: int) -> Any:
+    """``f(x)``: ``body`` applied ``k`` times in a row to every device's block of ``x``, as
+    straight-line code (each step writes a new buffer, as a real program's operators do)."""
     import jax
 
-    def run(r: int) -> float:
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(x, np.int32(r)))
-        return time.perf_counter() - t0
+    def run(x: Any) -> Any:
+        for _ in range(k):
+            x = body(x)
+        return x
 
+    return jax.jit(jax.shard_map(run, mesh=mesh, in_specs=spec, out_specs=spec,
+                                 check_vma=False))
+
+
+def _call(f: Any, x: Any) -> float:
+    import jax
+
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(x))
+    return time.perf_counter() - t0
+
+
+def _per_op(short: Any, long: Any, x: Any, k: int, limit_s: float) -> float:
+    """Seconds per operation: the median over interleaved pairs of
+    ``(t(long) - t(short)) / (k - 1)`` (``long`` runs ``k`` operations, ``short`` one; the
+    call's dispatch cancels), at least 3 pairs, at most 9 while ``limit_s`` lasts."""
     deadline = time.perf_counter() + limit_s
-    run(1)  # compile and warm up
-    est = max(run(2) - run(1), 1e-6)
-    reps = int(min(64, max(1, 4e-3 / est)))
+    _call(short, x), _call(long, x)  # compile and warm up
     pairs: list[float] = []
     while len(pairs) < 9 and (len(pairs) < 3 or time.perf_counter() < deadline):
-        a = run(1)
-        pairs.append((run(1 + reps) - a) / reps)
+        a = _call(short, x)
+        pairs.append((_call(long, x) - a) / (k - 1))
     return max(float(np.median(pairs)), 1e-9)
+
+
+def _per_call(f: Any, x: Any, limit_s: float) -> float:
+    """Median seconds of one call of ``f(x)`` (3 to 9 calls while ``limit_s`` lasts)."""
+    deadline = time.perf_counter() + limit_s
+    _call(f, x)
+    ts: list[float] = []
+    while len(ts) < 9 and (len(ts) < 3 or time.perf_counter() < deadline):
+        ts.append(_call(f, x))
+    return float(np.median(ts))
 
 
 # ---------------------------------------------------------------------------- what is run
@@ -195,9 +207,9 @@ def _one_process(groups: np.ndarray) -> bool:
     return all(len({d.process_index for d in row}) == 1 for row in groups)
 
 
-def _measure_collectives(devices: Sequence[Any], clock: _Clock, bar: Any
-                         ) -> list[CollectiveFit]:
-    """Every kind over every group, in passes over :data:`MESSAGE_SIZES`: the first two
+def _measure_collectives(devices: Sequence[Any], sizes: Sequence[int], clock: _Clock,
+                         bar: Any) -> list[CollectiveFit]:
+    """Every kind over every group, in passes over the message ``sizes``: the first two
     passes always run (a fit needs two sizes), later ones while the budget lasts, so every
     fit gets the same sizes."""
     from jax.sharding import PartitionSpec
@@ -205,11 +217,12 @@ def _measure_collectives(devices: Sequence[Any], clock: _Clock, bar: Any
     spec = PartitionSpec(("r", "g"))
     cases = [(kind, p, intra, mesh) for p, intra, mesh in _group_meshes(devices)
              for kind in COLLECTIVE_KINDS]
-    programs = [_loop_program(mesh, _collective_body(kind, "g", p), spec)
+    programs = [(_chain(mesh, _collective_body(kind, "g", p), spec, 1),
+                 _chain(mesh, _collective_body(kind, "g", p), spec, _CHAIN))
                 for kind, p, _, mesh in cases]
     samples: list[list[tuple[float, float]]] = [[] for _ in cases]
-    todo = len(cases) * len(MESSAGE_SIZES)
-    for k, n in enumerate(MESSAGE_SIZES):
+    todo = len(cases) * len(sizes)
+    for k, n in enumerate(sizes):
         for i, (kind, p, intra, mesh) in enumerate(cases):
             share = clock.share(todo)
             todo -= 1
@@ -221,8 +234,8 @@ def _measure_collectives(devices: Sequence[Any], clock: _Clock, bar: Any
                     continue
             elems = n // 4 // (p if kind == "all_gather" else 1)
             elems -= elems % p
-            samples[i].append((float(n), _per_op(programs[i], _placed(mesh, spec, elems),
-                                                  limit_s=share)))
+            samples[i].append((float(n), _per_op(*programs[i], _placed(mesh, spec, elems),
+                                                  _CHAIN, limit_s=share)))
             bar.advance(f"{kind} x{p}: {n} B")
     fits = []
     for (kind, p, intra, _), pts in zip(cases, samples):
@@ -233,61 +246,65 @@ def _measure_collectives(devices: Sequence[Any], clock: _Clock, bar: Any
 
 
 def _measure_compute(devices: Sequence[Any], share: float, bar: Any) -> dict[str, float]:
-    """peak_flops, memory_bandwidth, op_overhead, their residuals, shared_compute, overlap."""
-    import jax
+    """peak_flops, memory_bandwidth, op_overhead, step_overhead, the residuals,
+    shared_compute, overlap (see the module doc)."""
     import jax.numpy as jnp
     from jax import lax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    from jax.sharding import Mesh, PartitionSpec
 
     n = len(devices)
     mesh = Mesh(np.array(devices, dtype=object).reshape(n), ("g",))
     spec = PartitionSpec("g")
-    limit = max(0.05, share / 12)
-
-    def matmul_input(m: int, mm: Any) -> Any:
-        return jax.jit(lambda: jnp.full((m * mm.size, m), 1e-3, jnp.float32),
-                       out_shardings=NamedSharding(mm, spec))()
+    limit = max(0.05, share / 16)
 
     def mm_body(x: Any) -> Any:
-        return x @ jnp.eye(x.shape[1], dtype=x.dtype)
+        m = int(round(math.sqrt(x.shape[0])))
+        return (x.reshape(m, m) @ jnp.eye(m, dtype=x.dtype)).reshape(-1)
 
-    f_mm = None
+    def mm_chains(mm: Any, body: Callable[[Any], Any] = mm_body) -> tuple[Any, Any]:
+        return _chain(mm, body, spec, 1), _chain(mm, body, spec, _CHAIN)
+
     flops, t_mm = [], []
+    chains = mm_chains(mesh)
     for m in MATMUL_SIZES:
-        f_mm = _loop_program(mesh, mm_body, spec)
-        t_mm.append(_per_op(f_mm, matmul_input(m, mesh), limit))
+        t_mm.append(_per_op(*chains, _placed(mesh, spec, m * m), _CHAIN, limit))
         flops.append(2.0 * m ** 3)
     _, inv_peak, mm_resid = fit_alpha_beta(flops, t_mm)
     bar.advance("matmul")
-    f_ew = _loop_program(mesh, lambda x: x * np.float32(0.5) + np.float32(1e-3), spec)
+    # elementwise: one call writing a new array, less a call of the same input that writes
+    # almost nothing (the dispatch)
+    ew = _chain(mesh, lambda x: x * np.float32(0.5) + np.float32(1e-3), spec, 1)
+    tiny = _chain(mesh, lambda x: x[:1], spec, 1)
+    step_overhead = _per_call(tiny, _placed(mesh, spec, 1), limit)
     nbytes, t_ew = [], []
     for b in ELEMENTWISE_BYTES:
-        t_ew.append(_per_op(f_ew, _placed(mesh, spec, b // 4), limit))
+        x = _placed(mesh, spec, b // 4)
+        t_ew.append(max(1e-9, _per_call(ew, x, limit) - _per_call(tiny, x, limit)))
         nbytes.append(2.0 * b)  # read + write
     overhead, inv_bw, ew_resid = fit_alpha_beta(nbytes, t_ew)
     bar.advance("elementwise")
     # one device alone, the same matmul
     solo = Mesh(np.array(devices[:1], dtype=object), ("g",))
     m = MATMUL_SIZES[-2]
-    t_solo = _per_op(_loop_program(solo, mm_body, spec), matmul_input(m, solo), limit)
+    t_solo = _per_op(*mm_chains(solo), _placed(solo, spec, m * m), _CHAIN, limit)
     shared = t_mm[-2] / t_solo
-    # overlap: a matmul and an independent all-reduce in one body, against each alone
+    # overlap: a matmul and an independent all-reduce in one step, against each alone
     ar_elems = 2 ** 20 // 4
 
     def both(v: Any) -> Any:
-        x, y = v[:m * m].reshape(m, m), v[m * m:]
-        return jnp.concatenate([mm_body(x).reshape(-1), lax.psum(y, "g")])
+        return jnp.concatenate([mm_body(v[:m * m]), lax.psum(v[m * m:], "g")])
 
-    t_ar = _per_op(_loop_program(mesh, lambda y: lax.psum(y, "g"), spec),
-                   _placed(mesh, spec, ar_elems), limit)
-    t_both = _per_op(_loop_program(mesh, both, spec), _placed(mesh, spec, m * m + ar_elems),
+    t_ar = _per_op(*mm_chains(mesh, lambda y: lax.psum(y, "g")),
+                   _placed(mesh, spec, ar_elems), _CHAIN, limit)
+    t_both = _per_op(*mm_chains(mesh, both), _placed(mesh, spec, m * m + ar_elems), _CHAIN,
                      limit)
     overlap = (t_mm[-2] + t_ar - t_both) / max(1e-12, min(t_mm[-2], t_ar))
     bar.advance("overlap")
     return {"peak_flops": 1.0 / max(inv_peak, 1e-30),
-            "memory_bandwidth": 1.0 / max(inv_bw, 1e-30), "op_overhead": overhead, "matmul_residual": mm_resid,
-        "memory_residual": ew_resid, "shared_compute": max(shared, 1e-3),
-        "overlap": min(1.0, max(0.0, overlap))}
+            "memory_bandwidth": 1.0 / max(inv_bw, 1e-30), "op_overhead": overhead,
+            "step_overhead": step_overhead, "matmul_residual": mm_resid,
+            "memory_residual": ew_resid, "shared_compute": max(shared, 1e-3),
+            "overlap": min(1.0, max(0.0, overlap))}
 
 
 # ---------------------------------------------------------------------------- the entry
@@ -336,13 +353,15 @@ def _link(fits: Sequence[CollectiveFit], intra: bool) -> tuple[float, float] | N
 
 
 def calibrate(devices: Any = None, *, budget_s: float = 60.0, cache: bool = True,
-              progress: bool = True) -> Cluster:
-    """Measure ``devices`` (default: every device present) and return the fitted Cluster.
+              progress: bool = True, max_message_bytes: int = MESSAGE_SIZES[-1]) -> Cluster:
+    """Measure ``devices`` (default: every device present; an int: the first that many) and
+    return the fitted Cluster.
 
     ``budget_s``: the wall time to aim for (the measurement plan shrinks to fit: fewer
     message sizes, never fewer than two per fit). ``cache``: return the cached calibration of
     these devices when there is one, and cache a new one (``autopar.clusters``).
-    ``progress``: a progress bar on stderr.
+    ``progress``: a progress bar on stderr. ``max_message_bytes``: the largest collective
+    message measured (default 32 MiB; smaller for a quick, coarser calibration).
     """
     import jax
 
@@ -355,6 +374,13 @@ def calibrate(devices: Any = None, *, budget_s: float = 60.0, cache: bool = True
     for key, value in (("cache", cache), ("progress", progress)):
         if not isinstance(value, bool):
             raise AutoParallelTypeError(key, value, "must be a bool")
+    sizes = tuple(n for n in MESSAGE_SIZES if n <= max_message_bytes) \
+        if isinstance(max_message_bytes, int) and not isinstance(max_message_bytes, bool) \
+        else ()
+    if len(sizes) < _MIN_SAMPLES:
+        raise AutoParallelError("max_message_bytes", max_message_bytes, f"must be an int >= "
+                                f"{sorted(MESSAGE_SIZES)[_MIN_SAMPLES - 1]} (a fit needs "
+                                f"{_MIN_SAMPLES} message sizes)")
     devs = _devices(devices)
     if cache:
         hit = clusters.cached_calibration(devs)
@@ -362,10 +388,10 @@ def calibrate(devices: Any = None, *, budget_s: float = 60.0, cache: bool = True
             return hit
     clock = _Clock(budget_s)
     cases = len(_group_meshes(devs)) * len(COLLECTIVE_KINDS) if len(devs) > 1 else 0
-    total = 3 + cases * len(MESSAGE_SIZES)
+    total = 3 + cases * len(sizes)
     with Progress("calibrate", total, quiet=not progress) as bar:
         comp = _measure_compute(devs, 0.25 * budget_s, bar)
-        fits = _measure_collectives(devs, clock, bar) if cases else []
+        fits = _measure_collectives(devs, sizes, clock, bar) if cases else []
     platform, kind = devs[0].platform, devs[0].device_kind
     intra_link = _link(fits, True) or (1e12, 0.0)
     inter_link = _link(fits, False) or intra_link
@@ -382,7 +408,8 @@ def calibrate(devices: Any = None, *, budget_s: float = 60.0, cache: bool = True
         peak_flops=comp["peak_flops"], memory_bandwidth=comp["memory_bandwidth"],
         memory_bytes=_memory_per_device(devs), intra_bandwidth=intra_link[0],
         intra_alpha=intra_link[1], inter_bandwidth=inter_link[0], inter_alpha=inter_link[1],
-        op_overhead=comp["op_overhead"], overlap=comp["overlap"],
+        op_overhead=comp["op_overhead"], step_overhead=comp["step_overhead"],
+        overlap=comp["overlap"],
         collectives=tuple(sorted(fits, key=lambda f: (f.kind, f.group, f.intra))),
         calibration=cal)
     if cache:

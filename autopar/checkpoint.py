@@ -534,6 +534,9 @@ def _pick_inputs(f: StrategyFile, graph: Graph, problem: Problem, path: str) -> 
             kind = "<param>" if field_name == "parallel_layout_item" else "<data>"
             i = problem.index[kind + v]
             layouts = [c.out_layouts[0] for c in problem.vertices[i].choices]
+            if lay not in layouts and kind == "<param>":  # a layout a wider search chose
+                problem.widen_param(v, [lay])
+                layouts = [c.out_layouts[0] for c in problem.vertices[i].choices]
             if lay not in layouts:
                 rule = ("a layout one of its consumers uses, or replicated" if kind == "<param>"
                         else "the layout the context's dataset_strategy gives")

@@ -113,6 +113,8 @@ class Cluster(BaseModel):
         default=2.0, ge=0, description="optimizer state bytes per parameter byte (Adam: 2)")
     op_overhead: float = Field(default=0.0, ge=0, description="seconds per operator per "
                                "device (dispatch, kernel launch)")
+    step_overhead: float = Field(default=0.0, ge=0, description="seconds per program call "
+                                 "(dispatch to every device), once per step")
     overlap: float = Field(default=1.0, ge=0, le=1, description="fraction of a transfer "
                            "that can hide behind compute (0: the cores that compute move "
                            "the data, as emulated devices do)")
@@ -260,6 +262,14 @@ class CostModel:
     def all_reduce_time(self, nbytes: float, axes: Iterable[str], mesh: DeviceMesh) -> float:
         p, intra = self.group(axes, mesh)
         return self.collective_time("all_reduce", nbytes, p, intra=intra)
+
+    def update_time(self, local_bytes: float) -> float:
+        """Seconds of the optimizer update of one parameter block on one device: it reads
+        the parameter, its gradient and its state and writes the parameter and the state
+        (``3 + 2 x optimizer_state_factor`` passes over the block; Adam: 7)."""
+        c = self.cluster
+        passes = 3.0 + 2.0 * c.optimizer_state_factor
+        return c.op_overhead + passes * local_bytes / c.memory_bandwidth
 
     def parameter_memory(self, local_bytes: float, group: int, *,
                          sharded: bool = False) -> float:

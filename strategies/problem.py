@@ -306,6 +306,12 @@ class Problem:
                    and bool(local) and local[0] % group == 0)
         return self.cm.parameter_memory(nbytes, group, sharded=sharded)
 
+    def param_update(self, value: str, layout: Layout) -> float:
+        """Seconds of the optimizer update of a trained parameter's block (0 if untrained)."""
+        if not self.requires_grad.get(value, False):
+            return 0.0
+        return self.cm.update_time(self._local_bytes(value, layout))
+
     def op_costs(self, node: Node, choice: Choice) -> tuple[float, float, float, float]:
         """(compute, comm, grad_sync, memory) of one operator choice (memoised)."""
         key = (self._sig[node.name], choice.splits)
@@ -481,13 +487,29 @@ class Problem:
     def param_choice_set(self, v: str, layouts: Iterable[Layout]
                          ) -> tuple[list[Choice], dict[str, np.ndarray]]:
         """Parameter ``v``'s choices -- replicated plus ``layouts``, deduplicated and ordered
-        by split counts then name -- and their cost arrays (memory only)."""
+        by split counts then name -- and their cost arrays (the optimizer update of a trained
+        parameter's block, and memory)."""
         mesh = self.mesh
         seen = dict.fromkeys((Layout.replicated(self.graph.spec(v).rank), *layouts))
         lays = sorted(seen, key=lambda lay: (lay.split_counts(mesh), str(lay)))
-        rows = [(0.0, 0.0, 0.0, self.param_memory(v, lay)) for lay in lays]
+        rows = [(self.param_update(v, lay), 0.0, 0.0, self.param_memory(v, lay))
+                for lay in lays]
         return ([Choice(lay.split_counts(mesh), (), (lay,), lay.used_axes()) for lay in lays],
                 self._vertex_arrays(rows))
+
+    def widen_param(self, v: str, layouts: Iterable[Layout]) -> None:
+        """Add ``layouts`` to parameter ``v``'s choices (a plan searched with more choices,
+        e.g. recursive_programming's, loaded back into a problem with fixed splits)."""
+        i = self.index[f"<param>{v}"]
+        vert = self.vertices[i]
+        choices, arrays = self.param_choice_set(
+            v, [*(c.out_layouts[0] for c in vert.choices), *layouts])
+        vert.choices = list(choices)
+        for name, arr in arrays.items():
+            setattr(vert, name, arr)
+        for e in self.edges:  # matrices from this parameter follow its new choice list
+            if e.u == i:
+                e._matrix = None
 
     def _add_param_vertices(self, replace_existing: bool = False) -> None:
         g, mesh = self.graph, self.mesh
@@ -505,7 +527,7 @@ class Problem:
                             wanted[key] = tuple(dict.fromkeys(c.in_layouts[j]
                                                               for c in vert.choices))
                         keys.append(key)
-            vkey = (spec.shape, spec.dtype, tuple(keys))
+            vkey = (spec.shape, spec.dtype, self.requires_grad.get(v, False), tuple(keys))
             if vkey not in made:
                 made[vkey] = self.param_choice_set(v, (lay for key in keys
                                                        for lay in wanted[key]))
@@ -583,7 +605,7 @@ class Problem:
 
     def evaluate(self, picks: Sequence[int]) -> Breakdown:
         """The cost breakdown of one choice index per vertex."""
-        b = Breakdown()
+        b = Breakdown(compute=self.cm.cluster.step_overhead)  # the step's launch
         for vert, k in zip(self.vertices, picks):
             b.compute += float(vert.compute[k])
             b.communication += float(vert.comm[k])

@@ -110,14 +110,17 @@ def _moves(problem: Problem, i: int, cur: tuple[int, ...]) -> list[tuple[int, ..
 
 
 def _round_cost(problem: Problem, node, splits: tuple[int, ...]) -> float:
-    """Operator cost of a candidate, plus the memory of the parameters it reads in the
-    layout it wants (parameters follow their consumers), when memory is priced."""
+    """Operator cost of a candidate, plus what the parameters it reads cost in the layout it
+    wants (parameters follow their consumers): their optimizer update, and their memory when
+    memory is priced."""
     c = problem.op_choice(node, splits)
     compute, comm, sync, mem = problem.op_costs(node, c)
+    g = problem.graph
+    params = [(v, lay) for v, lay in zip(node.inputs, c.in_layouts)
+              if g.values[v].kind == "param"]
+    compute += sum(problem.param_update(v, lay) for v, lay in params)
     if problem.memory_weight:
-        g = problem.graph
-        mem += sum(problem.param_memory(v, lay)
-                   for v, lay in zip(node.inputs, c.in_layouts) if g.values[v].kind == "param")
+        mem += sum(problem.param_memory(v, lay) for v, lay in params)
     return compute + comm + sync + problem.memory_weight * mem
 
 
@@ -292,7 +295,8 @@ def _widen_parameters(problem: Problem) -> None:
                 keys.append(key)
         vert = verts[problem.index[f"<param>{v}"]]
         settled = tuple(c.out_layouts[0] for c in vert.choices)
-        vkey = (spec.shape, spec.dtype, tuple(keys), settled)
+        vkey = (spec.shape, spec.dtype, problem.requires_grad.get(v, False), tuple(keys),
+                settled)
         if vkey not in made:
             made[vkey] = problem.param_choice_set(v, settled + tuple(
                 lay for key in keys for lay in wanted[key]))

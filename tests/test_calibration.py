@@ -1,0 +1,230 @@
+"""Calibration: fits, the measured cluster, calibration files, which cluster prices a plan."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import autopar as ap
+from autopar import clusters
+from autopar.calibration import fit_alpha_beta, group_sizes
+from autopar.clusters import ClusterFileError, dumps_cluster, load_cluster, resolve_cluster
+from autopar.strategies.cost import CLUSTERS, CollectiveFit, CostModel
+from autopar.strategies.redistribution import Step
+
+
+@settings(max_examples=40, deadline=None)
+@given(alpha=st.floats(1e-5, 1e-3), beta=st.floats(1e-11, 2e-9), seed=st.integers(0, 2 ** 16))
+def test_fit_reproduces_synthetic_alpha_beta_within_5_percent(alpha, beta, seed):
+    """Timings from a known alpha + beta * n with 2 % multiplicative noise, over the sizes a
+    calibration measures: both figures come back within 5 %."""
+    rng = np.random.default_rng(seed)
+    sizes = np.array([2 ** 12, 2 ** 16, 2 ** 20, 2 ** 22, 2 ** 24, 2 ** 25], dtype=float)
+    t = (alpha + beta * sizes) * (1 + rng.uniform(-0.02, 0.02, sizes.size))
+    a, b, resid = fit_alpha_beta(sizes, t)
+    # alpha is judged where the timings show it: at least half the smallest message's time
+    if alpha >= beta * sizes[0]:
+        assert a == pytest.approx(alpha, rel=0.05)
+    assert b == pytest.approx(beta, rel=0.05)
+    assert resid <= 0.05
+
+
+def test_fit_refuses_one_sample():
+    with pytest.raises(ap.AutoParallelError, match="samples"):
+        fit_alpha_beta([1.0], [1.0])
+
+
+def test_group_sizes_are_the_mesh_subset_products():
+    assert group_sizes(8) == [2, 4, 8]
+    assert group_sizes(12) == [2, 3, 4, 6, 12]
+    assert group_sizes(1) == []
+
+
+def _measured(**extra) -> ap.Cluster:
+    fits = (CollectiveFit(kind="all_reduce", group=8, intra=True, alpha=1e-4, beta=2e-9,
+                          residual=0.1, samples=5),
+            CollectiveFit(kind="all_gather", group=2, intra=True, alpha=3e-5, beta=1e-9,
+                          residual=0.1, samples=5))
+    base = CLUSTERS["cpu-emulated"].model_dump()
+    base.update(name="measured", collectives=fits, **extra)
+    return ap.Cluster.model_validate(base)
+
+
+def test_cost_model_prices_with_the_fits():
+    cm = CostModel(_measured())
+    n = 3e6
+    assert cm.collective_time("all_reduce", n, 8, intra=True) == pytest.approx(1e-4 + 2e-9 * n)
+    # group 4 not measured: the nearest size's per-step latency and bandwidth, ring formula
+    a2, b2 = 3e-5, 1e-9  # all_gather x2: 1 step, (2-1)/2 of n
+    assert cm.collective_time("all_gather", n, 4, intra=True) == pytest.approx(
+        a2 * 3 + b2 / 0.5 * 0.75 * n)
+    # a kind never measured: the link figures of the cluster
+    c = cm.cluster
+    assert cm.collective_time("all_to_all", n, 8, intra=True) == pytest.approx(
+        7 * c.intra_alpha + 7 / 8 * n / c.intra_bandwidth)
+
+
+def test_shape_free_coefficients_agree_with_step_times():
+    """One formula: coefficients(a + b * B) of shape-free steps equal the summed step times
+    of the same steps with bytes, forward and backward (transposes priced as their kind)."""
+    from autopar.strategies.layout import DeviceMesh
+
+    mesh = DeviceMesh.for_devices(8)
+    cm = CostModel(_measured())
+    total = 1 << 22
+    steps = (Step("all_gather", ("a1", "a2"), 0, fraction=0.5),
+             Step("all_reduce", ("a0", "a1", "a2"), fraction=0.25))
+    with_bytes = tuple(Step(s.kind, s.axes, s.dim, s.src_dim, int(s.fraction * total),
+                            s.fraction) for s in steps)
+    for backward in (False, True):
+        a, b = cm.coefficients(steps, mesh, backward=backward)
+        assert a + b * total == pytest.approx(cm.steps_time(with_bytes, mesh,
+                                                            backward=backward))
+
+
+def test_update_and_launch_are_priced():
+    """The optimizer update of a replicated parameter costs every device a full pass; the
+    step's launch is counted once."""
+    import jax.numpy as jnp
+
+    g = ap.trace(lambda p, x: jnp.sum((x @ p["w"]) ** 2), {"w": jnp.ones((64, 64))},
+                 jnp.ones((16, 64)))
+    clus = _measured(step_overhead=1e-3)
+    with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel"):
+        dp = ap.search(g, cluster=clus)
+    cm = CostModel(clus)
+    nb = 64 * 64 * 4
+    # data parallel: w replicated, its update a full 7 passes on every device
+    assert dp.cost.compute >= 1e-3 + cm.update_time(nb)
+
+
+# ---------------------------------------------------------------------------- files
+
+
+def test_calibration_file_round_trips_byte_identically(tmp_path):
+    c = _measured(calibration=None)
+    p1 = ap.save_cluster(c, tmp_path / "a.json")
+    back = load_cluster(p1)
+    assert back == c
+    p2 = ap.save_cluster(back, tmp_path / "b.json")
+    assert p1.read_bytes() == p2.read_bytes()
+
+
+@pytest.mark.parametrize("mutate, field", [
+    (lambda t: t[: len(t) // 2], "<json>"),
+    (lambda t: t.replace('"version": 1', '"version": "1"'), "version"),
+    (lambda t: t.replace('"format": "autopar-cluster"', '"format": "x"'), "format"),
+    (lambda t: t.replace('"alpha": 0.0001', '"alpha": -1.0'), "cluster.collectives.0.alpha"),
+    (lambda t: t.replace('"name": "measured"', '"name": "measured", "extra": 1'),
+     "cluster.extra"),
+    (lambda t: "[" * 100000, "<json>"),
+])
+def test_corrupt_calibration_file_names_the_file_and_field(tmp_path, mutate, field):
+    path = ap.save_cluster(_measured(), tmp_path / "c.json")
+    path.write_text(mutate(path.read_text()))
+    with pytest.raises(ClusterFileError) as info:
+        load_cluster(path)
+    assert str(path) in str(info.value) and info.value.field == field
+
+
+def test_calibration_file_special_and_missing_paths(tmp_path):
+    with pytest.raises(ClusterFileError, match="regular file"):
+        load_cluster(tmp_path)
+    with pytest.raises(ClusterFileError, match="missing"):
+        load_cluster(tmp_path / "none.json")
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    with pytest.raises(ClusterFileError, match="regular file"):
+        load_cluster(fifo)
+    with pytest.raises(ap.AutoParallelError, match="regular file"):
+        ap.save_cluster(_measured(), fifo)
+    big = tmp_path / "big.json"
+    big.write_bytes(b" " * (clusters.MAX_FILE_BYTES + 1))
+    with pytest.raises(ClusterFileError, match="at most"):
+        load_cluster(big)
+
+
+# ---------------------------------------------------------------------------- resolution
+
+
+@pytest.fixture
+def unpinned(monkeypatch, tmp_path):
+    """The default resolution as a user meets it: no pin, an empty cache of our own."""
+    monkeypatch.delenv(clusters.CLUSTER_ENV, raising=False)
+    monkeypatch.setenv(clusters.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(clusters, "_noticed", set())
+    return tmp_path / "cache"
+
+
+def test_cpu_devices_default_to_the_cpu_preset_with_one_notice(unpinned, capsys):
+    assert resolve_cluster(None).name == "cpu-emulated"
+    assert resolve_cluster(None).name == "cpu-emulated"
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'cpu-emulated' preset" in err and "autopar calibrate" in err
+
+
+def test_a_cached_calibration_is_the_default(unpinned, capsys):
+    import jax
+
+    clusters.store_calibration(_measured(), jax.devices())
+    assert resolve_cluster(None).name == "measured"
+    assert "calibration of these 8 cpu device(s)" in capsys.readouterr().err
+    # a cache file that cannot be read counts as none
+    next(unpinned.iterdir()).write_text("{")
+    assert resolve_cluster(None).name == "cpu-emulated"
+
+
+def test_env_pin_and_explicit_forms(unpinned, tmp_path, monkeypatch, capsys):
+    path = ap.save_cluster(_measured(), tmp_path / "mine.json")
+    monkeypatch.setenv(clusters.CLUSTER_ENV, str(path))
+    assert resolve_cluster(None).name == "measured"
+    assert resolve_cluster("accelerator-8x").name == "accelerator-8x"
+    assert resolve_cluster(path).name == "measured"
+    assert capsys.readouterr().err == ""  # a named cluster needs no notice
+    with pytest.raises(ap.AutoParallelError, match="'calibrated'"):
+        resolve_cluster("tpu-pod")
+    with pytest.raises(ap.AutoParallelTypeError, match="got int"):
+        resolve_cluster(3)
+
+
+def test_plan_records_and_file_carries_the_cluster(tmp_path):
+    import jax.numpy as jnp
+
+    g = ap.trace(lambda p, x: jnp.sum((x @ p["w"]) ** 2), {"w": jnp.ones((64, 64))},
+                 jnp.ones((16, 64)))
+    path = ap.save_cluster(_measured(), tmp_path / "mine.json")
+    with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel"):
+        plan = ap.search(g, cluster=str(path))
+    assert plan.cluster == "measured"
+    doc = json.loads(ap.save_strategy(plan, g, tmp_path / "s.json").read_text())
+    assert [f["kind"] for f in doc["cluster"]["collectives"]] == ["all_reduce", "all_gather"]
+    # priced on the file's own cluster
+    again = ap.load_strategy(tmp_path / "s.json", g, device_num=8)
+    assert again.cost.total == pytest.approx(plan.cost.total)
+
+
+# ---------------------------------------------------------------------------- measuring
+
+
+def test_calibrate_two_devices_measures_fits_and_caches(unpinned):
+    c = ap.calibrate(2, budget_s=2, progress=False, max_message_bytes=2 ** 16)
+    assert c.calibration is not None and c.calibration.device_count == 2
+    assert c.name == "calibrated-cpu-2" and c.devices_per_node == 2
+    assert sorted(f.kind for f in c.collectives) == sorted(
+        ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute"])
+    assert all(f.group == 2 and f.samples >= 2 for f in c.collectives)
+    assert c.peak_flops > 0 and math.isfinite(c.memory_bandwidth) and 0 <= c.overlap <= 1
+    assert ap.calibrate(2) == c  # the cache: the same figures, nothing measured
+    assert len(list(unpinned.iterdir())) == 1
+    with pytest.raises(ap.AutoParallelError, match="budget_s"):
+        ap.calibrate(2, budget_s=0)
+    with pytest.raises(ap.AutoParallelError, match="devices"):
+        ap.calibrate(99)
+    with pytest.raises(ap.AutoParallelError, match="max_message_bytes"):
+        ap.calibrate(2, cache=False, max_message_bytes=10)
