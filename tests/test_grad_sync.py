@@ -4,6 +4,7 @@ one device, and gradient accumulation."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -18,6 +19,8 @@ from autopar.grad_sync import (bucket_indices, bucketed_collective, data_paralle
                                replicated_axes, sync_gradients, sync_groups)
 from autopar.models import mlp
 
+import numerics
+
 KEY = jax.random.key(0)
 
 
@@ -30,6 +33,17 @@ def _mlp(batch=16):
     m = mlp(widths=(16, 64, 64, 64, 16), batch=batch)
     params, x = m.example_args(KEY)
     return m, params, x
+
+
+_GRAD_REF: list[numerics.Reference] = []
+
+
+def _grad_reference() -> numerics.Reference:
+    """The float64 / one-device gradients of ``_mlp()``, computed once."""
+    if not _GRAD_REF:
+        m, params, x = _mlp()
+        _GRAD_REF.append(numerics.reference(jax.grad(m.loss), params, x))
+    return _GRAD_REF[0]
 
 
 def _step(m, params, x, **ctx):
@@ -60,8 +74,7 @@ def test_lowered_program_has_one_all_reduce_per_bucket_with_concat():
         assert len(step.buckets["allreduce"]) == 3
         counts = step.collective_counts(params, step.init(params), x)
         assert counts["all_reduce"] == want, (method, counts)  # + 1: the loss
-        _, g = step.grads(params, x)
-        jax.tree.map(lambda a, b: close(a, b, atol=1e-6), g, jax.grad(m.loss)(params, x))
+        numerics.check(step.grads(params, x)[1], _grad_reference())
 
 
 def test_compiled_program_keeps_exactly_the_configured_buckets():
@@ -117,8 +130,7 @@ def test_every_fusion_mode_equals_one_device_under_tensor_parallel(fusion):
     axes = {a for a in step.sync_axes if a}
     assert len(axes) >= 2  # gradients with different sync axes: separate collectives
     assert len(step.sync_groups) >= len(step.buckets["allreduce"])
-    _, got = step.grads(params, x)
-    jax.tree.map(lambda a, b: close(a, b, atol=1e-6), got, jax.grad(m.loss)(params, x))
+    numerics.check(step.grads(params, x)[1], _grad_reference())
 
 
 def test_hccl_split_strategy_buckets_the_step():
@@ -134,11 +146,8 @@ def test_hccl_split_strategy_buckets_the_step():
 
 def test_grad_accumulation_equals_one_step_on_the_whole_batch():
     m, params, x = _mlp(batch=32)
-    opt = optax.sgd(0.1)
-    want, s = params, opt.init(params)
-    for _ in range(2):
-        u, s = opt.update(jax.grad(m.loss)(want, x), s, want)
-        want = optax.apply_updates(want, u)
+    run = numerics.optimizer_steps(m.loss, optax.sgd(0.1), 2)
+    want = numerics.reference(lambda *a: run(*a)[0], params, x, jit=False)
     for acc in (2, 4):
         step = _step(m, params, x, grad_accumulation_step=acc,
                      parallel_mode="semi_auto_parallel")
@@ -148,29 +157,33 @@ def test_grad_accumulation_equals_one_step_on_the_whole_batch():
         p, st = params, step.init(params)
         for _ in range(2):
             p, st, loss = step(p, st, x)
-        jax.tree.map(lambda a, b: close(a, b, atol=1e-6), p, want)
+        numerics.check(p, want)
+
+
+def _regression_loss(p, x, y):
+    return jnp.mean((jnp.tanh(x @ p["w"]) - y) ** 2)
+
+
+@functools.lru_cache(maxsize=None)
+def _regression_case() -> tuple:
+    k1, k2, k3 = jax.random.split(KEY, 3)
+    p = {"w": jax.random.normal(k1, (16, 8))}
+    x, y = jax.random.normal(k2, (32, 16)), jax.random.normal(k3, (32, 8))
+    return p, x, y, numerics.reference(jax.value_and_grad(_regression_loss), p, x, y)
 
 
 @pytest.mark.parametrize("dataset", [((8, 1), (1, 1)), ((4, 1), (2, 1)), ((8, 1), (8, 1))])
 def test_grad_accumulation_pairs_the_rows_of_inputs_split_differently(dataset):
     """Micro-batch k is global rows [k*B/g, (k+1)*B/g) of every input, however each input is
     split over the devices (a per-device reshape would pair x and y rows of other steps)."""
-    def loss(p, x, y):
-        return jnp.mean((jnp.tanh(x @ p["w"]) - y) ** 2)
-
-    k1, k2, k3 = jax.random.split(KEY, 3)
-    p = {"w": jax.random.normal(k1, (16, 8))}
-    x, y = jax.random.normal(k2, (32, 16)), jax.random.normal(k3, (32, 8))
-    want_loss, want = jax.value_and_grad(loss)(p, x, y)
+    p, x, y, want = _regression_case()
     with ap.auto_parallel_context(device_num=8, parallel_mode="semi_auto_parallel",
                                   gradients_mean=True, grad_accumulation_step=2,
                                   dataset_strategy=dataset):
-        step = ap.train_step(loss, p, (x, y))
-    got_loss, got = step.grads(p, x, y)
-    close(got_loss, want_loss, atol=1e-6)
-    close(got["w"], want["w"], atol=1e-6)
-    got_loss, _ = step.grads(p, np.asarray(x), np.asarray(y))  # host arrays: same rows
-    close(got_loss, want_loss, atol=1e-6)
+        step = ap.train_step(_regression_loss, p, (x, y))
+    numerics.check(step.grads(p, x, y), want)
+    # host arrays: the same rows
+    numerics.check(step.grads(p, np.asarray(x), np.asarray(y)), want, "host-array result")
 
 
 def test_grad_accumulation_restrictions():
@@ -309,5 +322,4 @@ def test_transformer_sync_points_equal_one_device():
         step = ap.train_step(m.loss, params, tuple(batch), cluster=COMPUTE_BOUND)
     assert len(step.buckets["allreduce"]) > 1
     assert len({g.axes for g in step.sync_groups}) > 1
-    _, got = step.grads(params, *batch)
-    jax.tree.map(lambda a, b: close(a, b, atol=1e-6), got, jax.grad(m.loss)(params, *batch))
+    numerics.assert_close(step.grads(params, *batch)[1], jax.grad(m.loss), params, *batch)

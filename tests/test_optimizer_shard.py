@@ -13,13 +13,10 @@ from autopar.models import mlp
 from autopar.optimizer_shard import decide_sharding, device_bytes, storage_spec
 from jax.sharding import PartitionSpec as P
 
+import numerics
+
 KEY = jax.random.key(0)
 OPT = optax.sgd(0.1, momentum=0.9)  # state: one parameter-shaped trace per parameter
-
-
-def close(a, b, rtol=1e-5, atol=1e-6):
-    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=rtol,
-                               atol=atol)
 
 
 def _model():
@@ -34,12 +31,19 @@ def _step(m, params, x, opt=OPT, mode="semi_auto_parallel", **ctx):
         return ap.train_step(m.loss, params, (x,), opt)
 
 
+_REFS: dict[tuple, numerics.Reference] = {}
+
+
 def _reference(m, params, x, opt, steps):
-    s = opt.init(params)
-    for _ in range(steps):
-        u, s = opt.update(jax.grad(m.loss)(params, x), s, params)
-        params = optax.apply_updates(params, u)
-    return params
+    """Parameters after ``steps`` one-device updates, float64 and float32; cached for OPT."""
+    key = (repr(m.config), steps) if opt is OPT else None
+    if key in _REFS:
+        return _REFS[key]
+    run = numerics.optimizer_steps(m.loss, opt, steps)
+    ref = numerics.reference(lambda *a: run(*a)[0], params, x, jit=False)
+    if key is not None:
+        _REFS[key] = ref
+    return ref
 
 
 def _run(step, params, x, steps):
@@ -62,7 +66,7 @@ def test_parallel_optimizer_equals_one_device(ctx):
     step = _step(m, params, x, enable_parallel_optimizer=True, **ctx)
     assert [d.sharded for d in step.sharding] == [False, False, False, True, False, False]
     got, _ = _run(step, params, x, 3)
-    jax.tree.map(lambda a, b: close(a, b, atol=1e-6), got, _reference(m, params, x, OPT, 3))
+    numerics.check(got, _reference(m, params, x, OPT, 3))
 
 
 def test_adam_and_data_parallel_mode():
@@ -72,8 +76,7 @@ def test_adam_and_data_parallel_mode():
                  parallel_optimizer_config={"parallel_optimizer_threshold": 0})
     assert all(d.sharded for d in step.sharding if d.nbytes >= 8 * 4)
     got, _ = _run(step, params, x, 2)
-    jax.tree.map(lambda a, b: close(a, b, rtol=1e-4, atol=1e-6), got,
-                 _reference(m, params, x, opt, 2))
+    numerics.check(got, _reference(m, params, x, opt, 2))
 
 
 def test_per_device_memory_is_about_one_over_dp_for_large_parameters():
@@ -113,7 +116,7 @@ def test_reduce_scatter_and_all_gather_counts_follow_comm_fusion():
         # the small parameters keep their all-reduce (+ the loss)
         assert c["all_reduce"] == len(jax.tree.leaves(params)) - sharded + 1
     got, _ = _run(fused, params, x, 2)
-    jax.tree.map(lambda a, b: close(a, b, atol=1e-6), got, _reference(m, params, x, OPT, 2))
+    numerics.check(got, _reference(m, params, x, OPT, 2))
 
 
 def test_gradient_accumulation_shard_keeps_the_accumulator_sharded():
@@ -170,8 +173,7 @@ def test_adafactor_factored_state_is_replicated_not_sharded():
                  parallel_optimizer_config={"parallel_optimizer_threshold": 0})
     assert any(d.sharded for d in step.sharding)
     got, _ = _run(step, params, x, 2)
-    jax.tree.map(lambda a, b: close(a, b, rtol=1e-4, atol=1e-6), got,
-                 _reference(m, params, x, opt, 2))
+    numerics.check(got, _reference(m, params, x, opt, 2))
 
 
 def test_state_shardings_keeps_storage_only_for_parameter_shaped_leaves():

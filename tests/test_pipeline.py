@@ -5,6 +5,7 @@ two schedules, and the typed errors of every bad input."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -21,13 +22,10 @@ from autopar.pipeline import PackedParams, pipeline_train_step
 from autopar.schedules import BWD, FWD, IDLE, bubble_fraction, schedule
 from autopar.strategies.stages import partition_stages, stage_graph, stage_units
 
+import numerics
+
 KEY = jax.random.key(0)
 PIPE = dict(device_num=8, parallel_mode="semi_auto_parallel", gradients_mean=True)
-
-
-def close(a, b, rtol=1e-5, atol=1e-6):
-    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                               rtol=rtol, atol=atol)
 
 
 def small_tfm(batch=8, layers=4):
@@ -178,7 +176,8 @@ def test_parameter_shared_across_stages_is_refused():
 
 
 def _reference(model, params, batch):
-    return jax.value_and_grad(model.loss)(params, *batch)
+    """(loss, gradients) of one device, in float64 and float32."""
+    return numerics.reference(jax.value_and_grad(model.loss), params, *batch)
 
 
 CASES = {
@@ -194,14 +193,10 @@ def test_pipelined_gradients_equal_one_device(case):
     build, p, sched, m, g = CASES[case]
     model = build()
     params, *batch = model.example_args(KEY)
-    ref_loss, ref_grads = _reference(model, params, batch)
     with ap.auto_parallel_context(pipeline_stages=p, grad_accumulation_step=g, **PIPE):
         step = pipeline_train_step(model.loss, params, tuple(batch), micro_batches=m,
                                    schedule=sched)
-    loss, grads = step.grads(params, *batch)
-    close(loss, ref_loss)
-    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
-        close(a, b)
+    numerics.check(step.grads(params, *batch), _reference(model, params, batch))
     assert step.plan.schedule.name == sched and len(step.plans) == p
 
 
@@ -212,14 +207,12 @@ def test_tfm_stack_pipelined_equals_the_mean_of_its_micro_batches():
     params = model.init(KEY)
     xs = [model.example_batch(jax.random.key(i))[0] for i in range(4)]
     full = jnp.concatenate(xs)
-    ref = jax.value_and_grad(lambda p: sum(model.loss(p, x) for x in xs) / 4)(params)
+    ref = numerics.reference(
+        jax.value_and_grad(lambda p, xs: sum(model.loss(p, x) for x in xs) / 4), params, xs)
     with ap.auto_parallel_context(pipeline_stages=2, **PIPE):
         step = pipeline_train_step(model.loss, params, (full,), micro_batches=4,
                                    schedule="1f1b")
-    loss, grads = step.grads(params, full)
-    close(loss, ref[0])
-    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref[1])):
-        close(a, b)
+    numerics.check(step.grads(params, full), ref)
 
 
 @pytest.fixture(scope="module")
@@ -237,12 +230,8 @@ def test_momentum_steps_equal_one_device_on_pytree_and_packed_paths(tfm_step):
     """Transformer, 2 stages x 4 devices, 1F1B: two SGD-momentum steps (optimizer state in
     the packed buffers) equal one device's."""
     model, params, batch, step = tfm_step
-    opt = optax.sgd(0.1, momentum=0.9)
-    ref, ref_state = params, opt.init(params)
-    for _ in range(2):
-        _, g = jax.value_and_grad(model.loss)(ref, *batch)
-        u, ref_state = opt.update(g, ref_state, ref)
-        ref = optax.apply_updates(ref, u)
+    steps = numerics.optimizer_steps(model.loss, optax.sgd(0.1, momentum=0.9), 2)
+    ref = numerics.reference(lambda *a: steps(*a)[0], params, *batch, jit=False)
     state = step.init(params)
     p1, s1, _ = step(params, state, *batch)          # pytree in, pytree out
     p1, s1, _ = step(p1, s1, *batch)
@@ -250,10 +239,8 @@ def test_momentum_steps_equal_one_device_on_pytree_and_packed_paths(tfm_step):
     for _ in range(2):                                # packed in, packed out
         packed, s2, _ = step(packed, s2, *batch)
     assert isinstance(packed, PackedParams)
-    for a, b, c in zip(jax.tree.leaves(p1), jax.tree.leaves(step.unpack(packed)),
-                       jax.tree.leaves(ref)):
-        close(a, c, rtol=1e-5, atol=2e-6)
-        close(b, c, rtol=1e-5, atol=2e-6)
+    numerics.check(p1, ref, "pytree path")
+    numerics.check(step.unpack(packed), ref, "packed path")
 
 
 def test_packed_parameters_live_on_their_stage_only(tfm_step):
@@ -286,7 +273,7 @@ def test_one_stage_pipeline_has_no_collective_permute():
     with ap.auto_parallel_context(**PIPE):
         step = pipeline_train_step(model.loss, params, (x,), stages=1, micro_batches=2)
     assert step.collective_counts(params, step.init(params), x)["collective_permute"] == 0
-    close(step.grads(params, x)[0], model.loss(params, x))
+    numerics.assert_close(step.grads(params, x), jax.value_and_grad(model.loss), params, x)
 
 
 def test_gpipe_keeps_more_activations_than_1f1b_in_compiled_memory():
@@ -416,16 +403,21 @@ def test_auto_parallel_stages_get_their_own_tensor_parallel_plans():
     and the step still equals one device."""
     model = mlp(widths=(8, 512, 512, 8), batch=8)
     params, x = model.example_args(KEY)
-    ref_loss, ref_grads = jax.value_and_grad(model.loss)(params, x)
     with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel",
                                   search_mode="dynamic_programming", gradients_mean=True):
         step = pipeline_train_step(model.loss, params, (x,), stages=2, micro_batches=2)
     splits = [max(max(pl.split_counts(v)) for v in pl.parameters) for pl in step.plans]
     assert max(splits) > 1                       # some parameter is split inside its stage
-    loss, grads = step.grads(params, x)
-    close(loss, ref_loss)
-    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
-        close(a, b)
+    numerics.assert_close(step.grads(params, x), jax.value_and_grad(model.loss), params, x)
+
+
+@functools.lru_cache(maxsize=None)
+def _adam_reference():
+    """Two Adam steps of the parallel-optimizer test's MLP on one device (once for both)."""
+    model = mlp(widths=(8, 64, 64, 8), batch=16)
+    params, x = model.example_args(KEY)
+    steps = numerics.optimizer_steps(model.loss, optax.adam(1e-2), 2)
+    return numerics.reference(lambda *a: steps(*a)[0], params, x, jit=False)
 
 
 @pytest.mark.parametrize("acc_shard", [True, False])
@@ -439,11 +431,7 @@ def test_parallel_optimizer_inside_the_pipeline(acc_shard):
     model = mlp(widths=(8, 64, 64, 8), batch=16)
     params, x = model.example_args(KEY)
     opt = optax.adam(1e-2)
-    ref, ref_state = params, opt.init(params)
-    for _ in range(2):
-        _, g = jax.value_and_grad(model.loss)(ref, x)
-        u, ref_state = opt.update(g, ref_state, ref)
-        ref = optax.apply_updates(ref, u)
+    ref = _adam_reference()
     po = {"parallel_optimizer_threshold": 1, "gradient_accumulation_shard": acc_shard}
     with ap.auto_parallel_context(pipeline_stages=2, grad_accumulation_step=2,
                                   enable_parallel_optimizer=True,
@@ -455,8 +443,7 @@ def test_parallel_optimizer_inside_the_pipeline(acc_shard):
     packed, state = step.pack(params), step.init(params)
     for _ in range(2):
         packed, state, _ = step(packed, state, x)
-    for a, b in zip(jax.tree.leaves(step.unpack(packed)), jax.tree.leaves(ref)):
-        close(a, b, atol=2e-6)
+    numerics.check(step.unpack(packed), ref)
     # per device: parameters + Adam's two moments, the large ones 1/4 (dp = 4 in a stage)
     work, store = step.packing.sizes["float32"], step.packing.store_sizes["float32"]
     biases = 64 + 8           # the larger stage's unsharded elements
@@ -472,18 +459,15 @@ def test_gradients_mean_false_scales_by_the_stage_data_parallel_degree():
     produces, dp x the global one (dp = 4 devices per stage here)."""
     model = mlp(widths=(8, 16, 16, 8), batch=8)
     params, x = model.example_args(KEY)
-    _, ref = jax.value_and_grad(model.loss)(params, x)
     with ap.auto_parallel_context(**(PIPE | dict(gradients_mean=False, pipeline_stages=2))):
         step = pipeline_train_step(model.loss, params, (x,), micro_batches=2)
     _, grads = step.grads(params, x)
-    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
-        close(a, 4 * b)
+    numerics.assert_close(jax.tree.map(lambda a: a / 4, grads), jax.grad(model.loss), params, x)
 
 
 def test_train_step_dispatches_to_the_pipeline_and_keeps_a_strategy_file_per_stage(tmp_path):
     model = mlp(widths=(16, 32, 32, 16), batch=8, loss="mse")
     params, *batch = model.example_args(KEY)
-    ref_loss, ref_grads = _reference(model, params, batch)
     save = tmp_path / "strategy.json"
     with ap.auto_parallel_context(pipeline_stages=2, strategy_ckpt_save_file=str(save),
                                   **{**PIPE, "parallel_mode": "auto_parallel"}):
@@ -492,10 +476,7 @@ def test_train_step_dispatches_to_the_pipeline_and_keeps_a_strategy_file_per_sta
             with pytest.raises(AutoParallelError, match=key):
                 ap.train_step(model.loss, params, tuple(batch), **{key: value})
     assert isinstance(step, ap.PipelineTrainStep) and len(step.plans) == 2
-    loss, grads = step.grads(params, *batch)
-    close(loss, ref_loss)
-    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
-        close(a, b)
+    numerics.check(step.grads(params, *batch), _reference(model, params, batch))
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["strategy_stage0.json", "strategy_stage1.json"]
     texts = [(tmp_path / f).read_text() for f in files]

@@ -20,6 +20,7 @@ import autopar as ap
 from autopar.lower import jax_mesh
 from autopar.models import mlp, transformer
 from clusters import COMPUTE_BOUND
+import numerics
 from autopar.strategies.layout import DeviceMesh
 
 KEY = jax.random.key(0)
@@ -44,21 +45,20 @@ def collectives(text: str) -> dict[str, int]:
     return {k: len(re.findall(rf"stablehlo\.{k}\b", text)) for k in kinds}
 
 
-def reference_steps(loss, params, batch, steps, opt=None):
-    opt = opt or optax.sgd(ap.train.DEFAULT_LEARNING_RATE)
-    state = opt.init(params)
+def reference_steps(loss, params, batch, steps, opt=None, loss_scale=1.0):
+    """(params, losses) after ``steps`` one-device optimizer steps, in float64 and float32."""
+    return numerics.reference(numerics.optimizer_steps(loss, opt, steps, loss_scale),
+                              params, *batch, jit=False)
 
-    @jax.jit
-    def one(p, s):
-        l, g = jax.value_and_grad(loss)(p, *batch)
-        u, s = opt.update(g, s, p)
-        return optax.apply_updates(p, u), s, l
 
-    losses = []
-    for _ in range(steps):
-        params, state, l = one(params, state)
-        losses.append(l)
-    return params, losses
+_STEP_REFS: dict[str, numerics.Reference] = {}
+
+
+def model_steps_reference(name, params, batch):
+    """Three SGD steps of the zoo model ``name`` on one device, once per model."""
+    if name not in _STEP_REFS:
+        _STEP_REFS[name] = reference_steps(MODELS[name]().loss, params, batch, 3)
+    return _STEP_REFS[name]
 
 
 def run_steps(step, params, batch, steps):
@@ -89,12 +89,8 @@ def test_three_sgd_steps_equal_single_device(name, config):
     fixed = column_fixed(m.loss, (params, *batch), 8) if config == "semi_auto_parallel" else None
     cluster = COMPUTE_BOUND if config == "dynamic_programming" else None
     step = ap.train_step(m.loss, params, tuple(batch), fixed=fixed, cluster=cluster)
-    got, got_losses = run_steps(step, params, batch, 3)
-    want, want_losses = reference_steps(m.loss, params, batch, 3)
-    rtol = 1e-5  # the transformer too, since gradients are synchronised explicitly
-    for a, b in zip(got_losses, want_losses):
-        close(a, b, rtol=rtol)
-    jax.tree.map(lambda a, b: close(a, b, rtol=rtol, atol=1e-5), got, want)
+    numerics.check(run_steps(step, params, batch, 3),
+                   model_steps_reference(name, params, batch))
     if config != "data_parallel":  # the plan really is not pure data parallel
         assert any(pg_v.layout.used_axes() for v, pg_v in step.parallel_graph.values.items()
                    if pg_v.kind == "param")
@@ -122,10 +118,9 @@ def test_random_mlp_gradients_match_reference(case):
     with ap.auto_parallel_context(device_num=devices, gradients_mean=True, **kw):
         step = ap.train_step(m.loss, params, tuple(b),
                              cluster=COMPUTE_BOUND if mode != "data_parallel" else None)
-    loss, grads = step.grads(params, *b)
-    want_loss, want = jax.value_and_grad(m.loss)(params, *b)
-    close(loss, want_loss)
-    jax.tree.map(lambda a, c: close(a, c, atol=1e-5), grads, want)
+    grad = jax.value_and_grad(m.loss)
+    numerics.assert_close(step.grads(params, *b), grad, params, *b,
+                          single=grad(params, *b), jit=False)
 
 
 # ------------------------------------------------------------------ context keys
@@ -139,19 +134,19 @@ def _mlp():
 
 def test_gradients_mean_false_is_dp_times_the_global_gradient():
     m, params, x = _mlp()
-    want = jax.grad(m.loss)(params, x)
+    want = numerics.reference(jax.grad(m.loss), params, x)
     for mean, factor in ((True, 1.0), (False, 8.0)):
         with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel",
                                       gradients_mean=mean):
             step = ap.train_step(m.loss, params, (x,))
         assert step.data_parallel_degree == 8 and step.grad_scale == factor
         _, g = step.grads(params, x)
-        jax.tree.map(lambda a, b: close(a, factor * b, atol=1e-5), g, want)
+        numerics.check(jax.tree.map(lambda a: a / factor, g), want)  # / 8: exact
 
 
 def test_loss_repeated_mean_scales_by_the_repeat_count():
     m, params, x = _mlp()
-    want = jax.grad(m.loss)(params, x)
+    want = numerics.reference(jax.grad(m.loss), params, x)
     fixed = column_fixed(m.loss, (params, x), 8)
     for repeated_mean, factor in ((True, 1.0), (False, 8.0)):
         with ap.auto_parallel_context(device_num=8, parallel_mode="semi_auto_parallel",
@@ -160,7 +155,7 @@ def test_loss_repeated_mean_scales_by_the_repeat_count():
             step = ap.train_step(m.loss, params, (x,), fixed=fixed)
         assert step.data_parallel_degree == 1 and step.repeat == 8
         _, g = step.grads(params, x)
-        jax.tree.map(lambda a, b: close(a, factor * b, atol=1e-5), g, want)
+        numerics.check(jax.tree.map(lambda a: a / factor, g), want)
 
 
 def test_gradient_fp32_sync_all_reduces_in_f32_and_casts_back():
@@ -228,15 +223,14 @@ def test_enable_alltoall_decides_the_lowered_collectives():
     m = MODELS["transformer"]()
     params, *batch = m.example_args(KEY)
     counts = {}
+    want = numerics.reference(jax.grad(m.loss), params, *batch)
     for flag in (True, False):
         with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel",
                                       search_mode="dynamic_programming", gradients_mean=True,
                                       enable_alltoall=flag):
             step = ap.train_step(m.loss, params, tuple(batch), cluster=COMPUTE_BOUND)
         counts[flag] = step.collective_counts(params, step.init(params), *batch)
-        _, g = step.grads(params, *batch)
-        want = jax.grad(m.loss)(params, *batch)
-        jax.tree.map(lambda a, b: close(a, b, rtol=1e-4, atol=1e-5), g, want)
+        numerics.check(step.grads(params, *batch)[1], want)
     assert counts[True]["all_to_all"] > 0
     assert counts[False]["all_to_all"] == 0
 
@@ -262,15 +256,11 @@ def test_pmap_backend_equals_shard_map(mean):
                                   gradients_mean=mean):
         sm = ap.train_step(m.loss, params, tuple(batch), opt)
         pm = ap.train_step(m.loss, params, tuple(batch), opt, backend="pmap")
-    a, la = run_steps(sm, params, batch, 3)
-    b, lb = run_steps(pm, params, batch, 3)
-    for x, y in zip(la, lb):
-        close(x, y)
-    jax.tree.map(lambda x, y: close(x, y, atol=1e-5), a, b)
+    # without gradients_mean both sum the 8 replicas' gradients: 8 x the global gradient
+    want = reference_steps(m.loss, params, batch, 3, opt, loss_scale=1.0 if mean else 8.0)
+    numerics.check(run_steps(sm, params, batch, 3), want, "shard_map step")
+    numerics.check(run_steps(pm, params, batch, 3), want, "pmap step")
     assert "all_reduce" in pm.as_text(params, pm.init(params), *batch)
-    if mean:
-        want, _ = reference_steps(m.loss, params, batch, 3, opt)
-        jax.tree.map(lambda x, y: close(x, y, atol=1e-5), b, want)
 
 
 def test_pmap_backend_syncs_in_the_context_buckets():
@@ -286,9 +276,7 @@ def test_pmap_backend_syncs_in_the_context_buckets():
     # one all-reduce per bucket, plus the loss (pmean); the shard_map step agrees
     assert pm.collective_counts(params, pm.init(params), *batch)["all_reduce"] == buckets + 1
     assert sm.collective_counts(params, sm.init(params), *batch)["all_reduce"] == buckets + 1
-    got, _ = run_steps(pm, params, batch, 2)
-    want, _ = reference_steps(m.loss, params, batch, 2)
-    jax.tree.map(lambda x, y: close(x, y, atol=1e-5), got, want)
+    numerics.check(run_steps(pm, params, batch, 2), reference_steps(m.loss, params, batch, 2))
     with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel",
                                   enable_parallel_optimizer=True,
                                   parallel_optimizer_config={"parallel_optimizer_threshold": 0}):
@@ -311,9 +299,8 @@ def test_uneven_batch_matches_reference_or_is_rejected():
         step = ap.train_step(m.loss, params, (x,))
         # shard_map: the search splits the batch only as far as it divides (6 -> 2 ways)
         assert step.data_parallel_degree == 2 and 6 % step.data_parallel_degree == 0
-        got, _ = run_steps(step, params, (x,), 2)
-        want, _ = reference_steps(m.loss, params, (x,), 2)
-        jax.tree.map(lambda a, b: close(a, b, atol=1e-5), got, want)
+        numerics.check(run_steps(step, params, (x,), 2),
+                       reference_steps(m.loss, params, (x,), 2))
         # pmap cannot split 6 rows over 4 devices: a clear error naming both numbers
         with pytest.raises(ap.AutoParallelError, match=r"batch size 6 .*degree 4"):
             ap.train_step(m.loss, params, (x,), backend="pmap")
