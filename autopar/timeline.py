@@ -2,12 +2,15 @@
 
 The model (all times from :class:`~autopar.strategies.cost.CostModel`):
 
-- **forward**: the graph's operators in program order, each taking its roofline compute time
-  ``compute_time(flops, bytes_read + bytes_written)``; with a plan both are divided by the
-  operator's split product (its work per device).
-- **backward**: the operators in reverse order, each taking 2x its forward time. A gradient is
-  *ready* when backward has passed its parameter's first use in forward (unused parameters:
-  at the start of backward).
+- **forward**: the step's launch, then the graph's operators in program order, each priced
+  by the search's own rule (:func:`~autopar.strategies.problem.operator_time`: with a plan its
+  strategy's local blocks, without one whole tensors), plus the plan's activation
+  communication and redistribution (a third here, the rest in backward).
+- **backward**: the operators in reverse order, each taking ``BACKWARD_FACTOR`` (2) x its
+  forward time (0 when nothing it reads is trained). A gradient is *ready* when backward has
+  passed its parameter's first use in forward (unused parameters: at the start of backward).
+  The optimizer update follows ``Iteration_end`` (``update``; ``step_time`` includes it): with
+  ``overlap=False`` and one bucket per gradient, ``step_time`` is the plan's predicted step.
 - **communication**: the buckets in order on one communication stream. Bucket k starts at
   ``max(its last gradient ready, end of bucket k-1)`` with ``overlap=True`` (HCCL's
   ``hcom_parallel``), or ``max(bp_end, end of bucket k-1)`` with ``overlap=False``, and takes
@@ -33,7 +36,6 @@ Events are named as seed 001's iteration trace: ``fp_start``, ``bp_end``,
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,9 +84,16 @@ class IterationTrace:
     iteration_end: float
     segments: tuple[CommSegment, ...]
     node_names: tuple[str, ...]         # forward order
-    node_times: tuple[float, ...]       # forward seconds per node (backward is 2x)
+    node_times: tuple[float, ...]       # forward seconds per node
     gradient_names: tuple[str, ...]     # backward order
     gradient_ready: tuple[float, ...]
+    update: float = 0.0                 # the optimizer update after Iteration_end
+
+    @property
+    def step_time(self) -> float:
+        """The whole training step: the iteration, then the optimizer update (what a plan's
+        predicted step prices)."""
+        return self.iteration_time + self.update
 
     @property
     def fp_time(self) -> float:
@@ -237,23 +246,19 @@ class _Model:
             self.grads = gradients(graph)
         self.device_num = self.mesh.device_num
         self.cluster = clus.name
-        # forward / backward
-        times = []
-        for n in graph.nodes:
-            w = math.prod(plan.nodes[n.name].splits) if plan is not None and \
-                n.name in plan.nodes else 1
-            times.append(self.cm.compute_time(n.flops / w, (n.bytes_read + n.bytes_written) / w))
+        # forward / backward, priced as the search prices them
+        times, back, extra, tail = _node_times(graph, plan, self.cm, self.mesh)
         self.node_names = tuple(n.name for n in graph.nodes)
         self.node_times = tuple(times)
-        fp_end = 0.0
-        for t in times:
-            fp_end += t
-        t = fp_end
+        fp_end = clus.step_overhead + extra / (1 + BACKWARD_FACTOR)
+        for x in times:
+            fp_end += x
+        t = fp_end + extra * BACKWARD_FACTOR / (1 + BACKWARD_FACTOR)
         bwd_end = [0.0] * len(times)  # when backward of node i ends
         for i in range(len(times) - 1, -1, -1):
-            t += BACKWARD_FACTOR * times[i]
+            t += back[i]
             bwd_end[i] = t
-        self.fp_end, self.bp_end = fp_end, t
+        self.fp_end, self.bp_end, self.update = fp_end, t, tail
         first_use: dict[str, int] = {}
         for i, n in enumerate(graph.nodes):
             for v in n.inputs:
@@ -277,8 +282,10 @@ class _Model:
         self.prefix_bytes = np.cumsum(self.prefix_bytes, axis=1)
         self.prefix_count = np.cumsum(self.prefix_count, axis=1)
         self.coef = []  # (latency, seconds per byte) of an all-reduce per group
+        self.synced = []  # whether the group has anything to sum (a group of one has not)
         for axes in self.groups:
             p, intra = self.cm.group(axes, self.mesh)
+            self.synced.append(p > 1)
             self.coef.append(self.cm.alpha_beta("all_reduce", p, intra) if p > 1 else
                              (0.0, 0.0))
 
@@ -307,14 +314,46 @@ class _Model:
             ready = self.ready_of(start_i, e)
             start = max(ready, prev_end)
             end = start + self.price(start_i, e)
-            nbytes = int(sum(self.prefix_bytes[:, e] - self.prefix_bytes[:, start_i]))
+            nbytes = int(sum(self.prefix_bytes[k, e] - self.prefix_bytes[k, start_i]
+                             for k, synced in enumerate(self.synced) if synced))
             segs.append(CommSegment(k, ready, start, end, nbytes, start_i, e - 1))
             prev_end, start_i = end, e
         return IterationTrace(self.cluster, self.device_num, self.overlap, source, 0.0,
                               self.fp_end, self.bp_end, max(self.bp_end, prev_end), tuple(segs),
                               self.node_names, self.node_times,
                               tuple(g.name for g in self.grads), tuple(float(r) for r in
-                                                                       self.ready))
+                                                                       self.ready),
+                              self.update)
+
+
+def _node_times(graph: Any, plan: Any, cm: Any, mesh: Any
+                ) -> tuple[list[float], list[float], float, float]:
+    """Per node its forward and backward seconds (:func:`operator_time`, the search's rule:
+    with a plan its strategy's local blocks, without one the whole tensors), the plan's
+    activation communication and redistribution (spread over forward and backward), and the
+    optimizer update of the parameters (the end of backward)."""
+    from autopar.strategies.cost import BACKWARD_FACTOR
+    from autopar.strategies.layout import Layout
+    from autopar.strategies.problem import (fused_values, local_bytes, operator_time,
+                                            requires_grad)
+
+    fused, grad = fused_values(graph), requires_grad(graph)
+    fwd, back = [], []
+    for n in graph.nodes:
+        ns = plan.nodes.get(n.name) if plan is not None else None
+        if ns is None:
+            rep = [Layout.replicated(graph.spec(v).rank) for v in (*n.inputs, *n.outputs)]
+            splits, ins, outs = (1,), rep[:len(n.inputs)], rep[len(n.inputs):]
+        else:
+            splits, ins, outs = ns.splits, ns.in_layouts, ns.out_layouts
+        t = operator_time(cm, graph, n, splits, ins, outs, mesh, fused)
+        fwd.append(t)
+        back.append(BACKWARD_FACTOR * t if any(grad[v] for v in n.inputs) else 0.0)
+    extra = 0.0 if plan is None else plan.cost.communication + plan.cost.redistribution
+    tail = sum(cm.update_time(local_bytes(graph, v, plan.layouts[v] if plan is not None else
+                                          Layout.replicated(graph.spec(v).rank), mesh))
+               for v in graph.parameters() if grad.get(v, False))
+    return fwd, back, extra, tail
 
 
 def _ends_of(model: _Model, buckets: Any) -> tuple[list[int], str]:

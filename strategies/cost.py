@@ -166,10 +166,12 @@ class CostModel:
     _coef: dict = field(default_factory=dict, repr=False, compare=False)
     _lin: dict = field(default_factory=dict, repr=False, compare=False)
 
-    def compute_time(self, flops: float, nbytes: float) -> float:
-        """Seconds of one operator's forward on one device: launch + roofline."""
+    def compute_time(self, flops: float, nbytes: float, *, launch: bool = True) -> float:
+        """Seconds of one operator's forward on one device: its launch (unless fused into
+        another's) + roofline."""
         c = self.cluster
-        return c.op_overhead + max(flops / c.peak_flops, nbytes / c.memory_bandwidth)
+        return (c.op_overhead if launch else 0.0) + max(flops / c.peak_flops,
+                                                         nbytes / c.memory_bandwidth)
 
     def alpha_beta(self, kind: str, p: int, intra: bool) -> tuple[float, float]:
         """(seconds, seconds per byte) of one ``kind`` collective over ``p`` devices: its

@@ -204,7 +204,59 @@ def splits_from_strategy(spec: OpSpec, strategy: Any, name: str,
     return tuple(splits)
 
 
-def _requires_grad(graph: Graph) -> dict[str, bool]:
+#: Operator kinds XLA fuses into the operator that reads them (loop and input fusion), and
+#: the kinds that take such producers in: a value made by the first and read only by the
+#: second is never written to memory, and its producer launches nothing of its own.
+_FUSED_PRODUCERS = frozenset({"elementwise", "broadcast", "reshape", "iota"})
+_FUSING_READERS = _FUSED_PRODUCERS | {"reduce"}
+
+
+def fused_values(graph: Graph) -> frozenset[str]:
+    """Values XLA keeps in registers: made by a fusible operator, read only by operators
+    that fuse it, and not an output of the graph (a pricing rule: such a value costs no
+    memory pass and its producer no launch).
+
+    >>> import jax.numpy as jnp, autopar
+    >>> g = autopar.trace(lambda w, x: jnp.tanh(x @ w * 2.0).sum(), jnp.ones((4, 4)),
+    ...                   jnp.ones((2, 4)))
+    >>> sorted(g.producer(v).op for v in fused_values(g))
+    ['mul', 'tanh']
+    """
+    from autopar.graph.ops import KINDS
+
+    readers: dict[str, list[str]] = {}
+    for n in graph.nodes:
+        for v in n.inputs:
+            readers.setdefault(v, []).append(KINDS.get(n.op, n.op))
+    outputs = set(graph.outputs)
+    return frozenset(v for n in graph.nodes if KINDS.get(n.op, n.op) in _FUSED_PRODUCERS
+                     for v in n.outputs if v not in outputs and readers.get(v) and
+                     all(k in _FUSING_READERS for k in readers[v]))
+
+
+def local_bytes(graph: Graph, value: str, layout: Layout, mesh: DeviceMesh) -> int:
+    """Bytes of one device's block of ``value`` under ``layout``."""
+    spec = graph.spec(value)
+    return math.prod(layout.local_shape(spec.shape, mesh)) * spec.itemsize
+
+
+def operator_time(cm: CostModel, graph: Graph, node: Node, splits: Sequence[int],
+                  in_layouts: Sequence[Layout], out_layouts: Sequence[Layout],
+                  mesh: DeviceMesh, fused: frozenset[str]) -> float:
+    """Forward seconds of one operator on one device under a strategy: its FLOPs over the
+    split product, the memory passes of its local blocks (values XLA fuses away excluded),
+    its launch unless it is fused into its reader. The one rule the search, the iteration
+    simulator and the pipeline simulator price operators by."""
+    nbytes = sum(local_bytes(graph, v, lay, mesh) for v, lay in zip(node.inputs, in_layouts)
+                 if graph.values[v].kind != "literal" and v not in fused)
+    nbytes += sum(local_bytes(graph, v, lay, mesh) for v, lay in zip(node.outputs,
+                                                                      out_layouts)
+                  if v not in fused)
+    return cm.compute_time(node.flops / math.prod(splits), nbytes,
+                           launch=not all(v in fused for v in node.outputs))
+
+
+def requires_grad(graph: Graph) -> dict[str, bool]:
     req = {v: graph.values[v].kind == "param" for v in graph.values}
     for n in graph.nodes:
         flows = n.op not in _NO_GRAD_OPS and any(req[v] for v in n.inputs)
@@ -233,7 +285,8 @@ class Problem:
         self.full_use = full_use
         self.lazy = lazy  # operators' choice lists left empty until settle() (for solvers that
         # build their own candidates, like recursive_programming)
-        self.requires_grad = _requires_grad(graph)
+        self.requires_grad = requires_grad(graph)
+        self.fused = fused_values(graph)
         self.vertices: list[Vertex] = []
         self.index: dict[str, int] = {}
         self.edges: list[Edge] = []
@@ -282,13 +335,13 @@ class Problem:
         g = self.graph
         return (node.op, repr(sorted((k, v) for k, v in node.params.items())),
                 tuple((g.spec(v).shape, g.spec(v).dtype, self.requires_grad[v],
-                       g.values[v].kind) for v in node.inputs),
-                tuple((g.spec(v).shape, g.spec(v).dtype) for v in node.outputs))
+                       g.values[v].kind, v in self.fused) for v in node.inputs),
+                tuple((g.spec(v).shape, g.spec(v).dtype, v in self.fused)
+                      for v in node.outputs))
 
     # ------------------------------------------------------------------ costs
     def _local_bytes(self, value: str, layout: Layout) -> int:
-        spec = self.graph.spec(value)
-        return math.prod(layout.local_shape(spec.shape, self.mesh)) * spec.itemsize
+        return local_bytes(self.graph, value, layout, self.mesh)
 
     def param_memory(self, value: str, layout: Layout) -> float:
         """Training bytes per device of parameter ``value`` stored in ``layout``: its copy,
@@ -323,13 +376,9 @@ class Problem:
 
     def _op_costs(self, node: Node, choice: Choice) -> tuple[float, float, float, float]:
         g, mesh, cm = self.graph, self.mesh, self.cm
-        work = math.prod(choice.splits)
         grad = any(self.requires_grad[v] for v in node.inputs)
-        local = sum(self._local_bytes(v, lay) for v, lay in zip(node.inputs, choice.in_layouts)
-                    if g.values[v].kind != "literal")
-        local += sum(self._local_bytes(v, lay) for v, lay in zip(node.outputs,
-                                                                choice.out_layouts))
-        compute = cm.compute_time(node.flops / work, local) * (
+        compute = operator_time(cm, g, node, choice.splits, choice.in_layouts,
+                                choice.out_layouts, mesh, self.fused) * (
             1.0 + BACKWARD_FACTOR if grad else 1.0)
         comm = sync = 0.0
         for v, lay in zip(node.inputs, choice.in_layouts):

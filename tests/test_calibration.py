@@ -228,3 +228,20 @@ def test_calibrate_two_devices_measures_fits_and_caches(unpinned):
         ap.calibrate(99)
     with pytest.raises(ap.AutoParallelError, match="max_message_bytes"):
         ap.calibrate(2, cache=False, max_message_bytes=10)
+
+
+def test_iteration_trace_agrees_with_the_plan():
+    """Priced by the same rules: without overlap and with one all-reduce per gradient, the
+    simulated iteration is the plan's predicted step (launch, operators, communication,
+    gradient sync, update)."""
+    from autopar.models import mlp
+
+    m = mlp(widths=(64, 256, 64), batch=32)
+    g = ap.trace(m.loss, *m.example_args(__import__("jax").random.key(0)))
+    clus = _measured(step_overhead=2e-4, op_overhead=5e-6)
+    for pmode in ("data_parallel", "auto_parallel"):
+        with ap.auto_parallel_context(device_num=8, parallel_mode=pmode):
+            plan = ap.search(g, cluster=clus)
+        t = ap.simulate(g, plan, buckets="none", overlap=False)
+        assert t.cluster == "measured"  # the plan's own cluster
+        assert t.step_time == pytest.approx(plan.cost.total, rel=1e-9), pmode

@@ -312,14 +312,14 @@ def test_transformer_sync_points_equal_one_device():
     """Sync points in a graph with residual branches and a searched (non data-parallel)
     plan: gradients with several sync axes, every bucket synchronised inside backward."""
     from autopar.models import transformer
-    from clusters import COMPUTE_BOUND
+    from clusters import FLOP_BOUND
 
     m = transformer(layers=2, hidden=32, heads=2, seq=8, vocab=64, batch=8)
     params, *batch = m.example_args(KEY)
     with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel",
                                   search_mode="dynamic_programming", gradients_mean=True,
                                   comm_fusion={"allreduce": {"mode": "size", "config": 0.01}}):
-        step = ap.train_step(m.loss, params, tuple(batch), cluster=COMPUTE_BOUND)
+        step = ap.train_step(m.loss, params, tuple(batch), cluster=FLOP_BOUND)
     assert len(step.buckets["allreduce"]) > 1
     assert len({g.axes for g in step.sync_groups}) > 1
     numerics.assert_close(step.grads(params, *batch)[1], jax.grad(m.loss), params, *batch)

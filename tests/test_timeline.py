@@ -34,7 +34,7 @@ def tfm():
 
 @pytest.fixture(scope="module")
 def small_tfm_plan():
-    g = _trace(transformer(layers=2, hidden=256, heads=4, seq=128, vocab=1024, batch=8))
+    g = _trace(transformer(layers=2, hidden=256, heads=4, seq=128, vocab=1024, batch=32))
     return g, ap.search(g, device_num=8, parallel_mode="auto_parallel",
                         mode="dynamic_programming")
 
@@ -42,7 +42,10 @@ def small_tfm_plan():
 def check_trace(t):
     """The invariants of every simulated iteration."""
     assert t.fp_start == 0.0 <= t.fp_end <= t.bp_end
-    assert t.bp_time == pytest.approx(2 * t.fp_time)
+    # forward: the launch, the operators and a share of the plan's communication; backward:
+    # 2x the operators that read something trained, then the update (test_calibration checks
+    # the sum against the plan's predicted step)
+    assert t.fp_time >= sum(t.node_times) * (1 - 1e-12) and t.bp_time > 0
     ready = t.gradient_ready
     assert all(t.fp_end <= r <= t.bp_end for r in ready)
     assert list(ready) == sorted(ready)  # backward order is ready order
@@ -89,9 +92,11 @@ def test_overlap_never_hurts_and_seed_events(resnet):
     on = ap.simulate(resnet, buckets="hccl", device_num=64)
     off = ap.simulate(resnet, buckets="hccl", device_num=64, overlap=False)
     assert on.iteration_end <= off.iteration_end
-    assert [n for n, _ in on.events()] == ["fp_start", "allreduce1_start", "allreduce1_end",
-                                          "bp_end", "allreduce2_start", "allreduce2_end",
-                                          "Iteration_end"]
+    ev = dict(on.events())
+    assert sorted(ev) == sorted(["fp_start", "allreduce1_start", "allreduce1_end", "bp_end",
+                                 "allreduce2_start", "allreduce2_end", "Iteration_end"])
+    # the seed's picture: the first segment starts during backward, the last after it
+    assert ev["allreduce1_start"] < ev["bp_end"] <= ev["allreduce2_start"]
     assert off.segments[0].start == off.bp_end
     assert off.iteration_end == pytest.approx(off.bp_end + off.comm_time)
 
