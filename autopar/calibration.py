@@ -3,22 +3,27 @@
 Measured on every device at once, as a plan runs them (so devices that share cores show it):
 
 - **matmul**: square matmuls per device over several sizes -> ``peak_flops`` (the slope);
-- **elementwise** (``x * a + b``) over KiB to tens of MiB -> ``memory_bandwidth`` (the slope)
-  and ``op_overhead`` (the intercept: what one more operator costs however small);
+- **elementwise** (``x * a + b`` into a new array) over KiB to MiB per device, less a call
+  of the same input that writes nothing -> ``memory_bandwidth`` (the slope, first touch of
+  new memory included, as a real step pays it) and ``op_overhead`` (the intercept);
+- **launch**: a call that does nothing -> ``step_overhead`` (once per step);
+- **optimizer update**: optax's Adam on a 4 MiB block per device -> ``update_passes`` (memory
+  passes over the block);
 - **shared compute**: one matmul on one device alone vs on every device at once (1 for
   independent devices; about devices / cores for emulated ones);
 - **collectives**: each kind autopar lowers to (all_reduce, all_gather, reduce_scatter,
   all_to_all, collective_permute) over every group size the mesh can form, messages of
   4 KiB to 32 MiB -> ``alpha + beta * n`` per kind and group size (:class:`CollectiveFit`,
   with the fit's largest relative residual);
-- **overlap**: a matmul and an independent all-reduce in one loop body against each alone.
+- **overlap**: a matmul and an independent all-reduce in one step against each alone.
 
-Every measurement runs its operation ``r`` times in a ``fori_loop`` inside one jitted
-``shard_map`` (``r`` a runtime argument, so one compile serves every ``r``); the time per
-operation is ``(t(R) - t(1)) / (R - 1)``, medians of interleaved pairs, so dispatch and the
-call's own transfers cancel. Fits are non-negative least squares on relative error
-(:func:`fit_alpha_beta`). Nothing about a backend is hard-coded: sizes and group sizes come
-from the devices given.
+Operations are measured as straight-line programs, each operation writing a new buffer as a
+real program's do (a loop over one buffer stays in cache and measured 5-15x faster than the
+steps it should predict): the time per operation is ``(t(chain of 4) - t(one)) / 3``,
+medians of interleaved pairs, so the call's dispatch cancels. Fits are non-negative least
+squares on relative error (:func:`fit_alpha_beta`). Nothing about a backend is hard-coded:
+sizes and group sizes come from the devices given; a budget (default 60 s) shares the time
+out, dropping the largest message sizes first.
 
 The result is a :class:`~autopar.strategies.cost.Cluster` whose ``calibration`` says what it
 was measured on; :func:`calibrate` caches it per device kind and count
@@ -37,7 +42,7 @@ import numpy as np
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.strategies.cost import (COLLECTIVE_KINDS, Calibration, Cluster, CollectiveFit)
 
-__all__ = ["CALIBRATION_VERSION", "calibrate", "fit_alpha_beta", "group_sizes"]
+__all__ = ["CALIBRATION_VERSION", "calibrate", "fit_alpha_beta", "fit_with_knee", "group_sizes"]
 
 CALIBRATION_VERSION = 1
 #: Message sizes (bytes, as the model counts them), in the order they are measured: the
@@ -73,6 +78,35 @@ def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float]
     alpha, beta = float(sol[0]), float(sol[1])
     resid = float(np.max(np.abs((alpha + beta * x) / t - 1.0)))
     return alpha, beta, resid
+
+
+def fit_with_knee(sizes: Sequence[float], seconds: Sequence[float]
+                  ) -> tuple[float, float, float, float, float]:
+    """Fit ``alpha + beta * min(n, knee) + beta_large * max(0, n - knee)`` (all >= 0): one
+    slope while messages fit the caches, another past them. The knee is the measured size
+    (or none) that gives the smallest largest relative residual; returns (alpha, beta, knee,
+    beta_large, residual), knee 0 when one slope fits best.
+
+    >>> t = [1e-4 + 1e-9 * min(n, 2**20) + 4e-9 * max(0, n - 2**20)
+    ...      for n in (2**12, 2**16, 2**20, 2**22, 2**24)]
+    >>> a, b, knee, bl, r = fit_with_knee([2**12, 2**16, 2**20, 2**22, 2**24], t)
+    >>> knee == 2**20, round(bl / b, 3), r < 1e-6
+    (True, 4.0, True)
+    """
+    from scipy.optimize import nnls
+
+    x = np.asarray(sizes, dtype=np.float64)
+    t = np.maximum(np.asarray(seconds, dtype=np.float64), 1e-9)
+    alpha, beta, resid = fit_alpha_beta(x, t)
+    best = (alpha, beta, 0.0, 0.0, resid)
+    for knee in sorted(set(x.tolist()))[1:-1]:
+        basis = np.stack([np.ones_like(x), np.minimum(x, knee), np.maximum(0.0, x - knee)],
+                         axis=1)
+        sol, _ = nnls(basis / t[:, None], np.ones_like(t))
+        r = float(np.max(np.abs(basis @ sol / t - 1.0)))
+        if r < 0.8 * best[4]:  # a knee must earn its place
+            best = (float(sol[0]), float(sol[1]), float(knee), float(sol[2]), r)
+    return best
 
 
 def group_sizes(device_count: int) -> list[int]:
@@ -239,9 +273,9 @@ def _measure_collectives(devices: Sequence[Any], sizes: Sequence[int], clock: _C
             bar.advance(f"{kind} x{p}: {n} B")
     fits = []
     for (kind, p, intra, _), pts in zip(cases, samples):
-        a, b, r = fit_alpha_beta([x for x, _ in pts], [t for _, t in pts])
+        a, b, knee, bl, r = fit_with_knee([x for x, _ in pts], [t for _, t in pts])
         fits.append(CollectiveFit(kind=kind, group=p, intra=intra, alpha=a, beta=b,
-                                  residual=r, samples=len(pts)))
+                                  residual=r, samples=len(pts), knee=knee, beta_large=bl))
     return fits
 
 
@@ -282,6 +316,10 @@ def _measure_compute(devices: Sequence[Any], share: float, bar: Any) -> dict[str
         t_ew.append(max(1e-9, _per_call(ew, x, limit) - _per_call(tiny, x, limit)))
         nbytes.append(2.0 * b)  # read + write
     overhead, inv_bw, ew_resid = fit_alpha_beta(nbytes, t_ew)
+    # the optimizer update (Adam, the cost model's default state) of a 4 MiB block per device
+    block = 2 ** 20
+    t_up = max(0.0, _update_seconds(mesh, spec, block, limit) - step_overhead - overhead)
+    passes = t_up / (4.0 * block * inv_bw) if inv_bw > 0 else 0.0
     bar.advance("elementwise")
     # one device alone, the same matmul
     solo = Mesh(np.array(devices[:1], dtype=object), ("g",))
@@ -302,9 +340,30 @@ def _measure_compute(devices: Sequence[Any], share: float, bar: Any) -> dict[str
     bar.advance("overlap")
     return {"peak_flops": 1.0 / max(inv_peak, 1e-30),
             "memory_bandwidth": 1.0 / max(inv_bw, 1e-30), "op_overhead": overhead,
-            "step_overhead": step_overhead, "matmul_residual": mm_resid,
+            "step_overhead": step_overhead, "update_passes": passes,
+            "matmul_residual": mm_resid,
             "memory_residual": ew_resid, "shared_compute": max(shared, 1e-3),
             "overlap": min(1.0, max(0.0, overlap))}
+
+
+def _update_seconds(mesh: Any, spec: Any, elems: int, limit: float) -> float:
+    """Seconds of one call of ``optax.adam``'s update and apply on a block of ``elems`` floats
+    per device (new parameter and state buffers, as a training step makes them)."""
+    import jax
+    import optax
+
+    opt = optax.adam(1e-3)
+    p = _placed(mesh, spec, elems)
+    g = _placed(mesh, spec, elems)
+    state = jax.jit(opt.init)(p)
+
+    @jax.jit
+    def step(args: Any) -> Any:
+        params, grads, st = args
+        updates, st = opt.update(grads, st, params)
+        return optax.apply_updates(params, updates), grads, st
+
+    return _per_call(step, (p, g, state), limit)
 
 
 # ---------------------------------------------------------------------------- the entry
@@ -409,6 +468,7 @@ def calibrate(devices: Any = None, *, budget_s: float = 60.0, cache: bool = True
         memory_bytes=_memory_per_device(devs), intra_bandwidth=intra_link[0],
         intra_alpha=intra_link[1], inter_bandwidth=inter_link[0], inter_alpha=inter_link[1],
         op_overhead=comp["op_overhead"], step_overhead=comp["step_overhead"],
+        update_passes=comp["update_passes"],
         overlap=comp["overlap"],
         collectives=tuple(sorted(fits, key=lambda f: (f.kind, f.group, f.intra))),
         calibration=cal)

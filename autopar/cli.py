@@ -381,7 +381,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
         forget_calibration(jax.devices()[:args.devices])
     t0 = time.perf_counter()
-    cluster = ap.calibrate(args.devices, budget_s=args.budget)
+    cluster = ap.calibrate(args.devices, budget_s=args.budget,
+                           max_message_bytes=2 ** 20 if args.quick else 2 ** 25)
     _out(describe_cluster(cluster))
     _out(f"\n{cluster.name}: {time.perf_counter() - t0:.1f} s; plans on these devices are "
          "priced on it when no cluster is named")
@@ -478,6 +479,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to aim for (default 60)")
     p.add_argument("--fresh", action="store_true",
                    help="measure even when a calibration of these devices is cached")
+    p.add_argument("--quick", action="store_true",
+                   help="coarser and faster: collective messages up to 1 MiB only")
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("show", help="pretty-print a strategy file")

@@ -19,6 +19,7 @@ one layer's strategy would.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -27,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from autopar.checkpoint import write_text_atomic
+from autopar.checkpoint import write_bytes_atomic, write_text_atomic
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.graph.ir import Graph
 from autopar.strategies.plan import Plan
@@ -176,18 +177,22 @@ def _plot(rows: Sequence[ModeResult], path: Path, title: str, measured: bool) ->
     ax1, ax2 = fig.subplots(1, 2)
     names = [r.mode.replace("_", "\n") for r in rows]
     x = range(len(rows))
-    ax1.bar([i - 0.2 for i in x], [r.step_seconds * 1e3 for r in rows], 0.4,
-            label="predicted")
-    if measured:
-        ax1.bar([i + 0.2 for i in x], [(r.measured_step_seconds or math.nan) * 1e3
-                                       for r in rows], 0.4, label="measured")
+    handles = [ax1.bar([i - 0.2 for i in x], [r.step_seconds * 1e3 for r in rows], 0.4,
+                       label="predicted")]
+    ax1.set_ylabel("predicted step (ms)")
+    if measured:  # its own axis: a model of another machine can be 1000x off in absolute terms
+        ax3 = ax1.twinx()
+        handles.append(ax3.bar([i + 0.2 for i in x], [(r.measured_step_seconds or math.nan)
+                                                      * 1e3 for r in rows], 0.4,
+                               label="measured", color="tab:orange"))
+        ax3.set_ylabel("measured step (ms)")
     ax1.set_xticks(list(x), names, fontsize=7)
-    ax1.set_ylabel("step time (ms)")
-    ax1.legend(fontsize=7)
+    ax1.legend(handles=handles, fontsize=7)
     ax2.bar(list(x), [r.search_seconds for r in rows], 0.5, color="tab:gray")
     ax2.set_xticks(list(x), names, fontsize=7)
     ax2.set_ylabel("search time (s)")
     fig.suptitle("\n".join(textwrap.wrap(title, 110)), fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return path
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    return write_bytes_atomic(path, buf.getvalue())

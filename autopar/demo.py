@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import warnings
 import time
 from pathlib import Path
@@ -37,8 +38,10 @@ def add_demo_parser(sub: Any) -> None:
     p.add_argument("--steps", type=_positive, default=3, help="training steps (default 3)")
     p.add_argument("--pipeline-stages", type=_positive, default=2,
                    help="stages of the pipelined run (default 2; 1 skips it)")
-    p.add_argument("--cluster", default="accelerator-8x",
-                   help="cost-model cluster preset (default accelerator-8x)")
+    p.add_argument("--cluster", default=None,
+                   help="cost model: a preset (accelerator-8x, cpu-emulated), 'calibrated' or "
+                   "a calibration file; default: $AUTOPAR_CLUSTER when set, else 'calibrated' "
+                   "(these devices, measured once, then cached)")
     p.add_argument("--out", type=Path, default=Path("autopar-demo"),
                    help="directory for the strategy file and trace (default autopar-demo)")
     p.set_defaults(func=cmd_demo)
@@ -65,11 +68,17 @@ def _demo(args: argparse.Namespace, out: Path, t_start: float) -> int:
     import jax
 
     import autopar as ap
+    from autopar.clusters import CLUSTER_ENV, describe_cluster
     from autopar.compare import compare_modes, comparison_rows
     from autopar.models import transformer
 
     resolved = ap.resolve_context()
     _out(resolved.table())
+    # 1b. the cost model: these devices, measured (once; then cached)
+    if args.cluster is None and not os.environ.get(CLUSTER_ENV):
+        args.cluster = "calibrated"
+    args.cluster = ap.resolve_cluster(args.cluster)
+    _out(f"\ncost model: {describe_cluster(args.cluster).splitlines()[0]}")
     split = ap.get_split_strategy()
     _out(f"\nHCCL gradient split ({split.group}): {split.mode} {list(split.values)}"
          f"{' (default)' if split.is_default else ''}\n")
@@ -84,7 +93,7 @@ def _demo(args: argparse.Namespace, out: Path, t_start: float) -> int:
     with Progress("search modes", 4) as bar:
         rows = compare_modes(graph, device_num=args.devices, cluster=args.cluster,
                              on_done=bar.advance)
-    _out(f"search modes on {args.devices} devices, cluster {args.cluster} (every mode prices "
+    _out(f"search modes on {args.devices} devices, cluster {args.cluster.name} (every mode prices "
          "with the same cost model; exact is the integer-program referee):")
     _out(table(comparison_rows(rows)))
     best = min(rows, key=lambda r: (r.objective, r.mode != "dynamic_programming"))
@@ -105,7 +114,7 @@ def _demo(args: argparse.Namespace, out: Path, t_start: float) -> int:
          f"plan {same}, same bytes {same_bytes}  (autopar show {path})")
 
     # 4. train on the devices and check against one device
-    ok = _train(args, best.mode)
+    ok, predicted, measured = _train(args, best.mode)
 
     # 4b. the same, pipelined (1F1B over --pipeline-stages stages)
     piped = _train_pipeline(args, best.mode)
@@ -124,6 +133,8 @@ def _demo(args: argparse.Namespace, out: Path, t_start: float) -> int:
                 ("strategy file", f"{path} round trip {'OK' if same and same_bytes else 'FAIL'}"),
                 ("training", f"{args.steps} steps on {args.devices} devices vs one device: "
                  f"{'OK' if ok else 'MISMATCH'}"),
+                ("cost model", f"{args.cluster.name}: step {predicted * 1e3:.2f} ms predicted, "
+                 f"{measured * 1e3:.2f} ms measured"),
                 ("pipeline", "skipped" if piped is None else
                  f"{args.pipeline_stages} stages x {args.devices // args.pipeline_stages} "
                  f"devices, 1F1B, vs one device: {'OK' if piped else 'MISMATCH'}"),
@@ -132,7 +143,7 @@ def _demo(args: argparse.Namespace, out: Path, t_start: float) -> int:
     return 0 if ok and same and same_bytes and piped is not False else 1
 
 
-def _train(args: argparse.Namespace, mode: str) -> bool:
+def _train(args: argparse.Namespace, mode: str) -> tuple[bool, float, float]:
     import jax
 
     import autopar as ap
@@ -148,13 +159,31 @@ def _train(args: argparse.Namespace, mode: str) -> bool:
          f"{step.parallel_graph.comm_counts()}")
     losses, ref_losses, err, ok = _run_and_compare(step, step.prepare(ex[0]), small.loss, ex,
                                                    args.steps, "train steps")
+    predicted, measured = step.plan.cost.total, _step_seconds(step, ex)
+    _out(f"predicted beside measured ({args.cluster.name}): step {predicted * 1e3:.2f} ms "
+         f"predicted, {measured * 1e3:.2f} ms measured (median of 5; predicted / measured "
+         f"{predicted / measured:.2f})")
     rows = [("step", f"{args.devices} devices", "one device")]
     rows += [(str(k + 1), f"{a:.6f}", f"{b:.6f}") for k, (a, b) in
              enumerate(zip(losses, ref_losses))]
     _out(table(rows))
     _out(f"max parameter difference after {args.steps} steps {err:.2e} -> "
          f"{'OK' if ok else 'MISMATCH'}")
-    return ok
+    return ok, predicted, measured
+
+
+def _step_seconds(step: Any, ex: tuple[Any, ...]) -> float:
+    """Median wall seconds of 5 steps (compiled and warmed up by the run before)."""
+    import jax
+
+    params, state = step.prepare(ex[0]), step.init(ex[0])
+    times = []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        params, state, loss = step(params, state, *ex[1:])
+        jax.block_until_ready(loss)
+        times.append(time.perf_counter() - t0)
+    return sorted(times[1:])[2]
 
 
 def _train_pipeline(args: argparse.Namespace, mode: str) -> bool | None:

@@ -287,7 +287,7 @@ class _Model:
             p, intra = self.cm.group(axes, self.mesh)
             self.synced.append(p > 1)
             self.coef.append(self.cm.alpha_beta("all_reduce", p, intra) if p > 1 else
-                             (0.0, 0.0))
+                             (0.0, 0.0, 0.0, 0.0))
 
     def price(self, i: int, j: int) -> float:
         """All-reduce seconds of gradients i..j-1 fused in one bucket."""
@@ -297,10 +297,11 @@ class _Model:
         """Prices of buckets i..j-1 for every pair (rows i, columns j); inf where j <= i."""
         i, j = np.asarray(i)[:, None], np.asarray(j)[None, :]
         out = np.zeros(np.broadcast_shapes(i.shape, j.shape))
-        for k, (a, b) in enumerate(self.coef):
+        for k, (a, b, knee, extra) in enumerate(self.coef):
             nb = (self.prefix_bytes[k][j] - self.prefix_bytes[k][i]).astype(np.float64)
             present = (self.prefix_count[k][j] - self.prefix_count[k][i]) > 0
-            out += np.where(present, a + b * nb, 0.0)
+            t = a + b * nb + extra * np.maximum(0.0, nb - knee)
+            out += np.where(present, t, 0.0)
         return np.where(j > i, out, np.inf)
 
     def ready_of(self, i: int, j: int) -> float:

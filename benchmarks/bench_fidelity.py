@@ -11,7 +11,9 @@ data x model hybrids of it). Each plan is
 - **priced** on the calibrated cluster (the plan saved to a strategy file and loaded with
   ``cluster=<calibration>``: the search's own objective, re-priced), and
 - **measured**: :func:`autopar.train_step` (Adam; forward, backward, gradient sync, update)
-  built from that file, timed in interleaved rounds (every plan once per round, in a shuffled
+  built from that file and lowered for this machine (``cluster=`` the calibration: what the
+  rewrite decides, such as fused ring kernels, follows the machine that runs the plan, as on
+  the default path), timed in interleaved rounds (every plan once per round, in a shuffled
   order; medians over rounds).
 
 Reported: per plan the two times; per model and pooled the Spearman rank correlation, the
@@ -136,7 +138,8 @@ def _step(model: Any, args: tuple, plan: Any, graph: Any, calibrated: Any,
     priced = ap.load_strategy(path, graph, device_num=8, cluster=calibrated)
     with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel",
                                   strategy_ckpt_load_file=str(path)):
-        step = ap.train_step(model.loss, args[0], tuple(args[1:]), optax.adam(1e-3))
+        step = ap.train_step(model.loss, args[0], tuple(args[1:]), optax.adam(1e-3),
+                             cluster=calibrated)
     state = [step.prepare(args[0]), step.init(args[0])]
     params, opt, loss = step(*state, *args[1:])
     jax.block_until_ready(loss)

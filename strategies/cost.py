@@ -73,6 +73,9 @@ class CollectiveFit(BaseModel):
     beta: float = Field(ge=0, description="seconds per byte (n as the model counts it)")
     residual: float = Field(ge=0, description="largest |fit / measured - 1| over the samples")
     samples: int = Field(ge=2, description="message sizes measured")
+    knee: float = Field(default=0.0, ge=0, description="bytes past which the slope is "
+                        "beta_large (messages that no longer fit the caches); 0: one slope")
+    beta_large: float = Field(default=0.0, ge=0, description="seconds per byte past the knee")
 
 
 class Calibration(BaseModel):
@@ -115,6 +118,9 @@ class Cluster(BaseModel):
                                "device (dispatch, kernel launch)")
     step_overhead: float = Field(default=0.0, ge=0, description="seconds per program call "
                                  "(dispatch to every device), once per step")
+    update_passes: float = Field(default=0.0, ge=0, description="memory passes of the "
+                                 "optimizer update over a parameter block, measured (0: "
+                                 "3 + 2 x optimizer_state_factor)")
     overlap: float = Field(default=1.0, ge=0, le=1, description="fraction of a transfer "
                            "that can hide behind compute (0: the cores that compute move "
                            "the data, as emulated devices do)")
@@ -173,9 +179,10 @@ class CostModel:
         return (c.op_overhead if launch else 0.0) + max(flops / c.peak_flops,
                                                          nbytes / c.memory_bandwidth)
 
-    def alpha_beta(self, kind: str, p: int, intra: bool) -> tuple[float, float]:
-        """(seconds, seconds per byte) of one ``kind`` collective over ``p`` devices: its
-        time for ``n`` bytes (counted as :class:`CollectiveFit` says) is ``a + b * n``.
+    def alpha_beta(self, kind: str, p: int, intra: bool) -> tuple[float, float, float, float]:
+        """(seconds, seconds per byte, knee bytes, extra seconds per byte past the knee) of
+        one ``kind`` collective over ``p`` devices: its time for ``n`` bytes (counted as
+        :class:`CollectiveFit` says) is ``a + b * n + extra * max(0, n - knee)``.
 
         The measured fit of (kind, p, intra) when the cluster has one; else the ring formula
         with the link figures (a kind measured at other group sizes takes its per-step
@@ -188,24 +195,24 @@ class CostModel:
         c = self.cluster
         fits = [f for f in c.collectives if f.kind == kind and f.intra == intra]
         exact = [f for f in fits if f.group == p]
-        if exact:
-            hit = (exact[0].alpha, exact[0].beta)
-        elif fits:
-            near = min(fits, key=lambda f: (abs(f.group - p), f.group))
-            s0, f0 = _formula(kind, near.group)
-            hit = (near.alpha / s0 * steps, near.beta / f0 * factor)
+        if exact or fits:
+            f = exact[0] if exact else min(fits, key=lambda f: (abs(f.group - p), f.group))
+            s0, f0 = _formula(kind, f.group)
+            ks, kf = steps / s0, factor / f0
+            extra = (f.beta_large - f.beta) * kf if f.knee > 0 else 0.0
+            hit = (f.alpha * ks, f.beta * kf, f.knee, extra)
         else:
             bw, alpha = (c.intra_bandwidth, c.intra_alpha) if intra else \
                 (c.inter_bandwidth, c.inter_alpha)
-            hit = (steps * alpha, factor / bw)
+            hit = (steps * alpha, factor / bw, 0.0, 0.0)
         self._coef[key] = hit
         return hit
 
     def collective_time(self, kind: str, nbytes: float, p: int, *, intra: bool) -> float:
         if p <= 1 or kind == "slice":
             return 0.0
-        a, b = self.alpha_beta(kind, p, intra)
-        return a + b * nbytes
+        a, b, knee, extra = self.alpha_beta(kind, p, intra)
+        return a + b * nbytes + (extra * max(0.0, nbytes - knee) if extra else 0.0)
 
     def group(self, axes: Iterable[str], mesh: DeviceMesh) -> tuple[int, bool]:
         """(group size, whether the group is inside one node) of collectives over axes."""
@@ -239,14 +246,18 @@ class CostModel:
         return total
 
     def coefficients(self, steps: tuple[Step, ...], mesh: DeviceMesh, *,
-                     backward: bool = False) -> tuple[float, float]:
-        """(latency seconds, seconds per global byte) of shape-free steps (``fraction`` set):
-        the steps' time for a tensor of B global bytes is ``a + b * B`` (memoised)."""
+                     backward: bool = False
+                     ) -> tuple[float, float, tuple[tuple[float, float, float], ...]]:
+        """(latency seconds, seconds per global byte, knee terms) of shape-free steps
+        (``fraction`` set): the steps' time for a tensor of B global bytes is
+        ``a + b * B + sum(extra * max(0, fraction * B - knee))`` over the terms (none when
+        no collective is measured past a knee; see :meth:`steps_seconds`) (memoised)."""
         key = (steps, mesh, backward)
         hit = self._lin.get(key)
         if hit is not None:
             return hit
         a = b = 0.0
+        terms = []
         for s in steps:
             p, intra = self.group(s.axes, mesh)
             if p <= 1:
@@ -255,11 +266,23 @@ class CostModel:
             # output is reduce_scatter's input)
             for t in (s, transpose_step(s) if backward else None):
                 if t is not None and t.kind != "slice":
-                    ka, kb = self.alpha_beta(t.kind, p, intra)
+                    ka, kb, knee, extra = self.alpha_beta(t.kind, p, intra)
                     a += ka
                     b += kb * s.fraction
-        self._lin[key] = (a, b)
-        return a, b
+                    if extra:
+                        terms.append((s.fraction, knee, extra))
+        hit = (a, b, tuple(terms))
+        self._lin[key] = hit
+        return hit
+
+    @staticmethod
+    def steps_seconds(coef: tuple[float, float, tuple], nbytes: float) -> float:
+        """The time of :meth:`coefficients` for a tensor of ``nbytes`` global bytes."""
+        a, b, terms = coef
+        t = a + b * nbytes
+        for frac, knee, extra in terms:
+            t += extra * max(0.0, frac * nbytes - knee)
+        return t
 
     def all_reduce_time(self, nbytes: float, axes: Iterable[str], mesh: DeviceMesh) -> float:
         p, intra = self.group(axes, mesh)
@@ -270,7 +293,7 @@ class CostModel:
         the parameter, its gradient and its state and writes the parameter and the state
         (``3 + 2 x optimizer_state_factor`` passes over the block; Adam: 7)."""
         c = self.cluster
-        passes = 3.0 + 2.0 * c.optimizer_state_factor
+        passes = c.update_passes or 3.0 + 2.0 * c.optimizer_state_factor
         return c.op_overhead + passes * local_bytes / c.memory_bandwidth
 
     def parameter_memory(self, local_bytes: float, group: int, *,

@@ -294,7 +294,7 @@ class Problem:
         self._sig: dict[str, int] = {}
         self._node_cache: dict[tuple, tuple] = {}
         self._edge_cache: dict[tuple, np.ndarray] = {}
-        self._pair_cache: dict[tuple, tuple[float, float]] = {}
+        self._pair_cache: dict[tuple, tuple] = {}
         self._cost_cache: dict[tuple, tuple[float, float, float, float]] = {}
         self._vector_cache: dict[tuple, np.ndarray] = {}
         self._nbytes = {v: val.spec.nbytes for v, val in graph.values.items()}
@@ -408,7 +408,7 @@ class Problem:
             steps = plan_steps(src, dst, self.mesh, self.enable_alltoall)
             coef = self.cm.coefficients(steps, self.mesh, backward=grad)
             self._pair_cache[key] = coef
-        return coef[0] + coef[1] * self._nbytes[value]
+        return CostModel.steps_seconds(coef, self._nbytes[value])
 
     # ------------------------------------------------------------------ build
     def _add_vertex(self, vertex: Vertex) -> int:

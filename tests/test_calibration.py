@@ -48,7 +48,7 @@ def test_group_sizes_are_the_mesh_subset_products():
 
 def _measured(**extra) -> ap.Cluster:
     fits = (CollectiveFit(kind="all_reduce", group=8, intra=True, alpha=1e-4, beta=2e-9,
-                          residual=0.1, samples=5),
+                          residual=0.1, samples=5, knee=2.0 ** 20, beta_large=5e-9),
             CollectiveFit(kind="all_gather", group=2, intra=True, alpha=3e-5, beta=1e-9,
                           residual=0.1, samples=5))
     base = CLUSTERS["cpu-emulated"].model_dump()
@@ -58,8 +58,11 @@ def _measured(**extra) -> ap.Cluster:
 
 def test_cost_model_prices_with_the_fits():
     cm = CostModel(_measured())
-    n = 3e6
-    assert cm.collective_time("all_reduce", n, 8, intra=True) == pytest.approx(1e-4 + 2e-9 * n)
+    n = 3e6  # past the knee: the larger slope beyond it
+    assert cm.collective_time("all_reduce", n, 8, intra=True) == pytest.approx(
+        1e-4 + 2e-9 * 2 ** 20 + 5e-9 * (n - 2 ** 20))
+    assert cm.collective_time("all_reduce", 1e5, 8, intra=True) == pytest.approx(
+        1e-4 + 2e-9 * 1e5)
     # group 4 not measured: the nearest size's per-step latency and bandwidth, ring formula
     a2, b2 = 3e-5, 1e-9  # all_gather x2: 1 step, (2-1)/2 of n
     assert cm.collective_time("all_gather", n, 4, intra=True) == pytest.approx(
@@ -77,15 +80,15 @@ def test_shape_free_coefficients_agree_with_step_times():
 
     mesh = DeviceMesh.for_devices(8)
     cm = CostModel(_measured())
-    total = 1 << 22
+    total = 1 << 23  # the all_reduce's share (2 MiB) lies past its knee
     steps = (Step("all_gather", ("a1", "a2"), 0, fraction=0.5),
              Step("all_reduce", ("a0", "a1", "a2"), fraction=0.25))
     with_bytes = tuple(Step(s.kind, s.axes, s.dim, s.src_dim, int(s.fraction * total),
                             s.fraction) for s in steps)
     for backward in (False, True):
-        a, b = cm.coefficients(steps, mesh, backward=backward)
-        assert a + b * total == pytest.approx(cm.steps_time(with_bytes, mesh,
-                                                            backward=backward))
+        coef = cm.coefficients(steps, mesh, backward=backward)
+        assert cm.steps_seconds(coef, total) == pytest.approx(
+            cm.steps_time(with_bytes, mesh, backward=backward))
 
 
 def test_update_and_launch_are_priced():

@@ -336,3 +336,20 @@ def test_demo_restores_the_callers_context(monkeypatch, tmp_path):
         assert seen["device_num"] == 8
         assert ap.get_auto_parallel_context("device_num") == 2
         assert ap.get_auto_parallel_context("parallel_mode") == "data_parallel"
+
+
+def test_calibrate_command_writes_a_loadable_file(tmp_path, capsys, monkeypatch):
+    import autopar as ap
+
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "cal.json"
+    assert main(["calibrate", "--devices", "2", "--quick", "--budget", "3", "--out",
+                 str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "calibrated-cpu-2 (calibrated)" in text and "all_reduce" in text
+    assert ap.load_cluster(out).name == "calibrated-cpu-2"
+    assert main(["search", *SMALL_MLP, "--cluster", str(out)]) == 0
+    assert "cluster calibrated-cpu-2" in capsys.readouterr().out
+    assert main(["calibrate", "--budget", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--budget" in err
