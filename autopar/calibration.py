@@ -2,20 +2,21 @@
 
 Measured on every device at once, as a plan runs them (so devices that share cores show it):
 
-- **matmul**: square matmuls per device over several sizes -> ``peak_flops`` (the slope);
-- **elementwise** (``x * a + b`` into a new array) over KiB to MiB per device, less a call
-  of the same input that writes nothing -> ``memory_bandwidth`` (the slope, first touch of
-  new memory included, as a real step pays it) and ``op_overhead`` (the intercept);
+- **matmul**: square matmuls per device over several sizes, chained -> ``peak_flops`` (the
+  slope) and ``op_overhead`` (the intercept: what one more operator in a program costs);
+- **elementwise** (``x * a + b`` into a new array) of 1 to 16 MiB per device ->
+  ``memory_bandwidth`` (the slope, first touch of new memory included, as a real step pays
+  it);
 - **launch**: a call that does nothing -> ``step_overhead`` (once per step);
-- **optimizer update**: optax's Adam on a 4 MiB block per device -> ``update_passes`` (memory
-  passes over the block);
 - **shared compute**: one matmul on one device alone vs on every device at once (1 for
   independent devices; about devices / cores for emulated ones);
 - **collectives**: each kind autopar lowers to (all_reduce, all_gather, reduce_scatter,
   all_to_all, collective_permute) over every group size the mesh can form, messages of
   4 KiB to 32 MiB -> ``alpha + beta * n`` per kind and group size (:class:`CollectiveFit`,
   with the fit's largest relative residual);
-- **overlap**: a matmul and an independent all-reduce in one step against each alone.
+- **overlap**: a matmul and an independent all-reduce in one step against each alone (0
+  where devices share their cores, shared compute >= 2: the cores that compute move the data,
+  and what the difference shows is noise).
 
 Operations are measured as straight-line programs, each operation writing a new buffer as a
 real program's do (a loop over one buffer stays in cache and measured 5-15x faster than the
@@ -49,7 +50,7 @@ CALIBRATION_VERSION = 1
 #: ends first, so a fit has its latency and its bandwidth whatever the budget cuts.
 MESSAGE_SIZES = (2 ** 12, 2 ** 24, 2 ** 20, 2 ** 16, 2 ** 22, 2 ** 25)
 MATMUL_SIZES = (64, 128, 256, 512)
-ELEMENTWISE_BYTES = (2 ** 14, 2 ** 24, 2 ** 20, 2 ** 22)
+ELEMENTWISE_BYTES = (2 ** 20, 2 ** 22, 2 ** 24)
 _MIN_SAMPLES = 2
 #: Operations in the long chain of a measurement, and what one measurement runs (warm-up
 #: and three pairs of one and ``_CHAIN`` operations).
@@ -303,23 +304,19 @@ def _measure_compute(devices: Sequence[Any], share: float, bar: Any) -> dict[str
     for m in MATMUL_SIZES:
         t_mm.append(_per_op(*chains, _placed(mesh, spec, m * m), _CHAIN, limit))
         flops.append(2.0 * m ** 3)
-    _, inv_peak, mm_resid = fit_alpha_beta(flops, t_mm)
+    # the intercept: what one more operator costs in a program however small (its launch)
+    overhead, inv_peak, mm_resid = fit_alpha_beta(flops, t_mm)
     bar.advance("matmul")
-    # elementwise: one call writing a new array, less a call of the same input that writes
-    # almost nothing (the dispatch)
+    # elementwise: calls writing a new array of each size; the slope is the bandwidth (the
+    # intercept, the call's dispatch, is the launch of a step: a call that does nothing)
     ew = _chain(mesh, lambda x: x * np.float32(0.5) + np.float32(1e-3), spec, 1)
-    tiny = _chain(mesh, lambda x: x[:1], spec, 1)
-    step_overhead = _per_call(tiny, _placed(mesh, spec, 1), limit)
+    step_overhead = _per_call(_chain(mesh, lambda x: x[:1], spec, 1), _placed(mesh, spec, 1),
+                              limit)
     nbytes, t_ew = [], []
     for b in ELEMENTWISE_BYTES:
-        x = _placed(mesh, spec, b // 4)
-        t_ew.append(max(1e-9, _per_call(ew, x, limit) - _per_call(tiny, x, limit)))
+        t_ew.append(_per_call(ew, _placed(mesh, spec, b // 4), limit))
         nbytes.append(2.0 * b)  # read + write
-    overhead, inv_bw, ew_resid = fit_alpha_beta(nbytes, t_ew)
-    # the optimizer update (Adam, the cost model's default state) of a 4 MiB block per device
-    block = 2 ** 20
-    t_up = max(0.0, _update_seconds(mesh, spec, block, limit) - step_overhead - overhead)
-    passes = t_up / (4.0 * block * inv_bw) if inv_bw > 0 else 0.0
+    _, inv_bw, ew_resid = fit_alpha_beta(nbytes, t_ew)
     bar.advance("elementwise")
     # one device alone, the same matmul
     solo = Mesh(np.array(devices[:1], dtype=object), ("g",))
@@ -337,33 +334,14 @@ def _measure_compute(devices: Sequence[Any], share: float, bar: Any) -> dict[str
     t_both = _per_op(*mm_chains(mesh, both), _placed(mesh, spec, m * m + ar_elems), _CHAIN,
                      limit)
     overlap = (t_mm[-2] + t_ar - t_both) / max(1e-12, min(t_mm[-2], t_ar))
+    if shared >= 2.0:  # devices share their cores: the cores that compute move the data
+        overlap = 0.0
     bar.advance("overlap")
     return {"peak_flops": 1.0 / max(inv_peak, 1e-30),
             "memory_bandwidth": 1.0 / max(inv_bw, 1e-30), "op_overhead": overhead,
-            "step_overhead": step_overhead, "update_passes": passes,
-            "matmul_residual": mm_resid,
+            "step_overhead": step_overhead, "matmul_residual": mm_resid,
             "memory_residual": ew_resid, "shared_compute": max(shared, 1e-3),
             "overlap": min(1.0, max(0.0, overlap))}
-
-
-def _update_seconds(mesh: Any, spec: Any, elems: int, limit: float) -> float:
-    """Seconds of one call of ``optax.adam``'s update and apply on a block of ``elems`` floats
-    per device (new parameter and state buffers, as a training step makes them)."""
-    import jax
-    import optax
-
-    opt = optax.adam(1e-3)
-    p = _placed(mesh, spec, elems)
-    g = _placed(mesh, spec, elems)
-    state = jax.jit(opt.init)(p)
-
-    @jax.jit
-    def step(args: Any) -> Any:
-        params, grads, st = args
-        updates, st = opt.update(grads, st, params)
-        return optax.apply_updates(params, updates), grads, st
-
-    return _per_call(step, (p, g, state), limit)
 
 
 # ---------------------------------------------------------------------------- the entry
@@ -445,11 +423,11 @@ def calibrate(devices: Any = None, *, budget_s: float = 60.0, cache: bool = True
         hit = clusters.cached_calibration(devs)
         if hit is not None:
             return hit
-    clock = _Clock(budget_s)
+    clock = _Clock(0.92 * budget_s)  # the plan overruns its share a little: aim under
     cases = len(_group_meshes(devs)) * len(COLLECTIVE_KINDS) if len(devs) > 1 else 0
     total = 3 + cases * len(sizes)
     with Progress("calibrate", total, quiet=not progress) as bar:
-        comp = _measure_compute(devs, 0.25 * budget_s, bar)
+        comp = _measure_compute(devs, 0.25 * clock.budget, bar)
         fits = _measure_collectives(devs, sizes, clock, bar) if cases else []
     platform, kind = devs[0].platform, devs[0].device_kind
     intra_link = _link(fits, True) or (1e12, 0.0)
@@ -468,7 +446,6 @@ def calibrate(devices: Any = None, *, budget_s: float = 60.0, cache: bool = True
         memory_bytes=_memory_per_device(devs), intra_bandwidth=intra_link[0],
         intra_alpha=intra_link[1], inter_bandwidth=inter_link[0], inter_alpha=inter_link[1],
         op_overhead=comp["op_overhead"], step_overhead=comp["step_overhead"],
-        update_passes=comp["update_passes"],
         overlap=comp["overlap"],
         collectives=tuple(sorted(fits, key=lambda f: (f.kind, f.group, f.intra))),
         calibration=cal)

@@ -207,6 +207,7 @@ def simulate_pipeline(graph: Any, stages: int, *, micro_batches: int | None = No
     from autopar.clusters import cluster_for
     from autopar.context import current_config
     from autopar.strategies.cost import BACKWARD_FACTOR, CostModel
+    from autopar.strategies.problem import fused_values, operator_time
     from autopar.strategies.stages import partition_stages, send_time
 
     if not isinstance(recompute, bool):
@@ -225,17 +226,18 @@ def simulate_pipeline(graph: Any, stages: int, *, micro_batches: int | None = No
     if plans is not None and (not isinstance(plans, (list, tuple)) or len(plans) != stages):
         raise AutoParallelTypeError("plans", plans, f"a list of {stages} stage plans")
     fwd, sync = [], []
+    fused = fused_values(graph)
     for s, names in enumerate(part.stage_nodes):
         plan = plans[s] if plans is not None else None
         t = 0.0
         for name in names:
             node = graph.node(name)
-            w = d
-            if plan is not None:
-                w = 1
-                for x in plan.nodes[name].splits if name in plan.nodes else (1,):
-                    w *= x
-            t += cm.compute_time(node.flops / w, (node.bytes_read + node.bytes_written) / w)
+            ns = plan.nodes.get(name) if plan is not None else None
+            if ns is not None:  # the search's own rule on the stage plan's blocks
+                t += operator_time(cm, graph, node, ns.splits, ns.in_layouts, ns.out_layouts,
+                                   plan.mesh, fused)
+            else:  # data parallel over the stage's devices
+                t += cm.compute_time(node.flops / d, (node.bytes_read + node.bytes_written) / d)
         if plan is not None:
             t += (plan.cost.communication + plan.cost.redistribution) / (1 + BACKWARD_FACTOR)
             sync.append(plan.cost.gradient_sync)

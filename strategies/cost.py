@@ -119,8 +119,9 @@ class Cluster(BaseModel):
     step_overhead: float = Field(default=0.0, ge=0, description="seconds per program call "
                                  "(dispatch to every device), once per step")
     update_passes: float = Field(default=0.0, ge=0, description="memory passes of the "
-                                 "optimizer update over a parameter block, measured (0: "
-                                 "3 + 2 x optimizer_state_factor)")
+                                 "optimizer update over a parameter block (0: 3 + 2 x "
+                                 "optimizer_state_factor, reads of the parameter, gradient "
+                                 "and state plus writes of the parameter and state)")
     overlap: float = Field(default=1.0, ge=0, le=1, description="fraction of a transfer "
                            "that can hide behind compute (0: the cores that compute move "
                            "the data, as emulated devices do)")

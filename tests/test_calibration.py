@@ -248,3 +248,25 @@ def test_iteration_trace_agrees_with_the_plan():
         t = ap.simulate(g, plan, buckets="none", overlap=False)
         assert t.cluster == "measured"  # the plan's own cluster
         assert t.step_time == pytest.approx(plan.cost.total, rel=1e-9), pmode
+
+
+def test_ring_kernels_follow_the_measured_overlap():
+    """The rewrite decides fused rings on the plan's own cluster: with the overlap a
+    calibration of emulated devices measures (0) "auto" never fuses, with the same figures
+    and full overlap it does where the accelerator preset does."""
+    import jax.numpy as jnp
+
+    def f(w1, w2, x):
+        return jnp.tanh(jnp.tanh(x @ w1) @ w2)
+
+    g = ap.trace(f, jnp.ones((32, 64)), jnp.ones((64, 32)), jnp.ones((16, 32)))
+    d0, d1 = (n.name for n in g.nodes if n.op == "dot_general")
+    fixed = {d0: ((1, 1), (1, 4)), d1: ((1, 4), (4, 1)), g.nodes[-1].name: ((4, 1),)}
+    acc = CLUSTERS["accelerator-8x"]
+    fused = {}
+    for overlap in (0.0, 1.0):
+        clus = acc.model_copy(update={"name": f"overlap-{overlap}", "overlap": overlap})
+        with ap.auto_parallel_context(device_num=4, parallel_mode="semi_auto_parallel"):
+            plan = ap.search(g, fixed=fixed, cluster=clus)
+        fused[overlap] = len(ap.rewrite(g, plan, fused_kernels="auto").fused_nodes())
+    assert fused == {0.0: 0, 1.0: 2}
