@@ -31,14 +31,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from autopar.errors import AutoParallelError, AutoParallelTypeError
+from autopar.errors import AutoParallelError, AutoParallelTypeError, FileFieldError
+from autopar.files import read_bytes_capped, write_bytes_atomic, write_text_atomic
 from autopar.graph.ir import Graph, check_strategy_shape
 from autopar.strategies.cost import Cluster, CostModel, get_cluster
 from autopar.strategies.layout import DeviceMesh, Layout
@@ -53,17 +53,10 @@ FORMAT = "autopar-strategy"
 VERSION = 1
 
 
-class StrategyFileError(AutoParallelError):
+class StrategyFileError(FileFieldError):
     """A strategy file that cannot be used: names the file, the field, expected vs found."""
 
-    def __init__(self, path: str | os.PathLike[str], field: str, expected: str,
-                 found: Any) -> None:
-        self.path, self.field, self.expected, self.found = str(path), field, expected, found
-        text = found if isinstance(found, str) else repr(found)
-        if len(text) > 200:
-            text = text[:200] + "..."
-        super().__init__(f"strategy file {str(path)!r}: field {field!r}: expected {expected}; "
-                         f"found {text}")
+    what = "strategy file"
 
 
 # ---------------------------------------------------------------------------- schema
@@ -235,48 +228,12 @@ def dumps_strategy(doc: Mapping[str, Any]) -> str:
     return json.dumps(doc, sort_keys=True, indent=1, allow_nan=False) + "\n"
 
 
-def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
-    """Write ``text`` (UTF-8) to ``path`` atomically (:func:`write_bytes_atomic`)."""
-    return write_bytes_atomic(path, text.encode("utf-8"))
-
-
-def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically: a temporary file in the same directory (with the
-    permissions a plain ``open`` would give, 0o666 minus the umask), then ``os.replace``.
-    Raises ``OSError`` when the directory is missing or not writable; ``path`` is untouched."""
-    target = Path(path)
-    directory = target.parent if str(target.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    return target
-
-
 def save_strategy(plan: Plan, graph: Graph, path: str | os.PathLike[str]) -> Path:
     """Write ``plan`` to ``path`` atomically; the same plan always gives the same bytes."""
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise AutoParallelTypeError("strategy_ckpt_save_file", path, "a non-empty path")
     text = dumps_strategy(strategy_document(plan, graph))
-    target = Path(path)
-    directory = target.parent if str(target.parent) else Path(".")
-    if not directory.is_dir():
-        raise AutoParallelError("strategy_ckpt_save_file", str(path),
-                                f"directory {str(directory)!r} does not exist")
-    write_text_atomic(target, text)
-    return target
+    return write_text_atomic(path, text, key="strategy_ckpt_save_file")
 
 
 # ---------------------------------------------------------------------------- load
@@ -291,18 +248,31 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+#: The largest strategy file read (bytes); ``AUTOPAR_MAX_FILE_BYTES`` overrides it.
+MAX_FILE_BYTES = 64 * 2 ** 20
+
+
+def max_file_bytes() -> int:
+    """:data:`MAX_FILE_BYTES`, or the ``AUTOPAR_MAX_FILE_BYTES`` environment variable."""
+    value = os.environ.get("AUTOPAR_MAX_FILE_BYTES", "")
+    if not value:
+        return MAX_FILE_BYTES
+    if not value.isdigit() or int(value) < 1:
+        raise AutoParallelError("AUTOPAR_MAX_FILE_BYTES", value, "a positive integer of bytes")
+    return int(value)
+
+
 def read_strategy_file(path: str | os.PathLike[str]) -> StrategyFile:
     """Read and validate a strategy file (no graph needed: what ``autopar show`` prints)."""
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise AutoParallelTypeError("strategy_ckpt_load_file", path, "a non-empty path")
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as e:
-        raise StrategyFileError(path, "<file>", "a readable file", e.strerror or str(e)) from None
+    raw = read_bytes_capped(path, max_file_bytes(),
+                            lambda expected, found: StrategyFileError(path, "<file>", expected,
+                                                                       found))
     try:
         data = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates,
                           parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise StrategyFileError(path, "<json>", "a complete JSON document (truncated or "
                                 "corrupted file?)", str(e)) from None
     if not isinstance(data, dict):

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from autopar.checkpoint import write_text_atomic
+from autopar.files import write_text_atomic
 from autopar.cli_util import (CLIError, Progress, compare_with_reference, load_model,
                               parse_options, setup_devices, table)
 from autopar.strategies.search import MODES as _SEARCH_MODES

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 from pydantic import ValidationError
 
-from autopar.errors import AutoParallelError, AutoParallelTypeError
+from autopar.errors import AutoParallelError, AutoParallelTypeError, FileFieldError
 from autopar.strategies.cost import CLUSTERS, Cluster, get_cluster
 
 __all__ = ["CACHE_ENV", "CLUSTER_ENV", "ClusterFileError", "FORMAT", "MAX_FILE_BYTES",
@@ -50,17 +50,10 @@ _DEFAULT_PRESET = "accelerator-8x"
 _noticed: set[str] = set()
 
 
-class ClusterFileError(AutoParallelError):
+class ClusterFileError(FileFieldError):
     """A calibration file that cannot be used: names the file, the field, expected vs found."""
 
-    def __init__(self, path: str | os.PathLike[str], field: str, expected: str,
-                 found: Any) -> None:
-        self.path, self.field, self.expected, self.found = str(path), field, expected, found
-        text = found if isinstance(found, str) else repr(found)
-        if len(text) > 200:
-            text = text[:200] + "..."
-        super().__init__(f"calibration file {str(path)!r}: field {field!r}: expected "
-                         f"{expected}; found {text}")
+    what = "calibration file"
 
 
 # ---------------------------------------------------------------------------- files
@@ -74,7 +67,7 @@ def dumps_cluster(cluster: Cluster) -> str:
 
 def save_cluster(cluster: Cluster, path: str | os.PathLike[str]) -> Path:
     """Write ``cluster`` to ``path`` (atomic; refuses a path that is not a regular file)."""
-    from autopar.checkpoint import write_text_atomic
+    from autopar.files import write_text_atomic
 
     if not isinstance(cluster, Cluster):
         raise AutoParallelTypeError("cluster", cluster, "an autopar.Cluster")

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from autopar.checkpoint import write_bytes_atomic, write_text_atomic
+from autopar.files import write_bytes_atomic, write_text_atomic
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.graph.ir import Graph
 from autopar.strategies.plan import Plan

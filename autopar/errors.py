@@ -25,6 +25,7 @@ __all__ = [
     "ContextConflictError",
     "CommGroupError",
     "UnsupportedOperatorError",
+    "FileFieldError",
     "AutoParallelWarning",
 ]
 
@@ -74,6 +75,21 @@ class AutoParallelTypeError(_Keyed, TypeError):
 
 class UnknownKeyError(AutoParallelError):
     """A key that is not an attribute of the auto-parallel context (or of a nested dict)."""
+
+
+class FileFieldError(AutoParallelError):
+    """A file that cannot be used: names the file, the field, expected vs found (subclasses
+    say which kind of file)."""
+
+    what = "file"
+
+    def __init__(self, path: Any, field: str, expected: str, found: Any) -> None:
+        self.path, self.field, self.expected, self.found = str(path), field, expected, found
+        text = found if isinstance(found, str) else repr(found)
+        if len(text) > 200:
+            text = text[:200] + "..."
+        super().__init__(f"{self.what} {str(path)!r}: field {field!r}: expected {expected}; "
+                         f"found {text}")
 
 
 class ContextConflictError(AutoParallelError):

@@ -123,11 +123,9 @@ class PipelineTrace:
 
     def write_chrome_trace(self, path: str | os.PathLike[str]) -> Path:
         """Write the Chrome trace JSON atomically (temp file + os.replace)."""
-        out = Path(path)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_chrome_trace()))
-        os.replace(tmp, out)
-        return out
+        from autopar.files import write_text_atomic
+
+        return write_text_atomic(path, json.dumps(self.to_chrome_trace()))
 
 
 def _times(name: str, values: Any, n: int) -> list[float]:

@@ -7,7 +7,6 @@ docs/context.md embeds :func:`context_reference_markdown` between the markers
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -42,9 +41,9 @@ def update(path: Path) -> None:
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     new = f"{head}{BEGIN}\n{context_reference_markdown()}\n{END}{tail}"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(new)
-    os.replace(tmp, path)
+    from autopar.files import write_text_atomic
+
+    write_text_atomic(path, new)
 
 
 if __name__ == "__main__":

@@ -193,11 +193,9 @@ class IterationTrace:
 
     def write_chrome_trace(self, path: str | os.PathLike[str], *, detail: bool = True) -> Path:
         """Write the Chrome trace JSON atomically (temp file + os.replace)."""
-        out = Path(path)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_chrome_trace(detail=detail)))
-        os.replace(tmp, out)
-        return out
+        from autopar.files import write_text_atomic
+
+        return write_text_atomic(path, json.dumps(self.to_chrome_trace(detail=detail)))
 
     def plot(self, path: str | os.PathLike[str], *, title: str | None = None) -> Path:
         """Draw the timeline to a PNG (see :func:`plot_timeline`)."""
@@ -451,9 +449,11 @@ def plot_timeline(trace: IterationTrace, path: str | os.PathLike[str], *,
                  f"{len(trace.segments)} segment(s), exposed {trace.exposed_comm * ms:.2f} ms",
                  fontsize=9)
     fig.tight_layout()
-    out = Path(path)
-    tmp = out.with_name(out.name + ".tmp.png")
-    fig.savefig(tmp, format="png")
-    os.replace(tmp, out)
-    return out
+    import io
+
+    from autopar.files import write_bytes_atomic
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return write_bytes_atomic(path, buf.getvalue())
 

@@ -20,8 +20,9 @@ def main() -> None:
     unknown = [n for n in names if n not in found]
     if unknown:
         parser.error(f"unknown benchmark(s) {unknown}; available: {found}")
-    from benchmarks._common import setup_devices
+    from benchmarks._common import set_quick, setup_devices
 
+    set_quick(args.quick)  # a smoke run never writes over the committed results
     setup_devices(8)
     for name in names:
         importlib.import_module(f"benchmarks.bench_{name}").main(quick=args.quick)

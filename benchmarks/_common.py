@@ -11,6 +11,20 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 RESULTS = Path(__file__).resolve().parent / "results"
+#: Where a ``--quick`` run writes (git ignores it): never over the committed full results.
+SCRATCH = RESULTS / "quick"
+_quick = False
+
+
+def set_quick(quick: bool) -> None:
+    """Send this run's results (and pictures) to :data:`SCRATCH` when ``quick``."""
+    global _quick
+    _quick = bool(quick)
+
+
+def out_dir() -> Path:
+    """The directory this run writes its results to."""
+    return SCRATCH if _quick else RESULTS
 
 
 def setup_devices(n: int = 8) -> None:
@@ -50,8 +64,9 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> st
 
 def write_results(name: str, rows: Sequence[dict[str, Any]], columns: Sequence[str],
                   meta: dict[str, Any] | None = None) -> Path:
-    """Print a markdown table and write benchmarks/results/<name>.json (atomically)."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    """Print a markdown table and write <out_dir()>/<name>.json (atomically)."""
+    out = out_dir()
+    out.mkdir(parents=True, exist_ok=True)
     payload = {
         "benchmark": name,
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
@@ -60,10 +75,10 @@ def write_results(name: str, rows: Sequence[dict[str, Any]], columns: Sequence[s
         "columns": list(columns),
         "rows": list(rows),
     }
-    path = RESULTS / f"{name}.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    from autopar.files import write_text_atomic
+
+    path = write_text_atomic(out / f"{name}.json",
+                             json.dumps(payload, indent=2, sort_keys=True) + "\n")
     print(f"\n## {name}\n")
     print(markdown_table(rows, columns))
     print(f"\n(written to {path})")
@@ -73,7 +88,7 @@ def write_results(name: str, rows: Sequence[dict[str, Any]], columns: Sequence[s
 def replace_between_markers(path: Path, name: str, text: str) -> None:
     """Replace what lies between ``<!-- name:begin -->`` and ``<!-- name:end -->`` in a doc
     (tables of measured figures are written by the benchmark, never copied by hand)."""
-    from autopar.checkpoint import write_text_atomic
+    from autopar.files import write_text_atomic
 
     doc = path.read_text(encoding="utf-8")
     begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from benchmarks._common import RESULTS, write_results
+from benchmarks._common import out_dir, write_results
 
 COLUMNS = ("model", "plan", "predicted_ms", "measured_ms", "pred/meas", "picked_by")
 SUMMARY = ("model", "plans", "spearman", "median_abs_err", "mean_abs_log",
@@ -225,7 +225,7 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.tight_layout()
     import io
 
-    from autopar.checkpoint import write_bytes_atomic
+    from autopar.files import write_bytes_atomic
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
@@ -254,9 +254,8 @@ def main(quick: bool = False) -> None:
     meta = {"devices": 8, "rounds": rounds, "quick": quick, "cluster": calibrated.name,
             "calibrate_seconds": round(cal_s, 1),
             "command": "python -m benchmarks fidelity" + (" --quick" if quick else "")}
-    tag = "_quick" if quick else ""  # quick results never overwrite the committed ones
-    write_results("fidelity" + tag, rows, COLUMNS, meta=meta)
-    write_results("fidelity_summary" + tag, summaries, SUMMARY, meta=meta)
+    write_results("fidelity", rows, COLUMNS, meta=meta)  # --quick: to the scratch directory
+    write_results("fidelity_summary", summaries, SUMMARY, meta=meta)
     if not quick:
         plot(rows, DOCS / "fidelity.png")
         from benchmarks._common import markdown_table, replace_between_markers
@@ -265,13 +264,14 @@ def main(quick: bool = False) -> None:
                                 markdown_table(summaries, SUMMARY))
         replace_between_markers(DOCS / "fidelity.md", "plans",
                                 markdown_table(rows, COLUMNS))
-    print(f"(results in {RESULTS})")
+    print(f"(results in {out_dir()})")
 
 
 if __name__ == "__main__":
     import sys
 
-    from benchmarks._common import setup_devices
+    from benchmarks._common import set_quick, setup_devices
 
+    set_quick("--quick" in sys.argv)
     setup_devices(8)
     main(quick="--quick" in sys.argv)

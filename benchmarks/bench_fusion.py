@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from benchmarks._common import RESULTS, write_results
+from benchmarks._common import out_dir, write_results
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
@@ -116,8 +116,8 @@ def simulate_splits(quick: bool = False) -> None:
         "x_advised", "x_lower_bound"], meta={"cluster": "accelerator-8x", "quick": quick})
     if plot_case is not None:
         label, n, adv = plot_case
-        adv.trace.write_chrome_trace(RESULTS / "fusion_trace.json")
-        png = adv.trace.plot(DOCS / "fusion_timeline.png",
+        adv.trace.write_chrome_trace(out_dir() / "fusion_trace.json")
+        png = adv.trace.plot((out_dir() if quick else DOCS) / "fusion_timeline.png",
                              title=f"{label}, {n} devices, advised split "
                                    f"{'/'.join(f'{p:g}' for p in adv.percentages)}: "
                                    f"{adv.iteration_time * 1e3:.1f} ms, exposed "

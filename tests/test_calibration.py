@@ -14,12 +14,12 @@ from hypothesis import strategies as st
 import autopar as ap
 from autopar import clusters
 from autopar.calibration import fit_alpha_beta, group_sizes
-from autopar.clusters import ClusterFileError, dumps_cluster, load_cluster, resolve_cluster
+from autopar.clusters import ClusterFileError, load_cluster, resolve_cluster
 from autopar.strategies.cost import CLUSTERS, CollectiveFit, CostModel
 from autopar.strategies.redistribution import Step
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, derandomize=True)
 @given(alpha=st.floats(1e-5, 1e-3), beta=st.floats(1e-11, 2e-9), seed=st.integers(0, 2 ** 16))
 def test_fit_reproduces_synthetic_alpha_beta_within_5_percent(alpha, beta, seed):
     """Timings from a known alpha + beta * n with 2 % multiplicative noise, over the sizes a
@@ -28,10 +28,12 @@ def test_fit_reproduces_synthetic_alpha_beta_within_5_percent(alpha, beta, seed)
     sizes = np.array([2 ** 12, 2 ** 16, 2 ** 20, 2 ** 22, 2 ** 24, 2 ** 25], dtype=float)
     t = (alpha + beta * sizes) * (1 + rng.uniform(-0.02, 0.02, sizes.size))
     a, b, resid = fit_alpha_beta(sizes, t)
-    # alpha is judged where the timings show it: at least half the smallest message's time
+    # each figure is judged where the timings show it: alpha at least half the smallest
+    # message's time, beta at least half the largest's
     if alpha >= beta * sizes[0]:
         assert a == pytest.approx(alpha, rel=0.05)
-    assert b == pytest.approx(beta, rel=0.05)
+    if beta * sizes[-1] >= alpha:
+        assert b == pytest.approx(beta, rel=0.05)
     assert resid <= 0.05
 
 

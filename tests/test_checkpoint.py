@@ -339,8 +339,9 @@ def test_crash_during_save_leaves_the_old_file(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "fsync", boom)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(ap.AutoParallelError, match="disk full") as info:
         save_strategy(other, g, path)
+    assert str(path) in str(info.value) and ".tmp" not in str(info.value)
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json"]  # no temporary left
 

@@ -1,0 +1,156 @@
+"""The one writer and the one reader of autopar's files (strategy files, calibrations,
+traces, reports, pictures).
+
+Writing (:func:`write_bytes_atomic`, :func:`write_text_atomic`): the bytes go to a temporary
+file of a unique name beside the target (``.<name>.<random>.tmp``), are flushed to disk, and
+replace the target in one ``os.replace``: a reader sees the old file or the new one, never a
+part. The target must be a regular file or absent: a directory (or a path ending in a
+separator), a FIFO, a device or a socket is refused before anything is written. A symlink is
+written through (its target is replaced, the link stays). An existing file keeps its mode; a
+new one gets ``0o666`` less the umask. On any failure the temporary file is removed and the
+target is untouched; temporaries of the same name pattern left by a killed writer (older
+than a minute) are removed by the next save. Errors are :class:`AutoParallelError` naming the
+target and the reason, never the hidden temporary.
+
+Reading (:func:`read_bytes_capped`): regular files only (a FIFO would block, a device never
+end), at most ``limit`` bytes (checked before reading, and while reading).
+
+>>> import tempfile, pathlib
+>>> d = pathlib.Path(tempfile.mkdtemp())
+>>> write_text_atomic(d / "a.json", "{}").read_text()
+'{}'
+>>> read_bytes_capped(d / "a.json", 10)
+b'{}'
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from autopar.errors import AutoParallelError, AutoParallelTypeError
+
+__all__ = ["STALE_SECONDS", "read_bytes_capped", "write_bytes_atomic", "write_text_atomic"]
+
+#: A temporary file of ours this old was left by a writer that died: the next save removes it.
+STALE_SECONDS = 60.0
+
+
+def _target(path: Any, key: str) -> Path:
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise AutoParallelTypeError(key, path, "a non-empty path")
+    text = os.fspath(path)
+    if "\0" in str(text):
+        raise AutoParallelError(key, str(text).replace("\0", "\\0"), "a path cannot hold a NUL "
+                                "byte")
+    if str(text).endswith((os.sep, os.altsep or os.sep)):
+        raise AutoParallelError(key, str(text), "names a directory; give a file name")
+    target = Path(text)
+    if target.is_symlink():  # write through the link: its target is what gets replaced
+        target = Path(os.path.realpath(target))
+    directory = target.parent if str(target.parent) else Path(".")
+    if not directory.is_dir():
+        raise AutoParallelError(key, str(text), f"directory {str(directory)!r} does not exist")
+    try:
+        st = target.stat()
+    except FileNotFoundError:
+        return target
+    except OSError as e:
+        raise AutoParallelError(key, str(text), f"cannot be written: {e.strerror or e}") \
+            from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        raise AutoParallelError(key, str(text), f"is {kind}; files are written only over "
+                                "regular files")
+    return target
+
+
+def _clean_stale(directory: Path, name: str) -> None:
+    """Remove ``.<name>.*.tmp`` files older than :data:`STALE_SECONDS` (a killed writer's)."""
+    now = time.time()
+    try:
+        for p in directory.glob(f".{name}.*.tmp"):
+            try:
+                if p.is_file() and now - p.stat().st_mtime > STALE_SECONDS:
+                    p.unlink()
+            except OSError:
+                pass
+    except OSError:
+        pass
+
+
+def write_bytes_atomic(path: str | os.PathLike[str], data: bytes, *,
+                       key: str = "path") -> Path:
+    """Write ``data`` to ``path`` atomically (see the module doc); returns the path written
+    (a symlink's target when ``path`` is a link). ``key`` names the setting in errors."""
+    target = _target(path, key)
+    directory = target.parent if str(target.parent) else Path(".")
+    try:
+        mode = stat.S_IMODE(target.stat().st_mode)
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
+    _clean_stale(directory, target.name)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
+    except OSError as e:
+        raise AutoParallelError(key, os.fspath(path), f"cannot be written: "
+                                f"{e.strerror or e}") from None
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+    except BaseException as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(e, OSError):
+            raise AutoParallelError(key, os.fspath(path), f"cannot be written: "
+                                    f"{e.strerror or e}") from None
+        raise
+    return target
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str, *, key: str = "path") -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically (:func:`write_bytes_atomic`)."""
+    return write_bytes_atomic(path, text.encode("utf-8"), key=key)
+
+
+def read_bytes_capped(path: str | os.PathLike[str], limit: int,
+                      error: Callable[[str, Any], Exception] | None = None) -> bytes:
+    """The bytes of the regular file ``path``, refusing more than ``limit``.
+
+    ``error(expected, found)`` builds the exception to raise (default: an
+    :class:`AutoParallelError` on key ``path``)."""
+    def fail(expected: str, found: Any) -> Exception:
+        if error is not None:
+            return error(expected, found)
+        return AutoParallelError("path", os.fspath(path), f"expected {expected}; found {found}")
+
+    try:  # non-blocking: opening a FIFO with no writer must not wait
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        raise fail("a readable file", e.strerror or str(e)) from None
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise fail("a regular file", "a directory" if stat.S_ISDIR(st.st_mode) else
+                       "not a regular file (a FIFO, device or socket)")
+        if st.st_size > limit:
+            raise fail(f"at most {limit} bytes", f"{st.st_size} bytes")
+        try:
+            data = fh.read(limit + 1)
+        except OSError as e:
+            raise fail("a readable file", e.strerror or str(e)) from None
+    if len(data) > limit:
+        raise fail(f"at most {limit} bytes", "a file still growing past it")
+    return data
