@@ -281,8 +281,8 @@ def read_strategy_file(path: str | os.PathLike[str]) -> StrategyFile:
         raise StrategyFileError(path, "format", repr(FORMAT), data.get("format", "<missing>"))
     version = data.get("version", "<missing>")
     if version != VERSION or isinstance(version, bool):
-        raise StrategyFileError(path, "version", f"{VERSION} (the version this autopar "
-                                "reads)", version)
+        raise StrategyFileError(path, "version", f"the integer {VERSION} (the version this "
+                                "autopar reads)", repr(version))
     try:
         return StrategyFile.model_validate(data)
     except ValidationError as e:

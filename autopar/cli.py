@@ -30,6 +30,7 @@ from autopar.strategies.search import MODES as _SEARCH_MODES
 __all__ = ["main", "build_parser"]
 
 MODES = tuple(_SEARCH_MODES)
+COORDINATOR_TIMEOUT_S = 60
 PARALLEL_MODES = ("auto_parallel", "semi_auto_parallel", "data_parallel", "hybrid_parallel",
                   "stand_alone")
 
@@ -41,9 +42,18 @@ def _out(*a: Any) -> None:
 def _graph(args: argparse.Namespace, *, concrete: bool = False) -> tuple[Any, Any, Any, str]:
     import autopar as ap
 
+    from autopar.errors import AutoparError
+
     fn, ex, desc = load_model(args.model, parse_options(args.option), concrete=concrete)
     with Progress("trace", 1) as bar:
-        graph = ap.trace(fn, *ex)
+        try:
+            graph = ap.trace(fn, *ex)
+        except AutoparError:
+            raise
+        except Exception as e:  # the user's function does not trace: say so in one line
+            raise CLIError(f"--model {args.model!r}: tracing the function failed: "
+                           f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                           ) from None
         bar.advance(f"{len(graph.nodes)} nodes")
     return fn, ex, graph, desc
 
@@ -198,6 +208,10 @@ def _distributed(args: argparse.Namespace) -> None:
         return
     if args.coordinator is None or args.process_id is None:
         raise CLIError("--num-processes > 1 needs --coordinator HOST:PORT and --process-id")
+    host, _, port = args.coordinator.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise CLIError(f"--coordinator {args.coordinator!r}: expected HOST:PORT with a port in "
+                       "[1, 65535], e.g. 127.0.0.1:12355")
     if not 0 <= args.process_id < args.num_processes:
         raise CLIError(f"--process-id must be in [0, {args.num_processes}), got "
                        f"{args.process_id}")
@@ -207,8 +221,15 @@ def _distributed(args: argparse.Namespace) -> None:
     if args.backend == "cpu":  # emulated CPU devices, connected with gloo
         setup_devices(args.devices // args.num_processes)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,
-                               process_id=args.process_id)
+    try:  # a coordinator nobody answers at: fail in a minute, not five, and say so
+        jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,
+                                   process_id=args.process_id,
+                                   initialization_timeout=COORDINATOR_TIMEOUT_S)
+    except Exception as e:  # jax raises RuntimeError/XlaRuntimeError here
+        raise CLIError(f"--coordinator {args.coordinator}: could not form the "
+                       f"{args.num_processes}-process cluster within "
+                       f"{COORDINATOR_TIMEOUT_S} s ({type(e).__name__}: "
+                       f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
 
 
 def _global_numpy(tree: Any) -> Any:
@@ -391,6 +412,16 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tolerance(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (x >= 0 and x != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return x
+
+
 def _positive(text: str) -> int:
     try:
         n = int(text)
@@ -450,7 +481,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parallel-mode", choices=PARALLEL_MODES, default="auto_parallel")
     p.add_argument("--steps", type=_positive, default=3)
     p.add_argument("--check", action="store_true", help="compare with one device")
-    p.add_argument("--atol", type=float, default=1e-4, help="tolerance of --check")
+    p.add_argument("--atol", type=_tolerance, default=1e-4,
+                   help="tolerance of --check (a finite number >= 0)")
     p.add_argument("--save", type=Path, help="write the strategy file here")
     p.add_argument("--load", type=Path, help="load the plan from this strategy file")
     p.add_argument("--json", type=Path, help="write losses and parameter sums as JSON")

@@ -154,16 +154,17 @@ def load_model(spec: str, options: dict[str, Any], *, concrete: bool = True
             sys.path.insert(0, os.getcwd())
         try:
             module = importlib.import_module(mod_name)
-        except ImportError as e:
-            raise CLIError(f"--model {spec!r}: cannot import module {mod_name!r}: {e}") from None
+        except Exception as e:  # ImportError, or the module itself raising while imported
+            raise CLIError(f"--model {spec!r}: cannot import module {mod_name!r}: "
+                           f"{type(e).__name__}: {e}") from None
         builder = getattr(module, fn_name, None)
         if not callable(builder):
             raise CLIError(f"--model {spec!r}: module {mod_name!r} has no function {fn_name!r}")
         try:
             result = builder(**options)
-        except TypeError as e:
-            raise CLIError(f"--model {spec!r}: calling {fn_name}(**{options}) failed: {e}") \
-                from None
+        except Exception as e:  # the builder's own error, whatever its type: one line
+            raise CLIError(f"--model {spec!r}: calling {fn_name}(**{options}) failed: "
+                           f"{type(e).__name__}: {e}") from None
         if not (isinstance(result, tuple) and len(result) == 2 and callable(result[0])):
             raise CLIError(f"--model {spec!r}: {fn_name}() must return (fn, example_args), "
                            f"got {type(result).__name__}")

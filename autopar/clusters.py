@@ -108,7 +108,7 @@ def load_cluster(path: str | os.PathLike[str]) -> Cluster:
     version = data.get("version", "<missing>")
     if type(version) is not int or version != VERSION:
         raise ClusterFileError(path, "version", f"the integer {VERSION} (the version this "
-                               "autopar reads)", version)
+                               "autopar reads)", repr(version))
     extra = sorted(set(data) - {"format", "version", "cluster"})
     if extra:
         raise ClusterFileError(path, extra[0], "no such field", data[extra[0]])

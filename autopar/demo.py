@@ -51,6 +51,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """The demo under its own auto-parallel context (the caller's context is restored)."""
     import autopar as ap
 
+    from autopar.cli_util import CLIError
+
+    if args.pipeline_stages > 1 and args.devices % args.pipeline_stages:
+        raise CLIError(f"--pipeline-stages {args.pipeline_stages} must divide --devices "
+                       f"{args.devices} (or be 1 to skip the pipelined run)")
     t_start = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

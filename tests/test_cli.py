@@ -332,7 +332,8 @@ def test_demo_restores_the_callers_context(monkeypatch, tmp_path):
 
     monkeypatch.setattr(demo, "_demo", fake)
     with ap.auto_parallel_context(device_num=2, parallel_mode="data_parallel"):
-        assert demo.cmd_demo(argparse.Namespace(devices=8, out=tmp_path)) == 0
+        assert demo.cmd_demo(argparse.Namespace(devices=8, out=tmp_path,
+                                                pipeline_stages=2)) == 0
         assert seen["device_num"] == 8
         assert ap.get_auto_parallel_context("device_num") == 2
         assert ap.get_auto_parallel_context("parallel_mode") == "data_parallel"
@@ -353,3 +354,28 @@ def test_calibrate_command_writes_a_loadable_file(tmp_path, capsys, monkeypatch)
     assert main(["calibrate", "--budget", "-1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--budget" in err
+
+
+def test_bad_run_and_demo_options_fail_in_one_line(tmp_path, capsys, monkeypatch):
+    for argv in (["run", *SMALL_MLP, "--atol", "-1"], ["run", *SMALL_MLP, "--atol", "nan"]):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2
+        assert "--atol" in capsys.readouterr().err
+    assert main(["run", *SMALL_MLP, "--num-processes", "2", "--process-id", "0",
+                 "--coordinator", "localhost"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "HOST:PORT" in err
+    assert main(["demo", "--pipeline-stages", "3", "--out", str(tmp_path / "d")]) == 2
+    assert "must divide --devices 8" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "badmodels.py").write_text(
+        "def boom():\n    raise RuntimeError('no data')\n"
+        "def untraceable():\n    return (lambda x: x.item() + 1), (1.0,)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for spec, what in (("badmodels:boom", "RuntimeError: no data"),
+                       ("badmodels:untraceable", "tracing the function failed"),
+                       ("nosuchmodule:f", "cannot import module")):
+        assert main(["search", "--model", spec]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and what in err and "Traceback" not in err
