@@ -19,7 +19,8 @@ from typing import Annotated, Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from autopar.errors import AutoParallelError, AutoParallelTypeError, UnknownKeyError
+from autopar.errors import (AutoParallelError, AutoParallelTypeError, ContextConflictError,
+                            UnknownKeyError)
 
 __all__ = [
     "PARALLEL_MODES",
@@ -102,6 +103,9 @@ class _Fusion(BaseModel):
                 raise _type_error("size mode needs config, a threshold in MB (int or float)")
             if not math.isfinite(c) or c <= 0:
                 raise ValueError("size mode needs a fusion threshold larger than 0 MB")
+            if c * 2 ** 20 < 1:
+                raise ValueError(f"size mode needs a threshold of at least one byte "
+                                 f"(config >= 2**-20 MB = {2 ** -20:.3g} MB)")
         else:  # index
             object.__setattr__(self, "config", _check_indices(c, "index mode config"))
         return self
@@ -297,6 +301,8 @@ def raise_for_validation_error(err: ValidationError, where: str) -> None:
     kind, key, value, msg = problems[0]
     more = f" ({len(problems) - 1} more problem(s): " + "; ".join(
         f"{k}: {m}" for _, k, _, m in problems[1:]) + ")" if len(problems) > 1 else ""
+    if key == where:  # a rule between keys (a model validator): its message names them
+        raise ContextConflictError(f"{msg.rstrip('.')}.{more}")
     if kind == "extra_forbidden":
         parent = ".".join(key.split(".")[:-1])
         valid = list(_NESTED[parent].model_fields) if parent in _NESTED else list(KEYS)

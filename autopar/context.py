@@ -144,7 +144,15 @@ def _apply(state: _State, kwargs: dict[str, Any], where: str = _WHERE) -> _State
         kw["full_batch"] = kw["dataset_strategy"] == "full_batch" if isinstance(
             kw["dataset_strategy"], str) else False
     data.update(kw)
-    config = validate_config(data, where)
+    try:
+        config = validate_config(data, where)
+    except AutoParallelError as e:
+        if deprecated and getattr(e, "key", None) == "search_mode":  # name what was set
+            raise type(e)("auto_parallel_search_mode", e.value,
+                          str(e).split(": ", 1)[-1].rstrip(".").replace("search_mode",
+                                                                        "auto_parallel_search_mode"),
+                          "It is the deprecated alias of search_mode") from None
+        raise
     if deprecated:
         warnings.warn("auto_parallel_search_mode is deprecated and will be removed; use "
                       "search_mode (same values)", DeprecationWarning, stacklevel=3)

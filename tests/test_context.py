@@ -448,7 +448,7 @@ def test_all_reduce_fusion_config_rule(indices):
        st.sampled_from(["allreduce", "allgather", "reducescatter"]))
 def test_fusion_size_threshold_rule(threshold, kind):
     spec = {kind: {"mode": "size", "config": threshold}}
-    if threshold == threshold and abs(threshold) != float("inf") and threshold > 0:
+    if threshold == threshold and abs(threshold) != float("inf") and threshold * 2 ** 20 >= 1:
         ap.set_auto_parallel_context(comm_fusion=spec)
         assert ap.get_auto_parallel_context("comm_fusion") == spec
     else:
@@ -529,3 +529,19 @@ def test_config_object_is_frozen():
     cfg = ap.current_config()
     with pytest.raises(Exception):
         cfg.device_num = 3  # type: ignore[misc]
+
+
+def test_messages_name_what_was_set():
+    """A conflict between keys names them, not the whole configuration; the deprecated alias
+    is named as given; a size threshold below one byte is refused when set."""
+    with pytest.raises(ap.ContextConflictError) as info:
+        ap.set_auto_parallel_context(full_batch=True, dataset_strategy=((2, 1),))
+    msg = str(info.value)
+    assert msg.startswith("full_batch=True contradicts dataset_strategy") and len(msg) < 200
+    with pytest.raises(ap.AutoParallelError) as info:
+        ap.set_auto_parallel_context(auto_parallel_search_mode="nope")
+    assert str(info.value).startswith("auto_parallel_search_mode='nope' is invalid")
+    with pytest.raises(ap.AutoParallelError, match="at least one byte"):
+        ap.set_auto_parallel_context(comm_fusion={"allreduce": {"mode": "size",
+                                                                "config": 1e-9}})
+    assert ap.get_auto_parallel_context("comm_fusion") == {}
