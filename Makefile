@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.autopar-installed
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test bench stress venv clean
 
 venv: $(STAMP)
 
@@ -22,6 +22,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks
+
+# 10,000 mutated strategy files: each loads with its meaning unchanged or fails typed
+stress: $(STAMP)
+	AUTOPAR_FUZZ_EXAMPLES=10000 $(PY) -m pytest -q tests/test_checkpoint.py -k fuzz
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -382,9 +382,13 @@ def _mutate_json(data: bytes, choice: int, path_pick: int, value) -> bytes:
     return json.dumps(doc).encode()
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                    HealthCheck.function_scoped_fixture])
-@given(kind=st.sampled_from(["truncate", "flip", "json"]), pos=st.integers(0, 10**6),
+#: ``make stress`` runs 10,000 (AUTOPAR_FUZZ_EXAMPLES); ``make test`` a deterministic 200.
+FUZZ_EXAMPLES = int(os.environ.get("AUTOPAR_FUZZ_EXAMPLES", "200"))
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=FUZZ_EXAMPLES <= 200,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(kind=st.sampled_from(["truncate", "flip", "json", "nest"]), pos=st.integers(0, 10**6),
        byte=st.integers(0, 255), choice=st.integers(0, 50), path_pick=st.integers(0, 7),
        value=st.one_of(st.none(), st.booleans(), st.integers(-3, 10**9), st.floats(),
                        st.text(max_size=5), st.lists(st.integers(-2, 9), max_size=3)))
@@ -397,8 +401,12 @@ def test_fuzz_mutated_files_only_raise_the_documented_error(tmp_path, kind, pos,
     elif kind == "flip":
         i = pos % len(data)
         mutated = data[:i] + bytes([byte]) + data[i + 1:]
-    else:
+    elif kind == "json":
         mutated = _mutate_json(data, choice, path_pick, value)
+    else:  # a value replaced by a deep nest of lists (a parser must not overflow its stack)
+        depth = 1000 + pos % 200000
+        mutated = _mutate_json(data, choice, path_pick, "NEST").replace(
+            b'"NEST"', b"[" * depth + b"]" * depth)
     p = tmp_path / "fuzz.json"
     p.write_bytes(mutated)
     try:
