@@ -359,6 +359,7 @@ def load_strategy(path: str | os.PathLike[str], graph: Graph, *,
     if cluster is None:  # priced on the file's own cluster: the file's prediction must hold
         _check_predicted(f, plan, p)
     plan.notes.append(f"loaded from {p}")
+    plan.source = str(p)
     plan.stages = {k: e.stage for k, e in sorted(f.parallel_strategy_item.items()) if e.stage}
     return plan
 

@@ -107,8 +107,8 @@ def cmd_search(args: argparse.Namespace) -> int:
     _out(f"{desc}: {len(graph.nodes)} operators, {len(graph.parameters())} parameters, "
          f"fingerprint {graph.fingerprint()[:12]}")
     _out(plan.summary())
-    if args.full:
-        _out("\n" + str(plan))
+    if args.full:  # the operator table (the summary is printed above)
+        _out("\n" + str(plan)[len(plan.summary()):].lstrip("\n"))
     else:
         rows = [("parameter", "shape", "layout", "splits")]
         rows += [(v, str(graph.spec(v).shape), str(plan.layouts[v]),
@@ -368,7 +368,8 @@ def cmd_show(args: argparse.Namespace) -> int:
                  f"{p.gradient_sync * 1e3:.3f})"),
                 ("memory per device", f"{p.memory_bytes / 2**20:.1f} MiB"),
                 ("operators", len(f.parallel_strategy_item)),
-                ("parameters", len(f.parallel_layout_item))], align="ll"))
+                ("parameters", len(f.parallel_layout_item)),
+                ("data inputs", len(f.data_layout_item))], align="ll"))
     ops = list(f.parallel_strategy_item.items())
     rows = [("operator", "op", "stage", "strategy", "splits")]
     rows += [(k, e.op, e.stage, str([tuple(s) for s in e.parallel_strategy]).replace(" ", ""),
@@ -376,13 +377,15 @@ def cmd_show(args: argparse.Namespace) -> int:
     _out("\n" + table(rows, align="lllll"))
     if len(ops) > args.limit:
         _out(f"... {len(ops) - args.limit} more operators (--limit)")
-    items = list(f.parallel_layout_item.items())
-    rows = [("parameter", "tensor_shape", "dev_matrix", "tensor_map", "slice_shape")]
-    rows += [(k, e.tensor_shape, e.dev_matrix, e.tensor_map, e.slice_shape)
-             for k, e in items[:args.limit]]
-    _out("\n" + table(rows, align="lllll"))
-    if len(items) > args.limit:
-        _out(f"... {len(items) - args.limit} more parameters (--limit)")
+    for what, layouts in (("parameter", f.parallel_layout_item),
+                          ("data input", f.data_layout_item)):
+        items = list(layouts.items())
+        rows = [(what, "tensor_shape", "dev_matrix", "tensor_map", "slice_shape")]
+        rows += [(k, e.tensor_shape, e.dev_matrix, e.tensor_map, e.slice_shape)
+                 for k, e in items[:args.limit]]
+        _out("\n" + table(rows, align="lllll"))
+        if len(items) > args.limit:
+            _out(f"... {len(items) - args.limit} more {what}s (--limit)")
     return 0
 
 
@@ -432,7 +435,8 @@ def _positive(text: str) -> int:
     return n
 
 
-def _model_args(p: argparse.ArgumentParser, *, devices: bool = True) -> None:
+def _model_args(p: argparse.ArgumentParser, *, devices: bool = True,
+                load: bool = False) -> None:
     p.add_argument("--model", required=True,
                    help="zoo model (mlp, transformer, tfm_stack, resnet50) or MODULE:FUNCTION "
                    "returning (fn, example_args)")
@@ -443,7 +447,8 @@ def _model_args(p: argparse.ArgumentParser, *, devices: bool = True) -> None:
     p.add_argument("--cluster", default=None,
                    help="cost model: a preset (accelerator-8x, cpu-emulated), 'calibrated' "
                    "or a calibration file (.json); default: the cached calibration of these "
-                   "devices, else their platform's preset (the strategy file's with --load)")
+                   "devices, else their platform's preset"
+                   + (" (the strategy file's with --load)" if load else ""))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -455,10 +460,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_parser(sub)
 
     p = sub.add_parser("search", help="search a plan for a model and print it")
-    _model_args(p)
+    _model_args(p, load=True)
     p.add_argument("--mode", choices=MODES,
                    help="search mode (default: the context's search_mode, dynamic_programming)")
-    p.add_argument("--parallel-mode", choices=PARALLEL_MODES, default="auto_parallel")
+    p.add_argument("--parallel-mode", choices=PARALLEL_MODES, default="auto_parallel",
+                   help="MindSpore's parallel_mode (default auto_parallel)")
     p.add_argument("--save", type=Path, help="write the strategy file here")
     p.add_argument("--load", type=Path, help="load the plan from this strategy file")
     p.add_argument("--full", action="store_true", help="print every operator's strategy")
@@ -476,10 +482,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("run", help="train a few steps on emulated devices (or processes)")
-    _model_args(p)
+    _model_args(p, load=True)
     p.add_argument("--mode", choices=MODES, help="search mode (auto_parallel only)")
-    p.add_argument("--parallel-mode", choices=PARALLEL_MODES, default="auto_parallel")
-    p.add_argument("--steps", type=_positive, default=3)
+    p.add_argument("--parallel-mode", choices=PARALLEL_MODES, default="auto_parallel",
+                   help="MindSpore's parallel_mode (default auto_parallel)")
+    p.add_argument("--steps", type=_positive, default=3, help="training steps (default 3)")
     p.add_argument("--check", action="store_true", help="compare with one device")
     p.add_argument("--atol", type=_tolerance, default=1e-4,
                    help="tolerance of --check (a finite number >= 0)")
@@ -498,7 +505,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("trace", help="simulate one iteration: the seed's trace points")
     _model_args(p)
     p.add_argument("--mode", choices=MODES, help="search mode (auto_parallel only)")
-    p.add_argument("--buckets", choices=("context", "hccl", "none"), default="context")
+    p.add_argument("--buckets", choices=("context", "hccl", "none"), default="context",
+                   help="gradient buckets: the context's comm_fusion (default), HCCL's split "
+                   "strategy, or one per gradient")
     p.add_argument("--out", type=Path, help="write the Chrome trace JSON here")
     p.add_argument("--png", type=Path, help="draw the timeline PNG here (plot extra)")
     p.set_defaults(func=cmd_trace)
@@ -516,7 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("show", help="pretty-print a strategy file")
-    p.add_argument("file", type=Path)
+    p.add_argument("file", type=Path, help="a strategy file (--save, strategy_ckpt_save_file)")
     p.add_argument("--limit", type=_positive, default=30, help="rows per table (default 30)")
     p.set_defaults(func=cmd_show)
     return parser

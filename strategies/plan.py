@@ -47,6 +47,7 @@ class Plan:
     in_tree: Any = field(default=None, repr=False, compare=False)  # pytree of the arguments
     cluster_config: Any = field(default=None, repr=False, compare=False)  # the priced Cluster
     stages: dict[str, int] = field(default_factory=dict)  # pipeline stage per operator; absent = 0
+    source: str = ""                        # the strategy file a loaded plan came from
 
     @property
     def device_num(self) -> int:
@@ -151,7 +152,8 @@ class Plan:
                 f"{c.compute * 1e3:.3f} + communication {c.communication * 1e3:.3f} + "
                 f"redistribution {c.redistribution * 1e3:.3f} + gradient sync "
                 f"{c.gradient_sync * 1e3:.3f} ms; memory {c.memory_bytes / 2**20:.1f} MiB per "
-                f"device; searched in {self.search_seconds:.3f} s")
+                f"device; " + (f"loaded from {self.source} in" if self.source else
+                               "searched in") + f" {self.search_seconds:.3f} s")
 
     def __str__(self) -> str:
         lines = [self.summary(), ""]

@@ -379,3 +379,22 @@ def test_bad_run_and_demo_options_fail_in_one_line(tmp_path, capsys, monkeypatch
         assert main(["search", "--model", spec]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and what in err and "Traceback" not in err
+
+
+def test_cli_output_says_what_happened(tmp_path, capsys):
+    from autopar.cli import build_parser
+
+    plan = tmp_path / "p.json"
+    assert main(["search", *SMALL_MLP, "--full", "--save", str(plan)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("step ") == 1 and "searched in" in out  # the summary once
+    assert main(["search", *SMALL_MLP, "--load", str(plan)]) == 0
+    assert f"loaded from {plan} in" in capsys.readouterr().out
+    assert main(["show", str(plan)]) == 0
+    assert "data input" in capsys.readouterr().out
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    for name, p in sub.choices.items():
+        for action in p._actions:
+            assert action.help, f"autopar {name} {action.option_strings or action.dest}"
+            if "--load" in (action.help or "") and name in ("compare", "trace"):
+                raise AssertionError(f"autopar {name} help mentions --load")
