@@ -536,7 +536,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from autopar.errors import AutoparError
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # the subcommand's own usage line and name, as for its other errors
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if args.func is cmd_run:

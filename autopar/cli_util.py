@@ -29,11 +29,13 @@ class Progress:
     """A progress bar on stderr for work that takes more than a second.
 
     On a terminal it redraws one line (``[#####.....] 3/6 label``); otherwise (CI logs,
-    pipes) it prints a line per finished item, so logs stay readable.
+    pipes) it prints a line when the work starts and one per finished item, so logs stay
+    readable and a long first item does not look like a hang.
 
     >>> with Progress("search", 2, stream=sys.stdout, tty=False) as bar:
     ...     bar.advance("exact")
     ...     bar.advance("dynamic_programming")
+      [0/2] search ...
       [1/2] search: exact
       [2/2] search: dynamic_programming
     """
@@ -64,8 +66,9 @@ class Progress:
             self.stream.write(f"\r  [{bar}] {self.done}/{self.total} {self.label} "
                               f"{note[:40]:<40} {time.perf_counter() - self.t0:6.1f} s")
             self.stream.flush()
-        elif self.done:
-            self.stream.write(f"  [{self.done}/{self.total}] {self.label}: {note}\n")
+        else:
+            line = f"{self.label}: {note}" if self.done else f"{self.label} ..."
+            self.stream.write(f"  [{self.done}/{self.total}] {line}\n")
             self.stream.flush()
 
     def __exit__(self, *exc: Any) -> None:
