@@ -93,7 +93,11 @@ def _check_group_name(group: Any) -> str:
         raise AutoParallelError("group", group, "group name must not be empty")
     if "\0" in group:
         raise AutoParallelError("group", group, "group name must not contain a NUL character")
-    size = len(group.encode("utf-8")) + 1
+    try:
+        size = len(group.encode("utf-8")) + 1
+    except UnicodeEncodeError:
+        raise AutoParallelError("group", group, "group name must be valid UTF-8 text (a lone "
+                                "surrogate cannot be encoded)") from None
     if size > MAX_GROUP_NAME_BYTES:
         raise AutoParallelError(
             "group", group, f"group name takes {size} bytes with its terminating NUL; at most "

@@ -468,6 +468,7 @@ class TrainStep:
         return loss, jax.tree_util.tree_unflatten(self._p_tree, g)
 
     def __call__(self, params: Any, opt_state: Any, *batch: Any) -> tuple[Any, Any, Any]:
+        self._check_state(params, opt_state)
         if self.backend == "pmap":
             p, s, loss = self._pstep(params, opt_state, *self._split(batch))
             first = lambda x: x[0]  # noqa: E731 - replicated over the pmap axis
@@ -475,6 +476,24 @@ class TrainStep:
         p, b = self._place(params, batch)
         new, opt_state, loss = self._step(p, opt_state, b)
         return jax.tree_util.tree_unflatten(self._p_tree, new), opt_state, loss
+
+    def _check_state(self, params: Any, opt_state: Any) -> None:
+        """``opt_state`` must be what ``init(params)`` makes: the same structure and leaf
+        shapes (a state of other parameters would be applied silently otherwise)."""
+        p_leaves, p_tree = jax.tree_util.tree_flatten(params)
+        key = (p_tree, tuple(np.shape(x) for x in p_leaves))
+        cache = self.__dict__.setdefault("_state_specs", {})
+        if key not in cache:  # once per parameter structure: init traced, nothing run
+            want = jax.eval_shape(self.optimizer.init, jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), params))
+            w_leaves, w_tree = jax.tree_util.tree_flatten(want)
+            cache[key] = (w_tree, tuple(w.shape for w in w_leaves))
+        want_tree, want_shapes = cache[key]
+        got_leaves, got_tree = jax.tree_util.tree_flatten(opt_state)
+        if got_tree != want_tree or tuple(np.shape(g) for g in got_leaves) != want_shapes:
+            raise AutoParallelTypeError("opt_state", type(opt_state).__name__,
+                                        "the optimizer state of these parameters, as "
+                                        "step.init(params) makes it")
 
     def _lowered(self, params: Any, opt_state: Any, *batch: Any) -> Any:
         if self.backend == "pmap":
@@ -533,6 +552,17 @@ def _uneven(size: int, degree: int, where: str) -> AutoParallelError:
                              f"Use a batch size that is a multiple of {degree}")
 
 
+def check_arrays(key: str, tree: Any) -> None:
+    """Every leaf of ``tree`` is an array or a number (what JAX can trace); else a typed
+    error naming the leaf's path, e.g. ``batch[0]`` or ``params['w']``."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]:
+        if leaf is None or isinstance(leaf, (str, bytes)) or not (
+                hasattr(leaf, "shape") and hasattr(leaf, "dtype") or
+                isinstance(leaf, (int, float, complex, np.number))):
+            raise AutoParallelTypeError(f"{key}{jax.tree_util.keystr(path)}", leaf,
+                                        "an array or a number")
+
+
 def _step_arguments(loss_fn: Any, batch: Any, optimizer: Any, loss_rule: str
                     ) -> tuple[tuple[Any, ...], optax.GradientTransformation]:
     """The arguments every step builder (this module's and :mod:`autopar.pipeline`'s) checks
@@ -540,8 +570,12 @@ def _step_arguments(loss_fn: Any, batch: Any, optimizer: Any, loss_rule: str
     callable raises with ``loss_rule``."""
     if not callable(loss_fn):
         raise AutoParallelTypeError("loss_fn", loss_fn, loss_rule)
+    if isinstance(batch, list):
+        raise AutoParallelTypeError("batch", batch, "a tuple of example arrays (or one array); "
+                                    "a list is ambiguous: pass tuple(batch)")
     if not isinstance(batch, tuple):
         batch = (batch,)
+    check_arrays("batch", batch)
     if optimizer is None:
         optimizer = optax.sgd(DEFAULT_LEARNING_RATE)
     if not isinstance(optimizer, optax.GradientTransformation):
@@ -573,6 +607,7 @@ def train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
     """
     batch, optimizer = _step_arguments(loss_fn, batch, optimizer,
                                        "train_step needs a callable loss")
+    check_arrays("params", params)
     if backend not in BACKENDS:
         raise AutoParallelError("backend", backend, f"must be one of {BACKENDS}")
     if sync_method not in METHODS:

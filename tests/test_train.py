@@ -331,3 +331,27 @@ def test_step_arguments_shared_by_both_step_builders():
         ap.train_step(3, {}, (x,))
     with pytest.raises(ap.AutoParallelTypeError, match="optimizer"):
         _step_arguments(jnp.sum, x, "sgd", "rule")
+
+
+def test_bad_step_arguments_are_typed_errors():
+    """Lists, None, strings and optimizer states of other parameters are refused by name,
+    never a JAX traceback (and never applied silently)."""
+    import optax
+
+    def loss(p, x):
+        return jnp.mean((x @ p["w"]) ** 2)
+
+    p, x = {"w": jnp.ones((8, 8))}, jnp.ones((16, 8))
+    ap.set_auto_parallel_context(device_num=8, parallel_mode="data_parallel")
+    with pytest.raises(ap.AutoParallelTypeError, match="tuple"):
+        ap.train_step(loss, p, [x])
+    with pytest.raises(ap.AutoParallelTypeError, match=r"batch\[0\]"):
+        ap.train_step(loss, p, (None,))
+    with pytest.raises(ap.AutoParallelTypeError, match=r"params\['w'\]"):
+        ap.train_step(loss, {"w": "abc"}, (x,))
+    step = ap.train_step(loss, p, (x,), optax.adam(1e-3))
+    for bad in ("xyz", optax.sgd(0.1).init(p), step.init({"w": jnp.ones(3)})):
+        with pytest.raises(ap.AutoParallelTypeError, match="opt_state"):
+            step(step.prepare(p), bad, x)
+    with pytest.raises(ap.AutoParallelError, match="UTF-8"):
+        ap.create_group("a\ud800", [0, 1])
