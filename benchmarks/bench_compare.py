@@ -3,14 +3,16 @@
     .venv/bin/python -m benchmarks compare [--quick]
 
 Same as ``autopar compare --model transformer -o layers=2 -o hidden=256 -o heads=8 -o seq=128
--o vocab=1024 -o batch=8 --devices 8 --cluster cpu-emulated --measure --steps 7``: every mode
-plans the zoo transformer for 8 emulated devices, each plan is run as a training step, timed
-round-robin. Writes benchmarks/results/compare.json (+ the markdown table on stdout).
+-o vocab=1024 -o batch=8 --devices 8 --cluster calibrated --measure --steps 7``: every mode
+plans the zoo transformer for 8 emulated devices on this machine's calibration, each plan is
+run as a training step, timed round-robin. Writes benchmarks/results/compare.json, the table
+between the ``compare`` markers of docs/cli.md and docs/compare_modes.png (full runs only).
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from benchmarks._common import write_results
 
@@ -29,18 +31,32 @@ def main(quick: bool = False) -> None:
                 seq=16 if quick else 128, vocab=128 if quick else 1024, batch=8)
     fn, ex, desc = load_model("transformer", opts)
     graph = ap.trace(fn, *ex)
+    cluster = ap.calibrate(8)  # this machine (cached after the first run)
     with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel"):
-        rows = compare_modes(graph, device_num=8, cluster="cpu-emulated")
+        rows = compare_modes(graph, device_num=8, cluster=cluster)
     _measure_all(fn, ex, rows, graph, 8, 3 if quick else 7)
     out = [{"mode": r.mode, "predicted_ms": r.step_seconds * 1e3,
             "vs_exact": r.ratio_to_exact, "comm_MB": r.comm_bytes / 2**20,
             "collectives": r.collectives, "memory_MiB": r.memory_bytes / 2**20,
             "search_s": r.search_seconds,
             "measured_ms": (r.measured_step_seconds or 0.0) * 1e3} for r in rows]
-    write_results("compare" + ("_quick" if quick else ""), out, _COLUMNS,
-                  meta={"model": desc, "devices": 8, "cluster": "cpu-emulated",
-                        "timing": "median of round-robin steps (one step of each plan per "
-                                  "round)"})
+    meta = {"model": desc, "devices": 8, "cluster": cluster.name,
+            "timing": "median of round-robin steps (one step of each plan per round)"}
+    write_results("compare", out, _COLUMNS, meta=meta)
+    if quick:
+        return
+    from autopar.compare import write_comparison
+    from autopar.files import write_bytes_atomic
+    from benchmarks._common import markdown_table, out_dir, replace_between_markers
+
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    paths = write_comparison(rows, out_dir() / "compare", meta=meta, title=(
+        f"search modes: {desc} on 8 devices, cluster {cluster.name}"))
+    if "png" in paths:
+        write_bytes_atomic(docs / "compare_modes.png", Path(paths["png"]).read_bytes())
+    replace_between_markers(docs / "cli.md", "compare", markdown_table(out, _COLUMNS) + (
+        f"\n\n(`predicted_ms`: the cost model on `{cluster.name}`; `measured_ms`: median of 7 "
+        "round-robin training steps; `python -m benchmarks compare` wrote this table.)"))
 
 
 if __name__ == "__main__":

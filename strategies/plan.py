@@ -85,7 +85,12 @@ class Plan:
             return self.layouts[name]
         if name in self.nodes:
             return self.nodes[name].out_layouts[0]
-        raise AutoParallelError("name", name, "not a value or node of this plan")
+        import difflib
+
+        known = {k.lower(): k for k in (*self.layouts, *self.nodes)}
+        close = difflib.get_close_matches(str(name).lower(), list(known), n=1)
+        raise AutoParallelError("name", name, "not a value or node of this plan",
+                                f"Did you mean {known[close[0]]!r}?" if close else None)
 
     def split_counts(self, name: str) -> tuple[int, ...]:
         """Shards per dim of a parameter, input or node output, e.g. (1, 8)."""

@@ -242,3 +242,13 @@ def test_parallel_optimizer_is_priced_in_the_memory_term(tmp_path):
         loaded = ap.load_strategy(tmp_path / "s.json", g)  # under the same threshold
     assert loaded.parallel_optimizer_kb == 64
     assert loaded.cost.memory_bytes == plan.cost.memory_bytes
+
+
+def test_unknown_plan_names_suggest_the_closest():
+    import jax.numpy as jnp
+
+    g = ap.trace(lambda p, x: jnp.sum(x @ p["w"]), {"w": jnp.ones((8, 8))}, jnp.ones((8, 8)))
+    plan = ap.search(g, device_num=8, parallel_mode="data_parallel")
+    name = g.parameters()[0]
+    with pytest.raises(ap.AutoParallelError, match=f"Did you mean '{name}'"):
+        plan.split_counts(name.upper())
