@@ -7,8 +7,9 @@ are medians over rounds and ``autopar / gspmd`` is the median over rounds of the
 same round (the machine is shared, so paired ratios are steadier than ratios of medians):
 
 - ``autopar``: ``jax.value_and_grad`` of the lowered ``shard_map`` program
-  (:func:`autopar.rewrite` with ``cluster="cpu-emulated"`` deciding the fused kernels for
-  this machine, :func:`autopar.lower`: explicit collectives, local shapes), arguments placed
+  (the default path: plans priced on this machine's calibration, and :func:`autopar.rewrite`
+  deciding fused kernels on the same cluster; :func:`autopar.lower`: explicit collectives,
+  local shapes), arguments placed
   on the plan's layouts; the gradient synchronisation is the one ``shard_map``'s transpose
   inserts;
 - ``gspmd``: ``jax.jit`` of the *same traced graph* evaluated on global arrays, every
@@ -125,9 +126,9 @@ def main(quick: bool = False) -> None:
         with ap.auto_parallel_context(device_num=8, gradients_mean=True, **ctx):
             fn = ap.parallelize(m.loss, params, *batch)
             tstep = ap.train_step(m.loss, params, batch, opt)
-        # fused kernels decided for the machine that runs the benchmark (8 emulated devices
-        # on 2 cores: nothing overlaps, so "auto" fuses nothing), not the plan's cluster
-        pg = ap.rewrite(fn.graph, fn.plan, cluster="cpu-emulated")
+        # the default path: the plan priced on this machine's calibration (or its platform's
+        # preset), and the fused kernels decided on the same cluster
+        pg = ap.rewrite(fn.graph, fn.plan)
         lowered = ap.lower(pg)
         mesh = lowered.mesh
         n_p = len(jax.tree.leaves(params))
@@ -192,6 +193,13 @@ def main(quick: bool = False) -> None:
         "devices": 8, "quick": quick, "repeat": repeat, "rounds": rounds,
         "ms": "median over rounds of the median of `repeat` runs",
         "autopar/gspmd": "median over rounds of autopar / gspmd in the same round"})
+    if not quick:
+        from pathlib import Path
+
+        from benchmarks._common import markdown_table, replace_between_markers
+
+        replace_between_markers(Path(__file__).resolve().parent.parent / "docs" /
+                                "execution.md", "execute", markdown_table(rows, COLUMNS))
 
 
 if __name__ == "__main__":
