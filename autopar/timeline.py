@@ -133,7 +133,9 @@ class IterationTrace:
                 f"{self.fp_time * 1e3:.3f} ms, BP {self.bp_time * 1e3:.3f} ms, communication "
                 f"{self.comm_time * 1e3:.3f} ms in {len(self.segments)} segment(s) "
                 f"({hidden} end before bp_end), exposed after bp_end "
-                f"{self.exposed_comm * 1e3:.3f} ms; buckets: {self.source}")
+                f"{self.exposed_comm * 1e3:.3f} ms; then the optimizer update "
+                f"{self.update * 1e3:.3f} ms: step {self.step_time * 1e3:.3f} ms; buckets: "
+                f"{self.source}")
 
     def table(self) -> str:
         """The seed's trace points and each segment, one line each (ms)."""
