@@ -92,8 +92,10 @@ def compare_modes(graph: Graph, *, device_num: int | None = None, cluster: Any =
         raise AutoParallelTypeError("modes", modes, "a non-empty list of search mode names")
     bad = [m for m in modes if m not in MODES]
     if bad:
-        raise AutoParallelError("modes", bad, f"unknown search modes; choose from {list(ORDER)}")
-    order = [m for m in ORDER if m in modes]
+        raise AutoParallelError("modes", bad, f"unknown search modes; choose from {list(MODES)}")
+    # the usual order first, then any other registered mode asked for (never dropped)
+    order = [m for m in ORDER if m in modes] + [m for m in dict.fromkeys(modes)
+                                                 if m not in ORDER]
     plans: dict[str, Plan] = {}
     for mode in order:
         fixed = None

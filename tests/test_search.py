@@ -252,3 +252,14 @@ def test_unknown_plan_names_suggest_the_closest():
     name = g.parameters()[0]
     with pytest.raises(ap.AutoParallelError, match=f"Did you mean '{name}'"):
         plan.split_counts(name.upper())
+
+
+def test_compare_modes_keeps_a_newly_registered_mode(monkeypatch):
+    import jax.numpy as jnp
+
+    from autopar.strategies import search as search_mod
+
+    monkeypatch.setitem(search_mod.MODES, "my_mode", search_mod.MODES["dynamic_programming"])
+    g = ap.trace(lambda p, x: jnp.sum(x @ p["w"]), {"w": jnp.ones((8, 8))}, jnp.ones((8, 8)))
+    rows = ap.compare_modes(g, device_num=8, modes=["my_mode", "dynamic_programming"])
+    assert [r.mode for r in rows] == ["dynamic_programming", "my_mode"]
