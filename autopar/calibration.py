@@ -389,6 +389,35 @@ def _link(fits: Sequence[CollectiveFit], intra: bool) -> tuple[float, float] | N
     return (p - 1) / p / max(f.beta, 1e-30), f.alpha / (p - 1)
 
 
+def _cluster(devs: Sequence[Any], comp: dict[str, float], fits: Sequence[CollectiveFit],
+             seconds: float) -> Cluster:
+    """The Cluster of the measured figures, with what it was measured on."""
+    import jax
+
+    from autopar import clusters
+
+    platform, kind = devs[0].platform, devs[0].device_kind
+    intra_link = _link(fits, True) or (1e12, 0.0)
+    inter_link = _link(fits, False) or intra_link
+    procs = len({d.process_index for d in devs})
+    cal = Calibration(version=CALIBRATION_VERSION, platform=platform, device_kind=kind,
+                      device_count=len(devs), process_count=procs,
+                      jax_version=jax.__version__,
+                      matmul_residual=comp["matmul_residual"],
+                      memory_residual=comp["memory_residual"],
+                      shared_compute=comp["shared_compute"], seconds=round(seconds, 3))
+    return Cluster(
+        name=clusters.calibrated_name(platform, len(devs), procs),
+        devices_per_node=len(devs) // procs, peak_flops=comp["peak_flops"],
+        memory_bandwidth=comp["memory_bandwidth"], memory_bytes=_memory_per_device(devs),
+        intra_bandwidth=intra_link[0], intra_alpha=intra_link[1],
+        inter_bandwidth=inter_link[0], inter_alpha=inter_link[1],
+        op_overhead=comp["op_overhead"], step_overhead=comp["step_overhead"],
+        overlap=comp["overlap"],
+        collectives=tuple(sorted(fits, key=lambda f: (f.kind, f.group, f.intra))),
+        calibration=cal)
+
+
 def calibrate(devices: Any = None, *, budget_s: float = 60.0, cache: bool = True,
               progress: bool = True, max_message_bytes: int = MESSAGE_SIZES[-1]) -> Cluster:
     """Measure ``devices`` (default: every device present; an int: the first that many) and
@@ -400,8 +429,6 @@ def calibrate(devices: Any = None, *, budget_s: float = 60.0, cache: bool = True
     ``progress``: a progress bar on stderr. ``max_message_bytes``: the largest collective
     message measured (default 32 MiB; smaller for a quick, coarser calibration).
     """
-    import jax
-
     from autopar import clusters
     from autopar.cli_util import Progress
 
@@ -429,26 +456,7 @@ def calibrate(devices: Any = None, *, budget_s: float = 60.0, cache: bool = True
     with Progress("calibrate", total, quiet=not progress) as bar:
         comp = _measure_compute(devs, 0.25 * clock.budget, bar)
         fits = _measure_collectives(devs, sizes, clock, bar) if cases else []
-    platform, kind = devs[0].platform, devs[0].device_kind
-    intra_link = _link(fits, True) or (1e12, 0.0)
-    inter_link = _link(fits, False) or intra_link
-    procs = len({d.process_index for d in devs})
-    local = len(devs) // procs
-    cal = Calibration(version=CALIBRATION_VERSION, platform=platform, device_kind=kind,
-                      device_count=len(devs), process_count=procs,
-                      jax_version=jax.__version__,
-                      matmul_residual=comp["matmul_residual"],
-                      memory_residual=comp["memory_residual"],
-                      shared_compute=comp["shared_compute"], seconds=round(clock.elapsed(), 3))
-    cluster = Cluster(
-        name=clusters.calibrated_name(platform, len(devs), procs), devices_per_node=local,
-        peak_flops=comp["peak_flops"], memory_bandwidth=comp["memory_bandwidth"],
-        memory_bytes=_memory_per_device(devs), intra_bandwidth=intra_link[0],
-        intra_alpha=intra_link[1], inter_bandwidth=inter_link[0], inter_alpha=inter_link[1],
-        op_overhead=comp["op_overhead"], step_overhead=comp["step_overhead"],
-        overlap=comp["overlap"],
-        collectives=tuple(sorted(fits, key=lambda f: (f.kind, f.group, f.intra))),
-        calibration=cal)
+    cluster = _cluster(devs, comp, fits, clock.elapsed())
     if cache:
         clusters.store_calibration(cluster, devs)
     return cluster

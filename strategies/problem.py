@@ -561,7 +561,7 @@ class Problem:
                 e._matrix = None
 
     def _add_param_vertices(self, replace_existing: bool = False) -> None:
-        g, mesh = self.graph, self.mesh
+        g = self.graph
         wanted: dict[tuple, tuple[Layout, ...]] = {}   # (consumer signature, input) -> layouts
         made: dict[tuple, tuple[list[Choice], dict]] = {}
         for v in g.parameters():
