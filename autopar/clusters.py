@@ -173,7 +173,7 @@ def store_calibration(cluster: Cluster, devices: Sequence[Any]) -> Path | None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         return save_cluster(cluster, path)
-    except OSError:
+    except (OSError, AutoParallelError):
         return None  # a read-only home: the calibration is still returned, just not kept
 
 

@@ -272,3 +272,19 @@ def test_ring_kernels_follow_the_measured_overlap():
             plan = ap.search(g, fixed=fixed, cluster=clus)
         fused[overlap] = len(ap.rewrite(g, plan, fused_kernels="auto").fused_nodes())
     assert fused == {0.0: 0, 1.0: 2}
+
+
+def test_an_unwritable_cache_still_returns_the_calibration(tmp_path, monkeypatch):
+    """A cache that cannot be written keeps nothing and raises nothing: the calibration is
+    still the caller's (its directory under a regular file; its file's name taken by a
+    directory)."""
+    import jax
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv(clusters.CACHE_ENV, str(blocker / "cache"))
+    assert clusters.store_calibration(_measured(), jax.devices()) is None
+    monkeypatch.setenv(clusters.CACHE_ENV, str(tmp_path / "cache"))
+    clusters._cache_path(jax.devices()).mkdir(parents=True)
+    assert clusters.store_calibration(_measured(), jax.devices()) is None
+    assert clusters.cached_calibration(jax.devices()) is None
