@@ -222,16 +222,15 @@ class _Model:
             raise AutoParallelTypeError("graph", graph, "an autopar.Graph from autopar.trace")
         if not isinstance(overlap, bool):
             raise AutoParallelTypeError("overlap", overlap, "must be a bool")
-        if plan is not None:
-            gradients(graph, plan)  # checks the plan before pricing on its cluster
-        clus = cluster_for(plan, cluster)
+        grads = gradients(graph, plan) if plan is not None else None  # checks the plan
+        clus = cluster_for(plan, cluster)  # before pricing on its cluster
         self.cm = CostModel(clus)
         self.overlap = overlap
         if device_num is not None and (isinstance(device_num, bool) or
                                        not isinstance(device_num, int)):
             raise AutoParallelTypeError("device_num", device_num, "must be an int")
         if plan is not None:
-            self.grads = gradients(graph, plan)  # checks the plan
+            self.grads = grads
             if device_num is not None and device_num != plan.mesh.device_num:
                 raise AutoParallelError("device_num", device_num, f"the plan is for "
                                         f"{plan.mesh.device_num} devices",
