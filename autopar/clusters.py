@@ -204,11 +204,15 @@ def describe_cluster(cluster: Cluster) -> str:
                      f"matmul {k.matmul_residual:.0%}, memory {k.memory_residual:.0%}; "
                      f"shared compute x{k.shared_compute:.2f}")
     if c.collectives:
-        rows = [("collective", "group", "link", "alpha us", "GB/s (1/beta)", "max residual",
-                 "sizes")]
+        def gbps(beta: float) -> str:
+            return f"{1 / beta / 1e9:.3f}" if beta > 0 else "inf"
+
+        rows = [("collective", "group", "link", "alpha us", "GB/s (1/beta)", "knee MiB",
+                 "GB/s past knee", "max residual", "sizes")]
         rows += [(f.kind, f.group, "intra" if f.intra else "inter", f"{f.alpha * 1e6:.1f}",
-                  f"{1 / f.beta / 1e9:.3f}" if f.beta > 0 else "inf", f"{f.residual:.0%}",
-                  f.samples) for f in c.collectives]
+                  gbps(f.beta), f"{f.knee / 2 ** 20:g}" if f.knee else "-",
+                  gbps(f.beta_large) if f.knee else "-", f"{f.residual:.0%}", f.samples)
+                 for f in c.collectives]
         lines += ["", table(rows)]
     return "\n".join(lines)
 
