@@ -38,7 +38,8 @@ from typing import Any, Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError, FileFieldError
-from autopar.files import read_bytes_capped, write_bytes_atomic, write_text_atomic
+from autopar.files import (read_json_document, validation_failure, write_bytes_atomic,
+                           write_text_atomic)
 from autopar.graph.ir import Graph, check_strategy_shape
 from autopar.strategies.cost import Cluster, CostModel, get_cluster
 from autopar.strategies.layout import DeviceMesh, Layout
@@ -239,15 +240,6 @@ def save_strategy(plan: Plan, graph: Graph, path: str | os.PathLike[str]) -> Pat
 # ---------------------------------------------------------------------------- load
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k!r}")
-        out[k] = v
-    return out
-
-
 #: The largest strategy file read (bytes); ``AUTOPAR_MAX_FILE_BYTES`` overrides it.
 MAX_FILE_BYTES = 64 * 2 ** 20
 
@@ -266,34 +258,12 @@ def read_strategy_file(path: str | os.PathLike[str]) -> StrategyFile:
     """Read and validate a strategy file (no graph needed: what ``autopar show`` prints)."""
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise AutoParallelTypeError("strategy_ckpt_load_file", path, "a non-empty path")
-    raw = read_bytes_capped(path, max_file_bytes(),
-                            lambda expected, found: StrategyFileError(path, "<file>", expected,
-                                                                       found))
-    try:
-        data = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates,
-                          parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise StrategyFileError(path, "<json>", "a complete JSON document (truncated or "
-                                "corrupted file?)", str(e)) from None
-    if not isinstance(data, dict):
-        raise StrategyFileError(path, "<root>", "a JSON object", type(data).__name__)
-    if data.get("format") != FORMAT:
-        raise StrategyFileError(path, "format", repr(FORMAT), data.get("format", "<missing>"))
-    version = data.get("version", "<missing>")
-    if version != VERSION or isinstance(version, bool):
-        raise StrategyFileError(path, "version", f"the integer {VERSION} (the version this "
-                                "autopar reads)", repr(version))
+    data = read_json_document(path, fmt=FORMAT, version=VERSION, limit=max_file_bytes(),
+                              error=StrategyFileError)
     try:
         return StrategyFile.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"]) or "<root>"
-        found = err.get("input", "<missing>") if err["type"] != "missing" else "<missing>"
-        raise StrategyFileError(path, loc, err["msg"].lower(), found) from None
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
+        raise StrategyFileError(path, *validation_failure(e)) from None
 
 
 def load_strategy(path: str | os.PathLike[str], graph: Graph, *,
@@ -400,10 +370,7 @@ def _file_cluster(f: StrategyFile, path: str) -> Cluster:
     try:
         return Cluster.model_validate_json(json.dumps(data))
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = "cluster." + ".".join(str(x) for x in err["loc"])
-        raise StrategyFileError(path, loc, err["msg"].lower(),
-                                err.get("input", "<missing>")) from None
+        raise StrategyFileError(path, *validation_failure(e, "cluster")) from None
 
 
 def _check_operators(f: StrategyFile, graph: Graph, mesh: DeviceMesh, path: str,

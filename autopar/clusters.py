@@ -31,6 +31,7 @@ from typing import Any, Sequence
 from pydantic import ValidationError
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError, FileFieldError
+from autopar.files import read_json_document, validation_failure, write_text_atomic
 from autopar.strategies.cost import CLUSTERS, Cluster, get_cluster
 
 __all__ = ["CACHE_ENV", "CLUSTER_ENV", "ClusterFileError", "FORMAT", "MAX_FILE_BYTES",
@@ -67,62 +68,24 @@ def dumps_cluster(cluster: Cluster) -> str:
 
 def save_cluster(cluster: Cluster, path: str | os.PathLike[str]) -> Path:
     """Write ``cluster`` to ``path`` (atomic; refuses a path that is not a regular file)."""
-    from autopar.files import write_text_atomic
-
     if not isinstance(cluster, Cluster):
         raise AutoParallelTypeError("cluster", cluster, "an autopar.Cluster")
-    if not isinstance(path, (str, os.PathLike)) or not str(path):
-        raise AutoParallelTypeError("path", path, "a non-empty path")
-    target = Path(path)
-    if target.exists() and not target.is_file():
-        raise AutoParallelError("path", str(path), "not a regular file; calibration files "
-                                "are written only over regular files")
-    return write_text_atomic(target, dumps_cluster(cluster))
+    return write_text_atomic(path, dumps_cluster(cluster))  # checks the path
 
 
 def load_cluster(path: str | os.PathLike[str]) -> Cluster:
     """Read and validate a calibration file (see the module doc)."""
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise AutoParallelTypeError("path", path, "a non-empty path")
-    p = Path(path)
-    try:
-        if not p.is_file():
-            raise ClusterFileError(path, "<file>", "a regular file", "missing" if not
-                                   p.exists() else "not a regular file")
-        if p.stat().st_size > MAX_FILE_BYTES:
-            raise ClusterFileError(path, "<file>", f"at most {MAX_FILE_BYTES} bytes",
-                                   p.stat().st_size)
-        raw = p.read_bytes()[:MAX_FILE_BYTES + 1]
-    except OSError as e:
-        raise ClusterFileError(path, "<file>", "a readable file", e.strerror or str(e)) \
-            from None
-    try:
-        data = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise ClusterFileError(path, "<json>", "a complete JSON document", str(e)[:120]) \
-            from None
-    if not isinstance(data, dict):
-        raise ClusterFileError(path, "<root>", "a JSON object", type(data).__name__)
-    if data.get("format") != FORMAT:
-        raise ClusterFileError(path, "format", repr(FORMAT), data.get("format", "<missing>"))
-    version = data.get("version", "<missing>")
-    if type(version) is not int or version != VERSION:
-        raise ClusterFileError(path, "version", f"the integer {VERSION} (the version this "
-                               "autopar reads)", repr(version))
+    data = read_json_document(path, fmt=FORMAT, version=VERSION, limit=MAX_FILE_BYTES,
+                              error=ClusterFileError)
     extra = sorted(set(data) - {"format", "version", "cluster"})
     if extra:
         raise ClusterFileError(path, extra[0], "no such field", data[extra[0]])
     try:
         return Cluster.model_validate_json(json.dumps(data.get("cluster")))
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(["cluster", *(str(x) for x in err["loc"])])
-        found = err.get("input", "<missing>") if err["type"] != "missing" else "<missing>"
-        raise ClusterFileError(path, loc, err["msg"].lower(), found) from None
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
+        raise ClusterFileError(path, *validation_failure(e, "cluster")) from None
 
 
 # ---------------------------------------------------------------------------- the cache

@@ -25,6 +25,7 @@ b'{}'
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import tempfile
@@ -32,9 +33,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from autopar.errors import AutoParallelError, AutoParallelTypeError
+from autopar.errors import AutoParallelError, AutoParallelTypeError, FileFieldError
 
-__all__ = ["STALE_SECONDS", "read_bytes_capped", "write_bytes_atomic", "write_text_atomic"]
+__all__ = ["STALE_SECONDS", "read_bytes_capped", "read_json_document", "validation_failure",
+           "write_bytes_atomic", "write_text_atomic"]
 
 #: A temporary file of ours this old was left by a writer that died: the next save removes it.
 STALE_SECONDS = 60.0
@@ -138,13 +140,16 @@ def read_bytes_capped(path: str | os.PathLike[str], limit: int,
 
     try:  # non-blocking: opening a FIFO with no writer must not wait
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise fail("a readable file", "missing (no such file)") from None
     except OSError as e:
         raise fail("a readable file", e.strerror or str(e)) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise fail("a regular file", "a directory" if stat.S_ISDIR(st.st_mode) else
+                   "not a regular file (a FIFO, device or socket)")
     with os.fdopen(fd, "rb") as fh:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise fail("a regular file", "a directory" if stat.S_ISDIR(st.st_mode) else
-                       "not a regular file (a FIFO, device or socket)")
         if st.st_size > limit:
             raise fail(f"at most {limit} bytes", f"{st.st_size} bytes")
         try:
@@ -154,3 +159,49 @@ def read_bytes_capped(path: str | os.PathLike[str], limit: int,
     if len(data) > limit:
         raise fail(f"at most {limit} bytes", "a file still growing past it")
     return data
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def read_json_document(path: str | os.PathLike[str], *, fmt: str, version: int, limit: int,
+                       error: type[FileFieldError]) -> dict[str, Any]:
+    """The JSON object of a versioned autopar file (strategy file, calibration): read with
+    :func:`read_bytes_capped`, parsed strictly (no NaN, no duplicate keys, depth-safe), its
+    ``format`` and integer ``version`` checked; every failure an ``error(path, field,
+    expected, found)``."""
+    raw = read_bytes_capped(path, limit, lambda expected, found: error(path, "<file>",
+                                                                       expected, found))
+    try:
+        data = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates,
+                          parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise error(path, "<json>", "a complete JSON document (truncated or corrupted "
+                    "file?)", str(e)[:200]) from None
+    if not isinstance(data, dict):
+        raise error(path, "<root>", "a JSON object", type(data).__name__)
+    if data.get("format") != fmt:
+        raise error(path, "format", repr(fmt), data.get("format", "<missing>"))
+    found = data.get("version", "<missing>")
+    if type(found) is not int or found != version:
+        raise error(path, "version", f"the integer {version} (the version this autopar "
+                    "reads)", repr(found))
+    return data
+
+
+def validation_failure(err: Any, prefix: str = "") -> tuple[str, str, Any]:
+    """(dotted field, rule, value found) of a pydantic ValidationError's first error."""
+    first = err.errors()[0]
+    loc = ".".join([*([prefix] if prefix else []), *(str(x) for x in first["loc"])])
+    found = first.get("input", "<missing>") if first["type"] != "missing" else "<missing>"
+    return loc or "<root>", str(first["msg"]).lower(), found
