@@ -49,6 +49,7 @@ MAX_FILE_BYTES = 4 * 2 ** 20
 PLATFORM_PRESETS = {"cpu": "cpu-emulated"}
 _DEFAULT_PRESET = "accelerator-8x"
 _noticed: set[str] = set()
+_loaded: dict[tuple[str, int, int], Cluster | None] = {}  # cache files read, by mtime
 
 
 class ClusterFileError(FileFieldError):
@@ -121,12 +122,19 @@ def cached_calibration(devices: Sequence[Any]) -> Cluster | None:
     """The cached calibration of exactly these devices' kind and count, or None (a cache file
     that cannot be read counts as none: it is measured again and replaced)."""
     path = _cache_path(devices)
-    if path is None or not path.is_file():
-        return None
     try:
-        return load_cluster(path)
-    except ClusterFileError:
+        st = path.stat() if path is not None else None
+    except OSError:
+        st = None
+    if path is None or st is None:
         return None
+    key = (str(path), st.st_mtime_ns, st.st_size)  # every search asks: read the file once
+    if key not in _loaded:
+        try:
+            _loaded[key] = load_cluster(path)
+        except ClusterFileError:
+            _loaded[key] = None
+    return _loaded[key]
 
 
 def store_calibration(cluster: Cluster, devices: Sequence[Any]) -> Path | None:
