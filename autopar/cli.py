@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from autopar.files import write_text_atomic
-from autopar.cli_util import (CLIError, Progress, compare_with_reference, load_model,
-                              parse_options, setup_devices, table)
+from autopar.cli_util import (CLIError, Progress, compare_with_reference, drop_gloo_lines,
+                              load_model, parse_options, setup_devices, table)
 from autopar.strategies.search import MODES as _SEARCH_MODES
 
 __all__ = ["main", "build_parser"]
@@ -221,6 +221,7 @@ def _distributed(args: argparse.Namespace) -> None:
     if args.backend == "cpu":  # emulated CPU devices, connected with gloo
         setup_devices(args.devices // args.num_processes)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        drop_gloo_lines()
     try:  # a coordinator nobody answers at: fail in a minute, not five, and say so
         jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,
                                    process_id=args.process_id,

@@ -11,14 +11,17 @@ exact  1.50
 from __future__ import annotations
 
 import ast
+import atexit
 import importlib
 import os
+import re
 import sys
+import threading
 import time
 from typing import Any, Callable, Sequence
 
 __all__ = ["CLIError", "Progress", "table", "parse_options", "load_model", "setup_devices",
-           "compare_with_reference"]
+           "compare_with_reference", "drop_gloo_lines"]
 
 
 class CLIError(Exception):
@@ -207,3 +210,53 @@ def compare_with_reference(losses: Sequence[float], params: Any,
     ok = (len(leaves) == len(ref_leaves) and len(losses) == len(ref_losses) and diff <= atol
           and all(abs(a - b) <= atol * max(1.0, abs(b)) for a, b in zip(losses, ref_losses)))
     return diff, loss_diff, ok
+
+
+#: The words of gloo's connection report (``[Gloo] Rank 0 is connected to 7 peer ranks.
+#: Expected number of connected peer ranks is : 7``), which C++ threads write to fd 1 in
+#: fragments that interleave mid-line.
+_GLOO_WORDS = re.compile(rb"\[Gloo\]|Rank|is|connected|to|peer|ranks|Expected|number|of|[.:]|"
+                         rb"\d+|\s+")
+
+
+def is_gloo_noise(line: bytes) -> bool:
+    """True for a stdout line made only of the words of gloo's connection reports.
+
+    >>> is_gloo_noise(b"[Gloo] Rank 0[Gloo] Rank 1 is connected to 3 peer ranks. Expected")
+    True
+    >>> is_gloo_noise(b"7 peer ranks. Expected number of connected peer ranks is : 7")
+    True
+    >>> is_gloo_noise(b"1     0.490448"), is_gloo_noise(b""), is_gloo_noise(b"[Gloo] says hi")
+    (False, False, False)
+    """
+    return (any(word in line for word in (b"Gloo", b"connected", b"peer ranks"))
+            and not _GLOO_WORDS.sub(b"", line))
+
+
+def drop_gloo_lines() -> None:
+    """Route this process's fd 1 through a filter that drops gloo's connection reports (one
+    line per communicator and rank: dozens per multi-process run, printed by the C++ library
+    straight to stdout); every other line passes unchanged. Restored at exit."""
+    sys.stdout.flush()
+    real = os.dup(1)
+    read, write = os.pipe()
+    os.dup2(write, 1)
+    os.close(write)
+
+    def pump() -> None:
+        with os.fdopen(read, "rb") as src, os.fdopen(os.dup(real), "wb") as dst:
+            for line in src:
+                if not is_gloo_noise(line):
+                    dst.write(line)
+                    dst.flush()
+
+    thread = threading.Thread(target=pump, name="autopar-stdout-filter", daemon=True)
+    thread.start()
+
+    def restore() -> None:
+        sys.stdout.flush()
+        os.dup2(real, 1)  # closes the pipe's last writer: the pump drains and ends
+        thread.join(timeout=5)
+        os.close(real)
+
+    atexit.register(restore)
