@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from autopar.context import current_config
-from autopar.errors import AutoParallelError, AutoParallelTypeError, CommGroupError
+from autopar.errors import AutoParallelError, AutoParallelTypeError, CommGroupError, found
 
 __all__ = [
     "WORLD_GROUP",
@@ -150,9 +150,10 @@ def create_group(group: str, rank_ids: list[int]) -> None:
         raise CommGroupError("group", name, "hccl_world_group is reserved and always exists")
     if not isinstance(rank_ids, (list, tuple)):
         raise AutoParallelTypeError("rank_ids", rank_ids, "rank_ids must be a list of ints")
-    for r in rank_ids:
+    for i, r in enumerate(rank_ids):
         if not _is_int(r):
-            raise AutoParallelTypeError("rank_ids", rank_ids, f"rank ids must be ints, found {r!r}")
+            raise AutoParallelTypeError("rank_ids", rank_ids,
+                                        f"rank ids must be ints, {found(r, f'[{i}]')}")
     device_num = current_config().device_num
     if len(rank_ids) == 0:
         raise AutoParallelError("rank_ids", rank_ids, "a group needs at least one rank")
@@ -229,10 +230,10 @@ def set_split_strategy_by_size(dataSizeList: list[float], group: str = WORLD_GRO
     split 90 / 30 / 30 MB is ``[60, 20, 20]``.
     """
     values = _check_list("dataSizeList", dataSizeList, "percentages")
-    for v in values:
+    for i, v in enumerate(values):
         if not (_is_int(v) or isinstance(v, float)):
             raise AutoParallelTypeError("dataSizeList", dataSizeList,
-                                        f"percentages must be ints or floats, found {v!r}")
+                                        f"percentages must be ints or floats, {found(v, f'[{i}]')}")
         if not math.isfinite(v) or v < 0:
             raise AutoParallelError("dataSizeList", dataSizeList,
                                     f"percentages must be finite and non-negative, found {v!r}")
@@ -253,9 +254,10 @@ def set_split_strategy_by_idx(idxList: list[int], group: str = WORLD_GROUP) -> N
     ``[20, 100, 159]`` on ResNet-50's 161 gradients gives 0..20, 21..100, 101..159, 160.
     """
     values = _check_list("idxList", idxList, "ints")
-    for v in values:
+    for i, v in enumerate(values):
         if not _is_int(v):
-            raise AutoParallelTypeError("idxList", idxList, f"indices must be ints, found {v!r}")
+            raise AutoParallelTypeError("idxList", idxList,
+                                        f"indices must be ints, {found(v, f'[{i}]')}")
         if v < 0:
             raise AutoParallelError("idxList", idxList, f"indices must be non-negative, found {v}")
     if any(b <= a for a, b in zip(values, values[1:])):

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 
 from autopar.errors import (AutoParallelError, AutoParallelTypeError, ContextConflictError,
-                            UnknownKeyError)
+                            UnknownKeyError, found)
 
 __all__ = [
     "PARALLEL_MODES",
@@ -66,9 +66,9 @@ def _check_indices(v: Any, what: str) -> tuple[int, ...]:
     """Non-empty, strictly ascending, non-negative ints (a list or tuple)."""
     if not isinstance(v, (list, tuple)):
         raise _type_error(f"{what} must be a list of ints")
-    for item in v:
+    for i, item in enumerate(v):
         if not _is_int(item):
-            raise _type_error(f"{what} must contain only ints, found {item!r}")
+            raise _type_error(f"{what} must contain only ints, {found(item, f'[{i}]')}")
     if len(v) == 0:
         raise ValueError(f"{what} must not be empty")
     if any(i < 0 or i > MAX_INDEX for i in v):
@@ -100,7 +100,8 @@ class _Fusion(BaseModel):
                                  "config or pass None, or use mode 'size'")
         elif self.mode == "size":
             if isinstance(c, bool) or not isinstance(c, (int, float)):
-                raise _type_error("size mode needs config, a threshold in MB (int or float)")
+                raise _type_error("size mode needs config, a threshold in MB (int or float), "
+                                  + found(c, "config"))
             if not math.isfinite(c) or c <= 0:
                 raise ValueError("size mode needs a fusion threshold larger than 0 MB")
             if c * 2 ** 20 < 1:
@@ -247,12 +248,13 @@ class AutoParallelConfig(BaseModel):
             raise _type_error("dataset_strategy must be a str or a tuple of tuples of ints")
         if len(v) == 0:
             raise ValueError("dataset_strategy tuple must not be empty")
-        for entry in v:
+        for i, entry in enumerate(v):
             if not isinstance(entry, tuple):
-                raise _type_error(f"each dataset_strategy entry must be a tuple, found {entry!r}")
-            for s in entry:
+                raise _type_error("each dataset_strategy entry must be a tuple, "
+                                  + found(entry, f"[{i}]"))
+            for j, s in enumerate(entry):
                 if not _is_int(s):
-                    raise _type_error(f"split counts must be ints, found {s!r}")
+                    raise _type_error(f"split counts must be ints, {found(s, f'[{i}][{j}]')}")
                 if s < 1 or s > 4096:
                     raise ValueError(f"split counts must be ints in [1, 4096], found {s}")
         return v
@@ -307,6 +309,12 @@ def raise_for_validation_error(err: ValidationError, where: str) -> None:
         parent = ".".join(key.split(".")[:-1])
         valid = list(_NESTED[parent].model_fields) if parent in _NESTED else list(KEYS)
         raise unknown_key_error(key.split(".")[-1], valid, f"{where}.{parent}" if parent else where)
+    if kind == "invalid_key":  # a dict key that is not a string: name it, not the whole dict
+        parent = ".".join(key.split(".")[:-1])
+        err = AutoParallelTypeError(f"{parent}: the key {value!r} ({type(value).__name__}) is "
+                                    "invalid: keys must be strings.")
+        err.key, err.value = parent, value
+        raise err
     if kind.endswith("_type") or kind == "autopar_type":
         raise AutoParallelTypeError(key, value, f"{msg}{more}")
     raise AutoParallelError(key, value, f"{msg}{more}")

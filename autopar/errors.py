@@ -42,6 +42,15 @@ def _format(key: str | None, value: Any, rule: str, hint: str | None) -> str:
     return msg
 
 
+def found(item: Any, at: str = "") -> str:
+    """How a rule names the offending element of a container: its value, its type, where it is.
+
+    >>> found("a", "[1]")
+    "found 'a' (str) at [1]"
+    """
+    return f"found {item!r} ({type(item).__name__})" + (f" at {at}" if at else "")
+
+
 class _Keyed(AutoparError):
     """Built either from a ready message (one argument) or from ``(key, value, rule[, hint])``."""
 
@@ -70,6 +79,8 @@ class AutoParallelTypeError(_Keyed, TypeError):
 
     @staticmethod
     def _rule(rule: str | None, value: Any) -> str:
+        if rule and "found " in rule:  # the rule names the offending element (see found())
+            return rule
         return f"{rule or 'wrong type'} (got {type(value).__name__})"
 
 

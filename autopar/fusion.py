@@ -64,7 +64,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Literal, Sequence
 
 from autopar.comm import MAX_SEGMENTS, WORLD_GROUP, get_split_strategy
-from autopar.errors import AutoParallelError, AutoParallelTypeError
+from autopar.errors import AutoParallelError, AutoParallelTypeError, found
 
 __all__ = [
     "MB",
@@ -298,9 +298,10 @@ def buckets_from_ends(grads: Any, ends: Sequence[int], *, kind: str = "allreduce
     gs = _check_gradients(grads)
     n = len(gs)
     ends = list(ends)
-    for e in ends:
+    for i, e in enumerate(ends):
         if isinstance(e, bool) or not isinstance(e, int):
-            raise AutoParallelTypeError("ends", ends, "bucket ends must be ints")
+            raise AutoParallelTypeError("ends", ends,
+                                        f"bucket ends must be ints, {found(e, f'[{i}]')}")
     if not ends or ends[-1] != n or any(b <= a for a, b in zip([0] + ends, ends)):
         raise AutoParallelError("ends", ends, f"bucket ends must be strictly ascending, "
                                 f"positive, and end at the number of gradients ({n})")
@@ -316,10 +317,10 @@ def buckets_from_ends(grads: Any, ends: Sequence[int], *, kind: str = "allreduce
 def _int_list(key: str, values: Any, what: str) -> list[int]:
     if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)):
         raise AutoParallelTypeError(key, values, f"{what} must be a list of ints")
-    for v in values:
+    for i, v in enumerate(values):
         if isinstance(v, bool) or not isinstance(v, int):
             raise AutoParallelTypeError(key, values, f"{what} must contain only ints, "
-                                        f"found {v!r}")
+                                        + found(v, f"[{i}]"))
     if not values:
         raise AutoParallelError(key, list(values), f"{what} must not be empty")
     if any(b <= a for a, b in zip(values, values[1:])):
@@ -407,9 +408,10 @@ def _percent_list(values: Any) -> list[float]:
     if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)):
         raise AutoParallelTypeError(key, values, "percentages must be a list of numbers")
     vals = list(values)
-    for v in vals:
+    for i, v in enumerate(vals):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise AutoParallelTypeError(key, values, f"percentages must be numbers, found {v!r}")
+            raise AutoParallelTypeError(key, values,
+                                        f"percentages must be numbers, {found(v, f'[{i}]')}")
         if not math.isfinite(v) or v < 0:
             raise AutoParallelError(key, vals, f"percentages must be finite and >= 0, "
                                     f"found {v!r}")

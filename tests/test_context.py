@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import autopar as ap
 from autopar.context import public_dict
+from autopar.graph.ir import check_strategy_shape
 
 ALL_KEYS = sorted(public_dict()) + ["auto_parallel_search_mode"]
 
@@ -545,3 +546,28 @@ def test_messages_name_what_was_set():
         ap.set_auto_parallel_context(comm_fusion={"allreduce": {"mode": "size",
                                                                 "config": 1e-9}})
     assert ap.get_auto_parallel_context("comm_fusion") == {}
+
+
+@pytest.mark.parametrize("call, where", [
+    (lambda: ap.set_auto_parallel_context(all_reduce_fusion_config=[1, "a"]), "'a' (str) at [1]"),
+    (lambda: ap.set_auto_parallel_context(dataset_strategy=((1, 8), (1, "8"))),
+     "'8' (str) at [1][1]"),
+    (lambda: ap.set_auto_parallel_context(dataset_strategy=((1, 8), [1, 8])),
+     "[1, 8] (list) at [1]"),
+    (lambda: ap.set_auto_parallel_context(comm_fusion={"allreduce": {"mode": "size",
+                                                                     "config": "x"}}),
+     "'x' (str) at config"),
+    (lambda: ap.set_auto_parallel_context(comm_fusion={3: {}}), "the key 3 (int)"),
+    (lambda: ap.set_split_strategy_by_idx([50, "x"]), "'x' (str) at [1]"),
+    (lambda: ap.set_split_strategy_by_size([50, None]), "None (NoneType) at [1]"),
+    (lambda: ap.create_group("g", [0, 1.0]), "1.0 (float) at [1]"),
+    (lambda: check_strategy_shape(((2, 1), (1, "4")), None, "matmul"), "'4' (str) at [1][1]"),
+    (lambda: check_strategy_shape(((2, 1), 4), None, "matmul"), "4 (int) at [1]"),
+])
+def test_type_errors_name_the_offending_element(call, where):
+    """Not the container's type: the element's value, its type and its position."""
+    before = ap.get_auto_parallel_context("comm_fusion")
+    with pytest.raises(ap.AutoParallelTypeError) as info:
+        call()
+    assert where in str(info.value) and "(got " not in str(info.value)
+    assert ap.get_auto_parallel_context("comm_fusion") == before

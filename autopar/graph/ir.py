@@ -26,7 +26,7 @@ from typing import Any, Iterable, Literal, Mapping
 
 import numpy as np
 
-from autopar.errors import AutoParallelError, AutoParallelTypeError
+from autopar.errors import AutoParallelError, AutoParallelTypeError, found
 
 __all__ = ["TensorSpec", "Value", "Node", "Graph", "Strategy", "check_strategy_shape"]
 
@@ -103,14 +103,15 @@ def check_strategy_shape(strategy: Any, ranks: list[int] | None, where: str) -> 
                                     "a strategy is a non-empty tuple with one tuple of ints per "
                                     "input, e.g. ((2, 1), (1, 4))")
     out = []
-    for entry in strategy:
+    for i, entry in enumerate(strategy):
         if not isinstance(entry, (tuple, list)):
             raise AutoParallelTypeError(f"strategy for {where}", strategy,
-                                        f"each entry must be a tuple of ints, found {entry!r}")
-        for s in entry:
+                                        "each entry must be a tuple of ints, "
+                                        + found(entry, f"[{i}]"))
+        for j, s in enumerate(entry):
             if not isinstance(s, int) or isinstance(s, bool):
                 raise AutoParallelTypeError(f"strategy for {where}", strategy,
-                                            f"split counts must be ints, found {s!r}")
+                                            f"split counts must be ints, {found(s, f'[{i}][{j}]')}")
             if s < 1:
                 raise AutoParallelError(f"strategy for {where}", strategy,
                                         f"split counts must be >= 1, found {s}")
