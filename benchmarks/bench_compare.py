@@ -11,24 +11,41 @@ between the ``compare`` markers of docs/cli.md and docs/compare_modes.png (full 
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
-from benchmarks._common import write_results
+from benchmarks._common import (
+    DocTables,
+    DocTexts,
+    markdown_table,
+    run_main,
+    write_results,
+)
 
 _COLUMNS = ["mode", "predicted_ms", "vs_exact", "comm_MB", "collectives", "memory_MiB",
             "search_s", "measured_ms"]
 
 
+def doc_tables(results: dict[str, dict]) -> DocTexts:
+    """docs/cli.md's ``compare`` table, from compare.json."""
+    payload = results["compare"]
+    return {("docs/cli.md", "compare"): markdown_table(payload["rows"], _COLUMNS) + (
+        f"\n\n(`predicted_ms`: the cost model on `{payload['meta']['cluster']}`; "
+        "`measured_ms`: median of 7 round-robin training steps; `python -m benchmarks compare` "
+        "wrote this table.)")}
+
+
+DOC_TABLES = DocTables(("compare",), doc_tables)
+
+
 def main(quick: bool = False) -> None:
-    from autopar.cli import _measure_all
-    from autopar.compare import compare_modes
-    from autopar.cli_util import load_model
-
     import autopar as ap
+    from autopar.cli import _measure_all
+    from autopar.cli_util import load_model
+    from autopar.compare import compare_modes
 
-    opts = dict(layers=1 if quick else 2, hidden=64 if quick else 256, heads=4 if quick else 8,
-                seq=16 if quick else 128, vocab=128 if quick else 1024, batch=8)
+    opts = {"layers": 1 if quick else 2, "hidden": 64 if quick else 256,
+            "heads": 4 if quick else 8, "seq": 16 if quick else 128,
+            "vocab": 128 if quick else 1024, "batch": 8}
     fn, ex, desc = load_model("transformer", opts)
     graph = ap.trace(fn, *ex)
     cluster = ap.calibrate(8)  # this machine (cached after the first run)
@@ -47,23 +64,14 @@ def main(quick: bool = False) -> None:
         return
     from autopar.compare import write_comparison
     from autopar.files import write_bytes_atomic
-    from benchmarks._common import markdown_table, out_dir, replace_between_markers
+    from benchmarks._common import ROOT, out_dir
 
-    docs = Path(__file__).resolve().parent.parent / "docs"
     paths = write_comparison(rows, out_dir() / "compare", meta=meta, title=(
         f"search modes: {desc} on 8 devices, cluster {cluster.name}"))
     if "png" in paths:
-        write_bytes_atomic(docs / "compare_modes.png", Path(paths["png"]).read_bytes())
-    replace_between_markers(docs / "cli.md", "compare", markdown_table(out, _COLUMNS) + (
-        f"\n\n(`predicted_ms`: the cost model on `{cluster.name}`; `measured_ms`: median of 7 "
-        "round-robin training steps; `python -m benchmarks compare` wrote this table.)"))
+        write_bytes_atomic(ROOT / "docs" / "compare_modes.png", Path(paths["png"]).read_bytes())
+    DOC_TABLES.write()
 
 
 if __name__ == "__main__":
-    from benchmarks._common import setup_devices
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true")
-    a = parser.parse_args()
-    setup_devices(8)
-    main(quick=a.quick)
+    run_main(main)

@@ -33,23 +33,40 @@ from __future__ import annotations
 
 import random
 import statistics
-import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from benchmarks._common import setup_devices, timeit, write_results
+from benchmarks._common import (
+    DocTables,
+    DocTexts,
+    markdown_table,
+    run_main,
+    setup_devices,
+    timeit,
+    write_results,
+)
 
 COLUMNS = ("model", "plan", "autopar_ms", "gspmd_ms", "autopar/gspmd", "gspmd_free_ms",
            "train_step_ms", "single_ms", "hlo_collectives_autopar", "hlo_collectives_gspmd")
 
 
+def doc_tables(results: dict[str, dict]) -> DocTexts:
+    """docs/execution.md's ``execute`` table, from execute.json."""
+    return {("docs/execution.md", "execute"): markdown_table(results["execute"]["rows"],
+                                                            COLUMNS)}
+
+
+DOC_TABLES = DocTables(("execute",), doc_tables)
+
+
 def _cases(quick: bool) -> list[tuple[str, Callable[[], Any], dict]]:
     from autopar.models import mlp, transformer
 
-    dp = dict(parallel_mode="data_parallel")
-    auto = dict(parallel_mode="auto_parallel", search_mode="dynamic_programming")
+    dp = {"parallel_mode": "data_parallel"}
+    auto = {"parallel_mode": "auto_parallel", "search_mode": "dynamic_programming"}
     hidden = 64 if quick else 128
-    mk_mlp = lambda: mlp(widths=(hidden, 4 * hidden, hidden), batch=64)  # noqa: E731
-    mk_tfm = lambda: transformer(layers=2, hidden=hidden // 2, heads=4, seq=32,  # noqa: E731
+    mk_mlp = lambda: mlp(widths=(hidden, 4 * hidden, hidden), batch=64)
+    mk_tfm = lambda: transformer(layers=2, hidden=hidden // 2, heads=4, seq=32,
                                  vocab=256, batch=16)
     cases = [("mlp", mk_mlp, dp), ("transformer", mk_tfm, dp)]
     if not quick:
@@ -107,8 +124,22 @@ def _collectives(text: str) -> int:
                           r"collective-permute)(?:-start)?\(", text))
 
 
-def main(quick: bool = False) -> None:
-    setup_devices(8)
+def _sgd_step(opt: Any, loss_of: Callable[..., Any]) -> Callable[..., tuple]:
+    """One step of ``opt`` on ``loss_of(*params, *batch)``: (params, state, loss)."""
+    import jax
+    import optax
+
+    def step(p: list[Any], s: Any, b: list[Any]) -> tuple:
+        loss, g = jax.value_and_grad(lambda q: loss_of(*q, *b))(p)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s, loss
+    return step
+
+
+def _programs(make: Callable[[], Any], ctx: dict) -> tuple[dict[str, Callable[[], Any]],
+                                                          dict[str, int]]:
+    """The five sides of one case (each a call that blocks until its step is done) and the
+    collectives in the compiled autopar and gspmd steps."""
     import jax
     import optax
     from jax.sharding import NamedSharding
@@ -116,91 +147,88 @@ def main(quick: bool = False) -> None:
 
     import autopar as ap
 
+    m = make()
+    params, *batch = m.example_args(jax.random.key(0))
+    batch = tuple(batch)
+    opt = optax.sgd(0.1)
+    with ap.auto_parallel_context(device_num=8, gradients_mean=True, **ctx):
+        fn = ap.parallelize(m.loss, params, *batch)
+        tstep = ap.train_step(m.loss, params, batch, opt)
+    # the default path: the plan priced on this machine's calibration (or its platform's
+    # preset), and the fused kernels decided on the same cluster
+    pg = ap.rewrite(fn.graph, fn.plan)
+    lowered = ap.lower(pg)
+    mesh = lowered.mesh
+    n_p = len(jax.tree.leaves(params))
+    state = opt.init(jax.tree.leaves(params))
+    placed = lowered.place(params, *batch)
+    shard = list(lowered.in_shardings)
+    p_sh, b_sh, rep = shard[:n_p], shard[n_p:], NamedSharding(mesh, P())
+    ap_step = jax.jit(_sgd_step(opt, lambda *f: lowered.sharded(*f)[0]),
+                      out_shardings=(p_sh, rep, rep))
+    prog = gspmd_program(pg.graph, pg.plan, mesh)
+    g_step = jax.jit(_sgd_step(opt, lambda *f: prog(*f)[0]), in_shardings=(p_sh, rep, b_sh),
+                     out_shardings=(p_sh, rep, rep))
+
+    def free_loss(*flat: Any) -> Any:
+        tree = jax.tree_util.tree_structure(params)
+        return m.loss(jax.tree_util.tree_unflatten(tree, list(flat[:n_p])), *flat[n_p:])
+
+    f_step = jax.jit(_sgd_step(opt, free_loss), in_shardings=(p_sh, rep, b_sh),
+                     out_shardings=(p_sh, rep, rep))
+    pl, bl = placed[:n_p], placed[n_p:]
+    s_args = jax.device_put((jax.tree.leaves(params), state, list(batch)), jax.devices()[0])
+    single = jax.jit(_sgd_step(opt, free_loss))
+    t_state = tstep.init(params)
+    runs = {
+        "autopar": lambda: jax.block_until_ready(ap_step(pl, state, bl)),
+        "gspmd": lambda: jax.block_until_ready(g_step(pl, state, bl)),
+        "gspmd_free": lambda: jax.block_until_ready(f_step(pl, state, bl)),
+        "train_step": lambda: jax.block_until_ready(tstep(params, t_state, *batch)),
+        "single": lambda: jax.block_until_ready(single(*s_args)),
+    }
+    return runs, {
+        "hlo_collectives_autopar": _collectives(ap_step.lower(pl, state, bl).compile().as_text()),
+        "hlo_collectives_gspmd": _collectives(g_step.lower(pl, state, bl).compile().as_text())}
+
+
+def _time_rounds(runs: dict[str, Callable[[], Any]], rounds: int, repeat: int
+                 ) -> tuple[dict[str, float], float]:
+    """Median seconds per side over shuffled rounds, and the median over rounds of
+    autopar / gspmd in the same round."""
+    for run in runs.values():  # compile and warm up
+        run()
+        run()
+    samples: dict[str, list[float]] = {k: [] for k in runs}
+    order = list(runs)
+    for r in range(rounds):  # shuffled rounds: every side sees the same machine noise
+        random.Random(r).shuffle(order)
+        for k in order:
+            samples[k].append(timeit(runs[k], repeat=repeat, warmup=0))
+    best = {k: statistics.median(v) for k, v in samples.items()}
+    return best, statistics.median(a / g for a, g in zip(samples["autopar"], samples["gspmd"]))
+
+
+def _measure(name: str, make: Callable[[], Any], ctx: dict, repeat: int, rounds: int) -> dict:
+    runs, collectives = _programs(make, ctx)
+    best, paired = _time_rounds(runs, rounds, repeat)
+    return {"model": name, "plan": ctx.get("search_mode", ctx["parallel_mode"]),
+            "autopar_ms": best["autopar"] * 1e3, "gspmd_ms": best["gspmd"] * 1e3,
+            "autopar/gspmd": paired, "gspmd_free_ms": best["gspmd_free"] * 1e3,
+            "train_step_ms": best["train_step"] * 1e3, "single_ms": best["single"] * 1e3,
+            **collectives}
+
+
+def main(quick: bool = False) -> None:
+    setup_devices(8)
     repeat, rounds = (3, 5) if quick else (5, 25)
-    rows = []
-    for name, make, ctx in _cases(quick):
-        m = make()
-        params, *batch = m.example_args(jax.random.key(0))
-        batch = tuple(batch)
-        opt = optax.sgd(0.1)
-        with ap.auto_parallel_context(device_num=8, gradients_mean=True, **ctx):
-            fn = ap.parallelize(m.loss, params, *batch)
-            tstep = ap.train_step(m.loss, params, batch, opt)
-        # the default path: the plan priced on this machine's calibration (or its platform's
-        # preset), and the fused kernels decided on the same cluster
-        pg = ap.rewrite(fn.graph, fn.plan)
-        lowered = ap.lower(pg)
-        mesh = lowered.mesh
-        n_p = len(jax.tree.leaves(params))
-        state = opt.init(jax.tree.leaves(params))
-
-        def make_step(loss_of: Callable[..., Any]) -> Callable[..., Any]:
-            def step(p: list[Any], s: Any, b: list[Any]) -> tuple:
-                loss, g = jax.value_and_grad(lambda q: loss_of(*q, *b))(p)
-                u, s = opt.update(g, s, p)
-                return optax.apply_updates(p, u), s, loss
-            return step
-
-        placed = lowered.place(params, *batch)
-        shard = list(lowered.in_shardings)
-        p_sh, b_sh, rep = shard[:n_p], shard[n_p:], NamedSharding(mesh, P())
-        ap_step = jax.jit(make_step(lambda *f: lowered.sharded(*f)[0]),
-                          out_shardings=(p_sh, rep, rep))
-        prog = gspmd_program(pg.graph, pg.plan, mesh)
-        g_step = jax.jit(make_step(lambda *f: prog(*f)[0]), in_shardings=(p_sh, rep, b_sh),
-                         out_shardings=(p_sh, rep, rep))
-
-        def free_loss(*flat: Any) -> Any:
-            tree = jax.tree_util.tree_structure(params)
-            return m.loss(jax.tree_util.tree_unflatten(tree, list(flat[:n_p])), *flat[n_p:])
-
-        f_step = jax.jit(make_step(free_loss), in_shardings=(p_sh, rep, b_sh),
-                         out_shardings=(p_sh, rep, rep))
-        pl, bl = placed[:n_p], placed[n_p:]
-        dev0 = jax.devices()[0]
-        s_args = jax.device_put((jax.tree.leaves(params), state, list(batch)), dev0)
-        single = jax.jit(make_step(free_loss))
-        t_state = tstep.init(params)
-        runs = {
-            "autopar": lambda: jax.block_until_ready(ap_step(pl, state, bl)),
-            "gspmd": lambda: jax.block_until_ready(g_step(pl, state, bl)),
-            "gspmd_free": lambda: jax.block_until_ready(f_step(pl, state, bl)),
-            "train_step": lambda: jax.block_until_ready(tstep(params, t_state, *batch)),
-            "single": lambda: jax.block_until_ready(single(*s_args)),
-        }
-        for run in runs.values():  # compile and warm up
-            run()
-            run()
-        samples: dict[str, list[float]] = {k: [] for k in runs}
-        order = list(runs)
-        for r in range(rounds):  # shuffled rounds: every side sees the same machine noise
-            random.Random(r).shuffle(order)
-            for k in order:
-                samples[k].append(timeit(runs[k], repeat=repeat, warmup=0))
-        best = {k: statistics.median(v) for k, v in samples.items()}
-        paired = statistics.median(a / g for a, g in zip(samples["autopar"], samples["gspmd"]))
-        hlo_ap = ap_step.lower(pl, state, bl).compile().as_text()
-        hlo_g = g_step.lower(pl, state, bl).compile().as_text()
-        rows.append({"model": name, "plan": ctx.get("search_mode", ctx["parallel_mode"]),
-                     "autopar_ms": best["autopar"] * 1e3, "gspmd_ms": best["gspmd"] * 1e3,
-                     "autopar/gspmd": paired,
-                     "gspmd_free_ms": best["gspmd_free"] * 1e3,
-                     "train_step_ms": best["train_step"] * 1e3,
-                     "single_ms": best["single"] * 1e3,
-                     "hlo_collectives_autopar": _collectives(hlo_ap),
-                     "hlo_collectives_gspmd": _collectives(hlo_g)})
+    rows = [_measure(name, make, ctx, repeat, rounds) for name, make, ctx in _cases(quick)]
     write_results("execute", rows, COLUMNS, meta={
         "devices": 8, "quick": quick, "repeat": repeat, "rounds": rounds,
         "ms": "median over rounds of the median of `repeat` runs",
         "autopar/gspmd": "median over rounds of autopar / gspmd in the same round"})
-    if not quick:
-        from pathlib import Path
-
-        from benchmarks._common import markdown_table, replace_between_markers
-
-        replace_between_markers(Path(__file__).resolve().parent.parent / "docs" /
-                                "execution.md", "execute", markdown_table(rows, COLUMNS))
+    DOC_TABLES.write()
 
 
 if __name__ == "__main__":
-    main(quick="--quick" in sys.argv)
+    run_main(main)

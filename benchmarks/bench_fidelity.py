@@ -33,17 +33,37 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from benchmarks._common import out_dir, write_results
+from benchmarks._common import (
+    ROOT,
+    DocTables,
+    DocTexts,
+    markdown_table,
+    out_dir,
+    run_main,
+    write_results,
+)
 
 COLUMNS = ("model", "plan", "predicted_ms", "measured_ms", "pred/meas", "picked_by")
 SUMMARY = ("model", "plans", "spearman", "median_abs_err", "mean_abs_log",
            "calibrated_dp/fastest", "default/fastest")
 CLUSTERS = ("calibrated", "cpu-emulated", "accelerator-8x")
 MODES = ("recursive_programming", "dynamic_programming", "sharding_propagation", "exact")
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = ROOT / "docs"
+
+
+def doc_tables(results: dict[str, dict]) -> DocTexts:
+    """docs/fidelity.md's ``summary`` and ``plans`` tables, from fidelity_summary.json and
+    fidelity.json."""
+    return {("docs/fidelity.md", "summary"): markdown_table(
+                results["fidelity_summary"]["rows"], SUMMARY),
+            ("docs/fidelity.md", "plans"): markdown_table(results["fidelity"]["rows"], COLUMNS)}
+
+
+DOC_TABLES = DocTables(("fidelity", "fidelity_summary"), doc_tables)
 
 
 def models(quick: bool) -> dict[str, Callable[[], Any]]:
@@ -258,20 +278,9 @@ def main(quick: bool = False) -> None:
     write_results("fidelity_summary", summaries, SUMMARY, meta=meta)
     if not quick:
         plot(rows, DOCS / "fidelity.png")
-        from benchmarks._common import markdown_table, replace_between_markers
-
-        replace_between_markers(DOCS / "fidelity.md", "summary",
-                                markdown_table(summaries, SUMMARY))
-        replace_between_markers(DOCS / "fidelity.md", "plans",
-                                markdown_table(rows, COLUMNS))
+    DOC_TABLES.write()
     print(f"(results in {out_dir()})")
 
 
 if __name__ == "__main__":
-    import sys
-
-    from benchmarks._common import set_quick, setup_devices
-
-    set_quick("--quick" in sys.argv)
-    setup_devices(8)
-    main(quick="--quick" in sys.argv)
+    run_main(main)

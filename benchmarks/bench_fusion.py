@@ -15,17 +15,90 @@ before the first gradient is ready; the last gradient's own all-reduce follows i
 readiness), to the optimum over any number of segments, and to 96.54/3.46 (goal: better).
 
 Writes benchmarks/results/fusion.json (summary), fusion_strategies.json (every strategy),
-fusion_trace.json (a Chrome trace) and docs/fusion_timeline.png.
+fusion_sync.json (the measured sync), fusion_trace.json (a Chrome trace),
+docs/fusion_timeline.png and the tables between the markers of docs/fusion.md.
 """
 
 from __future__ import annotations
 
 import time
-from pathlib import Path
+from typing import Any
 
-from benchmarks._common import out_dir, write_results
+from benchmarks._common import (
+    ROOT,
+    Col,
+    DocTables,
+    DocTexts,
+    markdown_table,
+    out_dir,
+    run_main,
+    write_results,
+)
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = ROOT / "docs"
+#: The strategies of fusion_strategies.json, as the docs' column headers name them.
+STRATEGIES = {"advised": "advised", "hccl_default_96.54/3.46": "96.54/3.46",
+              "one_per_gradient": "per gradient", "one_segment": "one segment",
+              "mindspore_auto_64MB": "MS auto 64MB", "pytorch_ddp_1+25MiB": "DDP 1+25MiB",
+              "horovod_128MB": "Horovod 128MB"}
+#: The rows of fusion_sync.json, as docs/fusion.md names them.
+SYNCS = {"xla_combiner_161_psums": "XLA's combiner, 161 separate psums",
+         "autopar_64MB_auto": "autopar 64 MB (auto)",
+         "autopar_hccl_default_96.54/3.46": "autopar HCCL default 96.54/3.46",
+         "autopar_advised": "autopar advised split"}
+
+
+def _ms(ms: float) -> str:
+    return f"{ms:.2f}" if ms < 100 else f"{ms:.1f}"
+
+
+def _advisor_table(rows: list[dict[str, Any]]) -> str:
+    """The advisor against the bounds and against 96.54/3.46 (fusion.json)."""
+    return markdown_table(rows, [
+        "model", "devices", Col("FP+BP ms", lambda r: r["fp_ms"] + r["bp_ms"], ".1f"),
+        Col("one all-reduce ms", "comm_1seg_ms", ".2f"),
+        Col("lower bound ms", "lower_bound_ms", ".1f"),
+        Col("tight bound ms", "tight_bound_ms", ".1f"),
+        Col("advised ms (segments)",
+            lambda r: f"{r['advised_ms']:.1f} ({r['advised_segments']})"),
+        Col("advised split %", "advised_pct"), Col("x lower bound", "x_lower_bound", ".3f"),
+        Col("x tight bound", "x_tight_bound", ".3f"),
+        Col("x any #segments", "x_any_segments", ".3f"),
+        Col("x 96.54/3.46", "x_default", ".3f")])
+
+
+def _strategy_table(rows: list[dict[str, Any]], cell: Any) -> str:
+    """One line per (model, devices), one column per strategy: ``cell(row)`` of its row in
+    fusion_strategies.json."""
+    cases: dict[tuple, dict[str, Any]] = {}
+    for r in rows:
+        case = cases.setdefault((r["model"], r["devices"]),
+                                {"model": r["model"], "devices": r["devices"]})
+        case[STRATEGIES[r["strategy"]]] = cell(r)
+    return markdown_table(list(cases.values()), ["model", "devices", *STRATEGIES.values()])
+
+
+def _sync_table(rows: list[dict[str, Any]]) -> str:
+    """The measured gradient sync (fusion_sync.json)."""
+    return markdown_table(rows, [
+        Col("sync", lambda r: SYNCS.get(r["sync"], r["sync"])), "buckets",
+        Col("compiled all-reduces", "compiled_all_reduces"), Col("ms", fmt=".0f"),
+        Col("x XLA", "x_xla", ".3f")])
+
+
+def doc_tables(results: dict[str, dict]) -> DocTexts:
+    """docs/fusion.md's ``fusion_advisor``, ``fusion_iteration``, ``fusion_exposed`` and
+    ``fusion_sync`` tables."""
+    every = results["fusion_strategies"]["rows"]
+    return {("docs/fusion.md", "fusion_advisor"): _advisor_table(results["fusion"]["rows"]),
+            ("docs/fusion.md", "fusion_iteration"): _strategy_table(
+                every, lambda r: f"{_ms(r['iteration_ms'])} ({r['segments']})"),
+            ("docs/fusion.md", "fusion_exposed"): _strategy_table(
+                every, lambda r: _ms(r["exposed_ms"])),
+            ("docs/fusion.md", "fusion_sync"): _sync_table(results["fusion_sync"]["rows"])}
+
+
+DOC_TABLES = DocTables(("fusion", "fusion_strategies", "fusion_sync"), doc_tables)
 
 
 def _models(quick: bool):
@@ -48,6 +121,7 @@ def main(quick: bool = False) -> None:
                   meta={"devices": 8, "model": "resnet50 (161 gradients, 97.5 MiB fp32)",
                         "goal": "x_xla <= 1.05", "quick": quick})
     simulate_splits(quick)
+    DOC_TABLES.write()
 
 
 def simulate_splits(quick: bool = False) -> None:
@@ -125,15 +199,6 @@ def simulate_splits(quick: bool = False) -> None:
         print(f"(timeline written to {png})")
 
 
-if __name__ == "__main__":
-    import sys
-
-    from benchmarks._common import setup_devices
-
-    setup_devices(8)
-    main(quick="--quick" in sys.argv)
-
-
 # ---------------------------------------------------------------------------- (b) measured cost
 
 
@@ -145,14 +210,13 @@ def measure_sync(repeat: int = 5) -> list[dict]:
     import re
 
     import jax
-    import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax import lax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     import autopar as ap
     from autopar.fusion import buckets_by_percent, buckets_by_size
-    from jax import lax
-
     from autopar.grad_sync import _dependency, bucket_indices, sync_gradients
     from autopar.models import resnet50
     from benchmarks._common import timeit
@@ -222,3 +286,7 @@ def measure_sync(repeat: int = 5) -> list[dict]:
         r["ms"] = t * 1e3
         r["x_xla"] = t / base
     return rows
+
+
+if __name__ == "__main__":
+    run_main(main)

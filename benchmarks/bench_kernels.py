@@ -17,15 +17,25 @@ Run: ``python -m benchmarks kernels`` (``--quick`` for a smoke run).
 
 from __future__ import annotations
 
+import functools
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from benchmarks._common import setup_devices, timeit, write_results
+from benchmarks._common import (
+    DocTables,
+    DocTexts,
+    markdown_table,
+    run_main,
+    setup_devices,
+    timeit,
+    write_results,
+)
 
 DEVICES = 8
 COLUMNS = ["kernel", "variant", "ms", "ratio", "cpu ratio", "goal",
@@ -39,12 +49,21 @@ SCHEDULES: dict[str, dict[str, Any]] = {
 }
 
 
+def doc_tables(results: dict[str, dict]) -> DocTexts:
+    """docs/kernels.md's ``kernels`` table, from kernels.json."""
+    return {("docs/kernels.md", "kernels"): markdown_table(results["kernels"]["rows"], COLUMNS,
+                                                          fmt=".3g")}
+
+
+DOC_TABLES = DocTables(("kernels",), doc_tables)
+
+
 def _shapes(kernel: str, m: int, k: int, n: int) -> dict[str, float]:
     if kernel == "mm_reduce_scatter":   # per device x (m, k), w (k, n) -> (m / p, n)
-        return dict(flops=2.0 * m * k * n, x_bytes=4.0 * m * k, out_bytes=4.0 * m * n,
-                    comm_bytes=4.0 * m * n)
-    return dict(flops=2.0 * m * k * n, x_bytes=4.0 * m * k, out_bytes=4.0 * m * n,  # mirror
-                comm_bytes=4.0 * m * k)
+        return {"flops": 2.0 * m * k * n, "x_bytes": 4.0 * m * k, "out_bytes": 4.0 * m * n,
+                "comm_bytes": 4.0 * m * n}
+    return {"flops": 2.0 * m * k * n, "x_bytes": 4.0 * m * k, "out_bytes": 4.0 * m * n,  # mirror
+            "comm_bytes": 4.0 * m * k}
 
 
 def _predicted(kernel: str, variant: str, m: int, k: int, n: int, cluster: str) -> Any:
@@ -109,6 +128,11 @@ def _check(got: Any, want: Any, what: str) -> None:
                                err_msg=what)
 
 
+def _blocking(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+    """``fn(*args)``, waiting for its result: what a :class:`Case` times."""
+    return lambda: fn(*args).block_until_ready()
+
+
 def _cases(kernel: str, fns: dict[str, Callable], args: tuple[Any, ...]) -> list[Case]:
     """One case per compiled variant; the first is the (unfused) baseline. Each variant's
     result is checked against the baseline's before anything is timed."""
@@ -118,19 +142,18 @@ def _cases(kernel: str, fns: dict[str, Callable], args: tuple[Any, ...]) -> list
         want = out if want is None else want
         if not name.startswith("evidence"):   # evidence rows time pieces, not the result
             _check(out, want, f"{kernel}: {name}")
-        cases.append(Case(kernel, name, lambda fn=fn: fn(*args).block_until_ready(),
-                          baseline=j == 0, goal="<= 1.10" if name in SCHEDULES else ""))
+        cases.append(Case(kernel, name, _blocking(fn, *args), baseline=j == 0,
+                          goal="<= 1.10" if name in SCHEDULES else ""))
     return cases
 
 
 def _matmul_cases(m: int, k: int, n: int) -> tuple[list[Case], list[Case]]:
     import jax
     import jax.numpy as jnp
+    from autopar.kernels import all_gather_matmul, mm_reduce_scatter
     from jax import lax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
-
-    from autopar.kernels import all_gather_matmul, mm_reduce_scatter
 
     p = DEVICES
     mesh = jax.make_mesh((p,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -160,7 +183,7 @@ def _matmul_cases(m: int, k: int, n: int) -> tuple[list[Case], list[Case]]:
 
     rs_variants: dict[str, Callable] = {"x @ w + psum_scatter (unfused)": unfused_rs}
     for label, kw in SCHEDULES.items():
-        rs_variants[label] = (lambda kw: lambda a, b: mm_reduce_scatter(a, b, "tp", **kw))(kw)
+        rs_variants[label] = functools.partial(mm_reduce_scatter, axis_name="tp", **kw)
     rs_variants["evidence: p block matmuls + adds, no transfer"] = split_products
     rs_cases = _cases("mm_reduce_scatter", {name: rs(body) for name, body in rs_variants.items()},
                       (x, w))
@@ -186,7 +209,7 @@ def _matmul_cases(m: int, k: int, n: int) -> tuple[list[Case], list[Case]]:
 
     ag_variants: dict[str, Callable] = {"all_gather + x @ w (unfused)": unfused_ag}
     for label, kw in SCHEDULES.items():
-        ag_variants[label] = (lambda kw: lambda a, b: all_gather_matmul(a, b, "tp", **kw))(kw)
+        ag_variants[label] = functools.partial(all_gather_matmul, axis_name="tp", **kw)
     ag_variants["evidence: all_gather + p block matmuls into row order"] = gathered_then_products
     ag_cases = _cases("all_gather_matmul", {name: ag(body) for name, body in ag_variants.items()},
                       (xg, wg))
@@ -196,11 +219,10 @@ def _matmul_cases(m: int, k: int, n: int) -> tuple[list[Case], list[Case]]:
 def _gather_v_cases(label: str, rows: list[int], width: int) -> list[Case]:
     import jax
     import jax.numpy as jnp
+    from autopar.kernels import AllGatherVLayout, all_gather_v
     from jax import lax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
-
-    from autopar.kernels import AllGatherVLayout, all_gather_v
 
     p = DEVICES
     mesh = jax.make_mesh((p,), ("r",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -242,27 +264,25 @@ def _gather_v_cases(label: str, rows: list[int], width: int) -> list[Case]:
         want[at:at + r] = data[j * top:j * top + r]
         at += r
     kernel = f"all_gather_v {label}"
-    cases = [Case(kernel, "all_gather, equal-size inputs", lambda f=shard(equal):
-                  f(xe).block_until_ready(), baseline=True),
-             Case(kernel, "pad to max + all_gather", lambda f=shard(pad_to_max):
-                  f(x).block_until_ready())]
+    cases = [Case(kernel, "all_gather, equal-size inputs", _blocking(shard(equal), xe),
+                  baseline=True),
+             Case(kernel, "pad to max + all_gather", _blocking(shard(pad_to_max), x))]
     if label == "(ragged batch)":  # what this backend charges for the pieces of a method
         cases += [
-            Case(kernel, "evidence: all_gather + slice of its output", lambda f=shard(
-                lambda a: lax.all_gather(a, "r", axis=0, tiled=True)[:total_rows][None]):
-                f(x).block_until_ready()),
-            Case(kernel, "evidence: one tiny ppermute", lambda f=shard(
-                lambda a: lax.ppermute(a[:4], "r", [(i, (i + 1) % p) for i in range(p)])[None]):
-                f(x).block_until_ready()),
+            Case(kernel, "evidence: all_gather + slice of its output", _blocking(shard(
+                lambda a: lax.all_gather(a, "r", axis=0, tiled=True)[:total_rows][None]), x)),
+            Case(kernel, "evidence: one tiny ppermute", _blocking(shard(
+                lambda a: lax.ppermute(a[:4], "r", [(i, (i + 1) % p) for i in range(p)])[None]),
+                x)),
             Case(kernel, "evidence: all_gather of a chunk built in one pass, no ppermute",
-                 lambda f=shard(chunk_pass): f(x).block_until_ready())]
+                 _blocking(shard(chunk_pass), x))]
     chosen = AllGatherVLayout.build(counts, displs, shape).choose("auto")
     other = "padded" if chosen == "balanced" else "balanced"
-    for method, label in (("auto", f"all_gather_v (auto: {chosen})"),
-                          (other, f"all_gather_v ({other})")):
+    for method, variant in (("auto", f"all_gather_v (auto: {chosen})"),
+                            (other, f"all_gather_v ({other})")):
         fn = shard(agv(method))
         _check(fn(x)[0], want, f"{kernel} {method}")
-        cases.append(Case(kernel, label, lambda fn=fn: fn(x).block_until_ready(),
+        cases.append(Case(kernel, variant, _blocking(fn, x),
                           goal="<= 1.2" if method == "auto" else ""))
     return cases
 
@@ -301,8 +321,9 @@ def main(quick: bool = False) -> None:
         "cpu ratio": "the same with process CPU time",
         "jax": jax.__version__,
     }
-    write_results("kernels_quick" if quick else "kernels", rows, COLUMNS, meta)
+    write_results("kernels", rows, COLUMNS, meta)  # --quick: to the scratch directory
+    DOC_TABLES.write()
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -27,14 +27,55 @@ data parallel inside stages, gradient all-reduce after the last backward), a 24-
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
-from benchmarks._common import setup_devices, timeit, write_results
+from benchmarks._common import (
+    Col,
+    DocTables,
+    DocTexts,
+    markdown_table,
+    run_main,
+    setup_devices,
+    timeit,
+    write_results,
+)
 
 COLUMNS = ("kind", "config", "devices", "schedule", "micro_batches", "parallel_optimizer",
            "step_ms", "state_MB", "temp_MB", "arg_MB", "loss_ok", "bubble", "sim_ms",
            "sim_vs_dp")
+
+
+def _yes_no(key: str) -> Any:
+    return lambda row: "yes" if row[key] else "no"
+
+
+def _measured_table(rows: list[dict[str, Any]]) -> str:
+    dp8 = next(r["step_ms"] for r in rows if r["config"] == "dp8" and not r["parallel_optimizer"])
+    return markdown_table(rows, [
+        Col("config (8 CPU devices)", "config"), "schedule", Col("m", "micro_batches"),
+        Col("parallel optimizer", _yes_no("parallel_optimizer")),
+        Col("step ms", "step_ms", ".0f"), Col("step / dp8", lambda r: r["step_ms"] / dp8, ".2f"),
+        Col("params + Adam state MB", "state_MB", ".2f"), Col("temp MB", "temp_MB", ".2f"),
+        Col("loss = 1 device", _yes_no("loss_ok"))])
+
+
+def _simulated_table(rows: list[dict[str, Any]]) -> str:
+    return markdown_table(rows, [
+        Col("simulated (accelerator-8x)", "config"), "devices", Col("m", "micro_batches"),
+        Col("bubble", fmt=".1%"), Col("step ms", "sim_ms", ".1f"),
+        Col("step / data parallel", "sim_vs_dp", ".3f")])
+
+
+def doc_tables(results: dict[str, dict]) -> DocTexts:
+    """docs/pipeline.md's ``pipeline_measured`` and ``pipeline_simulated`` tables."""
+    rows = results["pipeline"]["rows"]
+    return {("docs/pipeline.md", "pipeline_measured"):
+            _measured_table([r for r in rows if r["kind"] == "measured"]),
+            ("docs/pipeline.md", "pipeline_simulated"):
+            _simulated_table([r for r in rows if r["kind"] == "simulated"])}
+
+
+DOC_TABLES = DocTables(("pipeline",), doc_tables)
 
 
 def _mb(x: float) -> float:
@@ -157,7 +198,8 @@ def main(quick: bool = False) -> None:
     setup_devices(8)
     rows = measured(quick) + simulated(quick)
     write_results("pipeline", rows, COLUMNS, meta={"quick": quick})
+    DOC_TABLES.write()
 
 
 if __name__ == "__main__":
-    main(quick="--quick" in sys.argv)
+    run_main(main)

@@ -18,7 +18,13 @@ import subprocess
 import sys
 import time
 
-from benchmarks._common import write_results
+from benchmarks._common import (
+    DocTables,
+    DocTexts,
+    markdown_table,
+    run_main,
+    write_results,
+)
 
 MINDSPORE = {  # ANCHORS.md: search seconds (not whole compile) per (blocks, devices, mode)
     (4, 8, "recursive_programming"): 0.013, (4, 8, "sharding_propagation"): 0.20,
@@ -31,6 +37,35 @@ MINDSPORE = {  # ANCHORS.md: search seconds (not whole compile) per (blocks, dev
     (48, 64, "recursive_programming"): 0.36, (48, 64, "sharding_propagation"): 20.2,
 }
 MODES = ("recursive_programming", "sharding_propagation", "dynamic_programming")
+SEARCH_COLUMNS = ["model", "layers", "devices", "mode", "search_s", "step_ms", "ratio_to_exact",
+                  "status"]
+ANCHOR_COLUMNS = ["blocks", "devices", "mode", "autopar_search_s", "mindspore_search_s",
+                  "mindspore/autopar", "step_ms", "status"]
+WIDE_MLP_COLUMNS = ["mode", "w1 splits", "w2 splits", "megatron", "step_ms"]
+_DOC_SEARCH_COLUMNS = ["layers", "devices", "mode", "search_s", "step_ms", "ratio_to_exact",
+                       "ratio_to_dp", "status"]
+
+
+def with_ratio_to_dp(rows: list[dict]) -> list[dict]:
+    """Each row with ``ratio_to_dp``: its predicted step over dynamic_programming's on the same
+    (layers, devices) (empty where either did not finish)."""
+    dp = {(r["layers"], r["devices"]): r["step_ms"] for r in rows
+          if r["mode"] == "dynamic_programming" and r["status"] == "ok"}
+    base = [dp.get((r["layers"], r["devices"])) if r["status"] == "ok" else None for r in rows]
+    return [r | {"ratio_to_dp": r["step_ms"] / b if b else ""} for r, b in zip(rows, base)]
+
+
+def doc_tables(results: dict[str, dict]) -> DocTexts:
+    """docs/search.md's ``search``, ``search_anchors`` and ``search_wide_mlp`` tables."""
+    return {("docs/search.md", "search"): markdown_table(
+                with_ratio_to_dp(results["search"]["rows"]), _DOC_SEARCH_COLUMNS),
+            ("docs/search.md", "search_anchors"): markdown_table(
+                results["search_anchors"]["rows"], ANCHOR_COLUMNS),
+            ("docs/search.md", "search_wide_mlp"): markdown_table(
+                results["search_wide_mlp"]["rows"], WIDE_MLP_COLUMNS)}
+
+
+DOC_TABLES = DocTables(("search", "search_anchors", "search_wide_mlp"), doc_tables)
 
 WORKER = r"""
 import json, sys, time
@@ -73,7 +108,7 @@ def run(model: str, size: int, devices: int, mode: str, limit: float) -> dict:
     t0 = time.perf_counter()
     try:
         p = subprocess.run([sys.executable, "-c", WORKER, model, str(size), str(devices), mode],
-                           capture_output=True, text=True, timeout=limit)
+                           capture_output=True, text=True, timeout=limit, check=False)
     except subprocess.TimeoutExpired:
         return {"status": f"did not finish in {limit:.0f} s"}
     if p.returncode != 0:
@@ -102,8 +137,7 @@ def main(quick: bool = False) -> None:
                              "mode": mode, "search_s": r.get("search_s", ""),
                              "step_ms": r.get("step_ms", ""), "ratio_to_exact": ratio,
                              "status": r["status"]})
-    write_results("search", rows, ["model", "layers", "devices", "mode", "search_s", "step_ms",
-                                   "ratio_to_exact", "status"],
+    write_results("search", rows, SEARCH_COLUMNS,
                   meta={"cluster": "accelerator-8x", "limit_s": limit})
 
     rows = []
@@ -118,9 +152,7 @@ def main(quick: bool = False) -> None:
                              "autopar_search_s": r.get("search_s", ""),
                              "mindspore_search_s": ms, "mindspore/autopar": speedup,
                              "step_ms": r.get("step_ms", ""), "status": r["status"]})
-    write_results("search_anchors", rows, ["blocks", "devices", "mode", "autopar_search_s",
-                                           "mindspore_search_s", "mindspore/autopar",
-                                           "step_ms", "status"],
+    write_results("search_anchors", rows, ANCHOR_COLUMNS,
                   meta={"note": "MindSpore 2.10.0 figures from ANCHORS.md (search seconds)"})
 
     import jax
@@ -139,10 +171,10 @@ def main(quick: bool = False) -> None:
                          "megatron": plan.split_counts("params/layer0/w") == (1, 8)
                          and plan.split_counts("params/layer1/w") == (8, 1),
                          "step_ms": plan.cost.total * 1e3})
-    write_results("search_wide_mlp", rows, ["mode", "w1 splits", "w2 splits", "megatron",
-                                            "step_ms"],
+    write_results("search_wide_mlp", rows, WIDE_MLP_COLUMNS,
                   meta={"note": "MindSpore DP picks a 4 x 2 split by default (ANCHORS)"})
+    DOC_TABLES.write()
 
 
 if __name__ == "__main__":
-    main("--quick" in sys.argv)
+    run_main(main)

@@ -8,7 +8,26 @@ from __future__ import annotations
 
 import time
 
-from benchmarks._common import write_results
+from benchmarks._common import (
+    Col,
+    DocTables,
+    DocTexts,
+    markdown_table,
+    run_main,
+    write_results,
+)
+
+_DOC_COLUMNS = ("model", "layers", Col("nodes", fmt=","),
+                Col("cold s (first trace in the process)", "cold_s", ".2f"),
+                Col("warm s", "warm_s", ".2f"))
+
+
+def doc_tables(results: dict[str, dict]) -> DocTexts:
+    """docs/graph.md's ``trace`` table, from trace.json."""
+    return {("docs/graph.md", "trace"): markdown_table(results["trace"]["rows"], _DOC_COLUMNS)}
+
+
+DOC_TABLES = DocTables(("trace",), doc_tables)
 
 
 def _measure(model, repeat: int) -> dict:
@@ -53,10 +72,8 @@ def main(quick: bool = False) -> None:
                   meta={"note": "cold_s: first autopar.trace in the process (goal applies); "
                         "warm_s: best of 3 more; make_jaxpr_s: JAX alone (warm); build_s: "
                         "autopar's walk = warm_s - make_jaxpr_s"})
+    DOC_TABLES.write()
 
 
 if __name__ == "__main__":
-    from benchmarks._common import setup_devices
-
-    setup_devices(8)
-    main()
+    run_main(main)
