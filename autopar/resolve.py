@@ -131,10 +131,11 @@ RESTRICTIONS: tuple[Restriction, ...] = (
                 lambda c, e: "enable_alltoall" in e and _mode(c) in ("stand_alone",
                                                                      "data_parallel"),
                 "do not set enable_alltoall in this mode"),
-    Restriction("strategy_ckpt_load_file", "warning",
-                "strategy files are used only in semi_auto_parallel and auto_parallel",
-                lambda c, e: bool(c.strategy_ckpt_load_file or c.strategy_ckpt_save_file)
-                and _mode(c) not in SEMI_AUTO, "use semi_auto_parallel/auto_parallel"),
+    *(Restriction(key, "warning",
+                  "strategy files are used only in semi_auto_parallel and auto_parallel",
+                  lambda c, e, key=key: bool(getattr(c, key)) and _mode(c) not in SEMI_AUTO,
+                  "use semi_auto_parallel/auto_parallel")
+      for key in ("strategy_ckpt_load_file", "strategy_ckpt_save_file")),
     Restriction("device_num", "warning",
                 "stand_alone runs on one device; device_num > 1 is not used",
                 lambda c, e: c.device_num > 1 and _mode(c) == "stand_alone",
