@@ -46,7 +46,7 @@ from autopar.resolve import FusionSetting, ResolvedContext, resolve_context
 from autopar.strategies import CLUSTERS, Cluster, CostModel, DeviceMesh, Layout, Plan
 from autopar.calibration import calibrate
 from autopar.clusters import ClusterFileError, load_cluster, resolve_cluster, save_cluster
-from autopar.strategies.search import search
+from autopar.planner import search
 from autopar.rewrite import rewrite
 from autopar.lower import lower
 from autopar.parallelize import parallelize

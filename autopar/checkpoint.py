@@ -28,6 +28,7 @@ True
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -41,10 +42,13 @@ from autopar.errors import AutoParallelError, AutoParallelTypeError, FileFieldEr
 from autopar.files import (read_json_document, validation_failure, write_bytes_atomic,
                            write_text_atomic)
 from autopar.graph.ir import Graph, check_strategy_shape
+from autopar.limits import MAX_DEVICES
 from autopar.strategies.cost import Cluster, CostModel, get_cluster
 from autopar.strategies.layout import DeviceMesh, Layout
+from autopar.strategies.modes import PARALLEL_MODES, SEARCH_MODES
 from autopar.strategies.plan import Plan
 from autopar.strategies.problem import Problem, splits_from_strategy
+from autopar.strategies.search import SearchSettings
 
 __all__ = ["FORMAT", "VERSION", "StrategyFile", "StrategyFileError", "save_strategy",
            "load_strategy", "read_strategy_file", "strategy_document", "dumps_strategy",
@@ -117,7 +121,7 @@ class StrategyFile(BaseModel):
     format: Literal["autopar-strategy"]
     version: int
     fingerprint: str = Field(min_length=1)
-    device_num: int = Field(ge=1, le=4096)
+    device_num: int = Field(ge=1, le=MAX_DEVICES)
     mesh: list[MeshAxis]
     mode: str
     cluster: dict[str, Any]
@@ -276,15 +280,29 @@ def load_strategy(path: str | os.PathLike[str], graph: Graph, *,
     cluster saved in the file, so the loaded plan has the saved cost exactly. Every check runs
     before the plan is built: a :class:`StrategyFileError` names the field that failed.
     """
+    from autopar.clusters import resolve_cluster
     from autopar.context import current_config
 
     if not isinstance(graph, Graph):
         raise AutoParallelTypeError("graph", graph, "the Graph returned by autopar.trace")
     cfg = current_config()
-    n = cfg.device_num if device_num is None else device_num
-    alltoall = cfg.enable_alltoall if enable_alltoall is None else enable_alltoall
-    dataset = cfg.dataset_strategy if dataset_strategy is None else dataset_strategy
-    stages = cfg.pipeline_stages if pipeline_stages is None else pipeline_stages
+    settings = SearchSettings.from_config(cfg)
+    settings = dataclasses.replace(settings, **{k: v for k, v in (
+        ("enable_alltoall", enable_alltoall), ("dataset_strategy", dataset_strategy))
+        if v is not None})
+    return load_plan(path, graph, device_num=cfg.device_num if device_num is None else device_num,
+                     cluster=None if cluster is None else resolve_cluster(cluster),
+                     settings=settings, pipeline_stages=cfg.pipeline_stages
+                     if pipeline_stages is None else pipeline_stages)
+
+
+def load_plan(path: str | os.PathLike[str], graph: Graph, *, device_num: int,
+              cluster: Cluster | None, settings: SearchSettings, pipeline_stages: int) -> Plan:
+    """:func:`load_strategy` with every setting given (``cluster=None``: the file's own)."""
+    if not isinstance(graph, Graph):
+        raise AutoParallelTypeError("graph", graph, "the Graph returned by autopar.trace")
+    n, stages = device_num, pipeline_stages
+    alltoall, dataset = settings.enable_alltoall, settings.dataset_strategy
     t0 = time.perf_counter()
     f = read_strategy_file(path)
     p = str(path)
@@ -302,9 +320,7 @@ def load_strategy(path: str | os.PathLike[str], graph: Graph, *,
     if f.enable_alltoall != alltoall:
         raise StrategyFileError(p, "enable_alltoall", f"{alltoall} (the context's "
                                 "enable_alltoall; plans are priced with it)", f.enable_alltoall)
-    from autopar.strategies.search import parallel_optimizer_kb
-
-    po_kb = parallel_optimizer_kb(cfg)
+    po_kb = settings.parallel_optimizer_kb
     if f.parallel_optimizer_kb != po_kb:
         raise StrategyFileError(p, "parallel_optimizer_kb", f"{po_kb} (the context's parallel "
                                 "optimizer threshold; plans are priced with it)",
@@ -314,12 +330,7 @@ def load_strategy(path: str | os.PathLike[str], graph: Graph, *,
     if f.current_stage >= stages:
         raise StrategyFileError(p, "current_stage", f"a stage below pipeline_stages={stages}",
                                 f.current_stage)
-    if cluster is None:
-        clus = _file_cluster(f, p)
-    else:
-        from autopar.clusters import resolve_cluster
-
-        clus = resolve_cluster(cluster)
+    clus = _file_cluster(f, p) if cluster is None else cluster
     splits = _check_operators(f, graph, mesh, p, stages)
     problem = Problem(graph, mesh, CostModel(clus), enable_alltoall=alltoall,
                       dataset_strategy=dataset, memory_weight=f.memory_weight,
@@ -337,10 +348,7 @@ def load_strategy(path: str | os.PathLike[str], graph: Graph, *,
 def _known_modes() -> set[str]:
     """The labels a saved plan's ``mode`` can have: a search mode, or the parallel mode whose
     strategies were derived rather than searched."""
-    from autopar.strategies.search import MODES
-
-    return set(MODES) | {"stand_alone", "data_parallel", "hybrid_parallel",
-                         "semi_auto_parallel"}
+    return set(SEARCH_MODES) | set(PARALLEL_MODES) - {"auto_parallel"}
 
 
 def _check_predicted(f: StrategyFile, plan: Plan, path: str) -> None:

@@ -25,14 +25,13 @@ from typing import Any, Sequence
 from autopar.files import write_text_atomic
 from autopar.cli_util import (CLIError, Progress, compare_with_reference, drop_gloo_lines,
                               load_model, parse_options, setup_devices, table)
-from autopar.strategies.search import MODES as _SEARCH_MODES
+from autopar.limits import MAX_DEVICES
+from autopar.strategies.modes import PARALLEL_MODES
+from autopar.strategies.modes import SEARCH_MODES as MODES
 
 __all__ = ["main", "build_parser"]
 
-MODES = tuple(_SEARCH_MODES)
 COORDINATOR_TIMEOUT_S = 60
-PARALLEL_MODES = ("auto_parallel", "semi_auto_parallel", "data_parallel", "hybrid_parallel",
-                  "stand_alone")
 
 
 def _out(*a: Any) -> None:
@@ -431,8 +430,8 @@ def _positive(text: str) -> int:
         n = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if not 1 <= n <= 4096:
-        raise argparse.ArgumentTypeError(f"must be in [1, 4096], got {n}")
+    if not 1 <= n <= MAX_DEVICES:
+        raise argparse.ArgumentTypeError(f"must be in [1, {MAX_DEVICES}], got {n}")
     return n
 
 

@@ -84,7 +84,8 @@ def compare_modes(graph: Graph, *, device_num: int | None = None, cluster: Any =
     ``on_done(mode)`` is called after each search (progress bars). The context's strategy
     files are not used here (each mode searches)."""
     from autopar.context import auto_parallel_context
-    from autopar.strategies.search import MODES, search
+    from autopar.planner import search
+    from autopar.strategies.modes import SOLVERS as MODES
 
     if not isinstance(graph, Graph):
         raise AutoParallelTypeError("graph", graph, "the Graph returned by autopar.trace")

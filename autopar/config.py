@@ -21,6 +21,9 @@ from pydantic_core import PydanticCustomError
 
 from autopar.errors import (AutoParallelError, AutoParallelTypeError, ContextConflictError,
                             UnknownKeyError, found)
+from autopar.limits import MAX_DEVICES
+from autopar.strategies.modes import (DEFAULT_PARALLEL_MODE, DEFAULT_SEARCH_MODE, PARALLEL_MODES,
+                                      SEARCH_MODES, SOLVERS)
 
 __all__ = [
     "PARALLEL_MODES",
@@ -35,9 +38,6 @@ __all__ = [
     "raise_for_validation_error",
 ]
 
-PARALLEL_MODES = ("stand_alone", "data_parallel", "hybrid_parallel", "semi_auto_parallel",
-                  "auto_parallel")
-SEARCH_MODES = ("recursive_programming", "dynamic_programming", "sharding_propagation")
 DATASET_STRATEGY_NAMES = ("data_parallel", "full_batch")
 AUTO_FUSION_THRESHOLD_MB = 64
 MAX_INDEX = 2**31 - 1
@@ -162,11 +162,12 @@ class AutoParallelConfig(BaseModel):
 
     model_config = _STRICT
 
-    device_num: Annotated[int, Field(ge=1, le=4096)] = Field(
-        default=1, description="Number of devices.", json_schema_extra=_meta("int", "[1, 4096]"))
-    global_rank: Annotated[int, Field(ge=0, le=4095)] = Field(
+    device_num: Annotated[int, Field(ge=1, le=MAX_DEVICES)] = Field(
+        default=1, description="Number of devices.",
+        json_schema_extra=_meta("int", f"[1, {MAX_DEVICES}]"))
+    global_rank: Annotated[int, Field(ge=0, le=MAX_DEVICES - 1)] = Field(
         default=0, description="Global rank id of this process.",
-        json_schema_extra=_meta("int", "[0, 4095]; < device_num when compiled"))
+        json_schema_extra=_meta("int", f"[0, {MAX_DEVICES - 1}]; < device_num when compiled"))
     gradients_mean: bool = Field(
         default=False, description="Divide all-reduced gradients by the number of devices.",
         json_schema_extra=_meta("bool", "-", "not stand_alone"))
@@ -177,11 +178,12 @@ class AutoParallelConfig(BaseModel):
         default=True, description="Mean (not sum) over repeated calculation of the loss.",
         json_schema_extra=_meta("bool", "-", "semi_auto_parallel, auto_parallel"))
     parallel_mode: Annotated[str, Field()] = Field(
-        default="stand_alone", description="How the network is parallelised.",
+        default=DEFAULT_PARALLEL_MODE, description="How the network is parallelised.",
         json_schema_extra=_meta("str", " / ".join(PARALLEL_MODES)))
     search_mode: str = Field(
-        default="dynamic_programming", description="Strategy search algorithm "
-        "(alias: auto_parallel_search_mode, deprecated).",
+        default=DEFAULT_SEARCH_MODE, description="Strategy search algorithm (alias: "
+        "auto_parallel_search_mode, deprecated); 'exact' (autopar's integer-program referee) "
+        "is autopar's addition.",
         json_schema_extra=_meta("str", " / ".join(SEARCH_MODES), "auto_parallel"))
     parameter_broadcast: bool = Field(
         default=False, description="Broadcast rank 0's parameters before training.",
@@ -215,7 +217,7 @@ class AutoParallelConfig(BaseModel):
     enable_alltoall: bool = Field(
         default=False, description="Allow AllToAll in redistribution (else AllGather + slice).",
         json_schema_extra=_meta("bool", "-", "semi_auto_parallel, auto_parallel"))
-    pipeline_stages: Annotated[int, Field(ge=1, le=4096)] = Field(
+    pipeline_stages: Annotated[int, Field(ge=1, le=MAX_DEVICES)] = Field(
         default=1, description="Number of pipeline stages.",
         json_schema_extra=_meta("int", ">= 1; divides device_num",
                                 "> 1: semi_auto_parallel"))
@@ -237,7 +239,7 @@ class AutoParallelConfig(BaseModel):
     @field_validator("search_mode")
     @classmethod
     def _search_mode(cls, v: str) -> str:
-        return _check_choice("search_mode", SEARCH_MODES)(v)
+        return _check_choice("search_mode", tuple(SOLVERS))(v)  # a solver registered later too
 
     @field_validator("dataset_strategy", mode="plain")
     @classmethod
@@ -255,8 +257,9 @@ class AutoParallelConfig(BaseModel):
             for j, s in enumerate(entry):
                 if not _is_int(s):
                     raise _type_error(f"split counts must be ints, {found(s, f'[{i}][{j}]')}")
-                if s < 1 or s > 4096:
-                    raise ValueError(f"split counts must be ints in [1, 4096], found {s}")
+                if s < 1 or s > MAX_DEVICES:
+                    raise ValueError(f"split counts must be ints in [1, {MAX_DEVICES}], "
+                                     f"found {s}")
         return v
 
     @model_validator(mode="after")

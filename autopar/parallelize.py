@@ -37,7 +37,7 @@ from autopar.lower import LoweredFunction, lower
 from autopar.parallel_graph import ParallelGraph
 from autopar.rewrite import rewrite
 from autopar.strategies.plan import Plan
-from autopar.strategies.search import search
+from autopar.planner import search
 from autopar.uneven import UnevenBatch, check_uneven_batch, plan_uneven
 
 __all__ = ["parallelize", "ParallelFunction"]

@@ -245,7 +245,7 @@ def _plan_line(out: str) -> str:
 
 def test_mode_exact_and_every_search_mode_reach_the_search(capsys):
     from autopar.cli import MODES
-    from autopar.strategies.search import MODES as SEARCH_MODES
+    from autopar.strategies.modes import SEARCH_MODES
 
     assert MODES == tuple(SEARCH_MODES)
     assert main(["search", *SMALL_MLP, "--devices", "8", "--mode", "exact"]) == 0

@@ -241,7 +241,7 @@ BAD_CASES: list[tuple[dict, type, str]] = [
     ({"parallel_mode": ["auto_parallel"]}, T, "parallel_mode"),
     # search_mode and the alias
     ({"search_mode": "dp"}, V, "search_mode"),
-    ({"search_mode": "exact"}, V, "search_mode"),
+    ({"search_mode": "exhaustive"}, V, "search_mode"),
     ({"search_mode": "Dynamic_programming"}, V, "search_mode"),
     ({"search_mode": 2}, T, "search_mode"),
     ({"search_mode": None}, T, "search_mode"),

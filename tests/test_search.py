@@ -257,9 +257,26 @@ def test_unknown_plan_names_suggest_the_closest():
 def test_compare_modes_keeps_a_newly_registered_mode(monkeypatch):
     import jax.numpy as jnp
 
-    from autopar.strategies import search as search_mod
+    from autopar.strategies.modes import SOLVERS, Solver
 
-    monkeypatch.setitem(search_mod.MODES, "my_mode", search_mod.MODES["dynamic_programming"])
+    monkeypatch.setitem(SOLVERS, "my_mode", Solver("my_mode", SOLVERS["dynamic_programming"].solve,
+                                                   "a copy of dynamic_programming"))
     g = ap.trace(lambda p, x: jnp.sum(x @ p["w"]), {"w": jnp.ones((8, 8))}, jnp.ones((8, 8)))
     rows = ap.compare_modes(g, device_num=8, modes=["my_mode", "dynamic_programming"])
     assert [r.mode for r in rows] == ["dynamic_programming", "my_mode"]
+
+
+def test_a_registered_solver_is_a_search_mode_everywhere(monkeypatch):
+    """One registry: the context, autopar.search and the comparison accept a new solver."""
+    import jax.numpy as jnp
+
+    from autopar.strategies.modes import SOLVERS, Solver
+
+    monkeypatch.setitem(SOLVERS, "my_mode", Solver("my_mode", SOLVERS["exact"].solve,
+                                                   "the referee again", memory_constraint=True))
+    g = ap.trace(lambda p, x: jnp.sum(x @ p["w"]), {"w": jnp.ones((8, 8))}, jnp.ones((8, 8)))
+    ap.set_auto_parallel_context(parallel_mode="auto_parallel", device_num=8,
+                                 search_mode="my_mode")
+    assert ap.search(g).mode == "my_mode"
+    ap.set_auto_parallel_context(search_mode="exact")  # autopar's referee, from the context
+    assert ap.search(g).mode == "exact"

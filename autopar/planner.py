@@ -1,0 +1,109 @@
+"""``autopar.search``: the planning entry point — resolve the context, load or search, save.
+
+``search(graph, *, mode=None, device_num=None, cluster=None, fixed=None, parallel_mode=None,
+fully_use_devices=True)`` reads what it is not given from the auto-parallel context, once:
+the parallel mode (who chooses), the search mode (:mod:`autopar.strategies.modes`), the
+devices and the cluster that prices the plan (:func:`autopar.clusters.resolve_cluster`).
+Under ``semi_auto_parallel`` / ``auto_parallel`` the context's ``strategy_ckpt_load_file``
+replaces the search by a checked load of a saved plan, and ``strategy_ckpt_save_file`` saves
+the plan (:mod:`autopar.checkpoint`). The search itself is
+:func:`autopar.strategies.search.search_plan`, which reads no context and writes no file.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Mapping
+
+from autopar.checkpoint import load_plan, save_strategy
+from autopar.clusters import resolve_cluster
+from autopar.errors import AutoParallelError, AutoParallelTypeError, AutoParallelWarning
+from autopar.graph.ir import Graph, check_strategy_shape
+from autopar.limits import MAX_DEVICES
+from autopar.resolve import resolve_context
+from autopar.strategies.cost import Cluster
+from autopar.strategies.modes import PARALLEL_MODES, SOLVERS, USES_STRATEGY_FILES
+from autopar.strategies.plan import Plan
+from autopar.strategies.search import SearchSettings, search_plan
+
+__all__ = ["search"]
+
+
+def search(graph: Graph, *, mode: str | None = None, device_num: int | None = None,
+           cluster: str | Cluster | None = None, fixed: Mapping[str, Any] | None = None,
+           parallel_mode: str | None = None, fully_use_devices: bool = True) -> Plan:
+    """Search a plan for ``graph`` (see the module docstring).
+
+    ``fully_use_devices`` (MindSpore's algorithm parameter of the same name): when True (the
+    default) an operator's splits must use every device, except for small operators (at most
+    4 MiB of output), which may repeat their work; False lets every operator repeat work on
+    some axes — a larger space (slower search) that can pay off when communication is dear.
+    """
+    if not isinstance(fully_use_devices, bool):
+        raise AutoParallelTypeError("fully_use_devices", fully_use_devices, "must be a bool")
+    if not isinstance(graph, Graph):
+        raise AutoParallelTypeError("graph", graph, "autopar.search takes the Graph returned "
+                                    "by autopar.trace")
+    cfg = resolve_context().config
+    pmode = _check_parallel_mode(cfg.parallel_mode if parallel_mode is None else parallel_mode)
+    m = _check_search_mode(cfg.search_mode if mode is None else mode)
+    n = 1 if pmode == "stand_alone" else _check_device_num(
+        cfg.device_num if device_num is None else device_num)
+    if fixed is not None and not isinstance(fixed, Mapping):
+        raise AutoParallelTypeError("fixed", fixed, "a mapping of node name -> strategy")
+    fixed_map = dict(fixed or {})
+    if fixed_map and pmode in ("stand_alone", "data_parallel"):
+        warnings.warn(f"fixed strategies are not used under parallel_mode={pmode!r} (every "
+                      "operator is data parallel there); use semi_auto_parallel or "
+                      "auto_parallel to honour them", AutoParallelWarning, stacklevel=2)
+    settings = SearchSettings.from_config(cfg, parallel_mode=pmode,
+                                          fully_use_devices=fully_use_devices)
+    files = pmode in USES_STRATEGY_FILES
+    if files and cfg.strategy_ckpt_load_file:  # priced on the file's own cluster unless named
+        plan = _load(graph, cfg, n, None if cluster is None else resolve_cluster(cluster),
+                     fixed_map, settings)
+    else:
+        plan = search_plan(graph, mode=m, device_num=n, cluster=resolve_cluster(cluster),
+                           fixed=fixed_map, settings=settings)
+    if files and cfg.strategy_ckpt_save_file:
+        save_strategy(plan, graph, cfg.strategy_ckpt_save_file)
+    return plan
+
+
+def _check_parallel_mode(pmode: Any) -> str:
+    if pmode not in PARALLEL_MODES:
+        raise AutoParallelError("parallel_mode", pmode, "unknown parallel mode; choose one of "
+                                f"{list(PARALLEL_MODES)}")
+    return pmode
+
+
+def _check_search_mode(m: Any) -> str:
+    if not isinstance(m, str):
+        raise AutoParallelTypeError("mode", m, f"a search mode name, one of {sorted(SOLVERS)}")
+    if m not in SOLVERS:
+        raise AutoParallelError("mode", m, f"unknown search mode; choose one of {sorted(SOLVERS)}")
+    return m
+
+
+def _check_device_num(n: Any) -> int:
+    if not isinstance(n, int) or isinstance(n, bool):
+        raise AutoParallelTypeError("device_num", n, "must be an int")
+    if not 1 <= n <= MAX_DEVICES:
+        raise AutoParallelError("device_num", n, f"must be in [1, {MAX_DEVICES}]")
+    return n
+
+
+def _load(graph: Graph, cfg: Any, n: int, cluster: Cluster | None, fixed_map: dict,
+          settings: SearchSettings) -> Plan:
+    """The plan of ``strategy_ckpt_load_file``; fixed strategies must agree with it."""
+    path = cfg.strategy_ckpt_load_file
+    plan = load_plan(path, graph, device_num=n, cluster=cluster, settings=settings,
+                     pipeline_stages=cfg.pipeline_stages)
+    for name, strategy in sorted(fixed_map.items()):
+        graph.node(name)
+        if check_strategy_shape(strategy, None, name) != plan.nodes[name].strategy:
+            raise AutoParallelError(
+                f"fixed strategy of node {name!r}", strategy,
+                f"conflicts with {plan.nodes[name].strategy} in strategy_ckpt_load_file "
+                f"{path!r}", "Drop fixed= or the load file")
+    return plan

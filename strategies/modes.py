@@ -1,0 +1,73 @@
+"""The modes, in one place: who chooses the strategies (parallel modes) and, under
+``auto_parallel``, which solver searches them (search modes).
+
+The context's validation, the search, the strategy files, the CLI and the mode comparison all
+read these tables, so a solver registered here is a ``search_mode`` everywhere at once.
+
+A solver is a record: its ``solve(problem) -> picks`` and the two ways solvers differ in how
+the search drives them (data, not special cases in the search):
+
+- ``lazy_choices``: it builds each operator's choices itself, round by round, so the problem
+  is built without the full choice lists;
+- ``memory_constraint``: it takes the memory budget as a hard constraint
+  (``solve(problem, memory_limit=...)``), so the search does not re-price memory and retry.
+
+>>> SEARCH_MODES
+('recursive_programming', 'dynamic_programming', 'sharding_propagation', 'exact')
+>>> SOLVERS["exact"].memory_constraint, DEFAULT_SEARCH_MODE
+(True, 'dynamic_programming')
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from autopar.strategies import (dynamic_programming, exact, recursive_programming,
+                                sharding_propagation)
+
+__all__ = ["DEFAULT_PARALLEL_MODE", "DEFAULT_SEARCH_MODE", "PARALLEL_MODES", "SEARCH_MODES",
+           "SOLVERS", "Solver", "USES_STRATEGY_FILES", "USES_USER_STRATEGIES"]
+
+
+@dataclass(frozen=True)
+class Solver:
+    """One search mode."""
+
+    name: str
+    solve: Callable[..., list[int]]
+    summary: str
+    lazy_choices: bool = False
+    memory_constraint: bool = False
+
+    def picks(self, problem: Any, memory_limit: float) -> list[int]:
+        """The solver's pick per vertex of ``problem``."""
+        if self.memory_constraint:
+            return self.solve(problem, memory_limit=memory_limit)
+        return self.solve(problem)
+
+
+SOLVERS: dict[str, Solver] = {s.name: s for s in (
+    Solver("recursive_programming", recursive_programming.solve,
+           "one prime factor of device_num per round (SAPP); for very large graphs or devices",
+           lazy_choices=True),
+    Solver("dynamic_programming", dynamic_programming.solve,
+           "eliminations plus an exact solve of the core: optimal for the cost model"),
+    Solver("sharding_propagation", sharding_propagation.solve,
+           "propagates the fixed strategies to their neighbours (needs at least one)"),
+    Solver("exact", exact.solve,
+           "integer program (HiGHS), memory as a hard constraint: the referee",
+           memory_constraint=True),
+)}
+SEARCH_MODES: tuple[str, ...] = tuple(SOLVERS)
+DEFAULT_SEARCH_MODE = "dynamic_programming"
+
+#: MindSpore's parallel modes, in its order.
+PARALLEL_MODES: tuple[str, ...] = ("stand_alone", "data_parallel", "hybrid_parallel",
+                                   "semi_auto_parallel", "auto_parallel")
+DEFAULT_PARALLEL_MODE = "stand_alone"
+#: The modes that honour the user's strategies (``fixed=``, annotations).
+USES_USER_STRATEGIES: tuple[str, ...] = ("hybrid_parallel", "semi_auto_parallel",
+                                         "auto_parallel")
+#: The modes whose plans strategy files load and save (MindSpore's rule).
+USES_STRATEGY_FILES: tuple[str, ...] = ("semi_auto_parallel", "auto_parallel")
