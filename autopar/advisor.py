@@ -39,6 +39,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from autopar.comm import DEFAULT_SPLIT_SIZES, MAX_SEGMENTS, WORLD_GROUP
+from autopar.context import current_config
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.fusion import (MB, Gradient, GradientBuckets, buckets_by_percent, buckets_by_size,
                             buckets_from_ends, buckets_per_gradient, buckets_pytorch_ddp,
@@ -240,6 +241,8 @@ def advise_split(graph: Any, plan: Any = None, *, cluster: Any = None,
 
     ``device_num`` defaults to the plan's, else the context's.
     """
+    if plan is None and device_num is None:
+        device_num = current_config().device_num
     model = _Model(graph, plan, cluster, device_num, overlap)
     return _advise(model, _check_max_segments(max_segments))
 
@@ -327,6 +330,8 @@ def compare_splits(graph: Any, plan: Any = None, *, cluster: Any = None,
     ``extra``: more named bucketings to include (e.g. ``gradient_buckets(graph)`` under the
     current context).
     """
+    if plan is None and device_num is None:
+        device_num = current_config().device_num
     model = _Model(graph, plan, cluster, device_num, overlap)
     advice = _advise(model, _check_max_segments(max_segments))
     grads = list(model.grads)

@@ -500,18 +500,13 @@ def buckets_pytorch_ddp(grads: Any, *, bucket_cap_mb: float = 25.0,
 
 
 def _setting(kind: str, resolved: Any) -> Any:
-    """The FusionSetting of a kind: from ``resolved`` if given, else the current context."""
-    if resolved is not None:
-        from autopar.resolve import ResolvedContext
+    """The FusionSetting of a kind in ``resolved`` (a ResolvedContext)."""
+    from autopar.resolve import ResolvedContext
 
-        if not isinstance(resolved, ResolvedContext):
-            raise AutoParallelTypeError("resolved", resolved, "an autopar.ResolvedContext "
-                                        "(from autopar.resolve_context())")
-        return getattr(resolved, f"{kind}_fusion")
-    from autopar.context import current_config
-    from autopar.resolve import fusion_setting
-
-    return fusion_setting(current_config(), kind)  # type: ignore[arg-type]
+    if not isinstance(resolved, ResolvedContext):
+        raise AutoParallelTypeError("resolved", resolved, "an autopar.ResolvedContext "
+                                    "(from autopar.resolve_context())")
+    return getattr(resolved, f"{kind}_fusion")
 
 
 def _from_setting(gs: tuple[Gradient, ...], setting: Any, kind: str) -> GradientBuckets:
@@ -574,7 +569,13 @@ def gradient_buckets(source: Any, plan: Any = None, *, kind: str = "allreduce",
             raise AutoParallelError("policy", policy, f"HCCL split strategies apply to "
                                     f"allreduce only, not {kind}")
         return _from_hccl(gs, get_split_strategy(group), kind)
-    setting = _setting(kind, resolved)
+    if resolved is None:  # the entry point reads the context's comm_fusion
+        from autopar.context import current_config
+        from autopar.resolve import fusion_setting
+
+        setting = fusion_setting(current_config(), kind)  # type: ignore[arg-type]
+    else:
+        setting = _setting(kind, resolved)
     if setting.mode != "none":
         return _from_setting(gs, setting, kind)
     if kind == "allreduce":

@@ -236,11 +236,7 @@ class _Model:
                                         f"{plan.mesh.device_num} devices",
                                         "Omit device_num when passing a plan")
             self.mesh = plan.mesh
-        else:
-            if device_num is None:
-                from autopar.context import current_config
-
-                device_num = current_config().device_num
+        else:  # the entry point gave the context's device_num
             self.mesh = DeviceMesh.for_devices(device_num)
             self.grads = gradients(graph)
         self.device_num = self.mesh.device_num
@@ -396,6 +392,10 @@ def simulate(graph: Any, plan: Any = None, *, buckets: Any = None,
     used; bytes are those of this simulation). ``device_num``: with a plan, the plan's;
     without, the context's unless given.
     """
+    from autopar.context import current_config
+
+    if plan is None and device_num is None:
+        device_num = current_config().device_num
     model = _Model(graph, plan, cluster, device_num, overlap)
     if buckets is None or isinstance(buckets, str):
         from autopar.fusion import gradient_buckets
