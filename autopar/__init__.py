@@ -47,6 +47,7 @@ from autopar.strategies import CLUSTERS, Cluster, CostModel, DeviceMesh, Layout,
 from autopar.calibration import calibrate
 from autopar.clusters import ClusterFileError, load_cluster, resolve_cluster, save_cluster
 from autopar.planner import search
+from autopar.export import in_shardings, to_jax_shardings
 from autopar.rewrite import rewrite
 from autopar.lower import lower
 from autopar.parallelize import parallelize
@@ -81,6 +82,8 @@ __all__ = [
     "Layout",
     "Plan",
     "search",
+    "to_jax_shardings",
+    "in_shardings",
     "rewrite",
     "lower",
     "parallelize",

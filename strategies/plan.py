@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from autopar.errors import AutoParallelError, AutoParallelTypeError
+from autopar.errors import AutoParallelError
 from autopar.strategies.layout import DeviceMesh, Layout
 from autopar.strategies.problem import Breakdown, Problem
 
@@ -101,54 +101,9 @@ class Plan:
             raise AutoParallelError("node", node, "not an operator of this plan")
         return self.nodes[node].strategy
 
-    def to_jax_shardings(self, mesh: Any = None) -> dict[str, Any]:
-        """``jax.sharding.NamedSharding`` of every parameter and data input, by value name.
-
-        ``mesh``: a ``jax.sharding.Mesh`` with the plan's axis names and sizes (default: the
-        first ``device_num`` devices, as :func:`autopar.lower` builds it). The layouts are the
-        plan's input layouts, so ``jax.jit(fn, in_shardings=plan.in_shardings(mesh))`` runs
-        the plan's data placement with XLA's own partitioner (GSPMD) doing the rest.
-
-        >>> shardings = plan.to_jax_shardings(mesh)           # doctest: +SKIP
-        >>> shardings["params/layer0/w"].spec                 # doctest: +SKIP
-        PartitionSpec(None, ('a0', 'a1', 'a2'))
-        """
-        from jax.sharding import NamedSharding
-
-        jmesh = self._jax_mesh(mesh)
-        return {v: NamedSharding(jmesh, self.layouts[v].partition_spec()) for v in self.inputs}
-
     def partition_specs(self) -> dict[str, Any]:
         """``jax.sharding.PartitionSpec`` of every parameter and data input, by value name."""
         return {v: self.layouts[v].partition_spec() for v in self.inputs}
-
-    def in_shardings(self, mesh: Any = None) -> Any:
-        """The shardings of :meth:`to_jax_shardings` arranged like the example arguments (a
-        tuple, one pytree per positional argument): ``jax.jit(fn, in_shardings=...)``."""
-        import jax
-
-        if self.in_tree is None:
-            raise AutoParallelError("plan", self.mode, "has no argument structure (it was not "
-                                    "built from a traced graph)",
-                                    "Use to_jax_shardings(mesh) by value name instead")
-        by_name = self.to_jax_shardings(mesh)
-        return jax.tree_util.tree_unflatten(self.in_tree, [by_name[v] for v in self.inputs])
-
-    def _jax_mesh(self, mesh: Any) -> Any:
-        from jax.sharding import Mesh
-
-        from autopar.lower import jax_mesh
-
-        if mesh is None:
-            return jax_mesh(self.mesh)
-        if not isinstance(mesh, Mesh):
-            raise AutoParallelTypeError("mesh", mesh, "a jax.sharding.Mesh (or None)")
-        want = dict(self.mesh.axes)
-        have = dict(mesh.shape)
-        if tuple(mesh.axis_names) != self.mesh.names or have != want:
-            raise AutoParallelError("mesh", have, f"the plan needs a mesh with axes {want} in "
-                                    "this order", "Pass mesh=None to build it from the plan")
-        return mesh
 
     def summary(self) -> str:
         c = self.cost

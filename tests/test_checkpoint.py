@@ -439,16 +439,16 @@ def test_to_jax_shardings_with_plain_jit():
     args = m.example_args(KEY)
     g = ap.trace(m.loss, *args)
     plan = ap.search(g, mode="dynamic_programming")
-    shardings = plan.to_jax_shardings()
+    shardings = ap.to_jax_shardings(plan)
     assert set(shardings) == set(g.inputs)
     specs = plan.partition_specs()
     for v, sh in shardings.items():
         assert sh.spec == specs[v] == plan.layouts[v].partition_spec()
-    f = jax.jit(m.loss, in_shardings=plan.in_shardings())
-    grad = jax.jit(jax.grad(m.loss), in_shardings=plan.in_shardings())
+    f = jax.jit(m.loss, in_shardings=ap.in_shardings(plan))
+    grad = jax.jit(jax.grad(m.loss), in_shardings=ap.in_shardings(plan))
     numerics.assert_close((f(*args), grad(*args)), lambda *a: (m.loss(*a), jax.grad(m.loss)(*a)),
                           *args)
-    placed = jax.device_put(args, plan.in_shardings())
+    placed = jax.device_put(args, ap.in_shardings(plan))
     w = placed[0]["layer0"]["w"]
     assert w.sharding == shardings["params/layer0/w"]
     assert w.addressable_shards[0].data.shape == plan.layouts["params/layer0/w"].local_shape(
@@ -459,12 +459,12 @@ def test_to_jax_shardings_bad_mesh():
     g = graph("mlp")
     plan = ap.search(g)
     with pytest.raises(ap.AutoParallelTypeError):
-        plan.to_jax_shardings("mesh")
+        ap.to_jax_shardings(plan, "mesh")
     wrong = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(8), ("x",))
     with pytest.raises(ap.AutoParallelError, match="axes"):
-        plan.to_jax_shardings(wrong)
+        ap.to_jax_shardings(plan, wrong)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("a0", "a1", "a2"))
-    assert plan.to_jax_shardings(mesh)["params/layer0/w"].mesh is mesh
+    assert ap.to_jax_shardings(plan, mesh)["params/layer0/w"].mesh is mesh
 
 
 def test_pipeline_stages_round_trip(tmp_path):
