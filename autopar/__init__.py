@@ -44,7 +44,7 @@ from autopar.errors import (
 from autopar.graph import Graph, Node, TensorSpec, Value, matmul, shard, trace
 from autopar.resolve import FusionSetting, ResolvedContext, resolve_context
 from autopar.strategies import CLUSTERS, Cluster, CostModel, DeviceMesh, Layout, Plan
-from autopar.calibration import calibrate
+from autopar.clusters import calibrate
 from autopar.clusters import ClusterFileError, load_cluster, resolve_cluster, save_cluster
 from autopar.planner import search
 from autopar.export import in_shardings, to_jax_shardings

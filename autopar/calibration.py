@@ -27,8 +27,9 @@ sizes and group sizes come from the devices given; a budget (default 60 s) share
 out, dropping the largest message sizes first.
 
 The result is a :class:`~autopar.strategies.cost.Cluster` whose ``calibration`` says what it
-was measured on; :func:`calibrate` caches it per device kind and count
-(:mod:`autopar.clusters`), so a second call returns at once.
+was measured on; :func:`autopar.calibrate` (:mod:`autopar.clusters`, which owns the cache)
+caches it per device kind and count, so a second call returns at once. This module measures
+and fits (:func:`measure`); it reads and writes no file.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ import numpy as np
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.strategies.cost import (COLLECTIVE_KINDS, Calibration, Cluster, CollectiveFit)
 
-__all__ = ["CALIBRATION_VERSION", "calibrate", "fit_alpha_beta", "fit_with_knee", "group_sizes"]
+__all__ = ["CALIBRATION_VERSION", "calibrated_name", "check_settings", "fit_alpha_beta",
+           "fit_with_knee", "group_sizes", "measure", "select_devices"]
 
 CALIBRATION_VERSION = 1
 #: Message sizes (bytes, as the model counts them), in the order they are measured: the
@@ -347,7 +349,16 @@ def _measure_compute(devices: Sequence[Any], share: float, bar: Any) -> dict[str
 # ---------------------------------------------------------------------------- the entry
 
 
-def _devices(devices: Any) -> list[Any]:
+def calibrated_name(platform: str, device_count: int, process_count: int = 1) -> str:
+    """``calibrated-cpu-8``; with several processes ``calibrated-gpu-2x8``."""
+    per = device_count // process_count
+    return f"calibrated-{platform}-" + (f"{process_count}x{per}" if process_count > 1
+                                        else str(device_count))
+
+
+def select_devices(devices: Any) -> list[Any]:
+    """The devices a calibration measures: None: every device present; an int: the first
+    that many; or a list of jax devices."""
     import jax
 
     every = jax.devices()
@@ -394,8 +405,6 @@ def _cluster(devs: Sequence[Any], comp: dict[str, float], fits: Sequence[Collect
     """The Cluster of the measured figures, with what it was measured on."""
     import jax
 
-    from autopar import clusters
-
     platform, kind = devs[0].platform, devs[0].device_kind
     intra_link = _link(fits, True) or (1e12, 0.0)
     inter_link = _link(fits, False) or intra_link
@@ -407,7 +416,7 @@ def _cluster(devs: Sequence[Any], comp: dict[str, float], fits: Sequence[Collect
                       memory_residual=comp["memory_residual"],
                       shared_compute=comp["shared_compute"], seconds=round(seconds, 3))
     return Cluster(
-        name=clusters.calibrated_name(platform, len(devs), procs),
+        name=calibrated_name(platform, len(devs), procs),
         devices_per_node=len(devs) // procs, peak_flops=comp["peak_flops"],
         memory_bandwidth=comp["memory_bandwidth"], memory_bytes=_memory_per_device(devs),
         intra_bandwidth=intra_link[0], intra_alpha=intra_link[1],
@@ -418,26 +427,14 @@ def _cluster(devs: Sequence[Any], comp: dict[str, float], fits: Sequence[Collect
         calibration=cal)
 
 
-def calibrate(devices: Any = None, *, budget_s: float = 60.0, cache: bool = True,
-              progress: bool = True, max_message_bytes: int = MESSAGE_SIZES[-1]) -> Cluster:
-    """Measure ``devices`` (default: every device present; an int: the first that many) and
-    return the fitted Cluster.
-
-    ``budget_s``: the wall time to aim for (the measurement plan shrinks to fit: fewer
-    message sizes, never fewer than two per fit). ``cache``: return the cached calibration of
-    these devices when there is one, and cache a new one (``autopar.clusters``).
-    ``progress``: a progress bar on stderr. ``max_message_bytes``: the largest collective
-    message measured (default 32 MiB; smaller for a quick, coarser calibration).
-    """
-    from autopar import clusters
-    from autopar.cli_util import Progress
-
+def check_settings(budget_s: Any, progress: Any, max_message_bytes: Any) -> tuple[int, ...]:
+    """Check :func:`measure`'s settings (before anything is measured or read from a cache);
+    the message sizes to measure."""
     if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or \
             not math.isfinite(budget_s) or budget_s <= 0:
         raise AutoParallelError("budget_s", budget_s, "must be a positive number of seconds")
-    for key, value in (("cache", cache), ("progress", progress)):
-        if not isinstance(value, bool):
-            raise AutoParallelTypeError(key, value, "must be a bool")
+    if not isinstance(progress, bool):
+        raise AutoParallelTypeError("progress", progress, "must be a bool")
     sizes = tuple(n for n in MESSAGE_SIZES if n <= max_message_bytes) \
         if isinstance(max_message_bytes, int) and not isinstance(max_message_bytes, bool) \
         else ()
@@ -445,18 +442,26 @@ def calibrate(devices: Any = None, *, budget_s: float = 60.0, cache: bool = True
         raise AutoParallelError("max_message_bytes", max_message_bytes, f"must be an int >= "
                                 f"{sorted(MESSAGE_SIZES)[_MIN_SAMPLES - 1]} (a fit needs "
                                 f"{_MIN_SAMPLES} message sizes)")
-    devs = _devices(devices)
-    if cache:
-        hit = clusters.cached_calibration(devs)
-        if hit is not None:
-            return hit
+    return sizes
+
+
+def measure(devs: Sequence[Any], *, budget_s: float = 60.0, progress: bool = True,
+            max_message_bytes: int = MESSAGE_SIZES[-1]) -> Cluster:
+    """Measure the devices ``devs`` and return the fitted Cluster (no cache: that is
+    :func:`autopar.calibrate`'s step, in :mod:`autopar.clusters`).
+
+    ``budget_s``: the wall time to aim for (the measurement plan shrinks to fit: fewer
+    message sizes, never fewer than two per fit). ``progress``: a progress bar on stderr.
+    ``max_message_bytes``: the largest collective message measured (default 32 MiB; smaller
+    for a quick, coarser calibration).
+    """
+    from autopar.cli_util import Progress
+
+    sizes = check_settings(budget_s, progress, max_message_bytes)
     clock = _Clock(0.92 * budget_s)  # the plan overruns its share a little: aim under
     cases = len(_group_meshes(devs)) * len(COLLECTIVE_KINDS) if len(devs) > 1 else 0
     total = 3 + cases * len(sizes)
     with Progress("calibrate", total, quiet=not progress) as bar:
         comp = _measure_compute(devs, 0.25 * clock.budget, bar)
         fits = _measure_collectives(devs, sizes, clock, bar) if cases else []
-    cluster = _cluster(devs, comp, fits, clock.elapsed())
-    if cache:
-        clusters.store_calibration(cluster, devs)
-    return cluster
+    return _cluster(devs, comp, fits, clock.elapsed())

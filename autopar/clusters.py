@@ -30,12 +30,13 @@ from typing import Any, Sequence
 
 from pydantic import ValidationError
 
+from autopar.calibration import MESSAGE_SIZES, check_settings, measure, select_devices
 from autopar.errors import AutoParallelError, AutoParallelTypeError, FileFieldError
 from autopar.files import read_json_document, validation_failure, write_text_atomic
 from autopar.strategies.cost import CLUSTERS, Cluster, get_cluster
 
 __all__ = ["CACHE_ENV", "CLUSTER_ENV", "ClusterFileError", "FORMAT", "MAX_FILE_BYTES",
-           "PLATFORM_PRESETS", "cached_calibration", "calibrated_name", "cluster_for",
+           "PLATFORM_PRESETS", "cached_calibration", "calibrate", "cluster_for",
            "describe_cluster", "dumps_cluster", "forget_calibration", "load_cluster",
            "resolve_cluster", "save_cluster", "store_calibration"]
 
@@ -90,13 +91,6 @@ def load_cluster(path: str | os.PathLike[str]) -> Cluster:
 
 
 # ---------------------------------------------------------------------------- the cache
-
-
-def calibrated_name(platform: str, device_count: int, process_count: int = 1) -> str:
-    """``calibrated-cpu-8``; with several processes ``calibrated-gpu-2x8``."""
-    per = device_count // process_count
-    return f"calibrated-{platform}-" + (f"{process_count}x{per}" if process_count > 1
-                                        else str(device_count))
 
 
 def _cache_dir() -> Path | None:
@@ -155,6 +149,31 @@ def forget_calibration(devices: Sequence[Any]) -> None:
         path.unlink()
 
 
+def calibrate(devices: Any = None, *, budget_s: float = 60.0, cache: bool = True,
+              progress: bool = True, max_message_bytes: int = MESSAGE_SIZES[-1]) -> Cluster:
+    """Measure ``devices`` (default: every device present; an int: the first that many) and
+    return the fitted Cluster (:func:`autopar.calibration.measure`).
+
+    ``cache``: return the cached calibration of these devices when there is one, and cache a
+    new one. ``budget_s``: the wall time to aim for (the measurement plan shrinks to fit:
+    fewer message sizes, never fewer than two per fit). ``progress``: a progress bar on
+    stderr. ``max_message_bytes``: the largest collective message measured (default 32 MiB;
+    smaller for a quick, coarser calibration).
+    """
+    check_settings(budget_s, progress, max_message_bytes)
+    if not isinstance(cache, bool):
+        raise AutoParallelTypeError("cache", cache, "must be a bool")
+    devs = select_devices(devices)
+    hit = cached_calibration(devs) if cache else None
+    if hit is not None:
+        return hit
+    cluster = measure(devs, budget_s=budget_s, progress=progress,
+                      max_message_bytes=max_message_bytes)
+    if cache:
+        store_calibration(cluster, devs)
+    return cluster
+
+
 def describe_cluster(cluster: Cluster) -> str:
     """A plain-text summary: the compute figures and each measured collective's fit.
 
@@ -191,12 +210,6 @@ def describe_cluster(cluster: Cluster) -> str:
 # ---------------------------------------------------------------------------- resolution
 
 
-def _present_devices() -> list[Any]:
-    import jax
-
-    return list(jax.devices())
-
-
 def _notice(text: str) -> None:
     if text not in _noticed:
         _noticed.add(text)
@@ -224,8 +237,6 @@ def resolve_cluster(cluster: Any = None) -> Cluster:
     if cluster in CLUSTERS:
         return get_cluster(cluster)
     if cluster == "calibrated":
-        from autopar.calibration import calibrate
-
         return calibrate()
     if _looks_like_path(cluster):
         return load_cluster(cluster)
@@ -235,7 +246,7 @@ def resolve_cluster(cluster: Any = None) -> Cluster:
 
 
 def _default_cluster() -> Cluster:
-    devices = _present_devices()
+    devices = select_devices(None)
     hit = cached_calibration(devices)
     where = f"{len(devices)} {devices[0].platform} device(s)"
     if hit is not None:
