@@ -165,6 +165,42 @@ def tfm_stack(blocks: int = 4, batch: int = 8, seq: int = 512, hidden: int = 102
 # ----------------------------------------------------------------------------- GPT decoder
 
 
+def _gpt_spec(names: list[str], h_: int, f_: int, seq: int, vocab: int) -> dict[str, Any]:
+    """The GPT's parameter initialisers, in forward order."""
+
+    def ln_spec() -> dict[str, Init]:
+        return {"gamma": Init.ones((h_,)), "beta": Init.zeros((h_,))}
+
+    spec: dict[str, Any] = {"embed": {"tokens": Init.normal((vocab, h_), 0.02),
+                                      "pos": Init.normal((seq, h_), 0.02)}}
+    for name in names:
+        spec[name] = {"ln1": ln_spec(),
+                      "attn": {"wqkv": Init.normal((h_, 3 * h_), 1.0 / math.sqrt(h_)),
+                               "wo": Init.normal((h_, h_), 1.0 / math.sqrt(h_))},
+                      "ln2": ln_spec(),
+                      "mlp": {"w1": Init.normal((h_, f_), 1.0 / math.sqrt(h_)),
+                              "w2": Init.normal((f_, h_), 1.0 / math.sqrt(f_))}}
+    spec["ln_f"] = ln_spec()
+    spec["head"] = {"w": Init.normal((h_, vocab), 1.0 / math.sqrt(h_))}
+    return spec
+
+
+def _gpt_block(p: Params, x: jax.Array, heads: int) -> jax.Array:
+    """One pre-LN block: causal self-attention, then the MLP, each with its residual."""
+    b, s, h_ = x.shape
+    with jax.named_scope("ln1"):
+        a = layer_norm(x, p["ln1"]["gamma"], p["ln1"]["beta"])
+    with jax.named_scope("attn"):
+        q, k, v = _split_heads(a @ p["attn"]["wqkv"], b, s, heads)
+        scores = (q @ jnp.swapaxes(k, -1, -2)) * (1.0 / math.sqrt(h_ // heads))
+        c = softmax(scores + _causal_bias(s, scores.dtype)) @ v
+        x = x + _merge_heads(c, (b, s, h_)) @ p["attn"]["wo"]
+    with jax.named_scope("ln2"):
+        m = layer_norm(x, p["ln2"]["gamma"], p["ln2"]["beta"])
+    with jax.named_scope("mlp"):
+        return x + gelu(m @ p["mlp"]["w1"]) @ p["mlp"]["w2"]
+
+
 def transformer(layers: int = 2, hidden: int = 64, heads: int = 4, seq: int = 16,
                 vocab: int = 128, batch: int = 4, mlp_ratio: int = 4,
                 dtype: Any = jnp.float32) -> Model:
@@ -204,37 +240,14 @@ def transformer(layers: int = 2, hidden: int = 64, heads: int = 4, seq: int = 16
     _check_heads(hidden, heads)
     dtype_name = check_dtype("dtype", dtype)
 
-    h_, f_ = hidden, mlp_ratio * hidden
-    scale = 1.0 / math.sqrt(hidden // heads)
     names = key_names("block", layers)
     config: dict[str, Any] = {"layers": layers, "hidden": hidden, "heads": heads, "seq": seq,
                               "vocab": vocab, "batch": batch, "mlp_ratio": mlp_ratio,
                               "dtype": dtype_name}
-
-    def ln_spec() -> dict[str, Init]:
-        return {"gamma": Init.ones((h_,)), "beta": Init.zeros((h_,))}
-
-    spec: dict[str, Any] = {"embed": {"tokens": Init.normal((vocab, h_), 0.02),
-                                      "pos": Init.normal((seq, h_), 0.02)}}
-    for name in names:
-        spec[name] = {"ln1": ln_spec(),
-                      "attn": {"wqkv": Init.normal((h_, 3 * h_), 1.0 / math.sqrt(h_)),
-                               "wo": Init.normal((h_, h_), 1.0 / math.sqrt(h_))},
-                      "ln2": ln_spec(),
-                      "mlp": {"w1": Init.normal((h_, f_), 1.0 / math.sqrt(h_)),
-                              "w2": Init.normal((f_, h_), 1.0 / math.sqrt(f_))}}
-    spec["ln_f"] = ln_spec()
-    spec["head"] = {"w": Init.normal((h_, vocab), 1.0 / math.sqrt(h_))}
+    spec = _gpt_spec(names, hidden, mlp_ratio * hidden, seq, vocab)
 
     def init(key: jax.Array) -> Params:
         return init_params(key, spec, dtype_name)
-
-    def attention(p: Params, x: jax.Array) -> jax.Array:
-        b, s = x.shape[0], x.shape[1]
-        q, k, v = _split_heads(x @ p["wqkv"], b, s, heads)
-        scores = (q @ jnp.swapaxes(k, -1, -2)) * scale
-        c = softmax(scores + _causal_bias(s, scores.dtype)) @ v
-        return _merge_heads(c, (b, s, h_)) @ p["wo"]
 
     def apply(params: Params, tokens: jax.Array) -> jax.Array:
         s = tokens.shape[1]
@@ -242,16 +255,8 @@ def transformer(layers: int = 2, hidden: int = 64, heads: int = 4, seq: int = 16
             x = params["embed"]["tokens"].at[tokens].get(mode="clip")  # a gather
             x = x + params["embed"]["pos"][:s]
         for name in names:
-            p = params[name]
             with jax.named_scope(name):
-                with jax.named_scope("ln1"):
-                    a = layer_norm(x, p["ln1"]["gamma"], p["ln1"]["beta"])
-                with jax.named_scope("attn"):
-                    x = x + attention(p["attn"], a)
-                with jax.named_scope("ln2"):
-                    m = layer_norm(x, p["ln2"]["gamma"], p["ln2"]["beta"])
-                with jax.named_scope("mlp"):
-                    x = x + gelu(m @ p["mlp"]["w1"]) @ p["mlp"]["w2"]
+                x = _gpt_block(params[name], x, heads)
         with jax.named_scope("ln_f"):
             x = layer_norm(x, params["ln_f"]["gamma"], params["ln_f"]["beta"])
         with jax.named_scope("head"):
