@@ -61,9 +61,9 @@ from autopar.grad_sync import sync_gradients
 from autopar.fusion import Bucket, GradientBuckets, gradient_buckets
 from autopar.timeline import IterationTrace, plot_timeline, simulate
 from autopar.advisor import SplitAdvice, SplitComparison, advise_split, compare_splits
-from autopar.pipeline import PackedParams, PipelinePlan, PipelineTrainStep, pipeline_train_step
-from autopar.pipeline_timeline import PipelineTrace, simulate_pipeline, simulate_schedule
-from autopar.schedules import Schedule, schedule as pipeline_schedule
+from autopar.pipeline import (PackedParams, PipelinePlan, PipelineTrace, PipelineTrainStep,
+                              Schedule, pipeline_train_step, simulate_pipeline,
+                              simulate_schedule, schedule as pipeline_schedule)
 from autopar.strategies.stages import StagePartition, partition_stages
 
 __version__ = "0.1.0"

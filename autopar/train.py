@@ -615,7 +615,7 @@ def train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
     check_fused_kernels(fused_kernels)
     stages = current_config().pipeline_stages
     if stages > 1:  # pipeline_stages > 1: the pipelined step (autopar.pipeline)
-        from autopar.pipeline import pipeline_train_step
+        from autopar.pipeline.step import pipeline_train_step
 
         for key, value, default in (("backend", backend, "shard_map"), ("mesh", mesh, None),
                                     ("sync_method", sync_method, "tuple"),

@@ -19,7 +19,7 @@ import autopar as ap
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.models import mlp, tfm_stack, transformer
 from autopar.pipeline import PackedParams, pipeline_train_step
-from autopar.schedules import BWD, FWD, IDLE, bubble_fraction, schedule
+from autopar.pipeline.schedules import BWD, FWD, IDLE, bubble_fraction, schedule
 from autopar.strategies.stages import partition_stages, stage_graph, stage_units
 
 import numerics
@@ -343,7 +343,7 @@ def test_not_callable_loss_and_bad_call_arguments(tfm_step):
 
 @pytest.mark.parametrize("p,m", [(2, 2), (4, 4), (4, 8), (8, 32)])
 def test_simulated_gpipe_bubble_is_p_minus_1_over_m_plus_p_minus_1(p, m):
-    from autopar.pipeline_timeline import simulate_schedule
+    from autopar.pipeline.simulation import simulate_schedule
 
     for sched in ("gpipe", "1f1b"):   # equal stages, free transfers: the same bubble
         t = simulate_schedule([1.0] * p, [2.0] * p, micro_batches=m, schedule=sched)
@@ -352,7 +352,7 @@ def test_simulated_gpipe_bubble_is_p_minus_1_over_m_plus_p_minus_1(p, m):
 
 
 def test_simulated_pipeline_trace_is_consistent_and_exports_chrome_json(tmp_path):
-    from autopar.pipeline_timeline import simulate_pipeline
+    from autopar.pipeline.simulation import simulate_pipeline
 
     g = graph_of(small_tfm(layers=8, batch=2))
     t = simulate_pipeline(g, 4, micro_batches=8, schedule="1f1b", device_num=64)
@@ -378,7 +378,7 @@ def test_simulated_pipeline_trace_is_consistent_and_exports_chrome_json(tmp_path
 
 
 def test_simulator_bad_inputs():
-    from autopar.pipeline_timeline import simulate_pipeline, simulate_schedule
+    from autopar.pipeline.simulation import simulate_pipeline, simulate_schedule
 
     with pytest.raises(AutoParallelTypeError):
         simulate_schedule([1.0, 1.0], [1.0], micro_batches=2)
@@ -507,7 +507,7 @@ def test_non_elementwise_optimizer_is_refused(opt):
 
 
 def test_elementwise_probe_accepts_elementwise_optimizers():
-    from autopar.stage_buffers import check_elementwise_optimizer
+    from autopar.pipeline.buffers import check_elementwise_optimizer
 
     for opt in (optax.sgd(0.1, momentum=0.9), optax.adamw(1e-3), optax.chain(
             optax.clip(1.0), optax.rmsprop(1e-3))):

@@ -10,10 +10,10 @@ are searched per stage.
 
 **One SPMD program.** The mesh is ``('stage', a0, a1, ...)`` of shape ``(p, *intra)``. One
 ``jax.shard_map`` runs a ``lax.scan`` over the schedule's ticks
-(:mod:`autopar.schedules`). At each tick every device reads its stage's row of the tick
+(:mod:`autopar.pipeline.schedules`). At each tick every device reads its stage's row of the tick
 table and enters one branch of a ``lax.switch``: idle, forward of stage ``s`` or backward of
 stage ``s`` (``2p + 1`` branches, stage-heterogeneous code, all with the same signature
-thanks to the padded flat buffers of :mod:`autopar.stage_buffers`). Then two
+thanks to the padded flat buffers of :mod:`autopar.pipeline.buffers`). Then two
 ``lax.ppermute`` over ``'stage'`` move the activations one stage forward and their
 gradients one stage back; the receiving stage stores them in the slot the schedule assigned.
 Intra-stage collectives run inside the branches, over the intra axes only, so every member
@@ -29,7 +29,7 @@ every stage, so slot memory is exactly what the schedule needs (``m`` slots for 
 all ``grad_accumulation_step`` rounds), then each sync group is all-reduced once over the
 intra-stage axes where its parameters are replicated (``comm_fusion`` is not applied:
 warned); the optimizer (optax, SGD 0.1 by default) updates the packed buffers, so it must be
-elementwise (:func:`autopar.stage_buffers.check_elementwise_optimizer` refuses
+elementwise (:func:`autopar.pipeline.buffers.check_elementwise_optimizer` refuses
 ``clip_by_global_norm``, LAMB / LARS, adafactor, ... at construction). The loss must be a
 mean over batch rows (mean of the micro-batch means), as in MindSpore; the result equals
 one device on the whole batch (``gradients_mean=True``; ``False`` multiplies by the stage's
@@ -70,13 +70,13 @@ from autopar.optimizer_shard import ShardDecision, decide_sharding
 from autopar.parallel_graph import ParallelGraph
 from autopar.parallelize import count_collectives
 from autopar.rewrite import rewrite
-from autopar.schedules import FWD, IDLE, Schedule, schedule as build_schedule
-from autopar.stage_buffers import (BoundaryCodec, PackedParams, StagePacking,
+from autopar.pipeline.schedules import FWD, IDLE, Schedule, schedule as build_schedule
+from autopar.pipeline.buffers import (BoundaryCodec, PackedParams, StagePacking,
                                    check_elementwise_optimizer)
 from autopar.strategies.layout import DeviceMesh, Layout
 from autopar.strategies.plan import Plan
 from autopar.strategies.redistribution import redistribute
-from autopar.strategies.search import search
+from autopar.planner import search
 from autopar.strategies.stages import StagePartition, partition_stages, stage_graph
 
 __all__ = ["pipeline_train_step", "PipelineTrainStep", "PipelinePlan", "PackedParams"]

@@ -1,7 +1,7 @@
 """Simulate one pipelined iteration: stages x micro-batches, the bubble, the gradient sync.
 
 The pipeline counterpart of :func:`autopar.simulate` (one device's iteration trace): every
-stage runs its schedule's op order (:func:`autopar.schedules.op_order`, GPipe or 1F1B),
+stage runs its schedule's op order (:func:`autopar.pipeline.schedules.op_order`, GPipe or 1F1B),
 each op as soon as its stage is free and its input has arrived:
 
 - ``F(s, k)`` starts after ``F(s-1, k)`` ends plus the boundary transfer
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError
-from autopar.schedules import FWD, SCHEDULES, op_order, schedule as build_schedule
+from autopar.pipeline.schedules import FWD, SCHEDULES, op_order, schedule as build_schedule
 
 __all__ = ["PipelineBlock", "PipelineTrace", "simulate_schedule", "simulate_pipeline"]
 

@@ -1,0 +1,22 @@
+"""autopar.pipeline: pipeline parallelism, one concept per module.
+
+* :mod:`~autopar.pipeline.schedules` -- GPipe and 1F1B tick tables: which micro-batch each
+  stage runs forward or backward at each tick, buffer slots, in-flight micro-batches.
+* :mod:`~autopar.pipeline.buffers` -- stage-local buffers: parameters packed per stage (and
+  sharded by the parallel optimizer), padded boundary activation buffers.
+* :mod:`~autopar.pipeline.step` -- :func:`pipeline_train_step`: one ``shard_map`` over
+  ``('stage', a0, ...)``, a scan over ticks, ``lax.switch`` per stage, ``ppermute`` between
+  stages.
+* :mod:`~autopar.pipeline.simulation` -- :func:`simulate_pipeline`: the stages x
+  micro-batches timeline, the bubble, a Chrome trace.
+
+The stage partition itself is :mod:`autopar.strategies.stages`.
+"""
+
+from autopar.pipeline.buffers import PackedParams
+from autopar.pipeline.schedules import Schedule, schedule
+from autopar.pipeline.simulation import PipelineTrace, simulate_pipeline, simulate_schedule
+from autopar.pipeline.step import PipelinePlan, PipelineTrainStep, pipeline_train_step
+
+__all__ = ["PackedParams", "PipelinePlan", "PipelineTrace", "PipelineTrainStep", "Schedule",
+           "pipeline_train_step", "schedule", "simulate_pipeline", "simulate_schedule"]
