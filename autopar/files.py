@@ -25,6 +25,7 @@ b'{}'
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import stat
@@ -51,17 +52,18 @@ def _target(path: Any, key: str) -> Path:
                                 "byte")
     if str(text).endswith((os.sep, os.altsep or os.sep)):
         raise AutoParallelError(key, str(text), "names a directory; give a file name")
-    target = Path(text)
-    if target.is_symlink():  # write through the link: its target is what gets replaced
-        target = Path(os.path.realpath(target))
-    directory = target.parent if str(target.parent) else Path(".")
-    if not directory.is_dir():
-        raise AutoParallelError(key, str(text), f"directory {str(directory)!r} does not exist")
     try:
+        target = Path(text)
+        if target.is_symlink():  # write through the link: its target is what gets replaced
+            target = Path(os.path.realpath(target))
+        directory = target.parent if str(target.parent) else Path(".")
+        if not directory.is_dir():
+            raise AutoParallelError(key, str(text), f"directory {str(directory)!r} does not "
+                                    "exist")
         st = target.stat()
     except FileNotFoundError:
         return target
-    except OSError as e:
+    except OSError as e:  # a name too long, a path through a file, no permission
         raise AutoParallelError(key, str(text), f"cannot be written: {e.strerror or e}") \
             from None
     if not stat.S_ISREG(st.st_mode):
@@ -71,11 +73,17 @@ def _target(path: Any, key: str) -> Path:
     return target
 
 
+def _temp_prefix(name: str) -> str:
+    """``.<name>.``, the name cut so a temporary file's name fits where ``name`` does."""
+    return f".{name[:200]}."
+
+
 def _clean_stale(directory: Path, name: str) -> None:
-    """Remove ``.<name>.*.tmp`` files older than :data:`STALE_SECONDS` (a killed writer's)."""
+    """Remove our temporary files of ``name`` older than :data:`STALE_SECONDS` (a killed
+    writer's)."""
     now = time.time()
     try:
-        for p in directory.glob(f".{name}.*.tmp"):
+        for p in directory.glob(f"{glob.escape(_temp_prefix(name))}*.tmp"):
             try:
                 if p.is_file() and now - p.stat().st_mtime > STALE_SECONDS:
                     p.unlink()
@@ -89,6 +97,10 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes, *,
                        key: str = "path") -> Path:
     """Write ``data`` to ``path`` atomically (see the module doc); returns the path written
     (a symlink's target when ``path`` is a link). ``key`` names the setting in errors."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise AutoParallelTypeError(key, os.fspath(path) if isinstance(path, (str, os.PathLike))
+                                    else path, "cannot be written: the data must be bytes, "
+                                    f"found a {type(data).__name__}")
     target = _target(path, key)
     directory = target.parent if str(target.parent) else Path(".")
     try:
@@ -99,7 +111,8 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes, *,
         mode = 0o666 & ~umask
     _clean_stale(directory, target.name)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
+        fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(target.name), suffix=".tmp",
+                                   dir=directory)
     except OSError as e:
         raise AutoParallelError(key, os.fspath(path), f"cannot be written: "
                                 f"{e.strerror or e}") from None
@@ -124,7 +137,17 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes, *,
 
 def write_text_atomic(path: str | os.PathLike[str], text: str, *, key: str = "path") -> Path:
     """Write ``text`` (UTF-8) to ``path`` atomically (:func:`write_bytes_atomic`)."""
-    return write_bytes_atomic(path, text.encode("utf-8"), key=key)
+    where = os.fspath(path) if isinstance(path, (str, os.PathLike)) else path
+    if not isinstance(text, str):
+        raise AutoParallelTypeError(key, where, "cannot be written: the text must be a str, "
+                                    f"found a {type(text).__name__}")
+    try:
+        data = text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise AutoParallelError(key, where, f"cannot be written: the text holds "
+                                f"{e.object[e.start:e.end]!r} at {e.start}, which UTF-8 "
+                                "cannot encode (a lone surrogate)") from None
+    return write_bytes_atomic(path, data, key=key)
 
 
 def read_bytes_capped(path: str | os.PathLike[str], limit: int,
@@ -144,6 +167,8 @@ def read_bytes_capped(path: str | os.PathLike[str], limit: int,
         raise fail("a readable file", "missing (no such file)") from None
     except OSError as e:
         raise fail("a readable file", e.strerror or str(e)) from None
+    except ValueError:  # os.open refuses a NUL byte in the path
+        raise fail("a path without NUL bytes", "a NUL byte in the path") from None
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)

@@ -9,6 +9,7 @@ import time
 import pytest
 
 import autopar as ap
+from autopar.errors import AutoparError
 from autopar.files import STALE_SECONDS, read_bytes_capped, write_text_atomic
 
 
@@ -115,3 +116,19 @@ def test_quick_benchmark_runs_write_to_scratch(monkeypatch, tmp_path, capsys):
     assert quick == tmp_path / "results" / "quick" / "x.json"
     assert full == tmp_path / "results" / "x.json" and quick.read_text() != full.read_text()
     capsys.readouterr()
+
+
+def test_names_and_contents_the_writer_cannot_take_are_typed_errors(tmp_path):
+    from autopar.files import read_bytes_capped, write_bytes_atomic, write_text_atomic
+
+    longest = tmp_path / ("x" * 255)  # the longest legal name: its temporary file still fits
+    write_text_atomic(longest, "{}")
+    assert longest.read_text() == "{}" and sorted(tmp_path.iterdir()) == [longest]
+    for call in (lambda: write_text_atomic(tmp_path / ("x" * 300), "{}"),  # over NAME_MAX
+                 lambda: write_text_atomic(tmp_path / "t.json", "\udcff"),
+                 lambda: write_bytes_atomic(tmp_path / "b.json", "text"),  # type: ignore
+                 lambda: read_bytes_capped(str(tmp_path / "a\0b.json"), 100)):
+        with pytest.raises(AutoparError) as info:
+            call()
+        assert str(tmp_path) in str(info.value)
+    assert sorted(tmp_path.iterdir()) == [longest]  # nothing written, nothing left behind

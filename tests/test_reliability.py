@@ -24,16 +24,8 @@ KNOWN_DEFECTS = [
     ("context", r"^set: comm_fusion=\{'allreduce': \{'mode': 'size', 'config': 1000"),
     # OverflowError from math.isfinite / math.fsum on huge percentages
     ("hccl", r"^set_split_strategy_by_size\(\[(1e\+308|1358|1000)"),
-    # a NUL byte in a path to read: ValueError from os.open
-    ("strategy files", r"NUL byte in the path$"),
-    ("calibration files", r"NUL byte in the path$"),
     # a figure past a double's range (1e400, a 401-digit integer) loads as infinity
     ("calibration files", r"= (1e400|a 401-digit number)$"),
-    # a file name over NAME_MAX: OSError from pathlib's is_symlink, not a typed error
-    ("writer", r": a 300-character name$"),
-    # what the generic writers are given to write is not checked
-    ("writer", r"^write_text_atomic: text with a lone surrogate$"),
-    ("writer", r"^write_bytes_atomic: (str|None) data$"),
     # jnp.result_type('abc') raises TypeError in TrainStep._check_state
     ("train_step", r"^step: a str parameter$"),
 ]
