@@ -58,6 +58,7 @@ import optax
 
 import autopar as ap
 from autopar.checkpoint import dumps_strategy, strategy_document
+from benchmarks._common import DocTables
 from autopar.clusters import dumps_cluster
 from autopar.context import explicit_keys
 from autopar.errors import AutoparError
@@ -1465,17 +1466,15 @@ def render(payloads: dict[str, dict[str, Any]]) -> dict[tuple[str, str], str]:
     return {("docs/reliability.md", "reliability"): text}
 
 
-def publish(rows: list[dict[str, Any]], meta: dict[str, Any], quick: bool) -> None:
-    """Write the JSON (write_results) and, after a full run, the docs table rendered from
-    it (replace_between_markers)."""
-    from benchmarks._common import replace_between_markers, write_results
+DOC_TABLES = DocTables(("reliability",), render)
 
-    path = write_results("reliability", rows, COLUMNS, meta=meta)
-    if quick:
-        return
-    payload = json.loads(Path(path).read_text(encoding="utf-8"))
-    for (doc, marker), text in render({"reliability": payload}).items():
-        replace_between_markers(ROOT / doc, marker, text)
+
+def publish(rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
+    """Write the JSON and, after a full run, the docs table rendered from it."""
+    from benchmarks._common import write_results
+
+    write_results("reliability", rows, COLUMNS, meta=meta)
+    DOC_TABLES.write()
 
 
 def main(quick: bool = False) -> None:
@@ -1488,7 +1487,7 @@ def main(quick: bool = False) -> None:
     meta = {"seed": SEED, "quick": quick, "seconds": round(seconds, 1), "cases": len(outcomes),
             "root": os.geteuid() == 0, "mknod": can_mknod(), "kill -9": kill_summary(outcomes),
             "failing": bad}
-    publish(summarize(outcomes), meta, quick)
+    publish(summarize(outcomes), meta)
     print(f"\n{len(outcomes)} cases, {len(bad)} failing, {seconds:.1f} s")
 
 
