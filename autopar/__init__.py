@@ -56,7 +56,8 @@ from autopar.checkpoint import (StrategyFileError, load_strategy, read_strategy_
                                 save_strategy)
 from autopar.mindspore_import import MindSporeImport, import_mindspore_strategy
 from autopar.compare import ModeResult, compare_modes
-from autopar.train import TrainStep, broadcast_parameters, train_step
+from autopar.step_inputs import broadcast_parameters
+from autopar.train import TrainStep, train_step
 from autopar.grad_sync import sync_gradients
 from autopar.fusion import Bucket, GradientBuckets, gradient_buckets
 from autopar.timeline import IterationTrace, plot_timeline, simulate

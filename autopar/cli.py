@@ -24,8 +24,8 @@ from typing import Any, Sequence
 
 from autopar.files import write_text_atomic
 from autopar.cli_util import (CLIError, Progress, compare_with_reference, drop_gloo_lines,
-                              load_model, parse_options, setup_devices, table)
-from autopar.limits import MAX_DEVICES
+                              load_model, non_negative_float, one_device_steps, parse_options,
+                              positive_int, setup_devices, table)
 from autopar.strategies.modes import PARALLEL_MODES
 from autopar.strategies.modes import SEARCH_MODES as MODES
 
@@ -243,32 +243,6 @@ def _global_numpy(tree: Any) -> Any:
     return jax.tree.map(np.asarray, tree)
 
 
-def _reference(fn: Any, ex: tuple, steps: int) -> tuple[list[float], Any]:
-    """The same SGD steps on one device (the default device, no sharding)."""
-    import jax
-    import optax
-
-    from autopar.train import DEFAULT_LEARNING_RATE
-
-    opt = optax.sgd(DEFAULT_LEARNING_RATE)
-    dev = jax.local_devices()[0]
-    params = jax.device_put(ex[0], dev)
-    batch = jax.device_put(tuple(ex[1:]), dev)
-    state = opt.init(params)
-
-    @jax.jit
-    def one(p: Any, s: Any, b: Any) -> tuple:
-        loss, g = jax.value_and_grad(fn)(p, *b)
-        u, s = opt.update(g, s, p)
-        return optax.apply_updates(p, u), s, loss
-
-    losses = []
-    for _ in range(steps):
-        params, state, loss = one(params, state, batch)
-        losses.append(float(loss))
-    return losses, jax.tree.map(lambda x: jax.device_get(x), params)
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     import jax
     import numpy as np
@@ -299,7 +273,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         "collectives": {k: v for k, v in step.parallel_graph.comm_counts().items()}}
     ok = True
     if args.check:
-        ref_losses, ref = _reference(fn, ex, args.steps)
+        ref_losses, ref = one_device_steps(fn, ex, args.steps, step.optimizer)
         diff, loss_diff, ok = compare_with_reference(losses, final, ref_losses, ref,
                                                      atol=args.atol)
         result.update(reference_losses=ref_losses, max_param_diff=diff,
@@ -415,26 +389,6 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tolerance(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (x >= 0 and x != float("inf")):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return x
-
-
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if not 1 <= n <= MAX_DEVICES:
-        raise argparse.ArgumentTypeError(f"must be in [1, {MAX_DEVICES}], got {n}")
-    return n
-
-
 def _model_args(p: argparse.ArgumentParser, *, devices: bool = True,
                 load: bool = False) -> None:
     p.add_argument("--model", required=True,
@@ -443,7 +397,7 @@ def _model_args(p: argparse.ArgumentParser, *, devices: bool = True,
     p.add_argument("-o", "--option", action="append", metavar="KEY=VALUE",
                    help="model builder option, repeatable (e.g. -o layers=2 -o hidden=64)")
     if devices:
-        p.add_argument("--devices", type=_positive, default=8, help="device_num (default 8)")
+        p.add_argument("--devices", type=positive_int, default=8, help="device_num (default 8)")
     p.add_argument("--cluster", default=None,
                    help="cost model: a preset (accelerator-8x, cpu-emulated), 'calibrated' "
                    "or a calibration file (.json); default: the cached calibration of these "
@@ -468,7 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save", type=Path, help="write the strategy file here")
     p.add_argument("--load", type=Path, help="load the plan from this strategy file")
     p.add_argument("--full", action="store_true", help="print every operator's strategy")
-    p.add_argument("--limit", type=_positive, default=20, help="parameter rows (default 20)")
+    p.add_argument("--limit", type=positive_int, default=20, help="parameter rows (default 20)")
     p.set_defaults(func=cmd_search)
 
     p = sub.add_parser("compare", help="every search mode side by side")
@@ -476,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", nargs="+", choices=MODES, help="default: all four")
     p.add_argument("--measure", action="store_true",
                    help="also run each plan's training step on emulated devices")
-    p.add_argument("--steps", type=_positive, default=3, help="timed steps with --measure")
+    p.add_argument("--steps", type=positive_int, default=3, help="timed steps with --measure")
     p.add_argument("--out", type=Path, default=Path("autopar-compare"),
                    help="directory for compare.json / .md / .png (default autopar-compare)")
     p.set_defaults(func=cmd_compare)
@@ -486,14 +440,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=MODES, help="search mode (auto_parallel only)")
     p.add_argument("--parallel-mode", choices=PARALLEL_MODES, default="auto_parallel",
                    help="MindSpore's parallel_mode (default auto_parallel)")
-    p.add_argument("--steps", type=_positive, default=3, help="training steps (default 3)")
+    p.add_argument("--steps", type=positive_int, default=3, help="training steps (default 3)")
     p.add_argument("--check", action="store_true", help="compare with one device")
-    p.add_argument("--atol", type=_tolerance, default=1e-4,
+    p.add_argument("--atol", type=non_negative_float, default=1e-4,
                    help="tolerance of --check (a finite number >= 0)")
     p.add_argument("--save", type=Path, help="write the strategy file here")
     p.add_argument("--load", type=Path, help="load the plan from this strategy file")
     p.add_argument("--json", type=Path, help="write losses and parameter sums as JSON")
-    p.add_argument("--num-processes", type=_positive, default=1,
+    p.add_argument("--num-processes", type=positive_int, default=1,
                    help="processes (jax.distributed); devices are split evenly")
     p.add_argument("--process-id", type=int, help="this process's index")
     p.add_argument("--coordinator", help="HOST:PORT of process 0")
@@ -513,7 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_trace)
 
     p = sub.add_parser("calibrate", help="measure these devices and fit the cost model")
-    p.add_argument("--devices", type=_positive, default=8,
+    p.add_argument("--devices", type=positive_int, default=8,
                    help="devices to measure (default 8; CPU devices are emulated)")
     p.add_argument("--out", type=Path, help="also write the calibration file here")
     p.add_argument("--budget", type=float, default=60.0,
@@ -526,7 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("show", help="pretty-print a strategy file")
     p.add_argument("file", type=Path, help="a strategy file (--save, strategy_ckpt_save_file)")
-    p.add_argument("--limit", type=_positive, default=30, help="rows per table (default 30)")
+    p.add_argument("--limit", type=positive_int, default=30, help="rows per table (default 30)")
     p.set_defaults(func=cmd_show)
     return parser
 

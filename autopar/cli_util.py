@@ -1,4 +1,5 @@
-"""Helpers of the ``autopar`` command: progress bars, tables, model loading, option parsing.
+"""Helpers of the ``autopar`` command: progress bars, tables, model loading, option parsing,
+the one-device reference run.
 
 Kept apart from :mod:`autopar.cli` (the subcommands) so each stays one concept.
 
@@ -10,6 +11,7 @@ exact  1.50
 
 from __future__ import annotations
 
+import argparse
 import ast
 import atexit
 import importlib
@@ -20,7 +22,10 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-__all__ = ["CLIError", "Progress", "table", "parse_options", "load_model", "setup_devices",
+from autopar.limits import MAX_DEVICES
+
+__all__ = ["CLIError", "Progress", "table", "parse_options", "positive_int",
+           "non_negative_float", "load_model", "setup_devices", "one_device_steps",
            "compare_with_reference", "drop_gloo_lines"]
 
 
@@ -121,6 +126,32 @@ def parse_options(items: Sequence[str] | None) -> dict[str, Any]:
     return out
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer in ``[1, MAX_DEVICES]`` (devices, steps, rows).
+
+    >>> positive_int("8")
+    8
+    """
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 1 <= n <= MAX_DEVICES:
+        raise argparse.ArgumentTypeError(f"must be in [1, {MAX_DEVICES}], got {n}")
+    return n
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite number ``>= 0`` (a tolerance)."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (x >= 0 and x != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return x
+
+
 def setup_devices(n: int) -> None:
     """Emulate ``n`` CPU devices; must run before the first JAX computation. When JAX is
     already running (``main()`` called from a program or a test), it must have ``n`` devices
@@ -188,6 +219,32 @@ def load_model(spec: str, options: dict[str, Any], *, concrete: bool = True
     args = model.example_args(key) if concrete else jax.eval_shape(model.example_args, key)
     desc = f"{spec}({', '.join(f'{k}={v!r}' for k, v in sorted(model.config.items()))})"
     return model.loss, tuple(args), desc
+
+
+def one_device_steps(fn: Callable[..., Any], ex: tuple, steps: int, optimizer: Any
+                     ) -> tuple[list[float], Any]:
+    """``steps`` steps of ``optimizer`` on ``fn(params, *batch)`` on one device (the default
+    device, no sharding), with ``ex = (params, *batch)``: ``(losses, final parameters)``, the
+    reference of ``run --check`` and ``demo`` (pass the step's own ``.optimizer``)."""
+    import jax
+    import optax
+
+    dev = jax.local_devices()[0]
+    params = jax.device_put(ex[0], dev)
+    batch = jax.device_put(tuple(ex[1:]), dev)
+    state = optimizer.init(params)
+
+    @jax.jit
+    def one(p: Any, s: Any, b: Any) -> tuple:
+        loss, g = jax.value_and_grad(fn)(p, *b)
+        u, s = optimizer.update(g, s, p)
+        return optax.apply_updates(p, u), s, loss
+
+    losses = []
+    for _ in range(steps):
+        params, state, loss = one(params, state, batch)
+        losses.append(float(loss))
+    return losses, jax.tree.map(lambda x: jax.device_get(x), params)
 
 
 def compare_with_reference(losses: Sequence[float], params: Any,

@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from autopar.cli_util import Progress, compare_with_reference, table
+from autopar.cli_util import (CLIError, Progress, compare_with_reference, one_device_steps,
+                              positive_int, table)
 
 __all__ = ["add_demo_parser", "cmd_demo"]
 
@@ -30,13 +31,11 @@ def _out(*a: Any) -> None:
 
 
 def add_demo_parser(sub: Any) -> None:
-    from autopar.cli import _positive
-
     p = sub.add_parser("demo", help="the main job end to end on emulated devices")
-    p.add_argument("--devices", type=_positive, default=8, help="emulated devices (default 8)")
-    p.add_argument("--layers", type=_positive, default=2, help="transformer layers (default 2)")
-    p.add_argument("--steps", type=_positive, default=3, help="training steps (default 3)")
-    p.add_argument("--pipeline-stages", type=_positive, default=2,
+    p.add_argument("--devices", type=positive_int, default=8, help="emulated devices (default 8)")
+    p.add_argument("--layers", type=positive_int, default=2, help="transformer layers (default 2)")
+    p.add_argument("--steps", type=positive_int, default=3, help="training steps (default 3)")
+    p.add_argument("--pipeline-stages", type=positive_int, default=2,
                    help="stages of the pipelined run (default 2; 1 skips it)")
     p.add_argument("--cluster", default=None,
                    help="cost model: a preset (accelerator-8x, cpu-emulated), 'calibrated' or "
@@ -50,8 +49,6 @@ def add_demo_parser(sub: Any) -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     """The demo under its own auto-parallel context (the caller's context is restored)."""
     import autopar as ap
-
-    from autopar.cli_util import CLIError
 
     if args.pipeline_stages > 1 and args.devices % args.pipeline_stages:
         raise CLIError(f"--pipeline-stages {args.pipeline_stages} must divide --devices "
@@ -229,14 +226,12 @@ def _run_and_compare(step: Any, params: Any, loss_fn: Any, ex: tuple[Any, ...], 
                      label: str) -> tuple[list[float], list[float], float, bool]:
     """Run ``steps`` steps; (losses, one-device losses, max parameter difference, ok) with
     the rule of ``run --check`` (:func:`autopar.cli_util.compare_with_reference`)."""
-    from autopar.cli import _reference
-
     state, losses = step.init(ex[0]), []
     with Progress(label, steps) as bar:
         for _ in range(steps):
             params, state, loss = step(params, state, *ex[1:])
             losses.append(float(loss))
             bar.advance(f"loss {losses[-1]:.6f}")
-    ref_losses, ref = _reference(loss_fn, ex, steps)
+    ref_losses, ref = one_device_steps(loss_fn, ex, steps, step.optimizer)
     err, _, ok = compare_with_reference(losses, params, ref_losses, ref)
     return losses, ref_losses, err, ok

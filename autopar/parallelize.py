@@ -23,39 +23,28 @@ saves the plan and ``strategy_ckpt_load_file`` loads it instead of searching (se
 
 from __future__ import annotations
 
-import re
-
 from typing import Any, Callable, Mapping
 
 from jax.sharding import Mesh
 
+from autopar.context import current_config
 from autopar.errors import AutoParallelTypeError
 from autopar.graph.ir import Graph
 from autopar.graph.trace import trace
+from autopar.inspection import ProgramInspection
 from autopar.kernel_rules import FusedKernels, check_fused_kernels
 from autopar.lower import LoweredFunction, lower
 from autopar.parallel_graph import ParallelGraph
 from autopar.rewrite import rewrite
 from autopar.strategies.plan import Plan
 from autopar.planner import search
-from autopar.uneven import UnevenBatch, check_uneven_batch, plan_uneven
+from autopar.uneven import UnevenBatch, UnevenRequest, check_uneven_batch, plan_uneven
 
-__all__ = ["parallelize", "ParallelFunction"]
+__all__ = ["parallelize", "parallel_function", "ParallelFunction"]
 
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "collective_permute")
-
-
-def count_collectives(text: str) -> dict[str, int]:
-    """``stablehlo.<kind>`` occurrences per collective kind in lowered StableHLO text.
-
-    >>> count_collectives('%0 = "stablehlo.all_reduce"(%a) ... "stablehlo.all_gather"(%b)')
-    {'all_reduce': 1, 'reduce_scatter': 0, 'all_gather': 1, 'all_to_all': 0, 'collective_permute': 0}
-    """
-    return {k: len(re.findall(rf"stablehlo\.{k}\b", text)) for k in COLLECTIVES}
-
-
-class ParallelFunction:
-    """``fn`` parallelised: call it like ``fn``; ``.plan``, ``.parallel_graph``, ``.as_text``.
+class ParallelFunction(ProgramInspection):
+    """``fn`` parallelised: call it like ``fn``; ``.plan``, ``.parallel_graph``, ``.as_text``,
+    ``.collective_counts`` (:class:`~autopar.inspection.ProgramInspection`).
 
     ``.uneven``: the :class:`~autopar.uneven.UnevenBatch` (counts, padded rows) when the batch
     runs split unevenly (``uneven_batch="all_gather_v"``), else None.
@@ -77,13 +66,10 @@ class ParallelFunction:
     def __call__(self, *args: Any) -> Any:
         return self.lowered(*args)
 
-    def as_text(self, *args: Any) -> str:
-        """The lowered StableHLO text (``jax.jit(f).lower(*args).as_text()``)."""
-        return self.lowered.as_text(*args)
-
-    def collective_counts(self, *args: Any) -> dict[str, int]:
-        """Collectives in the lowered program: ``stablehlo.<kind>`` occurrences per kind."""
-        return count_collectives(self.as_text(*args))
+    def lower(self, *args: Any) -> Any:
+        """The ``jax.stages.Lowered`` program for these arguments (checked and placed as a
+        call places them)."""
+        return self.lowered.flat.lower(*self.lowered.place(*args))
 
     def __repr__(self) -> str:
         return (f"ParallelFunction({self.__name__!r}, {self.plan.mode}, "
@@ -117,7 +103,20 @@ def parallelize(fn: Callable[..., Any], *example_args: Any, mode: str | None = N
     if not callable(fn):
         raise AutoParallelTypeError("fn", fn, "parallelize needs a callable JAX function")
     check_fused_kernels(fused_kernels)
-    uneven = plan_uneven(fn, example_args, check_uneven_batch(uneven_batch), _device_num())
+    cfg = current_config()
+    devices = 1 if cfg.parallel_mode == "stand_alone" else cfg.device_num  # the search's
+    uneven = plan_uneven(fn, example_args, check_uneven_batch(uneven_batch), devices)
+    return parallel_function(fn, example_args, uneven, mode=mode, fixed=fixed, cluster=cluster,
+                             mesh=mesh, fused_kernels=fused_kernels)
+
+
+def parallel_function(fn: Callable[..., Any], example_args: tuple[Any, ...],
+                      uneven: UnevenRequest | None, *, mode: str | None,
+                      fixed: Mapping[str, Any] | None, cluster: Any, mesh: Mesh | None,
+                      fused_kernels: FusedKernels) -> ParallelFunction:
+    """:func:`parallelize` after its checks: trace, search, rewrite and lower, reading no
+    context of its own (the search, :func:`autopar.search`, resolves it). ``uneven``: the
+    uneven split :func:`autopar.uneven.plan_uneven` asked for, or None."""
     args = example_args if uneven is None else uneven.padded_args
     graph = trace(fn, *args)  # search() resolves the context (restrictions) once
     plan = search(graph, mode=mode, fixed=fixed, cluster=cluster)
@@ -126,11 +125,3 @@ def parallelize(fn: Callable[..., Any], *example_args: Any, mode: str | None = N
     f = ParallelFunction(fn, graph, plan, pg, lower(pg, mesh, adapter=adapter))
     f.uneven = adapter
     return f
-
-
-def _device_num() -> int:
-    """Devices the search will use (1 under stand_alone), from the current context."""
-    from autopar.context import current_config
-
-    cfg = current_config()
-    return 1 if cfg.parallel_mode == "stand_alone" else cfg.device_num

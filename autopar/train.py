@@ -76,49 +76,19 @@ from autopar.grad_sync import (LOW_PRECISION, METHODS, data_parallel_degree, fp3
                                gradient_scale, replicated_axes, sync_gradients, sync_groups,
                                sync_point, sync_sites)
 from autopar.kernel_rules import FusedKernels, check_fused_kernels
-from autopar.lower import final_psum, jax_mesh, replicated_tails, run_body
+from autopar.lower import final_psum, replicated_tails, run_body
+from autopar.inspection import ProgramInspection
 from autopar.optimizer_shard import (ShardDecision, decide_sharding, gather_parameters,
                                      scatter_gradients, state_shardings, storage_spec)
 from autopar.parallel_graph import ParallelGraph
-from autopar.parallelize import count_collectives, parallelize
-from autopar.strategies.layout import DeviceMesh
+from autopar.parallelize import parallelize
+from autopar.pipeline.step import pipeline_train_step
+from autopar.step_inputs import (DEFAULT_LEARNING_RATE, broadcast_parameters, check_arrays,
+                                 step_arguments)
 
-__all__ = ["train_step", "TrainStep", "broadcast_parameters", "train_body",
-           "DEFAULT_LEARNING_RATE"]
+__all__ = ["train_step", "TrainStep", "train_body", "DEFAULT_LEARNING_RATE"]
 
-#: The default optimizer is ``optax.sgd(DEFAULT_LEARNING_RATE)``.
-DEFAULT_LEARNING_RATE = 0.1
 BACKENDS = ("shard_map", "pmap")
-
-
-def broadcast_parameters(params: Any, mesh: Mesh | None = None) -> Any:
-    """Every leaf of ``params`` placed replicated on ``mesh``, with the values of its first
-    device (rank 0): MindSpore's ``parameter_broadcast``.
-
-    A leaf whose per-device copies differ (e.g. built with
-    ``jax.make_array_from_single_device_arrays``) comes back equal to rank 0's copy on every
-    device; a split leaf is gathered whole first. ``mesh`` defaults to the first
-    ``device_num`` devices of the current context.
-    """
-    if mesh is None:
-        mesh = jax_mesh(DeviceMesh.for_devices(current_config().device_num))
-    if not isinstance(mesh, Mesh):
-        raise AutoParallelTypeError("mesh", mesh, "a jax.sharding.Mesh (or None)")
-    rank0 = mesh.devices.flat[0]
-    target = NamedSharding(mesh, PartitionSpec())
-
-    def one(x: Any) -> Any:
-        value = None
-        if isinstance(x, jax.Array) and x.sharding.is_fully_replicated:
-            for s in x.addressable_shards:
-                if s.device == rank0:
-                    value = np.asarray(s.data)
-                    break
-        if value is None:
-            value = np.asarray(x)
-        return jax.device_put(value, target)
-
-    return jax.tree.map(one, params)
 
 
 def train_body(pg: ParallelGraph, *flat: Any,
@@ -138,7 +108,7 @@ def train_body(pg: ParallelGraph, *flat: Any,
     return run_body(pg, *flat, run_step=run_step, before_node=before_node)
 
 
-class TrainStep:
+class TrainStep(ProgramInspection):
     """A jitted parallel training step: ``step(params, opt_state, *batch) -> (params,
     opt_state, loss)``; ``.init``, ``.prepare``, ``.grads``, ``.plan``, ``.parallel_graph``,
     ``.as_text``, ``.compiled_text``, and the gradient-sync set-up (``.buckets``,
@@ -495,25 +465,14 @@ class TrainStep:
                                         "the optimizer state of these parameters, as "
                                         "step.init(params) makes it")
 
-    def _lowered(self, params: Any, opt_state: Any, *batch: Any) -> Any:
+    def lower(self, params: Any, opt_state: Any, *batch: Any) -> Any:
+        """The ``jax.stages.Lowered`` step (forward, backward, sync, update): ``.as_text()``,
+        ``.compile()``; :meth:`as_text`, :meth:`compiled_text` and
+        :meth:`collective_counts` read it."""
         if self.backend == "pmap":
             return self._pstep.lower(params, opt_state, *self._split(batch))
         p, b = self._place(params, batch)
         return self._step.lower(p, opt_state, b)
-
-    def as_text(self, params: Any, opt_state: Any, *batch: Any) -> str:
-        """The lowered StableHLO text of the whole step (forward, backward, sync, update)."""
-        return self._lowered(params, opt_state, *batch).as_text()
-
-    def compiled_text(self, params: Any, opt_state: Any, *batch: Any) -> str:
-        """The compiled (optimised, scheduled) HLO text of the whole step: what XLA runs,
-        after its all-reduce combiner; the entry computation lists instructions in the
-        order they are issued."""
-        return self._lowered(params, opt_state, *batch).compile().as_text()
-
-    def collective_counts(self, params: Any, opt_state: Any, *batch: Any) -> dict[str, int]:
-        """Collectives in the lowered step: ``stablehlo.<kind>`` occurrences per kind."""
-        return count_collectives(self.as_text(params, opt_state, *batch))
 
     def __repr__(self) -> str:
         return (f"TrainStep({getattr(self.loss_fn, '__name__', 'fn')!r}, {self.plan.mode}, "
@@ -552,37 +511,6 @@ def _uneven(size: int, degree: int, where: str) -> AutoParallelError:
                              f"Use a batch size that is a multiple of {degree}")
 
 
-def check_arrays(key: str, tree: Any) -> None:
-    """Every leaf of ``tree`` is an array or a number (what JAX can trace); else a typed
-    error naming the leaf's path, e.g. ``batch[0]`` or ``params['w']``."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]:
-        if leaf is None or isinstance(leaf, (str, bytes)) or not (
-                hasattr(leaf, "shape") and hasattr(leaf, "dtype") or
-                isinstance(leaf, (int, float, complex, np.number))):
-            raise AutoParallelTypeError(f"{key}{jax.tree_util.keystr(path)}", leaf,
-                                        "an array or a number")
-
-
-def _step_arguments(loss_fn: Any, batch: Any, optimizer: Any, loss_rule: str
-                    ) -> tuple[tuple[Any, ...], optax.GradientTransformation]:
-    """The arguments every step builder (this module's and :mod:`autopar.pipeline`'s) checks
-    alike: ``(batch as a tuple, optimizer or the default SGD)``; a ``loss_fn`` that is not
-    callable raises with ``loss_rule``."""
-    if not callable(loss_fn):
-        raise AutoParallelTypeError("loss_fn", loss_fn, loss_rule)
-    if isinstance(batch, list):
-        raise AutoParallelTypeError("batch", batch, "a tuple of example arrays (or one array); "
-                                    "a list is ambiguous: pass tuple(batch)")
-    if not isinstance(batch, tuple):
-        batch = (batch,)
-    check_arrays("batch", batch)
-    if optimizer is None:
-        optimizer = optax.sgd(DEFAULT_LEARNING_RATE)
-    if not isinstance(optimizer, optax.GradientTransformation):
-        raise AutoParallelTypeError("optimizer", optimizer, "an optax GradientTransformation")
-    return batch, optimizer
-
-
 def train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
                optimizer: optax.GradientTransformation | None = None, *,
                mode: str | None = None, fixed: Mapping[str, Any] | None = None,
@@ -605,8 +533,8 @@ def train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
     LAMB / LARS, adafactor are refused with an ``AutoParallelError``) and that
     ``comm_fusion`` is not applied there (warned).
     """
-    batch, optimizer = _step_arguments(loss_fn, batch, optimizer,
-                                       "train_step needs a callable loss")
+    batch, optimizer = step_arguments(loss_fn, batch, optimizer,
+                                      "train_step needs a callable loss")
     check_arrays("params", params)
     if backend not in BACKENDS:
         raise AutoParallelError("backend", backend, f"must be one of {BACKENDS}")
@@ -615,8 +543,6 @@ def train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
     check_fused_kernels(fused_kernels)
     stages = current_config().pipeline_stages
     if stages > 1:  # pipeline_stages > 1: the pipelined step (autopar.pipeline)
-        from autopar.pipeline.step import pipeline_train_step
-
         for key, value, default in (("backend", backend, "shard_map"), ("mesh", mesh, None),
                                     ("sync_method", sync_method, "tuple"),
                                     ("fused_kernels", fused_kernels, "auto")):

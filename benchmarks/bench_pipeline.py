@@ -122,7 +122,7 @@ def measured(quick: bool) -> list[dict[str, Any]]:
         def run(step: Any = step, p: Any = p, s: Any = s) -> None:
             jax.block_until_ready(step(p, s, *batch))
 
-        row("dp8", "-", 1, po, run, (p, s), step._lowered(p, s, *batch), float(loss))
+        row("dp8", "-", 1, po, run, (p, s), step.lower(p, s, *batch), float(loss))
 
     configs = [(2, "1f1b", False), (2, "1f1b", True), (4, "1f1b", False), (4, "1f1b", True),
                (4, "gpipe", False)]

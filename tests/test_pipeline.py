@@ -518,7 +518,7 @@ def test_comm_fusion_warns_and_parameter_broadcast_applies_in_prepare(monkeypatc
     """comm_fusion is ignored by the pipeline (one psum per sync group): warned, naming the
     key. parameter_broadcast: prepare() broadcasts rank 0's copy before packing, as
     TrainStep.prepare does."""
-    import autopar.train
+    import autopar.pipeline.step
 
     model = mlp(widths=(8, 16, 16, 8), batch=8)
     params, x = model.example_args(KEY)
@@ -527,13 +527,13 @@ def test_comm_fusion_warns_and_parameter_broadcast_applies_in_prepare(monkeypatc
         with pytest.warns(ap.AutoParallelWarning, match="comm_fusion"):
             step = pipeline_train_step(model.loss, params, (x,), micro_batches=2)
     calls = []
-    real = autopar.train.broadcast_parameters
+    real = autopar.pipeline.step.broadcast_parameters
 
     def spy(tree, mesh=None):
         calls.append(mesh)
         return real(tree, mesh)
 
-    monkeypatch.setattr(autopar.train, "broadcast_parameters", spy)
+    monkeypatch.setattr(autopar.pipeline.step, "broadcast_parameters", spy)
     placed = step.prepare(params)
     assert calls == [step.mesh]
     for got, want in zip(placed.buffers, step.pack(params).buffers):

@@ -320,17 +320,17 @@ def test_bad_arguments_are_refused():
 
 
 def test_step_arguments_shared_by_both_step_builders():
-    from autopar.train import DEFAULT_LEARNING_RATE, _step_arguments
+    from autopar.step_inputs import DEFAULT_LEARNING_RATE, step_arguments
 
     x = jnp.ones(2)
-    batch, opt = _step_arguments(jnp.sum, x, None, "rule")
+    batch, opt = step_arguments(jnp.sum, x, None, "rule")
     assert batch == (x,) and isinstance(opt, optax.GradientTransformation)
     sgd = optax.sgd(DEFAULT_LEARNING_RATE)
-    assert _step_arguments(jnp.sum, (x, x), sgd, "rule") == ((x, x), sgd)
+    assert step_arguments(jnp.sum, (x, x), sgd, "rule") == ((x, x), sgd)
     with pytest.raises(ap.AutoParallelTypeError, match="train_step needs a callable loss"):
         ap.train_step(3, {}, (x,))
     with pytest.raises(ap.AutoParallelTypeError, match="optimizer"):
-        _step_arguments(jnp.sum, x, "sgd", "rule")
+        step_arguments(jnp.sum, x, "sgd", "rule")
 
 
 def test_bad_step_arguments_are_typed_errors():

@@ -68,11 +68,12 @@ from autopar.graph.trace import trace
 from autopar.lower import apply_step, run_body
 from autopar.optimizer_shard import ShardDecision, decide_sharding
 from autopar.parallel_graph import ParallelGraph
-from autopar.parallelize import count_collectives
+from autopar.inspection import ProgramInspection
 from autopar.rewrite import rewrite
 from autopar.pipeline.schedules import FWD, IDLE, Schedule, schedule as build_schedule
 from autopar.pipeline.buffers import (BoundaryCodec, PackedParams, StagePacking,
                                    check_elementwise_optimizer)
+from autopar.step_inputs import broadcast_parameters, step_arguments
 from autopar.strategies.layout import DeviceMesh, Layout
 from autopar.strategies.plan import Plan
 from autopar.strategies.redistribution import redistribute
@@ -142,7 +143,7 @@ def stage_file(path: str, stage: int) -> str:
     root, ext = os.path.splitext(path)
     return f"{root}_stage{stage}{ext}"
 
-class PipelineTrainStep:
+class PipelineTrainStep(ProgramInspection):
     """``step(params, opt_state, *batch) -> (params, opt_state, loss)`` pipelined; ``init``,
     ``grads``, ``pack`` / ``unpack``, ``as_text``, ``collective_counts``, ``plan``."""
 
@@ -502,10 +503,8 @@ class PipelineTrainStep:
     def prepare(self, params: Any) -> PackedParams:
         """As :meth:`TrainStep.prepare`: the parameters placed for the step (packed); with
         ``parameter_broadcast`` set, rank 0's values are broadcast first
-        (:func:`autopar.train.broadcast_parameters`)."""
+        (:func:`autopar.step_inputs.broadcast_parameters`)."""
         if self.parameter_broadcast and not isinstance(params, PackedParams):
-            from autopar.train import broadcast_parameters
-
             params = broadcast_parameters(params, self.mesh)
         return self.pack(params)
 
@@ -547,14 +546,6 @@ class PipelineTrainStep:
         """The ``jax.stages.Lowered`` step (``.as_text()``, ``.compile().memory_analysis()``)."""
         return self._step.lower(self.pack(params), opt_state, self._batch(batch))
 
-    def as_text(self, params: Any, opt_state: Any, *batch: Any) -> str:
-        """The lowered StableHLO text of the whole step."""
-        return self.lower(params, opt_state, *batch).as_text()
-
-    def collective_counts(self, params: Any, opt_state: Any, *batch: Any) -> dict[str, int]:
-        """``stablehlo.<kind>`` occurrences per collective kind in the lowered step."""
-        return count_collectives(self.as_text(params, opt_state, *batch))
-
     def __repr__(self) -> str:
         return (f"PipelineTrainStep({getattr(self.loss_fn, '__name__', 'fn')!r}, "
                 f"{self.stages} stages x {self.devices_per_stage} devices, "
@@ -586,10 +577,8 @@ def pipeline_train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
     by a probe at construction. ``comm_fusion`` is not applied (one collective per
     gradient-sync group; an :class:`AutoParallelWarning` says so).
     """
-    from autopar.train import _step_arguments
-
-    batch, optimizer = _step_arguments(loss_fn, batch, optimizer,
-                                       "pipeline_train_step needs a callable")
+    batch, optimizer = step_arguments(loss_fn, batch, optimizer,
+                                      "pipeline_train_step needs a callable")
     return PipelineTrainStep(loss_fn, params, batch, optimizer, stages=stages,
                              micro_batches=micro_batches, schedule=schedule,
                              boundaries=boundaries, mode=mode, fixed=fixed, cluster=cluster)

@@ -1,0 +1,92 @@
+"""What every training step takes and checks alike: the loss, the batch, the optimizer, the
+parameters -- for :func:`autopar.train_step` and :func:`autopar.pipeline_train_step`.
+
+:func:`step_arguments` checks the loss and the batch (a tuple of arrays) and defaults the
+optimizer (``optax.sgd(DEFAULT_LEARNING_RATE)``); :func:`check_arrays` names a leaf that is
+not an array; :func:`broadcast_parameters` is MindSpore's ``parameter_broadcast`` (rank 0's
+values on every device), which both steps' ``prepare`` apply when the key is set.
+
+>>> import jax.numpy as jnp, optax
+>>> batch, optimizer = step_arguments(jnp.sum, jnp.ones(2), None, "needs a callable")
+>>> len(batch), isinstance(optimizer, optax.GradientTransformation)
+(1, True)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from autopar.context import current_config
+from autopar.errors import AutoParallelTypeError
+from autopar.lower import jax_mesh
+from autopar.strategies.layout import DeviceMesh
+
+__all__ = ["DEFAULT_LEARNING_RATE", "broadcast_parameters", "check_arrays", "step_arguments"]
+
+#: The default optimizer of the training steps is ``optax.sgd(DEFAULT_LEARNING_RATE)``.
+DEFAULT_LEARNING_RATE = 0.1
+
+
+def check_arrays(key: str, tree: Any) -> None:
+    """Every leaf of ``tree`` is an array or a number (what JAX can trace); else a typed
+    error naming the leaf's path, e.g. ``batch[0]`` or ``params['w']``."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]:
+        if leaf is None or isinstance(leaf, (str, bytes)) or not (
+                hasattr(leaf, "shape") and hasattr(leaf, "dtype") or
+                isinstance(leaf, (int, float, complex, np.number))):
+            raise AutoParallelTypeError(f"{key}{jax.tree_util.keystr(path)}", leaf,
+                                        "an array or a number")
+
+
+def step_arguments(loss_fn: Any, batch: Any, optimizer: Any, loss_rule: str
+                   ) -> tuple[tuple[Any, ...], optax.GradientTransformation]:
+    """The arguments every step builder checks alike: ``(batch as a tuple, optimizer or the
+    default SGD)``; a ``loss_fn`` that is not callable raises with ``loss_rule``."""
+    if not callable(loss_fn):
+        raise AutoParallelTypeError("loss_fn", loss_fn, loss_rule)
+    if isinstance(batch, list):
+        raise AutoParallelTypeError("batch", batch, "a tuple of example arrays (or one array); "
+                                    "a list is ambiguous: pass tuple(batch)")
+    if not isinstance(batch, tuple):
+        batch = (batch,)
+    check_arrays("batch", batch)
+    if optimizer is None:
+        optimizer = optax.sgd(DEFAULT_LEARNING_RATE)
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise AutoParallelTypeError("optimizer", optimizer, "an optax GradientTransformation")
+    return batch, optimizer
+
+
+def broadcast_parameters(params: Any, mesh: Mesh | None = None) -> Any:
+    """Every leaf of ``params`` placed replicated on ``mesh``, with the values of its first
+    device (rank 0): MindSpore's ``parameter_broadcast``.
+
+    A leaf whose per-device copies differ (e.g. built with
+    ``jax.make_array_from_single_device_arrays``) comes back equal to rank 0's copy on every
+    device; a split leaf is gathered whole first. ``mesh`` defaults to the first
+    ``device_num`` devices of the current context.
+    """
+    if mesh is None:
+        mesh = jax_mesh(DeviceMesh.for_devices(current_config().device_num))
+    if not isinstance(mesh, Mesh):
+        raise AutoParallelTypeError("mesh", mesh, "a jax.sharding.Mesh (or None)")
+    rank0 = mesh.devices.flat[0]
+    target = NamedSharding(mesh, PartitionSpec())
+
+    def one(x: Any) -> Any:
+        value = None
+        if isinstance(x, jax.Array) and x.sharding.is_fully_replicated:
+            for s in x.addressable_shards:
+                if s.device == rank0:
+                    value = np.asarray(s.data)
+                    break
+        if value is None:
+            value = np.asarray(x)
+        return jax.device_put(value, target)
+
+    return jax.tree.map(one, params)
