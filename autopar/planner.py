@@ -1,9 +1,11 @@
 """``autopar.search``: the planning entry point — resolve the context, load or search, save.
 
 ``search(graph, *, mode=None, device_num=None, cluster=None, fixed=None, parallel_mode=None,
-fully_use_devices=True)`` reads what it is not given from the auto-parallel context, once:
-the parallel mode (who chooses), the search mode (:mod:`autopar.strategies.modes`), the
-devices and the cluster that prices the plan (:func:`autopar.clusters.resolve_cluster`).
+fully_use_devices=None)`` reads what it is not given from the auto-parallel context and the
+algorithm parameters (:mod:`autopar.algo`), once: the parallel mode (who chooses), the search
+mode (:mod:`autopar.strategies.modes`), the devices, the cluster that prices the plan
+(:func:`autopar.clusters.resolve_cluster`), ``fully_use_devices`` and
+``elementwise_op_strategy_follow``.
 Under ``semi_auto_parallel`` / ``auto_parallel`` the context's ``strategy_ckpt_load_file``
 replaces the search by a checked load of a saved plan, and ``strategy_ckpt_save_file`` saves
 the plan (:mod:`autopar.checkpoint`). The search itself is
@@ -15,6 +17,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Mapping
 
+from autopar.algo import current_algo_parameters
 from autopar.checkpoint import load_plan, save_strategy
 from autopar.clusters import resolve_cluster
 from autopar.errors import AutoParallelError, AutoParallelTypeError, AutoParallelWarning
@@ -31,14 +34,18 @@ __all__ = ["search"]
 
 def search(graph: Graph, *, mode: str | None = None, device_num: int | None = None,
            cluster: str | Cluster | None = None, fixed: Mapping[str, Any] | None = None,
-           parallel_mode: str | None = None, fully_use_devices: bool = True) -> Plan:
+           parallel_mode: str | None = None, fully_use_devices: bool | None = None) -> Plan:
     """Search a plan for ``graph`` (see the module docstring).
 
-    ``fully_use_devices`` (MindSpore's algorithm parameter of the same name): when True (the
-    default) an operator's splits must use every device, except for small operators (at most
+    ``fully_use_devices`` (MindSpore's algorithm parameter of the same name; None: the value
+    of ``set_algo_parameters(fully_use_devices=...)``, True by default): when True an
+    operator's splits must use every device, except for small operators (at most
     4 MiB of output), which may repeat their work; False lets every operator repeat work on
     some axes — a larger space (slower search) that can pay off when communication is dear.
     """
+    algo = current_algo_parameters()
+    if fully_use_devices is None:
+        fully_use_devices = algo.fully_use_devices
     if not isinstance(fully_use_devices, bool):
         raise AutoParallelTypeError("fully_use_devices", fully_use_devices, "must be a bool")
     if not isinstance(graph, Graph):
@@ -56,8 +63,9 @@ def search(graph: Graph, *, mode: str | None = None, device_num: int | None = No
         warnings.warn(f"fixed strategies are not used under parallel_mode={pmode!r} (every "
                       "operator is data parallel there); use semi_auto_parallel or "
                       "auto_parallel to honour them", AutoParallelWarning, stacklevel=2)
-    settings = SearchSettings.from_config(cfg, parallel_mode=pmode,
-                                          fully_use_devices=fully_use_devices)
+    settings = SearchSettings.from_config(
+        cfg, parallel_mode=pmode, fully_use_devices=fully_use_devices,
+        elementwise_op_strategy_follow=algo.elementwise_op_strategy_follow)
     files = pmode in USES_STRATEGY_FILES
     if files and cfg.strategy_ckpt_load_file:  # priced on the file's own cluster unless named
         plan = _load(graph, cfg, n, None if cluster is None else resolve_cluster(cluster),

@@ -25,6 +25,7 @@ from typing import Any, Mapping
 
 from autopar.errors import AutoParallelError
 from autopar.graph.ir import Graph
+from autopar.graph.ops import KINDS
 from autopar.strategies.cost import Cluster, CostModel
 from autopar.strategies.layout import DeviceMesh
 from autopar.strategies.modes import SOLVERS
@@ -34,6 +35,7 @@ from autopar.strategies.problem import Problem
 __all__ = ["SearchSettings", "data_parallel_splits", "search_plan"]
 
 _MEMORY_WEIGHTS = (0.0, 1e-12, 1e-11, 1e-10, 1e-9, 1e-8, 1e-7)
+_FOLLOW_ROUNDS = 4
 
 
 @dataclass(frozen=True)
@@ -46,15 +48,21 @@ class SearchSettings:
     dataset_strategy: Any = "data_parallel"
     parallel_optimizer_kb: int | None = None  # the parallel optimizer's threshold, None: off
     fully_use_devices: bool = True
+    # MindSpore's algorithm parameter: under auto_parallel every elementwise operator takes
+    # the split counts of the value it reads (see _follow_elementwise)
+    elementwise_op_strategy_follow: bool = False
 
     @classmethod
     def from_config(cls, cfg: Any, *, parallel_mode: str | None = None,
-                    fully_use_devices: bool = True) -> "SearchSettings":
-        """The settings of a (resolved) auto-parallel configuration."""
+                    fully_use_devices: bool = True,
+                    elementwise_op_strategy_follow: bool = False) -> "SearchSettings":
+        """The settings of a (resolved) auto-parallel configuration (and, given by the entry
+        point, of the algorithm parameters)."""
         po_kb = (int(cfg.parallel_optimizer_config.parallel_optimizer_threshold)
                  if cfg.enable_parallel_optimizer else None)
         return cls(cfg.parallel_mode if parallel_mode is None else parallel_mode,
-                   cfg.enable_alltoall, cfg.dataset_strategy, po_kb, fully_use_devices)
+                   cfg.enable_alltoall, cfg.dataset_strategy, po_kb, fully_use_devices,
+                   elementwise_op_strategy_follow)
 
 
 def data_parallel_splits(problem_specs: Mapping[str, Any], graph: Graph,
@@ -97,10 +105,12 @@ def search_plan(graph: Graph, *, mode: str, device_num: int, cluster: Cluster,
     mesh, cm, fixed_map = DeviceMesh.for_devices(device_num), CostModel(cluster), dict(fixed or {})
     t0 = time.perf_counter()
     for weight in _MEMORY_WEIGHTS:
-        problem = _problem(graph, mesh, cm, fixed_map, settings, weight,
-                           lazy=solver.lazy_choices)
-        picks = solver.picks(problem, cluster.memory_bytes)
+        problem, picks, follows = _solve(graph, mesh, cm, fixed_map, settings, weight, solver,
+                                         cluster.memory_bytes)
         plan = Plan.from_picks(problem, picks, label, time.perf_counter() - t0)
+        if follows:
+            plan.notes.append("elementwise_op_strategy_follow: elementwise operators take the "
+                              "split counts of the value they read")
         if plan.cost.memory_bytes <= cluster.memory_bytes or solver.memory_constraint:
             if weight:
                 plan.notes.append(f"memory priced at {weight:g} s/byte to fit the budget")
@@ -113,9 +123,11 @@ def search_plan(graph: Graph, *, mode: str, device_num: int, cluster: Cluster,
 
 
 def _problem(graph: Graph, mesh: DeviceMesh, cm: CostModel, fixed: dict, settings: SearchSettings,
-             weight: float, *, lazy: bool) -> Problem:
+             weight: float, *, lazy: bool,
+             follow: Mapping[str, tuple[int, ...]] | None = None) -> Problem:
     """The search problem; under a mode that derives the strategies (every mode but
-    auto_parallel, on more than one device) every operator not fixed is data parallel."""
+    auto_parallel, on more than one device) every operator not fixed is data parallel;
+    ``follow``: operators' splits fixed by elementwise_op_strategy_follow."""
     pmode = settings.parallel_mode
     derived = pmode != "auto_parallel" and mesh.device_num > 1
     common = dict(enable_alltoall=settings.enable_alltoall,
@@ -124,10 +136,85 @@ def _problem(graph: Graph, mesh: DeviceMesh, cm: CostModel, fixed: dict, setting
                   parallel_optimizer_kb=settings.parallel_optimizer_kb)
     # (a derived mode only needs this first problem's loop nests and checked fixed strategies,
     # so it is built lazily: no choice lists)
-    problem = Problem(graph, mesh, cm, fixed=fixed, lazy=derived or lazy, **common)
+    problem = Problem(graph, mesh, cm, fixed=fixed, fixed_splits=follow, lazy=derived or lazy,
+                      **common)
     if not derived:
         return problem
     dp = data_parallel_splits(problem.specs, graph, mesh.device_num, mesh)
     keep = set(problem.fixed) if pmode in ("semi_auto_parallel", "hybrid_parallel") else set()
     return Problem(graph, mesh, cm, fixed={k: v for k, v in fixed.items() if k in keep},
                    fixed_splits={k: v for k, v in dp.items() if k not in keep}, **common)
+
+
+def _solve(graph: Graph, mesh: DeviceMesh, cm: CostModel, fixed: dict, settings: SearchSettings,
+           weight: float, solver: Any, memory: float) -> tuple[Problem, list[int], bool]:
+    """Build and solve the problem; with ``elementwise_op_strategy_follow`` (auto_parallel)
+    fix each elementwise operator to the split counts of the value it reads and solve again,
+    until the values it reads are made with those split counts (at most
+    ``_FOLLOW_ROUNDS`` solves; the last one also fixes the producers, so the rule holds).
+    Returns the problem, the picks and whether any operator follows."""
+    problem = _problem(graph, mesh, cm, fixed, settings, weight, lazy=solver.lazy_choices)
+    picks = solver.picks(problem, memory)
+    if not settings.elementwise_op_strategy_follow or settings.parallel_mode != "auto_parallel":
+        return problem, picks, False
+    follow: dict[str, tuple[int, ...]] = {}
+    user = frozenset(problem.fixed)
+    for rounds_left in range(_FOLLOW_ROUNDS, 0, -1):
+        followers, producers = _follow_elementwise(graph, problem, picks, user)
+        if followers == follow:
+            break
+        follow = followers
+        fixed_splits = {**producers, **followers} if rounds_left == 1 else followers
+        problem = _problem(graph, mesh, cm, fixed, settings, weight, lazy=solver.lazy_choices,
+                           follow=fixed_splits)
+        picks = solver.picks(problem, memory)
+    return problem, picks, bool(follow)
+
+
+def _follow_elementwise(graph: Graph, problem: Problem, picks: list[int], user: frozenset[str]
+                        ) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+    """MindSpore's ``elementwise_op_strategy_follow`` on a solved problem: in graph order, each
+    elementwise operator gets the split counts its first full-rank array input has where that
+    value is made (its producer's chosen output layout, chains followed through, or a data
+    input's layout). Returns those splits and the chosen splits of the producers they follow.
+    Operators with a user strategy (``user``: ``fixed=``, annotations) keep it.
+
+    For ``y = tanh(x @ w)`` whose matmul is split ``(2, 4, 1)``, tanh gets ``(2, 4)``.
+    """
+    mesh = problem.mesh
+    made: dict[str, Any] = {}  # value -> its layout where it is produced
+    chosen: dict[str, tuple[int, ...]] = {}
+    for vert, k in zip(problem.vertices, picks):
+        choice = vert.choices[k]
+        if vert.kind == "data":
+            made[vert.value] = choice.out_layouts[0]  # type: ignore[index]
+        elif vert.kind == "op":
+            made.update(zip(vert.node.outputs, choice.out_layouts))  # type: ignore[union-attr]
+            chosen[vert.name] = choice.splits
+    followers: dict[str, tuple[int, ...]] = {}
+    producers: dict[str, tuple[int, ...]] = {}
+    for node in graph.nodes:
+        if KINDS.get(node.op) != "elementwise" or node.name in user:
+            continue
+        spec = problem.specs[node.name]
+        for v, mp in zip(node.inputs, spec.in_maps):
+            value = graph.values[v]
+            if value.kind not in ("activation", "data") or v not in made or \
+                    len(mp) != len(spec.sizes) or None in mp:
+                continue  # a literal, a parameter or a broadcast operand: not followed
+            splits = [1] * len(spec.sizes)
+            for dim, count in zip(mp, made[v].split_counts(mesh)):
+                splits[dim] = count  # type: ignore[index]
+            try:
+                choice = problem.op_choice(node, splits)
+            except AutoParallelError:
+                break  # those split counts do not fit this operator: left to the search
+            followers[node.name] = tuple(splits)
+            made.update(zip(node.outputs, choice.out_layouts))
+            producer = value.producer if value.kind == "activation" else None
+            if producer is not None and producer not in user:
+                producers[producer] = chosen[producer]
+            break
+    for name in followers:
+        producers.pop(name, None)
+    return followers, producers
