@@ -41,6 +41,9 @@ __all__ = [
     "get_rank_id",
     "get_group_rank_from_world_rank",
     "get_world_rank_from_group_rank",
+    "get_rank",
+    "get_group_size",
+    "WORLD_GROUP_ALIASES",
     "set_split_strategy_by_size",
     "set_split_strategy_by_idx",
     "get_split_strategy",
@@ -190,6 +193,38 @@ def get_rank_size(group: str = WORLD_GROUP) -> int:
 def get_rank_id(group: str = WORLD_GROUP) -> int:
     """The caller's (global_rank's) rank inside the group."""
     return _caller_in(group, _ranks_of(group))
+
+
+#: MindSpore's names of the world group per backend (GlobalComm.WORLD_COMM_GROUP: Ascend,
+#: GPU, CPU): get_rank and get_group_size take each of them for hccl_world_group.
+WORLD_GROUP_ALIASES: tuple[str, ...] = (WORLD_GROUP, "nccl_world_group", "mccl_world_group")
+
+
+def _mindspore_group(group: Any) -> str:
+    if not isinstance(group, str):
+        raise AutoParallelTypeError("group", group, "group name must be a str")
+    return WORLD_GROUP if group in WORLD_GROUP_ALIASES else group
+
+
+def get_rank(group: str = WORLD_GROUP) -> int:
+    """MindSpore's ``mindspore.communication.get_rank``: the caller's (``global_rank``'s) rank
+    in ``group`` (the world group by default; its GPU / CPU names ``nccl_world_group`` /
+    ``mccl_world_group`` are the same group).
+
+    >>> import autopar
+    >>> autopar.set_auto_parallel_context(device_num=8, global_rank=5)
+    >>> autopar.create_group("tp1", [4, 5, 6, 7])
+    >>> get_rank(), get_rank("tp1"), get_group_size("tp1"), get_group_size("nccl_world_group")
+    (5, 1, 4, 8)
+    >>> autopar.reset_comm_groups(); autopar.reset_auto_parallel_context()
+    """
+    return get_rank_id(_mindspore_group(group))
+
+
+def get_group_size(group: str = WORLD_GROUP) -> int:
+    """MindSpore's ``mindspore.communication.get_group_size``: the number of ranks in
+    ``group`` (the world group, of ``device_num`` ranks, by default)."""
+    return get_rank_size(_mindspore_group(group))
 
 
 def get_group_rank_from_world_rank(world_rank_id: int, group: str) -> int:

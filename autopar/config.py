@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Iterable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -33,12 +33,19 @@ __all__ = [
     "GatherFusion",
     "CommFusion",
     "ParallelOptimizerConfig",
+    "StrategyCkptConfig",
+    "PipelineConfig",
+    "PIPELINE_SCHEDULERS",
+    "NO_EFFECT_REASONS",
     "AutoParallelConfig",
+    "no_effect_messages",
     "validate_config",
     "raise_for_validation_error",
 ]
 
 DATASET_STRATEGY_NAMES = ("data_parallel", "full_batch")
+_STRATEGY_FILE_KEYS = (("strategy_ckpt_load_file", "load_file"),
+                       ("strategy_ckpt_save_file", "save_file"))
 AUTO_FUSION_THRESHOLD_MB = 64
 MAX_INDEX = 2**31 - 1
 
@@ -149,87 +156,242 @@ class ParallelOptimizerConfig(BaseModel):
         default=64, description="parameters smaller than this (KB) are not sharded")
 
 
-def _meta(type_: str, rule: str, modes: str = "all") -> dict[str, Any]:
-    return {"type": type_, "rule": rule, "modes": modes}
+class StrategyCkptConfig(BaseModel):
+    """strategy_ckpt_config: MindSpore 2.x's one dict for the strategy files. ``load_file`` /
+    ``save_file`` are the same settings as strategy_ckpt_load_file / strategy_ckpt_save_file
+    (one value, two names: the one set last wins)."""
+
+    model_config = _STRICT
+
+    load_file: str = Field(default="", description="load the strategy from this file")
+    save_file: str = Field(default="", description="save the strategy to this file")
+    only_trainable_params: bool = Field(
+        default=True, description="only the trainable parameters' layouts are saved / loaded")
+
+
+#: MindSpore's pipeline_scheduler names -> autopar's schedule (autopar.pipeline.schedules);
+#: MindSpore names missing here are refused with the supported ones listed.
+PIPELINE_SCHEDULERS: dict[str, str] = {"1f1b": "1f1b", "gpipe": "gpipe"}
+MINDSPORE_PIPELINE_SCHEDULERS: tuple[str, ...] = ("1f1b", "gpipe", "seqpipe", "seqvpp",
+                                                  "seqsmartvpp", "zero_bubble_v")
+
+
+class PipelineConfig(BaseModel):
+    """pipeline_config: the pipeline schedule (MindSpore 2.3+)."""
+
+    model_config = _STRICT
+
+    pipeline_interleave: bool = Field(
+        default=False, description="interleaved (virtual-stage) schedules")
+    pipeline_scheduler: str = Field(default="1f1b", description="the schedule: "
+                                    + " / ".join(PIPELINE_SCHEDULERS))
+
+    @field_validator("pipeline_scheduler")
+    @classmethod
+    def _scheduler(cls, v: str) -> str:
+        supported = ", ".join(repr(k) for k in PIPELINE_SCHEDULERS)
+        if v in PIPELINE_SCHEDULERS:
+            return v
+        if v in MINDSPORE_PIPELINE_SCHEDULERS:
+            raise ValueError(f"MindSpore's {v!r} schedule is not available in autopar; the "
+                             f"supported schedules are {supported}")
+        raise ValueError(f"pipeline_scheduler must be one of {supported} (MindSpore's "
+                         f"{', '.join(repr(k) for k in MINDSPORE_PIPELINE_SCHEDULERS if k not in PIPELINE_SCHEDULERS)}"
+                         " are not available in autopar)")
+
+
+#: Why the keys autopar accepts for MindSpore compatibility change nothing on JAX. Setting one
+#: to a non-default value warns AutoParallelWarning with this reason, once per call.
+NO_EFFECT_REASONS: dict[str, str] = {
+    "strategy_ckpt_config.only_trainable_params": "every parameter of an autopar graph is "
+    "trainable (it is part of the params argument the gradient is taken of), so the strategy "
+    "file holds the same parameter layouts either way",
+    "pipeline_config.pipeline_interleave": "autopar has no interleaved (virtual-stage) "
+    "schedules: each stage holds one contiguous part of the network and runs the chosen "
+    "pipeline_scheduler without interleaving (same gradients, a larger bubble)",
+    "auto_pipeline": "autopar does not choose the number of stages: pipeline_stages is used "
+    "as given (autopar.partition_stages searches where the stages begin)",
+    "force_fp32_communication": "autopar's collectives communicate in the tensor's own dtype; "
+    "only gradient synchronisation is upcast, by gradient_fp32_sync (semi_auto_parallel / "
+    "auto_parallel)",
+    "pipeline_result_broadcast": "the pipelined training step already returns its loss on "
+    "every stage (a psum over the stage axis), and autopar has no pipelined inference",
+    "group_ckpt_save_file": "autopar's communication groups are the mesh axes, which the "
+    "strategy file (strategy_ckpt_save_file) records with the plan; no separate group file "
+    "is written",
+    "dump_local_norm": "autopar writes no tensor dumps; take norms of the gradients "
+    "step.grads(params, *batch) returns (e.g. optax.global_norm)",
+    "dump_local_norm_path": "autopar writes no tensor dumps (see dump_local_norm)",
+    "dump_device_local_norm": "autopar writes no tensor dumps; take norms of the gradients "
+    "step.grads(params, *batch) returns",
+}
+
+
+def _meta(type_: str, rule: str, modes: str = "all", jax: str = "") -> dict[str, Any]:
+    return {"type": type_, "rule": rule, "modes": modes, "jax": jax}
 
 
 class AutoParallelConfig(BaseModel):
-    """Every key of set_auto_parallel_context, with the seed's defaults.
+    """Every key of set_auto_parallel_context (MindSpore 2.5), with the seed's defaults.
 
     ``auto_parallel_search_mode`` (deprecated) and ``all_reduce_fusion_config`` are views:
     the first of ``search_mode``, the second of ``comm_fusion["allreduce"]`` in index mode.
+    ``strategy_ckpt_config``'s files are kept equal to ``strategy_ckpt_load_file`` /
+    ``strategy_ckpt_save_file`` (one setting, two names).
     """
 
     model_config = _STRICT
 
     device_num: Annotated[int, Field(ge=1, le=MAX_DEVICES)] = Field(
         default=1, description="Number of devices.",
-        json_schema_extra=_meta("int", f"[1, {MAX_DEVICES}]"))
+        json_schema_extra=_meta("int", f"[1, {MAX_DEVICES}]", jax="the mesh: device_num "
+                                "devices split into prime-size axes (8 -> 2x2x2)"))
     global_rank: Annotated[int, Field(ge=0, le=MAX_DEVICES - 1)] = Field(
         default=0, description="Global rank id of this process.",
-        json_schema_extra=_meta("int", f"[0, {MAX_DEVICES - 1}]; < device_num when compiled"))
+        json_schema_extra=_meta("int", f"[0, {MAX_DEVICES - 1}]; < device_num when compiled",
+                                jax="the caller's rank for communication groups "
+                                "(get_rank, get_rank_id, split strategies)"))
     gradients_mean: bool = Field(
         default=False, description="Divide all-reduced gradients by the number of devices.",
-        json_schema_extra=_meta("bool", "-", "not stand_alone"))
+        json_schema_extra=_meta("bool", "-", "not stand_alone", jax="True: the gradient of "
+                                "the global loss; False: times the data-parallel degree, as "
+                                "MindSpore's sum of per-device gradients"))
     gradient_fp32_sync: bool = Field(
         default=True, description="All-reduce gradients in fp32.",
-        json_schema_extra=_meta("bool", "-", "semi_auto_parallel, auto_parallel"))
+        json_schema_extra=_meta("bool", "-", "semi_auto_parallel, auto_parallel",
+                                jax="bf16/fp16 gradients cast to f32 for their all-reduce / "
+                                "reduce-scatter, then back"))
     loss_repeated_mean: bool = Field(
         default=True, description="Mean (not sum) over repeated calculation of the loss.",
-        json_schema_extra=_meta("bool", "-", "semi_auto_parallel, auto_parallel"))
+        json_schema_extra=_meta("bool", "-", "semi_auto_parallel, auto_parallel",
+                                jax="False: a loss computed on r devices counts r times "
+                                "(gradient times r)"))
     parallel_mode: Annotated[str, Field()] = Field(
         default=DEFAULT_PARALLEL_MODE, description="How the network is parallelised.",
-        json_schema_extra=_meta("str", " / ".join(PARALLEL_MODES)))
+        json_schema_extra=_meta("str", " / ".join(PARALLEL_MODES), jax="who chooses the "
+                                "strategies: nobody (one device), data parallel, the user, "
+                                "or the search"))
     search_mode: str = Field(
         default=DEFAULT_SEARCH_MODE, description="Strategy search algorithm (alias: "
         "auto_parallel_search_mode, deprecated); 'exact' (autopar's integer-program referee) "
         "is autopar's addition.",
-        json_schema_extra=_meta("str", " / ".join(SEARCH_MODES), "auto_parallel"))
+        json_schema_extra=_meta("str", " / ".join(SEARCH_MODES), "auto_parallel",
+                                jax="the solver of autopar.search (same cost model for all)"))
     parameter_broadcast: bool = Field(
         default=False, description="Broadcast rank 0's parameters before training.",
-        json_schema_extra=_meta("bool", "-", "not stand_alone"))
+        json_schema_extra=_meta("bool", "-", "not stand_alone", jax="step.prepare(params) "
+                                "places every leaf with rank 0's values"))
     strategy_ckpt_load_file: str = Field(
-        default="", description="Load the parallel strategy from this file instead of searching.",
-        json_schema_extra=_meta("str", "path or ''", "semi_auto_parallel, auto_parallel"))
+        default="", description="Load the parallel strategy from this file instead of searching "
+        "(same setting as strategy_ckpt_config['load_file']).",
+        json_schema_extra=_meta("str", "path or ''", "semi_auto_parallel, auto_parallel",
+                                jax="autopar.search loads this plan (checked) instead of "
+                                "searching"))
     strategy_ckpt_save_file: str = Field(
-        default="", description="Save the parallel strategy to this file.",
-        json_schema_extra=_meta("str", "path or ''", "semi_auto_parallel, auto_parallel"))
+        default="", description="Save the parallel strategy to this file (same setting as "
+        "strategy_ckpt_config['save_file']).",
+        json_schema_extra=_meta("str", "path or ''", "semi_auto_parallel, auto_parallel",
+                                jax="autopar.search writes its plan here (atomic JSON)"))
     full_batch: bool = Field(
         default=False, description="Every device loads the whole batch (same as "
         "dataset_strategy='full_batch').",
         json_schema_extra=_meta("bool", "kept consistent with dataset_strategy",
-                                "semi_auto_parallel, auto_parallel"))
+                                "semi_auto_parallel, auto_parallel",
+                                jax="batch inputs replicated"))
     dataset_strategy: Any = Field(
         default="data_parallel", description="How batch inputs are split: 'data_parallel', "
         "'full_batch', or one tuple of split counts per input, e.g. ((1, 8), (1, 8)).",
         json_schema_extra=_meta("str | tuple[tuple[int, ...], ...]",
                                 "'data_parallel', 'full_batch', or tuple of tuples of ints >= 1",
-                                "tuple form: semi_auto_parallel, auto_parallel"))
+                                "tuple form: semi_auto_parallel, auto_parallel",
+                                jax="the batch inputs' layouts the search starts from"))
     enable_parallel_optimizer: bool = Field(
         default=False, description="Shard the optimizer update across data-parallel devices.",
-        json_schema_extra=_meta("bool", "-", "not stand_alone"))
+        json_schema_extra=_meta("bool", "-", "not stand_alone", jax="large parameters and "
+                                "optimizer state stored split: gradients reduce-scattered, "
+                                "parameters all-gathered"))
     parallel_optimizer_config: ParallelOptimizerConfig = Field(
         default_factory=ParallelOptimizerConfig,
         description="Parallel optimizer details: gradient_accumulation_shard (bool, default True),"
         " parallel_optimizer_threshold (int >= 0 KB, default 64).",
         json_schema_extra=_meta("dict", "keys gradient_accumulation_shard, "
-                                "parallel_optimizer_threshold", "with enable_parallel_optimizer"))
+                                "parallel_optimizer_threshold", "with enable_parallel_optimizer",
+                                jax="the threshold chooses the parameters the parallel "
+                                "optimizer splits"))
     enable_alltoall: bool = Field(
         default=False, description="Allow AllToAll in redistribution (else AllGather + slice).",
-        json_schema_extra=_meta("bool", "-", "semi_auto_parallel, auto_parallel"))
+        json_schema_extra=_meta("bool", "-", "semi_auto_parallel, auto_parallel",
+                                jax="lax.all_to_all in redistributions, else all_gather + "
+                                "slice"))
     pipeline_stages: Annotated[int, Field(ge=1, le=MAX_DEVICES)] = Field(
         default=1, description="Number of pipeline stages.",
         json_schema_extra=_meta("int", ">= 1; divides device_num",
-                                "> 1: semi_auto_parallel"))
+                                "> 1: semi_auto_parallel", jax="train_step returns the "
+                                "pipelined step over a ('stage', ...) mesh"))
     grad_accumulation_step: Annotated[int, Field(ge=1, le=MAX_INDEX)] = Field(
         default=1, description="Micro-steps whose gradients are accumulated before one update.",
-        json_schema_extra=_meta("int", ">= 1", "> 1: semi_auto_parallel, auto_parallel"))
+        json_schema_extra=_meta("int", ">= 1", "> 1: semi_auto_parallel, auto_parallel",
+                                jax="a lax.scan accumulates g micro-batches' gradients, "
+                                "synchronised once"))
     comm_fusion: CommFusion = Field(
         default_factory=CommFusion,
         description="Fusion of allreduce / allgather / reducescatter: {type: {'mode': auto | size"
         " | index, 'config': ...}}. Not set: no fusion (one collective per gradient).",
         json_schema_extra=_meta("dict", "auto: 64 MB; size: threshold > 0 MB; index: "
-                                "allreduce only, ascending indices"))
+                                "allreduce only, ascending indices",
+                                jax="gradient collectives grouped into buckets, one collective "
+                                "per bucket"))
+    # ---- MindSpore 2.3 - 2.5
+    strategy_ckpt_config: StrategyCkptConfig = Field(
+        default_factory=StrategyCkptConfig,
+        description="The strategy files in one dict: load_file, save_file (the same settings as "
+        "strategy_ckpt_load_file / strategy_ckpt_save_file), only_trainable_params.",
+        json_schema_extra=_meta("dict", "keys load_file (str), save_file (str), "
+                                "only_trainable_params (bool)",
+                                "semi_auto_parallel, auto_parallel",
+                                jax="load_file / save_file as the two keys above; "
+                                "only_trainable_params=False: " + NO_EFFECT_REASONS[
+                                    "strategy_ckpt_config.only_trainable_params"]))
+    pipeline_config: PipelineConfig = Field(
+        default_factory=PipelineConfig,
+        description="The pipeline schedule: pipeline_scheduler ('1f1b' | 'gpipe'), "
+        "pipeline_interleave (bool).",
+        json_schema_extra=_meta("dict", "pipeline_scheduler: " + " / ".join(PIPELINE_SCHEDULERS)
+                                + " (MindSpore's others refused); pipeline_interleave: bool",
+                                "with pipeline_stages > 1",
+                                jax="the pipelined step's schedule (ResolvedContext."
+                                "pipeline_schedule); pipeline_interleave=True: "
+                                + NO_EFFECT_REASONS["pipeline_config.pipeline_interleave"]))
+    auto_pipeline: bool = Field(
+        default=False, description="Choose the number of stages automatically (1 .. "
+        "pipeline_stages).",
+        json_schema_extra=_meta("bool", "-", "auto_parallel, recursive_programming",
+                                jax="True: " + NO_EFFECT_REASONS["auto_pipeline"]))
+    force_fp32_communication: bool = Field(
+        default=False, description="AllReduce / ReduceScatter communicate in fp32.",
+        json_schema_extra=_meta("bool", "-", jax="True: " + NO_EFFECT_REASONS[
+            "force_fp32_communication"]))
+    pipeline_result_broadcast: bool = Field(
+        default=False, description="Broadcast the last stage's result to every stage "
+        "(pipelined inference).",
+        json_schema_extra=_meta("bool", "-", "semi_auto_parallel, auto_parallel",
+                                jax="True: " + NO_EFFECT_REASONS["pipeline_result_broadcast"]))
+    group_ckpt_save_file: str = Field(
+        default="", description="Save the communication groups to this file.",
+        json_schema_extra=_meta("str", "path or ''", "semi_auto_parallel, auto_parallel",
+                                jax="a path: " + NO_EFFECT_REASONS["group_ckpt_save_file"]))
+    dump_local_norm: bool = Field(
+        default=False, description="Dump each parameter's local gradient norm.",
+        json_schema_extra=_meta("bool", "-", "semi_auto_parallel, auto_parallel",
+                                jax="True: " + NO_EFFECT_REASONS["dump_local_norm"]))
+    dump_local_norm_path: str = Field(
+        default="", description="Directory of the local-norm dumps.",
+        json_schema_extra=_meta("str", "path or ''", "semi_auto_parallel, auto_parallel",
+                                jax="a path: " + NO_EFFECT_REASONS["dump_local_norm_path"]))
+    dump_device_local_norm: bool = Field(
+        default=False, description="Dump each device's local gradient norm.",
+        json_schema_extra=_meta("bool", "-", "semi_auto_parallel, auto_parallel",
+                                jax="True: " + NO_EFFECT_REASONS["dump_device_local_norm"]))
 
     @field_validator("parallel_mode")
     @classmethod
@@ -262,6 +424,34 @@ class AutoParallelConfig(BaseModel):
                                      f"found {s}")
         return v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _strategy_files_one_setting(cls, data: Any) -> Any:
+        """strategy_ckpt_config's files and the two flat keys are one setting: given one side
+        only, the other follows (a contradiction is refused after validation)."""
+        if not isinstance(data, dict):
+            return data
+        nested = data.get("strategy_ckpt_config")
+        if nested is None:  # (a value of the wrong type stays where it was given)
+            data = {**data, "strategy_ckpt_config": {
+                key: data[flat] for flat, key in _STRATEGY_FILE_KEYS
+                if isinstance(data.get(flat), str)}}
+        elif isinstance(nested, dict):
+            for flat, key in _STRATEGY_FILE_KEYS:
+                if flat not in data and isinstance(nested.get(key), str):
+                    data = {**data, flat: nested[key]}
+        return data
+
+    @model_validator(mode="after")
+    def _strategy_files_agree(self) -> "AutoParallelConfig":
+        for flat, key in _STRATEGY_FILE_KEYS:
+            if getattr(self, flat) != getattr(self.strategy_ckpt_config, key):
+                raise ValueError(f"{flat}={getattr(self, flat)!r} contradicts "
+                                 f"strategy_ckpt_config[{key!r}]="
+                                 f"{getattr(self.strategy_ckpt_config, key)!r}; they are one "
+                                 "setting (set only one of them)")
+        return self
+
     @model_validator(mode="after")
     def _full_batch_consistent(self) -> "AutoParallelConfig":
         if self.full_batch != (self.dataset_strategy == "full_batch"):
@@ -278,6 +468,10 @@ class AutoParallelConfig(BaseModel):
 
 KEYS: tuple[str, ...] = tuple(AutoParallelConfig.model_fields) + (
     "auto_parallel_search_mode", "all_reduce_fusion_config")
+#: Keys get_auto_parallel_context reads but set_auto_parallel_context refuses (MindSpore's
+#: get-only views of pipeline_config): key -> where it is set.
+GET_ONLY: dict[str, str] = {"pipeline_interleave": "pipeline_config",
+                            "pipeline_scheduler": "pipeline_config"}
 
 _NESTED: dict[str, type[BaseModel]] = {
     "parallel_optimizer_config": ParallelOptimizerConfig,
@@ -285,6 +479,8 @@ _NESTED: dict[str, type[BaseModel]] = {
     "comm_fusion.allreduce": AllReduceFusion,
     "comm_fusion.allgather": GatherFusion,
     "comm_fusion.reducescatter": GatherFusion,
+    "strategy_ckpt_config": StrategyCkptConfig,
+    "pipeline_config": PipelineConfig,
 }
 
 
@@ -333,8 +529,40 @@ def validate_config(data: dict[str, Any], where: str = "set_auto_parallel_contex
         raise  # unreachable: raise_for_validation_error always raises
 
 
+def no_effect_messages(config: AutoParallelConfig, keys: Iterable[str]) -> list[str]:
+    """For the keys set in one call, one message per key whose value autopar cannot honour on
+    JAX (:data:`NO_EFFECT_REASONS`); a key set to its default value says nothing.
+
+    >>> no_effect_messages(validate_config({"force_fp32_communication": True}),
+    ...                    ["force_fp32_communication"])[0][:52]
+    'force_fp32_communication=True has no effect in autop'
+    """
+    defaults = AutoParallelConfig()
+    out = []
+    for key in sorted(set(keys)):
+        if key == "strategy_ckpt_config":
+            reason = "strategy_ckpt_config.only_trainable_params"
+            shown = f"strategy_ckpt_config['only_trainable_params']=" \
+                    f"{config.strategy_ckpt_config.only_trainable_params!r}"
+            active = not config.strategy_ckpt_config.only_trainable_params
+        elif key == "pipeline_config":
+            reason = "pipeline_config.pipeline_interleave"
+            shown = f"pipeline_config['pipeline_interleave']=" \
+                    f"{config.pipeline_config.pipeline_interleave!r}"
+            active = config.pipeline_config.pipeline_interleave
+        elif key in NO_EFFECT_REASONS:
+            reason, shown = key, f"{key}={getattr(config, key)!r}"
+            active = getattr(config, key) != getattr(defaults, key)
+        else:
+            continue
+        if active:
+            out.append(f"{shown} has no effect in autopar: {NO_EFFECT_REASONS[reason]}.")
+    return out
+
+
 def reference_rows() -> list[dict[str, str]]:
-    """One row per key for docs/context.md and the demo: key, type, default, range, modes."""
+    """One row per key for docs/context.md and the demo: key, type, default, range, modes,
+    description and its effect in autopar (``jax``)."""
     rows = []
     defaults = AutoParallelConfig()
     for name, field in AutoParallelConfig.model_fields.items():
@@ -344,13 +572,21 @@ def reference_rows() -> list[dict[str, str]]:
             default = default.model_dump() if name != "comm_fusion" else default.as_dict()
         rows.append({"key": name, "type": str(extra["type"]), "default": repr(default),
                      "range": str(extra["rule"]), "modes": str(extra["modes"]),
-                     "description": field.description or ""})
+                     "description": field.description or "", "jax": str(extra["jax"])})
     rows.append({"key": "auto_parallel_search_mode", "type": "str", "default": "(search_mode)",
                  "range": "as search_mode", "modes": "auto_parallel",
-                 "description": "Deprecated alias of search_mode; warns DeprecationWarning."})
+                 "description": "Deprecated alias of search_mode; warns DeprecationWarning.",
+                 "jax": "as search_mode"})
     rows.append({"key": "all_reduce_fusion_config", "type": "list[int]", "default": "[]",
                  "range": "non-empty, strictly ascending, ints >= 0",
                  "modes": "data_parallel, hybrid_parallel, semi_auto_parallel, auto_parallel",
                  "description": "Allreduce fusion by gradient index; same as comm_fusion "
-                 "{'allreduce': {'mode': 'index', 'config': [...]}}. Not set: fusion closed."})
+                 "{'allreduce': {'mode': 'index', 'config': [...]}}. Not set: fusion closed.",
+                 "jax": "as comm_fusion['allreduce'] in index mode"})
+    for key, where in GET_ONLY.items():
+        field = PipelineConfig.model_fields[key]
+        rows.append({"key": key, "type": f"{getattr(field.annotation, '__name__', '')} (get "
+                     "only)", "default": repr(field.default), "range": f"set through {where}",
+                     "modes": "-", "description": f"{where}[{key!r}], read alone (as "
+                     "MindSpore's get_auto_parallel_context).", "jax": f"as {where}"})
     return rows

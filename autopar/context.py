@@ -30,16 +30,21 @@ from pydantic import BaseModel
 from pydantic_core import PydanticCustomError
 
 from autopar.config import (
+    GET_ONLY,
     KEYS,
     AllReduceFusion,
     AutoParallelConfig,
     _check_indices,
+    no_effect_messages,
     unknown_key_error,
     validate_config,
 )
-from autopar.errors import AutoParallelError, AutoParallelTypeError
+from autopar.errors import (AutoParallelError, AutoParallelTypeError, AutoParallelWarning,
+                            UnknownKeyError)
+from autopar.strategies.modes import PARALLEL_MODES
 
 __all__ = [
+    "ParallelMode",
     "set_auto_parallel_context",
     "get_auto_parallel_context",
     "reset_auto_parallel_context",
@@ -49,6 +54,26 @@ __all__ = [
 ]
 
 _WHERE = "set_auto_parallel_context"
+
+
+class ParallelMode:
+    """MindSpore's ``ParallelMode``: one str constant per parallel mode, named by its upper-case
+    value, and ``MODE_LIST`` (all of them), from :data:`autopar.strategies.modes.PARALLEL_MODES`.
+
+    >>> ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.MODE_LIST[0]
+    ('semi_auto_parallel', 'stand_alone')
+    """
+
+    STAND_ALONE: str
+    DATA_PARALLEL: str
+    HYBRID_PARALLEL: str
+    SEMI_AUTO_PARALLEL: str
+    AUTO_PARALLEL: str
+    MODE_LIST: tuple[str, ...] = PARALLEL_MODES
+
+
+for _mode in PARALLEL_MODES:
+    setattr(ParallelMode, _mode.upper(), _mode)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,11 +87,14 @@ _STATE: contextvars.ContextVar[_State] = contextvars.ContextVar("autopar_context
                                                                 default=_DEFAULT)
 
 
-def _check_key_names(keys: list[Any], where: str) -> None:
+def _check_key_names(keys: list[Any], where: str, *, get: bool = False) -> None:
     for key in keys:
         if not isinstance(key, str):
             raise AutoParallelTypeError(f"{where}: key {key!r} must be a str.")
-        if key not in KEYS:
+        if key in GET_ONLY and not get:
+            raise UnknownKeyError(f"{key!r} is read-only in {where} (as in MindSpore): set it "
+                                  f"through {GET_ONLY[key]}={{{key!r}: ...}}.")
+        if key not in KEYS and not (get and key in GET_ONLY):
             raise unknown_key_error(key, KEYS, where)
 
 
@@ -128,6 +156,10 @@ def _apply(state: _State, kwargs: dict[str, Any], where: str = _WHERE) -> _State
             fusion = data["comm_fusion"]
         data["comm_fusion"] = fusion | {"allreduce": AllReduceFusion(mode="index",
                                                                      config=indices)}
+    _strategy_files(kw, kwargs, data, cur, explicit)
+    if "pipeline_config" in kw:
+        data["pipeline_config"] = _merge_dict("pipeline_config", kw.pop("pipeline_config"),
+                                              cur.pipeline_config)
     if "parallel_optimizer_config" in kw:
         data["parallel_optimizer_config"] = _merge_dict(
             "parallel_optimizer_config", kw.pop("parallel_optimizer_config"),
@@ -156,7 +188,40 @@ def _apply(state: _State, kwargs: dict[str, Any], where: str = _WHERE) -> _State
     if deprecated:
         warnings.warn("auto_parallel_search_mode is deprecated and will be removed; use "
                       "search_mode (same values)", DeprecationWarning, stacklevel=3)
+    for message in no_effect_messages(config, kwargs):
+        warnings.warn(message, AutoParallelWarning, stacklevel=3)
     return _State(config, state.explicit | frozenset(explicit))
+
+
+_FILE_KEYS = (("strategy_ckpt_load_file", "load_file"), ("strategy_ckpt_save_file", "save_file"))
+
+
+def _strategy_files(kw: dict[str, Any], kwargs: dict[str, Any], data: dict[str, Any],
+                    cur: AutoParallelConfig, explicit: set[str]) -> None:
+    """strategy_ckpt_config and strategy_ckpt_load_file / strategy_ckpt_save_file are one
+    setting under two names (as in MindSpore, where both write the same field): whichever is
+    set last wins; both in one call must agree. Fills ``data`` with both sides."""
+    if "strategy_ckpt_config" not in kw and not any(f in kw for f, _ in _FILE_KEYS):
+        return
+    merged = _merge_dict("strategy_ckpt_config", kw.pop("strategy_ckpt_config", {}),
+                         cur.strategy_ckpt_config)
+    given = kwargs.get("strategy_ckpt_config") or {}
+    for flat, key in _FILE_KEYS:
+        if flat in kw:
+            value = kw.pop(flat)
+            if key in given and given[key] != value:
+                raise AutoParallelError(
+                    flat, value, f"it is the same setting as strategy_ckpt_config[{key!r}] and "
+                    f"contradicts strategy_ckpt_config[{key!r}]={given[key]!r} in the same "
+                    "call", "Set only one of them")
+            data[flat] = value
+            if isinstance(value, str):
+                merged[key] = value
+        elif isinstance(merged[key], str):
+            data[flat] = merged[key]
+        if key in given or flat in kwargs:
+            explicit.update((flat, "strategy_ckpt_config"))
+    data["strategy_ckpt_config"] = merged
 
 
 def set_auto_parallel_context(**kwargs: Any) -> None:
@@ -179,18 +244,21 @@ def _public_value(config: AutoParallelConfig, name: str) -> Any:
         return config.all_reduce_fusion_config
     if name == "comm_fusion":
         return config.comm_fusion.as_dict()
-    if name == "parallel_optimizer_config":
-        return config.parallel_optimizer_config.model_dump()
+    if name in ("parallel_optimizer_config", "strategy_ckpt_config", "pipeline_config"):
+        return getattr(config, name).model_dump()
+    if name in GET_ONLY:
+        return getattr(getattr(config, GET_ONLY[name]), name)
     return getattr(config, name)
 
 
 def get_auto_parallel_context(attr_key: str) -> Any:
     """The value of one key, as set (normalised: lists for index lists, dicts for dicts).
+    ``pipeline_interleave`` and ``pipeline_scheduler`` read pipeline_config's entries.
 
     >>> get_auto_parallel_context("search_mode")
     'dynamic_programming'
     """
-    _check_key_names([attr_key], "get_auto_parallel_context")
+    _check_key_names([attr_key], "get_auto_parallel_context", get=True)
     config = _STATE.get().config
     if attr_key == "auto_parallel_search_mode":
         warnings.warn("auto_parallel_search_mode is deprecated and will be removed; use "

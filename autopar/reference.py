@@ -1,7 +1,8 @@
-"""Markdown reference tables of the context keys and mode restrictions (for docs/context.md).
+"""Markdown reference tables of the context keys, their effect, the mode restrictions and the
+algorithm parameters (for docs/context.md).
 
-docs/context.md embeds :func:`context_reference_markdown` between the markers
-``<!-- keys:begin -->`` and ``<!-- keys:end -->``; a test keeps the two in sync. Regenerate with
+docs/context.md embeds each table between a pair of markers, ``<!-- NAME:begin -->`` and
+``<!-- NAME:end -->`` (NAME in :data:`BLOCKS`); a test keeps them in sync. Regenerate with
 ``python -m autopar.reference docs/context.md``.
 """
 
@@ -9,7 +10,9 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Callable
 
+from autopar.algo import algo_reference_rows
 from autopar.config import reference_rows
 from autopar.resolve import RESTRICTIONS
 
@@ -36,14 +39,50 @@ def context_reference_markdown() -> str:
     return "\n".join(lines)
 
 
+def effects_markdown() -> str:
+    """Every key of set_auto_parallel_context and what it does in autopar (on JAX)."""
+    lines = ["| key | default | effect in autopar (JAX) |", "|---|---|---|"]
+    for r in reference_rows():
+        lines.append(f"| `{r['key']}` | {_cell(r['default'])} | {_cell(r['jax'])} |")
+    return "\n".join(lines)
+
+
+def algo_markdown() -> str:
+    """Every algorithm parameter (set_algo_parameters) and what it does in autopar."""
+    lines = ["| key | type | default | range | description | effect in autopar |",
+             "|---|---|---|---|---|---|"]
+    for r in algo_reference_rows():
+        lines.append("| " + " | ".join(_cell(r[c]) for c in
+                                        ("key", "type", "default", "range", "description",
+                                         "effect")) + " |")
+    return "\n".join(lines)
+
+
+#: marker name -> the function rendering the block
+BLOCKS: dict[str, Callable[[], str]] = {"keys": context_reference_markdown,
+                                        "effects": effects_markdown, "algo": algo_markdown}
+
+
+def markers(name: str) -> tuple[str, str]:
+    return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+
+
+def render(text: str) -> str:
+    """``text`` with every marked block present replaced by its current rendering."""
+    for name, make in BLOCKS.items():
+        begin, end = markers(name)
+        if begin not in text:
+            continue
+        head, rest = text.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        text = f"{head}{begin}\n{make()}\n{end}{tail}"
+    return text
+
+
 def update(path: Path) -> None:
-    text = path.read_text()
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    new = f"{head}{BEGIN}\n{context_reference_markdown()}\n{END}{tail}"
     from autopar.files import write_text_atomic
 
-    write_text_atomic(path, new)
+    write_text_atomic(path, render(path.read_text()))
 
 
 if __name__ == "__main__":

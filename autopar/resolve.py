@@ -23,12 +23,13 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
-from autopar.config import AUTO_FUSION_THRESHOLD_MB, AutoParallelConfig, reference_rows
+from autopar.config import (AUTO_FUSION_THRESHOLD_MB, PIPELINE_SCHEDULERS, AutoParallelConfig,
+                            reference_rows)
 from autopar.context import current_config, explicit_keys, public_dict
 from autopar.errors import AutoParallelWarning, ContextConflictError
 
 __all__ = ["Restriction", "RESTRICTIONS", "FusionSetting", "ResolvedContext", "fusion_setting",
-           "resolve_context"]
+           "pipeline_schedule", "resolve_context"]
 
 SEMI_AUTO = ("semi_auto_parallel", "auto_parallel")
 MB = 1024 * 1024
@@ -131,8 +132,13 @@ RESTRICTIONS: tuple[Restriction, ...] = (
                 lambda c, e: "enable_alltoall" in e and _mode(c) in ("stand_alone",
                                                                      "data_parallel"),
                 "do not set enable_alltoall in this mode"),
+    Restriction("pipeline_config", "warning",
+                "pipeline_config only matters with pipeline_stages > 1 (a pipelined step)",
+                lambda c, e: "pipeline_config" in e and c.pipeline_stages == 1,
+                "set pipeline_stages > 1 or do not set pipeline_config"),
     *(Restriction(key, "warning",
-                  "strategy files are used only in semi_auto_parallel and auto_parallel",
+                  "strategy files (this key or strategy_ckpt_config) are used only in "
+                  "semi_auto_parallel and auto_parallel",
                   lambda c, e, key=key: bool(getattr(c, key)) and _mode(c) not in SEMI_AUTO,
                   "use semi_auto_parallel/auto_parallel")
       for key in ("strategy_ckpt_load_file", "strategy_ckpt_save_file")),
@@ -158,6 +164,12 @@ class FusionSetting:
         if self.mode == "index":
             return f"index {list(self.indices or ())}"
         return f"{self.mode}, threshold {(self.threshold_bytes or 0) / MB:g} MB"
+
+
+def pipeline_schedule(c: AutoParallelConfig) -> str:
+    """autopar's pipeline schedule (autopar.pipeline.schedules) for pipeline_config's
+    pipeline_scheduler: ``'1f1b'`` (the default, as MindSpore) or ``'gpipe'``."""
+    return PIPELINE_SCHEDULERS[c.pipeline_config.pipeline_scheduler]
 
 
 def fusion_setting(c: AutoParallelConfig,
@@ -187,6 +199,12 @@ class ResolvedContext:
     def devices_per_stage(self) -> int:
         return self.config.device_num // self.config.pipeline_stages
 
+    @property
+    def pipeline_schedule(self) -> str:
+        """The schedule of a pipelined step: ``'1f1b'`` or ``'gpipe'`` (pipeline_config's
+        pipeline_scheduler; autopar.pipeline.schedules.schedule takes this name)."""
+        return pipeline_schedule(self.config)
+
     def table(self) -> str:
         """A readable table of every key; keys the user set are marked, defaults shown."""
         values = public_dict(self.config)
@@ -198,6 +216,7 @@ class ResolvedContext:
             rows.append((key, shown, mark))
         for f in (self.allreduce_fusion, self.allgather_fusion, self.reducescatter_fusion):
             rows.append((f"-> {f.kind} fusion", str(f), "resolved"))
+        rows.append(("-> pipeline schedule", self.pipeline_schedule, "resolved"))
         widths = [max(len(r[i]) for r in rows) for i in range(3)]
         out = []
         for i, r in enumerate(rows):

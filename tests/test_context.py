@@ -47,6 +47,7 @@ def snapshot():
 
 
 def test_defaults_are_the_seeds():
+    """The seed's keys with its defaults, and MindSpore 2.3 - 2.5's keys with theirs."""
     d = snapshot()
     assert d == {
         "device_num": 1, "global_rank": 0, "gradients_mean": False, "gradient_fp32_sync": True,
@@ -58,6 +59,11 @@ def test_defaults_are_the_seeds():
                                       "parallel_optimizer_threshold": 64},
         "enable_alltoall": False, "all_reduce_fusion_config": [], "pipeline_stages": 1,
         "grad_accumulation_step": 1, "comm_fusion": {},
+        "strategy_ckpt_config": {"load_file": "", "save_file": "", "only_trainable_params": True},
+        "pipeline_config": {"pipeline_interleave": False, "pipeline_scheduler": "1f1b"},
+        "auto_pipeline": False, "force_fp32_communication": False,
+        "pipeline_result_broadcast": False, "group_ckpt_save_file": "", "dump_local_norm": False,
+        "dump_local_norm_path": "", "dump_device_local_norm": False,
     }
 
 
@@ -72,7 +78,9 @@ def test_round_trip_every_key(key):
         assert got == value
     # every other key keeps its default (except the documented linked views)
     linked = {"full_batch": {"dataset_strategy"}, "dataset_strategy": {"full_batch"},
-              "all_reduce_fusion_config": {"comm_fusion"}}.get(key, set())
+              "all_reduce_fusion_config": {"comm_fusion"},
+              "strategy_ckpt_load_file": {"strategy_ckpt_config"},
+              "strategy_ckpt_save_file": {"strategy_ckpt_config"}}.get(key, set())
     if key == "comm_fusion":
         linked = {"all_reduce_fusion_config"}
     after = snapshot()

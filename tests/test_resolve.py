@@ -9,7 +9,7 @@ import pytest
 
 import autopar as ap
 from autopar.context import public_dict
-from autopar.reference import BEGIN, END, context_reference_markdown
+from autopar.reference import BEGIN, BLOCKS, END, context_reference_markdown, markers
 
 ERRORS = [
     (dict(device_num=4, global_rank=4, parallel_mode="data_parallel"), "global_rank"),
@@ -131,3 +131,8 @@ def test_docs_reference_table_is_current():
     embedded = text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
     assert embedded == context_reference_markdown().strip(), \
         "docs/context.md is stale: run python -m autopar.reference docs/context.md"
+    for name, make in BLOCKS.items():  # the keys' effects and the algorithm parameters too
+        begin, end = markers(name)
+        assert text.split(begin, 1)[1].split(end, 1)[0].strip() == make().strip(), \
+            f"docs/context.md's {name} table is stale: run python -m autopar.reference " \
+            "docs/context.md"

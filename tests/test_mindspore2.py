@@ -1,0 +1,260 @@
+"""MindSpore 2.x at home: the keys 2.3 - 2.5 added to set_auto_parallel_context, ParallelMode,
+get_rank / get_group_size. Each key changes the program (tested) or warns why it cannot."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import jax.numpy as jnp
+import pytest
+
+import autopar as ap
+from autopar.comm import get_group_size, get_rank
+from autopar.config import (MINDSPORE_PIPELINE_SCHEDULERS, NO_EFFECT_REASONS,
+                            PIPELINE_SCHEDULERS)
+from autopar.context import ParallelMode, public_dict
+from autopar.pipeline.schedules import SCHEDULES
+from autopar.strategies.modes import PARALLEL_MODES
+
+NEW_DEFAULTS = {
+    "strategy_ckpt_config": {"load_file": "", "save_file": "", "only_trainable_params": True},
+    "pipeline_config": {"pipeline_interleave": False, "pipeline_scheduler": "1f1b"},
+    "auto_pipeline": False, "force_fp32_communication": False,
+    "pipeline_result_broadcast": False, "group_ckpt_save_file": "", "dump_local_norm": False,
+    "dump_local_norm_path": "", "dump_device_local_norm": False,
+}
+
+# key, a value autopar cannot honour, the reason's key in NO_EFFECT_REASONS
+NO_EFFECT = [
+    ("strategy_ckpt_config", {"only_trainable_params": False},
+     "strategy_ckpt_config.only_trainable_params"),
+    ("pipeline_config", {"pipeline_interleave": True}, "pipeline_config.pipeline_interleave"),
+    ("auto_pipeline", True, "auto_pipeline"),
+    ("force_fp32_communication", True, "force_fp32_communication"),
+    ("pipeline_result_broadcast", True, "pipeline_result_broadcast"),
+    ("group_ckpt_save_file", "./group.ckpt", "group_ckpt_save_file"),
+    ("dump_local_norm", True, "dump_local_norm"),
+    ("dump_local_norm_path", "./dump", "dump_local_norm_path"),
+    ("dump_device_local_norm", True, "dump_device_local_norm"),
+]
+
+T, V = TypeError, ValueError
+BAD = [
+    ({"strategy_ckpt_config": "x.json"}, T, "strategy_ckpt_config"),
+    ({"strategy_ckpt_config": None}, T, "strategy_ckpt_config"),
+    ({"strategy_ckpt_config": {"load_file": 1}}, T, "strategy_ckpt_config.load_file"),
+    ({"strategy_ckpt_config": {"save_file": None}}, T, "strategy_ckpt_config.save_file"),
+    ({"strategy_ckpt_config": {"only_trainable_params": 1}}, T, "only_trainable_params"),
+    ({"strategy_ckpt_config": {"load": "x"}}, V, "load"),
+    ({"strategy_ckpt_config": {"load_file": "a"}, "strategy_ckpt_load_file": "b"}, V,
+     "strategy_ckpt_load_file"),
+    ({"strategy_ckpt_config": {"save_file": "a"}, "strategy_ckpt_save_file": "b"}, V,
+     "strategy_ckpt_save_file"),
+    ({"pipeline_config": [("pipeline_scheduler", "gpipe")]}, T, "pipeline_config"),
+    ({"pipeline_config": {"pipeline_scheduler": "seqpipe"}}, V, "seqpipe"),
+    ({"pipeline_config": {"pipeline_scheduler": "zero_bubble_v"}}, V, "zero_bubble_v"),
+    ({"pipeline_config": {"pipeline_scheduler": "GPipe"}}, V, "pipeline_scheduler"),
+    ({"pipeline_config": {"pipeline_scheduler": 1}}, T, "pipeline_scheduler"),
+    ({"pipeline_config": {"pipeline_interleave": "yes"}}, T, "pipeline_interleave"),
+    ({"pipeline_config": {"scheduler": "gpipe"}}, V, "scheduler"),
+    ({"pipeline_scheduler": "gpipe"}, V, "pipeline_config"),
+    ({"pipeline_interleave": True}, V, "pipeline_config"),
+    ({"auto_pipeline": 1}, T, "auto_pipeline"),
+    ({"force_fp32_communication": "True"}, T, "force_fp32_communication"),
+    ({"pipeline_result_broadcast": None}, T, "pipeline_result_broadcast"),
+    ({"group_ckpt_save_file": 3}, T, "group_ckpt_save_file"),
+    ({"dump_local_norm": 0}, T, "dump_local_norm"),
+    ({"dump_local_norm_path": b"dump"}, T, "dump_local_norm_path"),
+    ({"dump_device_local_norm": 1.0}, T, "dump_device_local_norm"),
+    ({"force_fp32_communication": True, "device_num": 0}, V, "device_num"),
+]
+
+
+def test_defaults_are_mindspore_25s():
+    d = public_dict()
+    assert {k: d[k] for k in NEW_DEFAULTS} == NEW_DEFAULTS
+
+
+@pytest.mark.parametrize("kwargs,exc,text", BAD, ids=[repr(b[0])[:50] for b in BAD])
+def test_bad_input_is_typed_names_the_key_and_changes_nothing(kwargs, exc, text):
+    ap.set_auto_parallel_context(strategy_ckpt_config={"save_file": "keep.json"})
+    before = public_dict()
+    with pytest.raises(exc) as info:
+        ap.set_auto_parallel_context(**kwargs)
+    assert isinstance(info.value, ap.AutoparError) and text in str(info.value), str(info.value)
+    assert public_dict() == before
+    with pytest.raises(exc):
+        with ap.auto_parallel_context(**kwargs):
+            pass  # pragma: no cover - never entered
+    assert public_dict() == before
+
+
+@pytest.mark.parametrize("key,value,reason", NO_EFFECT, ids=[k for k, _, _ in NO_EFFECT])
+def test_keys_without_effect_warn_once_per_set_naming_key_and_reason(key, value, reason):
+    for _ in range(2):  # every call that sets the key warns once
+        with pytest.warns(ap.AutoParallelWarning) as caught:
+            ap.set_auto_parallel_context(**{key: value})
+        texts = [str(w.message) for w in caught if issubclass(w.category, ap.AutoParallelWarning)]
+        assert len(texts) == 1 and texts[0].startswith(key)
+        assert NO_EFFECT_REASONS[reason] in texts[0]
+    got = ap.get_auto_parallel_context(key)
+    assert got == ({**NEW_DEFAULTS[key], **value} if isinstance(value, dict) else value)
+    with pytest.warns(ap.AutoParallelWarning, match=key):  # a scoped override too
+        with ap.auto_parallel_context(**{key: value}):
+            pass
+
+
+@pytest.mark.parametrize("key", sorted(NEW_DEFAULTS))
+def test_default_values_set_silently(key):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ap.set_auto_parallel_context(**{key: NEW_DEFAULTS[key]})
+    assert ap.get_auto_parallel_context(key) == NEW_DEFAULTS[key]
+
+
+def test_every_key_has_its_effect_documented():
+    from autopar.config import reference_rows
+
+    rows = {r["key"]: r for r in reference_rows()}
+    assert set(public_dict()) <= set(rows)
+    assert all(r["jax"] for r in rows.values())
+    for reason in NO_EFFECT_REASONS.values():
+        assert any(reason in r["jax"] for r in rows.values())
+
+
+# --------------------------------------------------------------------------- strategy files
+def test_strategy_ckpt_config_and_the_two_keys_are_one_setting():
+    ap.set_auto_parallel_context(strategy_ckpt_load_file="a.json")
+    assert ap.get_auto_parallel_context("strategy_ckpt_config")["load_file"] == "a.json"
+    ap.set_auto_parallel_context(strategy_ckpt_config={"load_file": "b.json",
+                                                       "save_file": "c.json"})
+    assert ap.get_auto_parallel_context("strategy_ckpt_load_file") == "b.json"  # last wins
+    assert ap.get_auto_parallel_context("strategy_ckpt_save_file") == "c.json"
+    ap.set_auto_parallel_context(strategy_ckpt_save_file="d.json")
+    assert ap.get_auto_parallel_context("strategy_ckpt_config") == {
+        "load_file": "b.json", "save_file": "d.json", "only_trainable_params": True}
+    ap.set_auto_parallel_context(strategy_ckpt_config={"load_file": ""})  # merges per key
+    assert ap.get_auto_parallel_context("strategy_ckpt_load_file") == ""
+    assert ap.get_auto_parallel_context("strategy_ckpt_save_file") == "d.json"
+    # both names in one call: they must agree
+    ap.set_auto_parallel_context(strategy_ckpt_config={"save_file": "e.json"},
+                                 strategy_ckpt_save_file="e.json")
+    assert ap.current_config().strategy_ckpt_save_file == "e.json"
+    with ap.auto_parallel_context(strategy_ckpt_save_file=""):  # the pipeline's per-stage use
+        assert ap.get_auto_parallel_context("strategy_ckpt_config")["save_file"] == ""
+    assert ap.get_auto_parallel_context("strategy_ckpt_config")["save_file"] == "e.json"
+    ap.reset_auto_parallel_context()
+    assert ap.get_auto_parallel_context("strategy_ckpt_config") == \
+        NEW_DEFAULTS["strategy_ckpt_config"]
+
+
+def _graph():
+    def loss(p, x):
+        return jnp.mean(jnp.tanh(x @ p["w"]))
+
+    return ap.trace(loss, {"w": jnp.ones((16, 32))}, jnp.ones((8, 16)))
+
+
+def test_strategy_ckpt_config_saves_and_loads_the_plan(tmp_path):
+    g = _graph()
+    saved = tmp_path / "stra1.json"
+    with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel",
+                                  strategy_ckpt_config={"save_file": str(saved)}):
+        plan = ap.search(g, fixed={"dot_general_0": ((1, 8), (8, 1))})
+    assert saved.is_file()
+    with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel",
+                                  strategy_ckpt_config={"load_file": str(saved)}):
+        loaded = ap.search(g)  # loaded, not searched: the fixed strategy comes back
+    assert loaded.nodes["dot_general_0"].strategy == ((1, 8), (8, 1))
+    assert (loaded.nodes, loaded.cost) == (plan.nodes, plan.cost)
+    # the later name wins: the flat key points the load elsewhere
+    with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel",
+                                  strategy_ckpt_config={"load_file": str(saved)}):
+        ap.set_auto_parallel_context(strategy_ckpt_load_file=str(tmp_path / "missing.json"))
+        with pytest.raises(ap.AutoParallelError, match="missing.json"):
+            ap.search(g)
+
+
+# --------------------------------------------------------------------------- pipeline_config
+def test_pipeline_config_selects_autopars_schedule():
+    ap.set_auto_parallel_context(device_num=8, parallel_mode="semi_auto_parallel",
+                                 pipeline_stages=2)
+    assert ap.resolve_context().pipeline_schedule == "1f1b"  # MindSpore's default
+    ap.set_auto_parallel_context(pipeline_config={"pipeline_scheduler": "gpipe"})
+    r = ap.resolve_context()
+    assert r.pipeline_schedule == "gpipe" and "pipeline schedule" in r.table()
+    assert ap.get_auto_parallel_context("pipeline_scheduler") == "gpipe"
+    assert ap.get_auto_parallel_context("pipeline_interleave") is False
+    ap.set_auto_parallel_context(pipeline_config={"pipeline_scheduler": "1f1b"})
+    assert ap.resolve_context().pipeline_schedule == "1f1b"
+
+
+def test_pipeline_schedules_match_autopars():
+    assert set(PIPELINE_SCHEDULERS.values()) == set(SCHEDULES)
+    assert set(PIPELINE_SCHEDULERS) <= set(MINDSPORE_PIPELINE_SCHEDULERS)
+    from autopar.pipeline.schedules import schedule
+
+    for name in PIPELINE_SCHEDULERS.values():
+        assert schedule(name, 2, 4).name == name
+
+
+@pytest.mark.parametrize("name", [n for n in MINDSPORE_PIPELINE_SCHEDULERS
+                                  if n not in PIPELINE_SCHEDULERS])
+def test_unsupported_mindspore_schedules_are_refused_naming_the_supported(name):
+    with pytest.raises(ap.AutoParallelError) as info:
+        ap.set_auto_parallel_context(pipeline_config={"pipeline_scheduler": name})
+    msg = str(info.value)
+    assert "pipeline_config.pipeline_scheduler" in msg and repr(name) in msg
+    assert "'1f1b'" in msg and "'gpipe'" in msg
+
+
+def test_pipeline_config_without_stages_warns_when_compiling():
+    ap.set_auto_parallel_context(device_num=8, parallel_mode="semi_auto_parallel",
+                                 pipeline_config={"pipeline_scheduler": "gpipe"})
+    with pytest.warns(ap.AutoParallelWarning, match=r"\[pipeline_config\]"):
+        ap.resolve_context()
+
+
+# --------------------------------------------------------------------------- ParallelMode
+def test_parallel_mode_constants_are_the_mode_strings():
+    assert ParallelMode.MODE_LIST == PARALLEL_MODES
+    for mode in PARALLEL_MODES:
+        assert getattr(ParallelMode, mode.upper()) == mode
+    assert (ParallelMode.STAND_ALONE, ParallelMode.DATA_PARALLEL, ParallelMode.HYBRID_PARALLEL,
+            ParallelMode.SEMI_AUTO_PARALLEL, ParallelMode.AUTO_PARALLEL) == PARALLEL_MODES
+    ap.set_auto_parallel_context(parallel_mode=ParallelMode.AUTO_PARALLEL)
+    assert ap.get_auto_parallel_context("parallel_mode") == ParallelMode.AUTO_PARALLEL
+
+
+# --------------------------------------------------------------------------- get_rank
+def test_get_rank_and_group_size_as_mindspore_communication():
+    ap.set_auto_parallel_context(device_num=8, global_rank=5)
+    assert (get_rank(), get_group_size()) == (5, 8)
+    for world in ("hccl_world_group", "nccl_world_group", "mccl_world_group"):
+        assert (get_rank(world), get_group_size(world)) == (5, 8)
+    ap.create_group("tp1", [7, 5, 6])
+    assert (get_rank(group="tp1"), get_group_size(group="tp1")) == (1, 3)
+    ap.create_group("other", [0, 1])
+    assert get_group_size("other") == 2
+    with pytest.raises(ap.CommGroupError, match="not a member"):
+        get_rank("other")
+    with pytest.raises(ap.CommGroupError, match="no such group"):
+        get_group_size("nope")
+    with pytest.raises(ap.AutoParallelTypeError, match="group"):
+        get_rank(3)  # type: ignore[arg-type]
+
+
+def test_get_rank_follows_each_threads_context():
+    seen = {}
+
+    def worker(rank: int) -> None:
+        ap.set_auto_parallel_context(device_num=4, global_rank=rank)
+        seen[rank] = (get_rank(), get_group_size())
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in (1, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == {1: (1, 4), 3: (3, 4)} and get_rank() == 0
