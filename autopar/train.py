@@ -69,6 +69,7 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from autopar.config import AutoParallelConfig
 from autopar.context import current_config
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.fusion import GradientBuckets, gradient_buckets
@@ -81,8 +82,8 @@ from autopar.inspection import ProgramInspection
 from autopar.optimizer_shard import (ShardDecision, decide_sharding, gather_parameters,
                                      scatter_gradients, state_shardings, storage_spec)
 from autopar.parallel_graph import ParallelGraph
-from autopar.parallelize import parallelize
-from autopar.pipeline.step import pipeline_train_step
+from autopar.parallelize import parallel_function
+from autopar.pipeline.step import PipelineTrainStep
 from autopar.step_inputs import (DEFAULT_LEARNING_RATE, broadcast_parameters, check_arrays,
                                  step_arguments)
 
@@ -115,15 +116,38 @@ class TrainStep(ProgramInspection):
     ``.sync_groups``, ``.sharding``)."""
 
     def __init__(self, loss_fn: Callable[..., Any], params: Any, batch: tuple[Any, ...],
-                 optimizer: optax.GradientTransformation, *, mode: str | None,
-                 fixed: Mapping[str, Any] | None, cluster: Any, backend: str,
-                 mesh: Mesh | None, sync_method: str,
+                 optimizer: optax.GradientTransformation, *, config: AutoParallelConfig,
+                 mode: str | None, fixed: Mapping[str, Any] | None, cluster: Any,
+                 backend: str, mesh: Mesh | None, sync_method: str,
                  fused_kernels: FusedKernels = "auto") -> None:
-        cfg = current_config()
+        """Built by :func:`train_step`, which reads the context once and passes its
+        ``config`` (nothing here reads the context)."""
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.backend = backend
         self.sync_method = sync_method
+        self._read_config(config)
+        self.batch_shapes = [tuple(np.shape(x)) for x in jax.tree_util.tree_leaves(batch)]
+        micro = _micro_batch(batch, self.accumulation)
+        self.function = parallel_function(loss_fn, (params, *micro), None, mode=mode,
+                                          fixed=fixed, cluster=cluster, mesh=mesh,
+                                          fused_kernels=fused_kernels)
+        self.plan = self.function.plan
+        self.parallel_graph = pg = self.function.parallel_graph
+        self.mesh: Mesh = self.function.mesh
+        self.device_num = pg.device_num
+        if len(pg.outputs) != 1 or pg.values[pg.outputs[0]].spec.shape != ():
+            raise AutoParallelError("loss_fn", getattr(loss_fn, "__name__", "fn"),
+                                    "must return one scalar loss", "Return jnp.mean(...) etc.")
+        self._setup_inputs(params)
+        self._setup_sync(self._threshold_kb)
+        if backend == "pmap":
+            self._build_pmap(batch)
+        else:
+            self._build_shard_map()
+
+    def _read_config(self, cfg: AutoParallelConfig) -> None:
+        """The context keys the step uses, from the configuration :func:`train_step` read."""
         self.gradients_mean = bool(cfg.gradients_mean)
         self.gradient_fp32_sync = bool(cfg.gradient_fp32_sync)
         self.loss_repeated_mean = bool(cfg.loss_repeated_mean)
@@ -133,17 +157,12 @@ class TrainStep(ProgramInspection):
         self.parallel_optimizer = bool(cfg.enable_parallel_optimizer)
         po = cfg.parallel_optimizer_config
         self.accumulation_shard = bool(po.gradient_accumulation_shard)
-        self.batch_shapes = [tuple(np.shape(x)) for x in jax.tree_util.tree_leaves(batch)]
-        micro = _micro_batch(batch, self.accumulation)
-        self.function = parallelize(loss_fn, params, *micro, mode=mode, fixed=fixed,
-                                    cluster=cluster, mesh=mesh, fused_kernels=fused_kernels)
-        self.plan = self.function.plan
-        self.parallel_graph = pg = self.function.parallel_graph
-        self.mesh: Mesh = self.function.mesh
-        self.device_num = pg.device_num
-        if len(pg.outputs) != 1 or pg.values[pg.outputs[0]].spec.shape != ():
-            raise AutoParallelError("loss_fn", getattr(loss_fn, "__name__", "fn"),
-                                    "must return one scalar loss", "Return jnp.mean(...) etc.")
+        self._threshold_kb = po.parallel_optimizer_threshold
+
+    def _setup_inputs(self, params: Any) -> None:
+        """Parameters and batch inputs: dtypes, the data-parallel degree and the gradient
+        scale it gives, low-precision casts, and the shardings of the plan's layouts."""
+        pg = self.parallel_graph
         p_leaves, self._p_tree = jax.tree_util.tree_flatten(params)
         self._n_params = len(p_leaves)
         self._p_dtypes = [str(np.dtype(x.dtype)) for x in p_leaves]
@@ -158,17 +177,12 @@ class TrainStep(ProgramInspection):
         self.repeat = max(1, self.device_num // dp)
         self.grad_scale = gradient_scale(dp, self.device_num, gradients_mean=self.gradients_mean,
                                          loss_repeated_mean=self.loss_repeated_mean)
-        fp32 = fp32_sync_active(self.gradient_fp32_sync, cfg.parallel_mode)
+        fp32 = fp32_sync_active(self.gradient_fp32_sync, self.parallel_mode)
         self._cast = [fp32 and d in LOW_PRECISION for d in self._p_dtypes]
         self.param_shardings = [NamedSharding(self.mesh, pg.values[v].layout.partition_spec())
                                 for v in pg.inputs[:self._n_params]]
         self.batch_shardings = [NamedSharding(self.mesh, v.layout.partition_spec())
                                 for v in batch_vals]
-        self._setup_sync(po.parallel_optimizer_threshold)
-        if backend == "pmap":
-            self._build_pmap(batch)
-        else:
-            self._build_shard_map()
 
     # ------------------------------------------------------------------ gradient sync set-up
 
@@ -233,20 +247,59 @@ class TrainStep(ProgramInspection):
     # ------------------------------------------------------------------ shard_map path
 
     def _build_shard_map(self) -> None:
-        pg, n_p, dtypes = self.parallel_graph, self._n_params, self._p_dtypes
-        sh, acc, N = self._sharded, self.accumulation, self.device_num
+        """The jitted step: one ``shard_map`` of :meth:`_local_body`, then the optax update."""
         p_specs = tuple(s.spec for s in self.storage_shardings)
         b_specs = tuple(s.spec for s in self._feed_shardings())
-        g_specs = p_specs
-        scale = self.grad_scale / acc
-        gather_axes, ar_axes = self._rs_axes, self._ar_axes
-        shard_acc = self.accumulation_shard and any(sh)
+        sharded = jax.shard_map(self._local_body(), mesh=self.mesh, in_specs=p_specs + b_specs,
+                                out_specs=(PartitionSpec(),) + p_specs, check_vma=False)
+        self._grads, self._step = self._jit_step(sharded)
 
+    def _local_body(self) -> Callable[..., tuple[Any, ...]]:
+        """Each device's program: gather sharded parameters, local gradients (accumulated
+        over micro-batches), synchronised and scaled: ``(loss, *gradients)``."""
+        n_p, dtypes, sh, acc = self._n_params, self._p_dtypes, self._sharded, self.accumulation
+        scale = self.grad_scale / acc
+        in_backward, local_grads = self._local_grads()
+
+        def body(*flat: Any) -> tuple[Any, ...]:
+            p, b = list(flat[:n_p]), list(flat[n_p:])
+            if any(sh):
+                p = gather_parameters(p, self._rs_axes, self._bucket_idx["allgather"] +
+                                      [[i] for i in range(n_p) if not sh[i]])
+            if acc == 1:
+                loss, g = local_grads(p, b)
+                g = self._sync(g, reduce=not in_backward)
+            else:
+                loss, g = self._accumulated_grads(local_grads, p, b)
+            g = [(x * scale if scale != 1.0 else x).astype(d) for x, d in zip(g, dtypes)]
+            return (loss, *g)
+        return body
+
+    def _local_grads(self) -> tuple[bool, Callable[[list[Any], list[Any]], tuple[Any, list]]]:
+        """``(in_backward, local_grads)``: ``local_grads(params, batch)`` is ``(loss, local
+        gradients)`` by ``jax.vjp``; with configured buckets and no accumulation
+        (``in_backward``), each bucket is all-reduced at its sync point inside backward."""
+        pg, N = self.parallel_graph, self.device_num
+        ar_axes = self._ar_axes
         ar_buckets = [[i for i in bk if ar_axes[i]] for bk in self._bucket_idx["allreduce"]]
         # configured buckets (acc == 1): synchronised inside backward at sync points
-        in_backward = acc == 1 and self._chain["allreduce"]
+        in_backward = self.accumulation == 1 and self._chain["allreduce"]
         sites = sync_sites(pg, ar_buckets) if in_backward else {}
-        cast, method, names = self._cast, self.sync_method, pg.inputs[:n_p]
+        before = self._sync_points(ar_buckets, sites) if sites else None
+
+        def local_grads(p: list[Any], b: list[Any]) -> tuple[Any, list[Any]]:
+            loss, vjp = jax.vjp(lambda *pp: train_body(pg, *pp, *b, before_node=before)[0], *p)
+            # every device seeds 1/N: cotangents of replicated values are partial over the
+            # axes they are replicated on, so a gradient is partial over its sync axes
+            return loss, list(vjp(jnp.asarray(1.0 / N, loss.dtype)))
+        return in_backward, local_grads
+
+    def _sync_points(self, ar_buckets: list[list[int]], sites: dict[int, Any]
+                     ) -> Callable[[int, Any, dict[str, Any]], None]:
+        """The ``before_node`` hook of :func:`train_body` that runs each bucket's sync point
+        (:func:`autopar.grad_sync.sync_point`) at its site in the program."""
+        ar_axes, cast, method = self._ar_axes, self._cast, self.sync_method
+        names = self.parallel_graph.inputs[:self._n_params]
 
         def point(k: int) -> Callable[..., Any]:
             members = ar_buckets[k]
@@ -265,48 +318,37 @@ class TrainStep(ProgramInspection):
                 ps, acts = points[k](ps, acts)
                 env.update(zip((names[m] for m in ar_buckets[k]), ps))
                 env.update(zip(live, acts))
+        return before
 
-        def local_grads(p: list[Any], b: list[Any]) -> tuple[Any, list[Any]]:
-            loss, vjp = jax.vjp(lambda *pp: train_body(pg, *pp, *b, before_node=before
-                                                       if sites else None)[0], *p)
-            # every device seeds 1/N: cotangents of replicated values are partial over the
-            # axes they are replicated on, so a gradient is partial over its sync axes
-            return loss, list(vjp(jnp.asarray(1.0 / N, loss.dtype)))
+    def _accumulated_grads(self, local_grads: Callable[..., Any], p: list[Any],
+                           micro: list[Any]) -> tuple[Any, list[Any]]:
+        """``grad_accumulation_step`` micro-batches (``micro``: ``(acc, micro-batch, ...)``,
+        micro-batch k = global rows k*B/acc...) summed by a ``lax.scan``, synchronised once;
+        with ``gradient_accumulation_shard`` the sums are kept reduce-scattered."""
+        sh, gather_axes, sizes = self._sharded, self._rs_axes, self.parallel_graph.mesh.sizes
+        shard_acc = self.accumulation_shard and any(sh)
 
-        def body(*flat: Any) -> tuple[Any, ...]:
-            p, b = list(flat[:n_p]), list(flat[n_p:])
-            if any(sh):
-                p = gather_parameters(p, gather_axes, self._bucket_idx["allgather"] +
-                                      [[i] for i in range(n_p) if not sh[i]])
-            if acc == 1:
-                loss, g = local_grads(p, b)
-                g = self._sync(g, reduce=not in_backward)
-            else:
-                micro = b  # (acc, micro-batch, ...): micro-batch k = global rows k*B/acc...
+        def one(carry: list[Any], mb: list[Any]) -> tuple[list[Any], Any]:
+            loss, g = local_grads(p, mb)
+            if shard_acc:  # gradient_accumulation_shard: keep sharded sums
+                g = self._sync(g, reduce=False)
+            return [c + x for c, x in zip(carry, g)], loss
 
-                def one(carry: list[Any], mb: list[Any]) -> tuple[list[Any], Any]:
-                    loss, g = local_grads(p, mb)
-                    if shard_acc:  # gradient_accumulation_shard: keep sharded sums
-                        g = self._sync(g, reduce=False)
-                    return [c + x for c, x in zip(carry, g)], loss
+        zeros = [jnp.zeros(_acc_shape(x.shape, sh[i] and shard_acc, gather_axes[i], sizes),
+                           x.dtype) for i, x in enumerate(p)]
+        g, losses = lax.scan(one, zeros, micro)
+        return jnp.mean(losses), self._sync(g, scatter=not shard_acc)
 
-                zeros = [jnp.zeros(_acc_shape(x.shape, sh[i] and shard_acc, gather_axes[i],
-                                              pg.mesh.sizes), x.dtype)
-                         for i, x in enumerate(p)]
-                g, losses = lax.scan(one, zeros, micro)
-                loss = jnp.mean(losses)
-                g = self._sync(g, scatter=not shard_acc)
-            g = [(x * scale if scale != 1.0 else x).astype(d) for x, d in zip(g, dtypes)]
-            return (loss, *g)
-
-        sharded = jax.shard_map(body, mesh=self.mesh, in_specs=p_specs + b_specs,
-                                out_specs=(PartitionSpec(),) + g_specs, check_vma=False)
+    def _jit_step(self, sharded: Callable[..., Any]) -> tuple[Any, Any]:
+        """``(grads, step)`` jitted around the ``shard_map`` program: the optax update runs
+        outside it, on the synchronised gradients; the parameters and, with the parallel
+        optimizer, the optimizer state stay on their storage layouts."""
+        storage, tree, opt = self.storage_shardings, self._p_tree, self.optimizer
+        sh, dtypes = self._sharded, self._p_dtypes
 
         def grads(p_leaves: list[Any], b_leaves: list[Any]) -> tuple[Any, list[Any]]:
             out = sharded(*p_leaves, *b_leaves)
             return out[0], list(out[1:])
-
-        storage, tree, opt = self.storage_shardings, self._p_tree, self.optimizer
 
         def step(p_leaves: list[Any], opt_state: Any, b_leaves: list[Any]) -> tuple:
             loss, g = grads(p_leaves, b_leaves)
@@ -323,8 +365,7 @@ class TrainStep(ProgramInspection):
                 opt_state = jax.tree.map(lax.with_sharding_constraint, opt_state, st)
             return new, opt_state, loss
 
-        self._grads = jax.jit(grads)
-        self._step = jax.jit(step)
+        return jax.jit(grads), jax.jit(step)
 
     def _place(self, params: Any, batch: Sequence[Any]) -> tuple[list[Any], list[Any]]:
         leaves, tree = jax.tree_util.tree_flatten(params)
@@ -527,7 +568,7 @@ def train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
     bucket's arrays) or ``"concat"`` (one flat psum per bucket). ``fused_kernels``: as for
     :func:`autopar.parallelize`. See the module docstring for the semantics of
     each context key. Under ``pipeline_stages > 1`` the step is
-    :func:`autopar.pipeline.pipeline_train_step` (stages searched, micro-batches, 1F1B) with the
+    :func:`autopar.pipeline_train_step` (stages searched, micro-batches, 1F1B) with the
     same call conventions, except that its optimizer runs on packed per-stage buffers and
     must therefore be elementwise (SGD, momentum, Adam(W), RMSProp; ``clip_by_global_norm``,
     LAMB / LARS, adafactor are refused with an ``AutoParallelError``) and that
@@ -541,18 +582,25 @@ def train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
     if sync_method not in METHODS:
         raise AutoParallelError("sync_method", sync_method, f"must be one of {list(METHODS)}")
     check_fused_kernels(fused_kernels)
-    stages = current_config().pipeline_stages
-    if stages > 1:  # pipeline_stages > 1: the pipelined step (autopar.pipeline)
-        for key, value, default in (("backend", backend, "shard_map"), ("mesh", mesh, None),
-                                    ("sync_method", sync_method, "tuple"),
-                                    ("fused_kernels", fused_kernels, "auto")):
-            if value != default:
-                raise AutoParallelError(key, value if key != "mesh" else "a Mesh",
-                                        f"pipeline_stages={stages} builds its own "
-                                        f"('stage', ...) mesh and step; {key} must be "
-                                        f"{default!r} there", f"Drop {key}=")
-        return pipeline_train_step(loss_fn, params, batch, optimizer, mode=mode, fixed=fixed,
-                                   cluster=cluster)  # type: ignore[return-value]
-    return TrainStep(loss_fn, params, batch, optimizer, mode=mode, fixed=fixed,
+    cfg = current_config()  # the context, read once: everything below takes this config
+    if cfg.pipeline_stages > 1:  # the pipelined step (autopar.pipeline)
+        _check_pipelined(cfg.pipeline_stages, backend=backend, mesh=mesh,
+                         sync_method=sync_method, fused_kernels=fused_kernels)
+        return PipelineTrainStep(loss_fn, params, batch, optimizer, config=cfg, mode=mode,
+                                 fixed=fixed, cluster=cluster)  # type: ignore[return-value]
+    return TrainStep(loss_fn, params, batch, optimizer, config=cfg, mode=mode, fixed=fixed,
                      cluster=cluster, backend=backend, mesh=mesh, sync_method=sync_method,
                      fused_kernels=fused_kernels)
+
+
+def _check_pipelined(stages: int, **given: Any) -> None:
+    """Under ``pipeline_stages > 1`` the pipeline builds its own mesh and step: the options
+    of the plain step must keep their defaults."""
+    for key, default in (("backend", "shard_map"), ("mesh", None), ("sync_method", "tuple"),
+                         ("fused_kernels", "auto")):
+        value = given[key]
+        if value != default:
+            raise AutoParallelError(key, value if key != "mesh" else "a Mesh",
+                                    f"pipeline_stages={stages} builds its own "
+                                    f"('stage', ...) mesh and step; {key} must be "
+                                    f"{default!r} there", f"Drop {key}=")

@@ -2,16 +2,16 @@
 
 The loss is traced at micro-batch size, cut into ``p`` stages
 (:func:`autopar.strategies.stages.partition_stages`: searched, or fixed by the user), and
-each stage is searched, rewritten and lowered for its ``D = device_num / p`` devices with the
-ordinary spine (``autopar.search`` on the stage's subgraph, ``autopar.rewrite``,
-``lower.run_body``). This equals MindSpore's recursive programming rolled back by
-``log2(p)`` levels of cuts: the outermost mesh axis becomes the stage axis, the inner axes
-are searched per stage.
+each stage is searched, rewritten (:mod:`autopar.pipeline.plan`) and lowered for its
+``D = device_num / p`` devices with the ordinary spine (``autopar.search`` on the stage's
+subgraph, ``autopar.rewrite``, ``lower.run_body``). This equals MindSpore's recursive
+programming rolled back by ``log2(p)`` levels of cuts: the outermost mesh axis becomes the
+stage axis, the inner axes are searched per stage.
 
 **One SPMD program.** The mesh is ``('stage', a0, a1, ...)`` of shape ``(p, *intra)``. One
 ``jax.shard_map`` runs a ``lax.scan`` over the schedule's ticks
-(:mod:`autopar.pipeline.schedules`). At each tick every device reads its stage's row of the tick
-table and enters one branch of a ``lax.switch``: idle, forward of stage ``s`` or backward of
+(:mod:`autopar.pipeline.schedules`). At each tick every device reads its stage's row of the
+tick table and enters one branch of a ``lax.switch``: idle, forward of stage ``s`` or backward of
 stage ``s`` (``2p + 1`` branches, stage-heterogeneous code, all with the same signature
 thanks to the padded flat buffers of :mod:`autopar.pipeline.buffers`). Then two
 ``lax.ppermute`` over ``'stage'`` move the activations one stage forward and their
@@ -48,9 +48,7 @@ data-parallel degree as :func:`autopar.train_step` does).
 
 from __future__ import annotations
 
-import os
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -60,55 +58,24 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from autopar.context import auto_parallel_context, current_config
+from autopar.config import AutoParallelConfig
+from autopar.context import current_config
 from autopar.errors import AutoParallelError, AutoParallelTypeError, AutoParallelWarning
 from autopar.grad_sync import (LOW_PRECISION, data_parallel_degree, fp32_collective,
                                fp32_sync_active, gradient_scale, replicated_axes)
 from autopar.graph.trace import trace
+from autopar.inspection import ProgramInspection
 from autopar.lower import apply_step, run_body
 from autopar.optimizer_shard import ShardDecision, decide_sharding
-from autopar.parallel_graph import ParallelGraph
-from autopar.inspection import ProgramInspection
-from autopar.rewrite import rewrite
-from autopar.pipeline.schedules import FWD, IDLE, Schedule, schedule as build_schedule
 from autopar.pipeline.buffers import (BoundaryCodec, PackedParams, StagePacking,
-                                   check_elementwise_optimizer)
+                                      check_elementwise_optimizer)
+from autopar.pipeline.plan import PipelinePlan, plan_stages
+from autopar.pipeline.schedules import FWD, IDLE, schedule as build_schedule
 from autopar.step_inputs import broadcast_parameters, step_arguments
 from autopar.strategies.layout import DeviceMesh, Layout
-from autopar.strategies.plan import Plan
 from autopar.strategies.redistribution import redistribute
-from autopar.planner import search
-from autopar.strategies.stages import StagePartition, partition_stages, stage_graph
 
 __all__ = ["pipeline_train_step", "PipelineTrainStep", "PipelinePlan", "PackedParams"]
-
-
-@dataclass(frozen=True)
-class PipelinePlan:
-    """Stages, schedule and each stage's plan (over ``device_num / p`` devices)."""
-
-    partition: StagePartition
-    schedule: Schedule
-    plans: tuple[Plan, ...]
-    micro_batches: int
-    grad_accumulation_step: int
-
-    @property
-    def stages(self) -> int:
-        return self.partition.stages
-
-    def summary(self) -> str:
-        lines = [f"pipeline: {self.stages} stages x {self.micro_batches} micro-batches, "
-                 f"schedule {self.schedule.name}, grad_accumulation_step "
-                 f"{self.grad_accumulation_step}; {self.schedule.ticks} ticks per round, "
-                 f"peak in-flight micro-batches per stage {self.schedule.peak_in_flight}",
-                 self.partition.summary()]
-        for s, plan in enumerate(self.plans):
-            lines.append(f"  stage {s} {plan.summary()}")
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.summary()
 
 
 def _convert(x: Any, shape: tuple[int, ...], dtype: str, src: Layout, dst: Layout,
@@ -120,38 +87,46 @@ def _convert(x: Any, shape: tuple[int, ...], dtype: str, src: Layout, dst: Layou
     return x
 
 
-def _rewrite_unfused(graph: Any, plan: Plan) -> ParallelGraph:
-    """``rewrite`` without the fused ring kernels: their ``collective_permute`` inside a
-    stage's branch would deadlock (XLA's CPU runtime meets a collective-permute with every
-    device of the program, and the other stages are in other branches)."""
-    return rewrite(graph, plan, fused_kernels=False)
-
-
 def _is_float(dt: str) -> bool:
     return bool(jnp.issubdtype(np.dtype(dt), jnp.inexact))
 
-
-
-def stage_file(path: str, stage: int) -> str:
-    """The strategy file of pipeline stage ``stage`` for a context path ("" stays "").
-
-    >>> stage_file("/tmp/strategy.json", 1)
-    '/tmp/strategy_stage1.json'
-    """
-    if not path:
-        return ""
-    root, ext = os.path.splitext(path)
-    return f"{root}_stage{stage}{ext}"
 
 class PipelineTrainStep(ProgramInspection):
     """``step(params, opt_state, *batch) -> (params, opt_state, loss)`` pipelined; ``init``,
     ``grads``, ``pack`` / ``unpack``, ``as_text``, ``collective_counts``, ``plan``."""
 
     def __init__(self, loss_fn: Callable[..., Any], params: Any, batch: tuple[Any, ...],
-                 optimizer: optax.GradientTransformation, *, stages: int | None,
-                 micro_batches: int | None, schedule: str, boundaries: Any,
-                 mode: str | None, fixed: Mapping[str, Any] | None, cluster: Any) -> None:
-        cfg = current_config()
+                 optimizer: optax.GradientTransformation, *, config: AutoParallelConfig,
+                 stages: int | None = None, micro_batches: int | None = None,
+                 schedule: str = "1f1b", boundaries: Sequence[str | int] | None = None,
+                 mode: str | None = None, fixed: Mapping[str, Any] | None = None,
+                 cluster: Any = None) -> None:
+        """Built by :func:`pipeline_train_step` (or :func:`autopar.train_step`), which reads
+        the context once and passes its ``config`` (nothing here reads the context)."""
+        self._read_config(config, stages, micro_batches, schedule)
+        self.loss_fn, self.optimizer = loss_fn, optimizer
+        micro = self._micro_batches(batch)
+        p_sds = self._check_parameters(params, optimizer, config)
+        self.graph = self._trace(loss_fn, p_sds, micro)
+        # ---- stages and their plans
+        found = plan_stages(self.graph, self.stages, config=config,
+                            micro_batches=self.micro_batches, boundaries=boundaries,
+                            mode=mode, fixed=fixed, cluster=cluster)
+        self.stage_graphs, self.parallel_graphs = found.graphs, found.parallel_graphs
+        self.plan = PipelinePlan(found.partition, self.schedule_table, found.plans,
+                                 self.micro_batches, self.grad_accumulation_step)
+        self.plans, self.partition = self.plan.plans, found.partition
+        self.intra_mesh = found.parallel_graphs[0].mesh
+        self.mesh = self._pipeline_mesh()
+        self._place_parameters(p_sds, config)
+        self._setup_boundaries()
+        self._setup_gradient_scales()
+        self._build()
+
+    # ------------------------------------------------------------------ construction
+    def _read_config(self, cfg: AutoParallelConfig, stages: int | None,
+                     micro_batches: int | None, schedule: str) -> None:
+        """Stages, micro-batches, schedule and the context keys the step uses, checked."""
         p = cfg.pipeline_stages if stages is None else stages
         if isinstance(p, bool) or not isinstance(p, int):
             raise AutoParallelTypeError("pipeline_stages", p, "must be an int")
@@ -171,18 +146,21 @@ class PipelineTrainStep(ProgramInspection):
                                     "Use dataset_strategy='data_parallel' or 'full_batch'")
         m = p if micro_batches is None else micro_batches
         self.schedule_table = build_schedule(schedule, p, m)   # validates schedule and m
-        g = int(cfg.grad_accumulation_step)
-        self.loss_fn, self.optimizer = loss_fn, optimizer
-        self.stages, self.micro_batches, self.grad_accumulation_step = p, m, g
+        self.stages, self.micro_batches = p, m
+        self.grad_accumulation_step = int(cfg.grad_accumulation_step)
         self.device_num, self.devices_per_stage = n, n // p
         self.gradients_mean = bool(cfg.gradients_mean)
         self.loss_repeated_mean = bool(cfg.loss_repeated_mean)
         self.alltoall = bool(cfg.enable_alltoall)
-        fp32 = fp32_sync_active(cfg.gradient_fp32_sync, cfg.parallel_mode)
-        # ---- batch: B rows -> g * m micro-batches of b rows
+        self.parameter_broadcast = bool(cfg.parameter_broadcast)
+        self._fp32 = fp32_sync_active(cfg.gradient_fp32_sync, cfg.parallel_mode)
+
+    def _micro_batches(self, batch: tuple[Any, ...]) -> list[jax.ShapeDtypeStruct]:
+        """The example batch's leaves as ``g * m`` micro-batches of ``B / (g m)`` rows."""
         b_leaves, self._b_tree = jax.tree_util.tree_flatten(batch)
         self._b_shapes = [tuple(np.shape(x)) for x in b_leaves]
         self._b_dtypes = [str(np.dtype(x.dtype)) for x in b_leaves]
+        g, m = self.grad_accumulation_step, self.micro_batches
         parts = g * m
         for shp in self._b_shapes:
             if not shp or shp[0] % parts:
@@ -190,61 +168,52 @@ class PipelineTrainStep(ProgramInspection):
                                         f"grad_accumulation_step x micro_batches = {g} x {m} "
                                         f"= {parts} equal micro-batches", f"Use a batch size "
                                         f"that is a multiple of {parts}")
-        micro = [jax.ShapeDtypeStruct((s[0] // parts,) + s[1:], d)
-                 for s, d in zip(self._b_shapes, self._b_dtypes)]
+        return [jax.ShapeDtypeStruct((s[0] // parts,) + s[1:], d)
+                for s, d in zip(self._b_shapes, self._b_dtypes)]
+
+    def _check_parameters(self, params: Any, optimizer: optax.GradientTransformation,
+                          cfg: AutoParallelConfig) -> list[jax.ShapeDtypeStruct]:
+        """The parameters' shapes; the optimizer runs on the packed ``[p, D, N]`` buffers, so
+        a non-elementwise one is refused; ``comm_fusion`` is warned about (not applied)."""
         p_leaves, self._p_tree = jax.tree_util.tree_flatten(params)
-        # the optimizer runs on the packed [p, D, N] buffers: refuse non-elementwise ones
-        check_elementwise_optimizer(optimizer, len({str(np.dtype(x.dtype)) for x in p_leaves}),
-                                    (p, n // p))
+        self._p_dtypes = [str(np.dtype(x.dtype)) for x in p_leaves]
+        check_elementwise_optimizer(optimizer, len(set(self._p_dtypes)),
+                                    (self.stages, self.devices_per_stage))
         fusion = cfg.comm_fusion.as_dict()
-        if fusion:
+        if fusion:  # stacklevel: this method, __init__, the facade, the user's call
             warnings.warn(f"comm_fusion={fusion!r} is ignored by a pipelined step (also when "
                           "set through all_reduce_fusion_config): it issues one collective per "
                           "gradient-sync group of each stage's packed buffer. Unset comm_fusion "
-                          "to silence this.", AutoParallelWarning, stacklevel=3)
-        self.parameter_broadcast = bool(cfg.parameter_broadcast)
-        p_sds = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in p_leaves]
+                          "to silence this.", AutoParallelWarning, stacklevel=4)
+        return [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in p_leaves]
+
+    def _trace(self, loss_fn: Callable[..., Any], p_sds: list[jax.ShapeDtypeStruct],
+               micro: list[jax.ShapeDtypeStruct]) -> Any:
+        """The loss traced at micro-batch size; it must return one scalar."""
         graph = trace(loss_fn, jax.tree_util.tree_unflatten(self._p_tree, p_sds),
                       *jax.tree_util.tree_unflatten(self._b_tree, micro))
         if len(graph.outputs) != 1 or graph.spec(graph.outputs[0]).shape != ():
             raise AutoParallelError("loss_fn", getattr(loss_fn, "__name__", "fn"),
                                     "must return one scalar loss", "Return jnp.mean(...) etc.")
-        self.graph = graph
-        # ---- stages and their plans
-        part = partition_stages(graph, p, boundaries=boundaries, device_num=n,
-                                micro_batches=m, cluster=cluster)
-        fixed = dict(fixed or {}) if fixed is None or isinstance(fixed, Mapping) else fixed
-        if not isinstance(fixed, dict):
-            raise AutoParallelTypeError("fixed", fixed, "a mapping of node name -> strategy")
-        for name in fixed:
-            graph.node(name)  # unknown names raise, with suggestions
-        sgs = [stage_graph(graph, part, s) for s in range(p)]
-        plans, pgs = [], []
-        cfg = current_config()
-        for s, sg in enumerate(sgs):
-            mine = {k: v for k, v in fixed.items() if k in {nd.name for nd in sg.nodes}}
-            # strategy files: one per stage, as MindSpore keeps them (strategy_stage{s}...)
-            files = {k: stage_file(getattr(cfg, k), s) for k in
-                     ("strategy_ckpt_save_file", "strategy_ckpt_load_file")}
-            with auto_parallel_context(**files):
-                plan = search(sg, mode=mode, device_num=n // p, cluster=cluster, fixed=mine)
-            plans.append(plan)
-            pgs.append(_rewrite_unfused(sg, plan))
-        self.stage_graphs, self.parallel_graphs = tuple(sgs), tuple(pgs)
-        self.plan = PipelinePlan(part, self.schedule_table, tuple(plans), m, g)
-        self.plans, self.partition = self.plan.plans, part
-        intra = pgs[0].mesh
-        self.intra_mesh = intra
+        return graph
+
+    def _pipeline_mesh(self) -> Mesh:
+        """The ``('stage', a0, a1, ...)`` mesh over the first ``device_num`` devices."""
+        n, intra = self.device_num, self.intra_mesh
         devs = jax.devices()
         if len(devs) < n:
             raise AutoParallelError("device_num", n, f"only {len(devs)} JAX devices are "
                                     "available", "Lower device_num or start JAX with more "
                                     "(CPU: jax.config.update('jax_num_cpu_devices', N))")
-        self.mesh = Mesh(np.array(devs[:n], dtype=object).reshape((p,) + tuple(
+        return Mesh(np.array(devs[:n], dtype=object).reshape((self.stages,) + tuple(
             s for _, s in intra.axes)), ("stage",) + intra.names)
-        # ---- parameters: owner stage and layout
-        n_p = len(p_leaves)
-        names = list(graph.inputs[:n_p])
+
+    def _place_parameters(self, p_sds: list[jax.ShapeDtypeStruct],
+                          cfg: AutoParallelConfig) -> None:
+        """Each parameter's owner stage and layout, the parallel optimizer's decisions, and
+        the packing of every stage's parameters into its ``[p, D, N]`` buffers."""
+        graph, pgs, p = self.graph, self.parallel_graphs, self.stages
+        names = list(graph.inputs[:len(p_sds)])
         stage_of, layouts = [], []
         for i, v in enumerate(names):
             owner = next((s for s in range(p) if v in pgs[s].inputs), 0)
@@ -252,27 +221,37 @@ class PipelineTrainStep(ProgramInspection):
             layouts.append(pgs[owner].values[v].layout if v in pgs[owner].values
                            else Layout.replicated(len(p_sds[i].shape)))
         self._param_names = names
-        self._p_dtypes = [str(np.dtype(x.dtype)) for x in p_leaves]
-        # the parallel optimizer: autopar.optimizer_shard's rule, per parameter of its stage
-        po = cfg.parallel_optimizer_config
-        self.shard_decisions = []
+        self.shard_decisions = self._shard_decisions(names, layouts, p_sds, cfg)
+        self.packing = StagePacking([tuple(x.shape) for x in p_sds], self._p_dtypes, stage_of,
+                                    layouts, names, p, self.intra_mesh,
+                                    [d.sharded for d in self.shard_decisions])
+        self.accumulation_shard = bool(
+            cfg.parallel_optimizer_config.gradient_accumulation_shard) and \
+            self.packing.any_sharded
+
+    def _shard_decisions(self, names: list[str], layouts: list[Layout],
+                         p_sds: list[jax.ShapeDtypeStruct], cfg: AutoParallelConfig
+                         ) -> list[ShardDecision]:
+        """The parallel optimizer: autopar.optimizer_shard's rule, per parameter of its
+        stage; a parameter that is not a float is never sharded (no gradient)."""
+        intra, po = self.intra_mesh, cfg.parallel_optimizer_config
+        out = []
         for v, lay, x, dt in zip(names, layouts, p_sds, self._p_dtypes):
-            self.shard_decisions.append(decide_sharding(
+            out.append(decide_sharding(
                 v, tuple(x.shape), lay.local_shape(tuple(x.shape), intra),
                 np.dtype(dt).itemsize, replicated_axes(lay, intra), intra.sizes,
                 enabled=bool(cfg.enable_parallel_optimizer) and _is_float(dt),
                 threshold_kb=po.parallel_optimizer_threshold))
             if cfg.enable_parallel_optimizer and not _is_float(dt):
-                d = self.shard_decisions[-1]
-                self.shard_decisions[-1] = ShardDecision(d.name, False, d.axes, d.nbytes,
-                                                         f"dtype {dt} is not a float (no "
-                                                         "gradient, nothing to update)")
-        self.packing = StagePacking([tuple(x.shape) for x in p_sds], self._p_dtypes, stage_of,
-                                    layouts, names, p, intra,
-                                    [d.sharded for d in self.shard_decisions])
-        self.accumulation_shard = bool(po.gradient_accumulation_shard) and \
-            self.packing.any_sharded
-        # ---- boundaries: the layout each crossing value travels in
+                d = out[-1]
+                out[-1] = ShardDecision(d.name, False, d.axes, d.nbytes, f"dtype {dt} is not "
+                                        "a float (no gradient, nothing to update)")
+        return out
+
+    def _setup_boundaries(self) -> None:
+        """The layout each crossing value travels in (its consumer's), and the codec of the
+        padded boundary buffers."""
+        graph, pgs, p, part = self.graph, self.parallel_graphs, self.stages, self.partition
         self._wire: list[dict[str, Layout]] = []
         for b in range(p - 1):
             wire = {}
@@ -282,13 +261,17 @@ class PipelineTrainStep(ProgramInspection):
                     Layout.replicated(graph.spec(v).rank)
             self._wire.append(wire)
         self.codec = BoundaryCodec([[(v, self._wire[b][v].local_shape(graph.spec(v).shape,
-                                                                       intra),
+                                                                       self.intra_mesh),
                                       graph.spec(v).dtype) for v in part.crossing[b]]
                                     for b in range(p - 1)])
-        self._batch_names = list(graph.inputs[n_p:])
+        self._batch_names = list(graph.inputs[len(self._param_names):])
+
+    def _setup_gradient_scales(self) -> None:
+        """gradients_mean / loss_repeated_mean per stage, as train_step: each stage's
+        data-parallel degree and its gradient scale."""
         self._scales = []
         self.stage_data_parallel = []
-        for pg in pgs:  # gradients_mean / loss_repeated_mean per stage, as train_step
+        for pg in self.parallel_graphs:
             dp = data_parallel_degree([pg.values[v] for v in pg.inputs
                                        if pg.values[v].kind == "data"], pg.mesh)
             self.stage_data_parallel.append(dp)
@@ -296,8 +279,6 @@ class PipelineTrainStep(ProgramInspection):
                                                gradients_mean=self.gradients_mean,
                                                loss_repeated_mean=self.loss_repeated_mean))
         self.data_parallel_degree = max(self.stage_data_parallel)
-        self._fp32 = fp32
-        self._build()
 
     # ------------------------------------------------------------------ one stage, locally
     def _forward(self, s: int, pflat: dict[str, Any], xbuf: dict[str, Any],
@@ -354,21 +335,34 @@ class PipelineTrainStep(ProgramInspection):
 
     # ------------------------------------------------------------------ the program
     def _build(self) -> None:
-        p, m, g = self.stages, self.micro_batches, self.grad_accumulation_step
-        sched, codec, packing = self.schedule_table, self.codec, self.packing
+        """The jitted functions: ``grads`` (the ``shard_map`` program), ``step`` (then the
+        optax update of the packed buffers), ``pack`` and ``unpack``."""
+        m, g = self.micro_batches, self.grad_accumulation_step
         self._seed = 1.0 / (self.devices_per_stage * g * m)
-        fdt = [dt for dt in packing.dtypes if _is_float(dt)]
-        tables = [np.concatenate([a + (r * m if k == 1 else 0) for r in range(g)])
-                  for k, a in enumerate((sched.op, sched.micro, sched.x_slot, sched.g_slot,
-                                         sched.x_write, sched.g_write))]
         intra_names = self.intra_mesh.names
         ax = None if not intra_names else intra_names[0] if len(intra_names) == 1 \
             else intra_names
         self.param_spec = PartitionSpec("stage", ax, None)
         self.param_sharding = NamedSharding(self.mesh, self.param_spec)
         self.batch_sharding = NamedSharding(self.mesh, PartitionSpec())
-        fwd_perm = [(i, i + 1) for i in range(p - 1)]
-        bwd_perm = [(i + 1, i) for i in range(p - 1)]
+        specs = (self.param_spec,) * len(self.packing.dtypes)
+        sharded = jax.shard_map(self._program_body(), mesh=self.mesh,
+                                in_specs=specs + (PartitionSpec(),) * len(self._b_shapes),
+                                out_specs=specs + (PartitionSpec(),), check_vma=False)
+        self._jit(sharded)
+
+    def _tick_tables(self) -> list[np.ndarray]:
+        """The schedule's per-tick rows (op, micro-batch, slots), repeated for the
+        ``grad_accumulation_step`` rounds (micro-batch numbers continue)."""
+        sched, m, g = self.schedule_table, self.micro_batches, self.grad_accumulation_step
+        return [np.concatenate([a + (r * m if k == 1 else 0) for r in range(g)])
+                for k, a in enumerate((sched.op, sched.micro, sched.x_slot, sched.g_slot,
+                                       sched.x_write, sched.g_write))]
+
+    def _tick_branches(self) -> list[Callable[..., Any]]:
+        """The ``2p + 1`` branches of a tick, all with one signature: idle, the forward of
+        each stage, the backward of each stage (adding into the gradient buffer)."""
+        codec, packing = self.codec, self.packing
 
         def idle(pf, xin, gin, bk, gacc, lacc):  # noqa: ANN001, ANN202
             return codec.zeros(), codec.zeros(), gacc, lacc
@@ -388,38 +382,78 @@ class PipelineTrainStep(ProgramInspection):
                 return codec.zeros(), ct, {k: gacc[k] + gp[k] for k in gacc}, lacc
             return run
 
-        branches = [idle] + [fwd_branch(s) for s in range(p)] + [bwd_branch(s)
-                                                                 for s in range(p)]
+        return [idle] + [fwd_branch(s) for s in range(self.stages)] + [
+            bwd_branch(s) for s in range(self.stages)]
 
-        def gather_branch(s: int) -> Callable[..., Any]:
-            def run(store: dict[str, Any]) -> dict[str, Any]:
-                return packing.gather(s, store)
-            return run
+    def _gather_branch(self, s: int) -> Callable[[dict[str, Any]], dict[str, Any]]:
+        """Stage ``s``'s parameters gathered from their parallel-optimizer shards."""
+        def run(store: dict[str, Any]) -> dict[str, Any]:
+            return self.packing.gather(s, store)
+        return run
 
-        def sync_branch(s: int) -> Callable[..., Any]:
-            def run(gacc: dict[str, Any]) -> dict[str, Any]:
-                out = {}
-                for dt, buf in gacc.items():
-                    fp32 = self._fp32 and dt in LOW_PRECISION
-                    if packing.any_sharded and not self.accumulation_shard:
-                        buf = packing.scatter(s, dt, buf, fp32)   # -> the storage layout
-                    for seg in packing.segments[s][dt]:
-                        if seg.sharded:
-                            continue
-                        part = fp32_collective(lambda xs: [lax.psum(xs[0], seg.axes)],
-                                               [buf[seg.start:seg.stop]], fp32)[0]
-                        buf = lax.dynamic_update_slice_in_dim(buf, part, seg.start, 0)
-                    out[dt] = buf * jnp.asarray(self._scales[s], buf.dtype) \
-                        if self._scales[s] != 1.0 else buf
-                return out
-            return run
+    def _sync_branch(self, s: int) -> Callable[[dict[str, Any]], dict[str, Any]]:
+        """Stage ``s``'s accumulated gradients synchronised: one ``psum`` per sync group
+        over the intra-stage axes (reduce-scattered where sharded), then scaled."""
+        packing, scale = self.packing, self._scales[s]
+
+        def run(gacc: dict[str, Any]) -> dict[str, Any]:
+            out = {}
+            for dt, buf in gacc.items():
+                fp32 = self._fp32 and dt in LOW_PRECISION
+                if packing.any_sharded and not self.accumulation_shard:
+                    buf = packing.scatter(s, dt, buf, fp32)   # -> the storage layout
+                for seg in packing.segments[s][dt]:
+                    if seg.sharded:
+                        continue
+                    part = fp32_collective(lambda xs: [lax.psum(xs[0], seg.axes)],
+                                           [buf[seg.start:seg.stop]], fp32)[0]
+                    buf = lax.dynamic_update_slice_in_dim(buf, part, seg.start, 0)
+                out[dt] = buf * jnp.asarray(scale, buf.dtype) if scale != 1.0 else buf
+            return out
+        return run
+
+    def _tick(self, s: Any, pf: dict[str, Any], batch: Sequence[Any],
+              branches: list[Callable[..., Any]]) -> Callable[[tuple, tuple], tuple]:
+        """One tick on stage ``s``: read the stage's row, run its branch, move activations
+        one stage forward and their gradients one stage back, store them in their slots."""
+        p = self.stages
+        fwd_perm = [(i, i + 1) for i in range(p - 1)]
+        bwd_perm = [(i + 1, i) for i in range(p - 1)]
+
+        def tick(carry: tuple, row: tuple) -> tuple:
+            sx, sg, gacc, lacc = carry
+            op, k, xs, gs, xw, gw = (r[s] for r in row)
+            bk = [lax.dynamic_index_in_dim(x, k, 0, keepdims=False) for x in batch]
+            xin = {dt: lax.dynamic_index_in_dim(v, xs, 0, keepdims=False)
+                   for dt, v in sx.items()}
+            gin = {dt: lax.dynamic_index_in_dim(v, gs, 0, keepdims=False)
+                   for dt, v in sg.items()}
+            idx = jnp.where(op == IDLE, 0, jnp.where(op == FWD, 1 + s, 1 + p + s))
+            y, ct, gacc, lacc = lax.switch(idx, branches, pf, xin, gin, bk, gacc, lacc)
+            if p > 1:
+                y = {dt: lax.ppermute(v, "stage", fwd_perm) for dt, v in y.items()}
+                ct = {dt: lax.ppermute(v, "stage", bwd_perm) for dt, v in ct.items()}
+            sx = {dt: lax.dynamic_update_index_in_dim(v, y[dt], xw, 0)
+                  for dt, v in sx.items()}
+            sg = {dt: lax.dynamic_update_index_in_dim(v, ct[dt], gw, 0)
+                  for dt, v in sg.items()}
+            return (sx, sg, gacc, lacc), None
+        return tick
+
+    def _program_body(self) -> Callable[..., tuple[Any, ...]]:
+        """The ``shard_map`` body: gather the stage's parameters, scan the ticks, sync the
+        gradients; ``(*gradient buffers, loss)``."""
+        p, m, g = self.stages, self.micro_batches, self.grad_accumulation_step
+        sched, codec, packing = self.schedule_table, self.codec, self.packing
+        fdt = [dt for dt in packing.dtypes if _is_float(dt)]
+        tables, branches = self._tick_tables(), self._tick_branches()
 
         def body(*args: Any) -> tuple[Any, ...]:
             nb = len(packing.dtypes)
             store = {dt: x.reshape(-1) for dt, x in zip(packing.dtypes, args[:nb])}
             batch = args[nb:]
             s = lax.axis_index("stage")
-            pf = lax.switch(s, [gather_branch(q) for q in range(p)], store) \
+            pf = lax.switch(s, [self._gather_branch(q) for q in range(p)], store) \
                 if packing.any_sharded else store
             stash_x = {dt: jnp.zeros((sched.act_slots + 1, n), dt)
                        for dt, n in codec.sizes.items()}
@@ -427,40 +461,20 @@ class PipelineTrainStep(ProgramInspection):
                        for dt, n in codec.sizes.items()}
             acc_sizes = packing.store_sizes if self.accumulation_shard else packing.sizes
             gacc = {dt: jnp.zeros((acc_sizes[dt],), dt) for dt in fdt}
-
-            def tick(carry: tuple, row: tuple) -> tuple:
-                sx, sg, gacc, lacc = carry
-                op, k, xs, gs, xw, gw = (r[s] for r in row)
-                bk = [lax.dynamic_index_in_dim(x, k, 0, keepdims=False) for x in batch]
-                xin = {dt: lax.dynamic_index_in_dim(v, xs, 0, keepdims=False)
-                       for dt, v in sx.items()}
-                gin = {dt: lax.dynamic_index_in_dim(v, gs, 0, keepdims=False)
-                       for dt, v in sg.items()}
-                idx = jnp.where(op == IDLE, 0, jnp.where(op == FWD, 1 + s, 1 + p + s))
-                y, ct, gacc, lacc = lax.switch(idx, branches, pf, xin, gin, bk, gacc, lacc)
-                if p > 1:
-                    y = {dt: lax.ppermute(v, "stage", fwd_perm) for dt, v in y.items()}
-                    ct = {dt: lax.ppermute(v, "stage", bwd_perm) for dt, v in ct.items()}
-                sx = {dt: lax.dynamic_update_index_in_dim(v, y[dt], xw, 0)
-                      for dt, v in sx.items()}
-                sg = {dt: lax.dynamic_update_index_in_dim(v, ct[dt], gw, 0)
-                      for dt, v in sg.items()}
-                return (sx, sg, gacc, lacc), None
-
+            tick = self._tick(s, pf, batch, branches)
             rows = tuple(jnp.asarray(t) for t in tables)
             (_, _, gacc, lacc), _ = lax.scan(tick, (stash_x, stash_g, gacc,
                                                     jnp.zeros((), jnp.float32)), rows)
-            gacc = lax.switch(s, [sync_branch(q) for q in range(p)], gacc)
+            gacc = lax.switch(s, [self._sync_branch(q) for q in range(p)], gacc)
             loss = lax.psum(lacc, "stage") / (g * m)
             grads = tuple((gacc[dt] if dt in gacc else jnp.zeros_like(store[dt])).reshape(1, 1, -1)
                           for dt in packing.dtypes)
             return grads + (loss,)
+        return body
 
-        n_b = len(self._b_shapes)
-        specs = (self.param_spec,) * len(packing.dtypes)
-        sharded = jax.shard_map(body, mesh=self.mesh, in_specs=specs + (PartitionSpec(),) * n_b,
-                                out_specs=specs + (PartitionSpec(),), check_vma=False)
-        parts = g * m
+    def _jit(self, sharded: Callable[..., Any]) -> None:
+        """``grads`` and ``step`` jitted around the program; ``pack`` / ``unpack``."""
+        packing, parts = self.packing, self.grad_accumulation_step * self.micro_batches
 
         def grads(buffers: tuple[Any, ...], batch: list[Any]) -> tuple[Any, tuple[Any, ...]]:
             mb = [x.reshape((parts, x.shape[0] // parts) + x.shape[1:]) for x in batch]
@@ -552,6 +566,7 @@ class PipelineTrainStep(ProgramInspection):
                 f"{self.micro_batches} micro-batches, {self.schedule_table.name})")
 
 
+
 def pipeline_train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
                         optimizer: optax.GradientTransformation | None = None, *,
                         stages: int | None = None, micro_batches: int | None = None,
@@ -579,6 +594,7 @@ def pipeline_train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
     """
     batch, optimizer = step_arguments(loss_fn, batch, optimizer,
                                       "pipeline_train_step needs a callable")
-    return PipelineTrainStep(loss_fn, params, batch, optimizer, stages=stages,
+    config = current_config()  # the context, read once: everything below takes this config
+    return PipelineTrainStep(loss_fn, params, batch, optimizer, config=config, stages=stages,
                              micro_batches=micro_batches, schedule=schedule,
                              boundaries=boundaries, mode=mode, fixed=fixed, cluster=cluster)

@@ -1,0 +1,114 @@
+"""The stages of a pipelined step and each stage's plan.
+
+The loss, traced at micro-batch size, is cut into ``p`` stages
+(:func:`autopar.strategies.stages.partition_stages`: searched, or at the user's boundaries);
+each stage's subgraph is searched for its ``device_num / p`` devices with the ordinary
+:func:`autopar.search` (strategy files one per stage, ``strategy_stage{s}``, as MindSpore
+keeps them) and rewritten without the fused ring kernels. :class:`PipelinePlan` is the
+result a step shows as ``.plan``.
+
+>>> stage_file("/tmp/strategy.json", 1)
+'/tmp/strategy_stage1.json'
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from autopar.config import AutoParallelConfig
+from autopar.context import auto_parallel_context
+from autopar.errors import AutoParallelTypeError
+from autopar.graph.ir import Graph
+from autopar.parallel_graph import ParallelGraph
+from autopar.pipeline.schedules import Schedule
+from autopar.planner import search
+from autopar.rewrite import rewrite
+from autopar.strategies.plan import Plan
+from autopar.strategies.stages import StagePartition, partition_stages, stage_graph
+
+__all__ = ["PipelinePlan", "StagePlans", "plan_stages", "stage_file"]
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Stages, schedule and each stage's plan (over ``device_num / p`` devices)."""
+
+    partition: StagePartition
+    schedule: Schedule
+    plans: tuple[Plan, ...]
+    micro_batches: int
+    grad_accumulation_step: int
+
+    @property
+    def stages(self) -> int:
+        return self.partition.stages
+
+    def summary(self) -> str:
+        lines = [f"pipeline: {self.stages} stages x {self.micro_batches} micro-batches, "
+                 f"schedule {self.schedule.name}, grad_accumulation_step "
+                 f"{self.grad_accumulation_step}; {self.schedule.ticks} ticks per round, "
+                 f"peak in-flight micro-batches per stage {self.schedule.peak_in_flight}",
+                 self.partition.summary()]
+        for s, plan in enumerate(self.plans):
+            lines.append(f"  stage {s} {plan.summary()}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+@dataclass(frozen=True)
+class StagePlans:
+    """What :func:`plan_stages` found: the partition, and per stage its subgraph, its plan
+    and its parallel program."""
+
+    partition: StagePartition
+    graphs: tuple[Graph, ...]
+    plans: tuple[Plan, ...]
+    parallel_graphs: tuple[ParallelGraph, ...]
+
+
+def stage_file(path: str, stage: int) -> str:
+    """The strategy file of pipeline stage ``stage`` for a context path ("" stays "")."""
+    if not path:
+        return ""
+    root, ext = os.path.splitext(path)
+    return f"{root}_stage{stage}{ext}"
+
+
+def _rewrite_unfused(graph: Any, plan: Plan) -> ParallelGraph:
+    """``rewrite`` without the fused ring kernels: their ``collective_permute`` inside a
+    stage's branch would deadlock (XLA's CPU runtime meets a collective-permute with every
+    device of the program, and the other stages are in other branches)."""
+    return rewrite(graph, plan, fused_kernels=False)
+
+
+def plan_stages(graph: Graph, p: int, *, config: AutoParallelConfig, micro_batches: int,
+                boundaries: Sequence[str | int] | None, mode: str | None,
+                fixed: Mapping[str, Any] | None, cluster: Any) -> StagePlans:
+    """Cut ``graph`` into ``p`` stages and search, then rewrite, each one for its
+    ``config.device_num / p`` devices. ``fixed``: strategies by node name of the whole graph
+    (each stage takes its own); ``config``: the step's configuration (its strategy-file
+    paths become one file per stage)."""
+    n = config.device_num
+    part = partition_stages(graph, p, boundaries=boundaries, device_num=n,
+                            micro_batches=micro_batches, cluster=cluster)
+    fixed = dict(fixed or {}) if fixed is None or isinstance(fixed, Mapping) else fixed
+    if not isinstance(fixed, dict):
+        raise AutoParallelTypeError("fixed", fixed, "a mapping of node name -> strategy")
+    for name in fixed:
+        graph.node(name)  # unknown names raise, with suggestions
+    sgs = [stage_graph(graph, part, s) for s in range(p)]
+    plans, pgs = [], []
+    for s, sg in enumerate(sgs):
+        mine = {k: v for k, v in fixed.items() if k in {nd.name for nd in sg.nodes}}
+        # strategy files: one per stage, as MindSpore keeps them (strategy_stage{s}...)
+        files = {k: stage_file(getattr(config, k), s) for k in
+                 ("strategy_ckpt_save_file", "strategy_ckpt_load_file")}
+        with auto_parallel_context(**files):
+            plan = search(sg, mode=mode, device_num=n // p, cluster=cluster, fixed=mine)
+        plans.append(plan)
+        pgs.append(_rewrite_unfused(sg, plan))
+    return StagePlans(part, tuple(sgs), tuple(plans), tuple(pgs))
