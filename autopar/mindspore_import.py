@@ -67,41 +67,47 @@ class MsOp:
 
     ``prims``: the JAX primitives of the node that reads a parameter (``<Type>_<param>``
     keys); ``order_prim``: the one node per operator counted for ``<Type>-op<N>`` keys;
-    ``matmul``: MatMul semantics (transposes, batch dims) instead of broadcasting;
-    ``inputs``: per primitive, the MindSpore inputs that fall on the node's tensor inputs
-    (default: all, in order); ``params``: the inputs that are parameters in MindSpore."""
+    ``arity``: MindSpore's tensor inputs (one strategy entry each; a scalar's may be left
+    out); ``matmul``: MatMul
+    semantics (transposes, batch dims) instead of broadcasting; ``inputs``: per primitive, the
+    MindSpore inputs that fall on the node's tensor inputs (default: all, in order);
+    ``params``: the inputs that are parameters in MindSpore."""
 
     prims: tuple[str, ...]
     order_prim: str
+    arity: int = 1
     matmul: bool = False
     inputs: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     params: tuple[int, ...] = ()
 
 
-def _simple(prim: str, *more: str) -> MsOp:
+def _unary(prim: str, *more: str) -> MsOp:
     return MsOp((prim, *more), prim)
 
 
-_MATMUL = MsOp(("dot_general",), "dot_general", matmul=True)
+def _binary(prim: str, *more: str) -> MsOp:
+    return MsOp((prim, *more), prim, arity=2)
+
+
+_MATMUL = MsOp(("dot_general",), "dot_general", arity=2, matmul=True)
 #: MindSpore operator type -> how it maps (see :class:`MsOp`).
 MS_OPS: dict[str, MsOp] = {
     "MatMul": _MATMUL, "BatchMatMul": _MATMUL, "Dense": _MATMUL,
-    "Conv2D": _simple("conv_general_dilated"), "Add": _simple("add", "add_any"),
-    "BiasAdd": _simple("add"), "Sub": _simple("sub"), "Mul": _simple("mul"),
-    "RealDiv": _simple("div"), "Div": _simple("div"), "Maximum": _simple("max"),
-    "Minimum": _simple("min"), "Pow": _simple("pow", "integer_pow"),
-    "Square": _simple("square", "integer_pow"), "Neg": _simple("neg"), "Exp": _simple("exp"),
-    "Log": _simple("log"), "Sqrt": _simple("sqrt"), "Rsqrt": _simple("rsqrt"),
-    "Tanh": _simple("tanh"), "Sigmoid": _simple("logistic"), "Erf": _simple("erf"),
-    "ReLU": _simple("max"), "Cast": _simple("convert_element_type"),
-    "Reshape": _simple("reshape"), "Transpose": _simple("transpose"),
-    "Gather": _simple("gather"), "ReduceSum": _simple("reduce_sum"),
-    "ReduceMean": _simple("reduce_sum"), "ReduceMax": _simple("reduce_max"),
-    "ReduceMin": _simple("reduce_min"),
-    "GeLU": MsOp(("tanh", "erf"), "tanh"), "FastGeLU": _simple("logistic"),
-    "Softmax": _simple("exp"), "LogSoftmax": _simple("exp"),
-    "LayerNorm": MsOp(("mul", "add"), "rsqrt", inputs={"mul": (0, 1), "add": (0, 2),
-                                                       "rsqrt": (0,)}, params=(1, 2)),
+    "Conv2D": _binary("conv_general_dilated"), "Gather": _binary("gather"),
+    "Add": _binary("add", "add_any"), "BiasAdd": _binary("add"), "Sub": _binary("sub"),
+    "Mul": _binary("mul"), "RealDiv": _binary("div"), "Div": _binary("div"),
+    "Maximum": _binary("max"), "Minimum": _binary("min"), "Pow": _binary("pow", "integer_pow"),
+    "Square": _unary("square", "integer_pow"), "Neg": _unary("neg"), "Exp": _unary("exp"),
+    "Log": _unary("log"), "Sqrt": _unary("sqrt"), "Rsqrt": _unary("rsqrt"),
+    "Tanh": _unary("tanh"), "Sigmoid": _unary("logistic"), "Erf": _unary("erf"),
+    "ReLU": _unary("max"), "Cast": _unary("convert_element_type"),
+    "Reshape": _unary("reshape"), "Transpose": _unary("transpose"),
+    "ReduceSum": _unary("reduce_sum"), "ReduceMean": _unary("reduce_sum"),
+    "ReduceMax": _unary("reduce_max"), "ReduceMin": _unary("reduce_min"),
+    "GeLU": MsOp(("tanh", "erf"), "tanh"), "FastGeLU": _unary("logistic"),
+    "Softmax": _unary("exp"), "LogSoftmax": _unary("exp"),
+    "LayerNorm": MsOp(("mul", "add"), "rsqrt", arity=3, params=(1, 2),
+                      inputs={"mul": (0, 1), "add": (0, 2), "rsqrt": (0,)}),
 }
 #: MindSpore operator type -> the JAX primitive counted for it (``<Type>-op<N>`` keys).
 MS_TO_JAX: dict[str, str] = {t: op.order_prim for t, op in MS_OPS.items()}
@@ -402,9 +408,6 @@ def _flags(graph: Graph, node: Node, given: Mapping[str, bool],
 def _matmul_sourced(graph: Graph, node: Node, st: Strategy,
                     flags: tuple[bool, ...]) -> dict[tuple[int, int], int]:
     """The split of each (input, dim) of a dot_general from a MatMul strategy, by dim role."""
-    if len(st) != 2:
-        raise AutoParallelError(f"strategy for {node.name}", st, "a MatMul strategy has one "
-                                f"entry per input (2), found {len(st)}")
     sourced = {}
     for j, (roles, entry, t) in enumerate(zip(_dot_roles(graph, node), st, flags)):
         if len(entry) != len(roles):
@@ -437,8 +440,9 @@ def _generic_sourced(graph: Graph, node: Node, st: Strategy, op: MsOp,
     if len(ents) != len(slots) or any(e >= len(st) for e in ents):
         raise AutoParallelError(f"strategy for {node.name}", st, f"the node reads "
                                 f"{len(slots)} tensors, MindSpore's operator {len(st)}")
-    if param is not None and op.params and ents[slots.index(param[0])] not in op.params:
-        k, other = slots.index(param[0]), next(i for i, e in enumerate(ents) if e in op.params)
+    k = slots.index(param[0]) if param is not None else -1
+    other = next((i for i, e in enumerate(ents) if e in op.params), None)
+    if k >= 0 and other is not None and ents[k] not in op.params:  # LayerNorm's gamma, beta
         ents[k], ents[other] = ents[other], ents[k]
     sourced = {}
     for j, e in zip(slots, ents):
@@ -515,6 +519,9 @@ def _map_onto(graph: Graph, node: Node, op: MsOp, st: Strategy, given: Mapping[s
     named parameter reaches and MindSpore's ``tensor_shape`` of it)."""
     try:
         note = ""
+        if len(st) > op.arity or (len(st) < op.arity and (op.matmul or op.params)):
+            raise AutoParallelError(f"strategy for {node.name}", st, f"one entry per input of "
+                                    f"MindSpore's operator ({op.arity}), found {len(st)}")
         if op.matmul:
             flags, note = _flags(graph, node, given, param)
             sourced = _matmul_sourced(graph, node, st, flags)
