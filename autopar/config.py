@@ -195,9 +195,10 @@ class PipelineConfig(BaseModel):
         if v in MINDSPORE_PIPELINE_SCHEDULERS:
             raise ValueError(f"MindSpore's {v!r} schedule is not available in autopar; the "
                              f"supported schedules are {supported}")
+        others = ", ".join(repr(k) for k in MINDSPORE_PIPELINE_SCHEDULERS
+                           if k not in PIPELINE_SCHEDULERS)
         raise ValueError(f"pipeline_scheduler must be one of {supported} (MindSpore's "
-                         f"{', '.join(repr(k) for k in MINDSPORE_PIPELINE_SCHEDULERS if k not in PIPELINE_SCHEDULERS)}"
-                         " are not available in autopar)")
+                         f"{others} are not available in autopar)")
 
 
 #: Why the keys autopar accepts for MindSpore compatibility change nothing on JAX. Setting one
@@ -225,6 +226,10 @@ NO_EFFECT_REASONS: dict[str, str] = {
     "dump_device_local_norm": "autopar writes no tensor dumps; take norms of the gradients "
     "step.grads(params, *batch) returns",
 }
+
+
+def _warned(key: str, when: str = "True") -> str:
+    return f"{when}: no effect (warns): {NO_EFFECT_REASONS[key]}"
 
 
 def _meta(type_: str, rule: str, modes: str = "all", jax: str = "") -> dict[str, Any]:
@@ -349,9 +354,9 @@ class AutoParallelConfig(BaseModel):
         json_schema_extra=_meta("dict", "keys load_file (str), save_file (str), "
                                 "only_trainable_params (bool)",
                                 "semi_auto_parallel, auto_parallel",
-                                jax="load_file / save_file as the two keys above; "
-                                "only_trainable_params=False: " + NO_EFFECT_REASONS[
-                                    "strategy_ckpt_config.only_trainable_params"]))
+                                jax="load_file / save_file as the two keys above; " + _warned(
+                                    "strategy_ckpt_config.only_trainable_params",
+                                    "only_trainable_params=False")))
     pipeline_config: PipelineConfig = Field(
         default_factory=PipelineConfig,
         description="The pipeline schedule: pipeline_scheduler ('1f1b' | 'gpipe'), "
@@ -360,38 +365,38 @@ class AutoParallelConfig(BaseModel):
                                 + " (MindSpore's others refused); pipeline_interleave: bool",
                                 "with pipeline_stages > 1",
                                 jax="the pipelined step's schedule (ResolvedContext."
-                                "pipeline_schedule); pipeline_interleave=True: "
-                                + NO_EFFECT_REASONS["pipeline_config.pipeline_interleave"]))
+                                "pipeline_schedule); " + _warned(
+                                    "pipeline_config.pipeline_interleave",
+                                    "pipeline_interleave=True")))
     auto_pipeline: bool = Field(
         default=False, description="Choose the number of stages automatically (1 .. "
         "pipeline_stages).",
         json_schema_extra=_meta("bool", "-", "auto_parallel, recursive_programming",
-                                jax="True: " + NO_EFFECT_REASONS["auto_pipeline"]))
+                                jax=_warned("auto_pipeline")))
     force_fp32_communication: bool = Field(
         default=False, description="AllReduce / ReduceScatter communicate in fp32.",
-        json_schema_extra=_meta("bool", "-", jax="True: " + NO_EFFECT_REASONS[
-            "force_fp32_communication"]))
+        json_schema_extra=_meta("bool", "-", jax=_warned("force_fp32_communication")))
     pipeline_result_broadcast: bool = Field(
         default=False, description="Broadcast the last stage's result to every stage "
         "(pipelined inference).",
         json_schema_extra=_meta("bool", "-", "semi_auto_parallel, auto_parallel",
-                                jax="True: " + NO_EFFECT_REASONS["pipeline_result_broadcast"]))
+                                jax=_warned("pipeline_result_broadcast")))
     group_ckpt_save_file: str = Field(
         default="", description="Save the communication groups to this file.",
         json_schema_extra=_meta("str", "path or ''", "semi_auto_parallel, auto_parallel",
-                                jax="a path: " + NO_EFFECT_REASONS["group_ckpt_save_file"]))
+                                jax=_warned("group_ckpt_save_file", "a path")))
     dump_local_norm: bool = Field(
         default=False, description="Dump each parameter's local gradient norm.",
         json_schema_extra=_meta("bool", "-", "semi_auto_parallel, auto_parallel",
-                                jax="True: " + NO_EFFECT_REASONS["dump_local_norm"]))
+                                jax=_warned("dump_local_norm")))
     dump_local_norm_path: str = Field(
         default="", description="Directory of the local-norm dumps.",
         json_schema_extra=_meta("str", "path or ''", "semi_auto_parallel, auto_parallel",
-                                jax="a path: " + NO_EFFECT_REASONS["dump_local_norm_path"]))
+                                jax=_warned("dump_local_norm_path", "a path")))
     dump_device_local_norm: bool = Field(
         default=False, description="Dump each device's local gradient norm.",
         json_schema_extra=_meta("bool", "-", "semi_auto_parallel, auto_parallel",
-                                jax="True: " + NO_EFFECT_REASONS["dump_device_local_norm"]))
+                                jax=_warned("dump_device_local_norm")))
 
     @field_validator("parallel_mode")
     @classmethod
