@@ -435,10 +435,18 @@ def _special(kind: str, name: str) -> Callable[[Path], None]:
 INT_RANGES = {"device_num": (1, 4096), "global_rank": (0, 4095), "pipeline_stages": (1, 4096),
               "grad_accumulation_step": (1, 2**31 - 1)}
 BOOL_KEYS = ("gradients_mean", "gradient_fp32_sync", "loss_repeated_mean", "parameter_broadcast",
-             "full_batch", "enable_parallel_optimizer", "enable_alltoall")
+             "full_batch", "enable_parallel_optimizer", "enable_alltoall", "auto_pipeline",
+             "force_fp32_communication", "pipeline_result_broadcast", "dump_local_norm",
+             "dump_device_local_norm")
 CHOICES = {"parallel_mode": "auto_parallel", "search_mode": "dynamic_programming",
            "auto_parallel_search_mode": "dynamic_programming"}
-PATH_KEYS = ("strategy_ckpt_load_file", "strategy_ckpt_save_file")
+PATH_KEYS = ("strategy_ckpt_load_file", "strategy_ckpt_save_file", "group_ckpt_save_file",
+             "dump_local_norm_path")
+STRATEGY_CKPT_BAD = [None, [], "x.json", {"load_file": 1}, {"save_file": None},
+                     {"only_trainable_params": 1}, {"load": "x"}, {1: 2}]
+PIPELINE_BAD = [None, [], "gpipe", {"pipeline_scheduler": "seqpipe"},
+                {"pipeline_scheduler": "GPIPE"}, {"pipeline_scheduler": 1},
+                {"pipeline_interleave": "yes"}, {"scheduler": "gpipe"}, {1: 2}]
 DATASET_BAD = ["", "model_parallel", "FULL_BATCH", ((0, 8),), ((1, 8.0),), ((1, True),),
                [[1, 8]], ((1, 8), [1, 8]), (), ((4097,),), ((1, -1),), None, 8, (1, 8),
                {"x": (1, 8)}, (("1", "8"),)]
@@ -480,7 +488,8 @@ def bad_values() -> dict[str, list[Any]]:
     for key in PATH_KEYS:
         out[key] = [None, 1, b"f.json", Path("f.json"), ["f.json"], True]
     out.update(dataset_strategy=DATASET_BAD, parallel_optimizer_config=OPTIMIZER_BAD,
-               comm_fusion=FUSION_BAD, all_reduce_fusion_config=FUSION_INDEX_BAD)
+               comm_fusion=FUSION_BAD, all_reduce_fusion_config=FUSION_INDEX_BAD,
+               strategy_ckpt_config=STRATEGY_CKPT_BAD, pipeline_config=PIPELINE_BAD)
     missing = set(ALL_KEYS) - set(out)
     if missing:  # a new key: give it bad values here
         raise SystemExit(f"bench_reliability: no hostile values for keys {sorted(missing)}")
