@@ -258,24 +258,41 @@ def _check_list(key: str, values: Any, kind: str) -> list[Any]:
     return list(values)
 
 
+def check_percentages(values: Any, key: str = "dataSizeList") -> list[float]:
+    """The one rule of a percentage split: at most 8 finite, non-negative numbers summing
+    to 100 (the values, checked)."""
+    values = _check_list(key, values, "percentages")
+    for i, v in enumerate(values):
+        if not (_is_int(v) or isinstance(v, float)):
+            raise AutoParallelTypeError(key, values,
+                                        f"percentages must be ints or floats, {found(v, f'[{i}]')}")
+        if not _finite(v) or v < 0:
+            raise AutoParallelError(key, values, "percentages must be finite and non-negative, "
+                                    + found(v, f"[{i}]"))
+    try:
+        total = math.fsum(values)
+    except OverflowError:
+        total = math.inf
+    if abs(total - 100.0) > _SUM_TOLERANCE:
+        raise AutoParallelError(key, values, f"percentages must sum to 100, they sum to "
+                                f"{total:g}")
+    return values
+
+
+def _finite(v: int | float) -> bool:
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int past a double's range
+        return False
+
+
 def set_split_strategy_by_size(dataSizeList: list[float], group: str = WORLD_GROUP) -> None:  # noqa: N803
     """Split backward gradients into AllReduce segments by percentage of data size.
 
     Percentages are non-negative, at most 8, and sum to 100. Example: 150 MB of gradients
     split 90 / 30 / 30 MB is ``[60, 20, 20]``.
     """
-    values = _check_list("dataSizeList", dataSizeList, "percentages")
-    for i, v in enumerate(values):
-        if not (_is_int(v) or isinstance(v, float)):
-            raise AutoParallelTypeError("dataSizeList", dataSizeList,
-                                        f"percentages must be ints or floats, {found(v, f'[{i}]')}")
-        if not math.isfinite(v) or v < 0:
-            raise AutoParallelError("dataSizeList", dataSizeList,
-                                    f"percentages must be finite and non-negative, found {v!r}")
-    total = math.fsum(values)
-    if abs(total - 100.0) > _SUM_TOLERANCE:
-        raise AutoParallelError("dataSizeList", dataSizeList,
-                                f"percentages must sum to 100, they sum to {total:g}")
+    values = check_percentages(dataSizeList)
     ranks = _ranks_of(group)
     _caller_in(group, ranks)
     s = _STATE.get()

@@ -13,7 +13,6 @@ autopar's typed errors by :func:`validate_config`, naming the key, the value and
 from __future__ import annotations
 
 import difflib
-import math
 from typing import Annotated, Any, ClassVar, Iterable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -48,6 +47,8 @@ _STRATEGY_FILE_KEYS = (("strategy_ckpt_load_file", "load_file"),
                        ("strategy_ckpt_save_file", "save_file"))
 AUTO_FUSION_THRESHOLD_MB = 64
 MAX_INDEX = 2**31 - 1
+#: The largest size-mode fusion threshold (MB): 1 EiB, past any real gradient set.
+MAX_FUSION_MB = 2**40
 
 _STRICT = ConfigDict(extra="forbid", frozen=True, strict=True)
 
@@ -109,8 +110,8 @@ class _Fusion(BaseModel):
             if isinstance(c, bool) or not isinstance(c, (int, float)):
                 raise _type_error("size mode needs config, a threshold in MB (int or float), "
                                   + found(c, "config"))
-            if not math.isfinite(c) or c <= 0:
-                raise ValueError("size mode needs a fusion threshold larger than 0 MB")
+            if not 0 < c <= MAX_FUSION_MB:  # NaN, inf and ints past a double fail too
+                raise ValueError(f"size mode needs a fusion threshold in (0, {MAX_FUSION_MB}] MB")
             if c * 2 ** 20 < 1:
                 raise ValueError(f"size mode needs a threshold of at least one byte "
                                  f"(config >= 2**-20 MB = {2 ** -20:.3g} MB)")

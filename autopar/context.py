@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -178,11 +179,11 @@ def _apply(state: _State, kwargs: dict[str, Any], where: str = _WHERE) -> _State
     data.update(kw)
     try:
         config = validate_config(data, where)
-    except AutoParallelError as e:
+    except (AutoParallelError, AutoParallelTypeError) as e:
         if deprecated and getattr(e, "key", None) == "search_mode":  # name what was set
+            rule = re.sub(r" \(got \w+\)$", "", str(e).split(": ", 1)[-1].rstrip("."))
             raise type(e)("auto_parallel_search_mode", e.value,
-                          str(e).split(": ", 1)[-1].rstrip(".").replace("search_mode",
-                                                                        "auto_parallel_search_mode"),
+                          rule.replace("search_mode", "auto_parallel_search_mode"),
                           "It is the deprecated alias of search_mode") from None
         raise
     if deprecated:

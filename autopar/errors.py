@@ -34,8 +34,15 @@ class AutoparError(Exception):
     """Root of every error autopar raises on purpose."""
 
 
+def _shown(value: Any, limit: int = 200) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a 400-digit int, a huge list)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def _format(key: str | None, value: Any, rule: str, hint: str | None) -> str:
-    head = f"{key}={value!r} is invalid" if key is not None else f"{value!r} is invalid"
+    head = f"{key}={_shown(value)} is invalid" if key is not None else \
+        f"{_shown(value)} is invalid"
     msg = f"{head}: {rule.rstrip('.')}."
     if hint:
         msg += f" {hint.rstrip('.')}."
@@ -48,7 +55,7 @@ def found(item: Any, at: str = "") -> str:
     >>> found("a", "[1]")
     "found 'a' (str) at [1]"
     """
-    return f"found {item!r} ({type(item).__name__})" + (f" at {at}" if at else "")
+    return f"found {_shown(item, 80)} ({type(item).__name__})" + (f" at {at}" if at else "")
 
 
 class _Keyed(AutoparError):

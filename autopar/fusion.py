@@ -63,7 +63,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Literal, Sequence
 
-from autopar.comm import MAX_SEGMENTS, WORLD_GROUP, get_split_strategy
+from autopar.comm import MAX_SEGMENTS, WORLD_GROUP, check_percentages, get_split_strategy
 from autopar.errors import AutoParallelError, AutoParallelTypeError, found
 
 __all__ = [
@@ -403,29 +403,6 @@ def buckets_by_size(grads: Any, threshold_bytes: int | float, *, kind: str = "al
     return buckets_from_ends(gs, ends, kind=kind, mode=mode, source=src)
 
 
-def _percent_list(values: Any) -> list[float]:
-    key = "dataSizeList"
-    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)):
-        raise AutoParallelTypeError(key, values, "percentages must be a list of numbers")
-    vals = list(values)
-    for i, v in enumerate(vals):
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise AutoParallelTypeError(key, values,
-                                        f"percentages must be numbers, {found(v, f'[{i}]')}")
-        if not math.isfinite(v) or v < 0:
-            raise AutoParallelError(key, vals, f"percentages must be finite and >= 0, "
-                                    f"found {v!r}")
-    if not vals:
-        raise AutoParallelError(key, vals, "percentages must not be empty")
-    if len(vals) > MAX_SEGMENTS:
-        raise AutoParallelError(key, vals, f"at most {MAX_SEGMENTS} gradient segments are "
-                                f"supported, got {len(vals)}")
-    if abs(math.fsum(vals) - 100.0) > 1e-6:
-        raise AutoParallelError(key, vals, f"percentages must sum to 100, they sum to "
-                                f"{math.fsum(vals):g}")
-    return vals
-
-
 def percent_ends(sizes: Sequence[int], percentages: Sequence[float]) -> list[int]:
     """Exclusive bucket ends of a percentage split (the rounding rule of the module doc).
 
@@ -460,7 +437,7 @@ def buckets_by_percent(grads: Any, percentages: Sequence[float], *, kind: str = 
     (2, 3)
     """
     gs = _check_gradients(grads)
-    vals = _percent_list(percentages)
+    vals = check_percentages(percentages)
     ends = percent_ends([g.nbytes for g in gs], vals)
     src = source or f"HCCL size split {vals}"
     return buckets_from_ends(gs, ends, kind=kind, mode="hccl_size", source=src)

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import autopar as ap
+from autopar.config import MAX_FUSION_MB
 from autopar.context import public_dict
 from autopar.graph.ir import check_strategy_shape
 
@@ -453,11 +454,12 @@ def test_all_reduce_fusion_config_rule(indices):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.one_of(st.integers(-100, 1000), st.floats(allow_nan=True, allow_infinity=True)),
+@given(st.one_of(st.integers(-100, 1000), st.floats(allow_nan=True, allow_infinity=True),
+                 st.just(10**400)),
        st.sampled_from(["allreduce", "allgather", "reducescatter"]))
 def test_fusion_size_threshold_rule(threshold, kind):
     spec = {kind: {"mode": "size", "config": threshold}}
-    if threshold == threshold and abs(threshold) != float("inf") and threshold * 2 ** 20 >= 1:
+    if threshold == threshold and threshold * 2 ** 20 >= 1 and threshold <= MAX_FUSION_MB:
         ap.set_auto_parallel_context(comm_fusion=spec)
         assert ap.get_auto_parallel_context("comm_fusion") == spec
     else:

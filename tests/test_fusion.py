@@ -214,7 +214,7 @@ def test_pytorch_ddp_buckets():
     (lambda gs: buckets_by_index(gs, [3], convention="torch"), ap.AutoParallelError,
      "convention"),
     (lambda gs: buckets_by_percent(gs, [50, 40]), ap.AutoParallelError, "sum to 100"),
-    (lambda gs: buckets_by_percent(gs, [-10, 110]), ap.AutoParallelError, ">= 0"),
+    (lambda gs: buckets_by_percent(gs, [-10, 110]), ap.AutoParallelError, "non-negative"),
     (lambda gs: buckets_by_percent(gs, [12.5] * 8 + [0]), ap.AutoParallelError, "at most 8"),
     (lambda gs: buckets_by_percent(gs, "100"), ap.AutoParallelTypeError, "list"),
     (lambda gs: buckets_by_size(gs, 0), ap.AutoParallelError, "larger than 0"),

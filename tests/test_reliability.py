@@ -18,12 +18,6 @@ from benchmarks import bench_reliability as br
 #: fails (it was fixed: delete its line). What went wrong, per case: benchmarks/results/
 #: reliability.json, meta.failing.
 KNOWN_DEFECTS = [
-    # a wrong *type* for the deprecated alias is reported under the name search_mode
-    ("context", r"^(set|with): auto_parallel_search_mode=(None|1|\[|\(|b')"),
-    # math.isfinite(10**400) raises OverflowError in the fusion validator
-    ("context", r"^set: comm_fusion=\{'allreduce': \{'mode': 'size', 'config': 1000"),
-    # OverflowError from math.isfinite / math.fsum on huge percentages
-    ("hccl", r"^set_split_strategy_by_size\(\[(1e\+308|1358|1000)"),
     # a figure past a double's range (1e400, a 401-digit integer) loads as infinity
     ("calibration files", r"= (1e400|a 401-digit number)$"),
     # jnp.result_type('abc') raises TypeError in TrainStep._check_state
