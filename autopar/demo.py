@@ -67,16 +67,43 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace, out: Path, t_start: float) -> int:
-    import jax
+    import autopar as ap
 
+    _show_context(args)
+    graph, best = _compare_modes(args)                        # 2. trace + search modes
+    plan = best.plan
+    path, round_trip = _strategy_round_trip(graph, plan, out)  # 3. strategy file
+    ok, predicted, measured = _train(args, best.mode)         # 4. train vs one device
+    piped = _train_pipeline(args, best.mode)                  # 4b. the same, pipelined
+    it = ap.simulate(graph, plan, cluster=args.cluster)       # 5. iteration trace
+    trace_path = it.write_chrome_trace(out / "trace.json")
+    _out(f"\niteration trace of the best plan: {it.summary()}")
+    _out(f"Chrome trace written: {trace_path} (open in ui.perfetto.dev)")
+    _out("\nsummary:")                                         # 6. summary
+    _out(table([("step", "result"),
+                ("search", f"{best.mode}: {best.step_seconds * 1e3:.3f} ms predicted, "
+                 f"{best.ratio_to_exact:.4f} x exact"),
+                ("strategy file", f"{path} round trip {'OK' if round_trip else 'FAIL'}"),
+                ("training", f"{args.steps} steps on {args.devices} devices vs one device: "
+                 f"{'OK' if ok else 'MISMATCH'}"),
+                ("cost model", f"{args.cluster.name}: step {predicted * 1e3:.2f} ms predicted, "
+                 f"{measured * 1e3:.2f} ms measured"),
+                ("pipeline", "skipped" if piped is None else
+                 f"{args.pipeline_stages} stages x {args.devices // args.pipeline_stages} "
+                 f"devices, 1F1B, vs one device: {'OK' if piped else 'MISMATCH'}"),
+                ("iteration trace", str(trace_path)),
+                ("wall time", f"{time.perf_counter() - t_start:.1f} s")], align="ll"))
+    return 0 if ok and round_trip and piped is not False else 1
+
+
+def _show_context(args: argparse.Namespace) -> None:
+    """1. The resolved context, the cost model (these devices, measured once, then cached;
+    ``args.cluster`` becomes the resolved Cluster) and the HCCL gradient split."""
     import autopar as ap
     from autopar.clusters import CLUSTER_ENV, describe_cluster
-    from autopar.compare import compare_modes, comparison_rows
-    from autopar.models import transformer
 
     resolved = ap.resolve_context()
     _out(resolved.table())
-    # 1b. the cost model: these devices, measured (once; then cached)
     if args.cluster is None and not os.environ.get(CLUSTER_ENV):
         args.cluster = "calibrated"
     args.cluster = ap.resolve_cluster(args.cluster)
@@ -85,7 +112,15 @@ def _demo(args: argparse.Namespace, out: Path, t_start: float) -> int:
     _out(f"\nHCCL gradient split ({split.group}): {split.mode} {list(split.values)}"
          f"{' (default)' if split.is_default else ''}\n")
 
-    # 2. trace + compare the search modes
+
+def _compare_modes(args: argparse.Namespace) -> tuple[Any, Any]:
+    """2. Trace the zoo transformer and compare the search modes: ``(graph, best row)``."""
+    import jax
+
+    import autopar as ap
+    from autopar.compare import compare_modes, comparison_rows
+    from autopar.models import transformer
+
     model = transformer(layers=args.layers, hidden=256, heads=8, seq=128, vocab=1024, batch=8)
     t0 = time.perf_counter()
     graph = ap.trace(model.loss, *jax.eval_shape(model.example_args, jax.random.key(0)))
@@ -99,13 +134,18 @@ def _demo(args: argparse.Namespace, out: Path, t_start: float) -> int:
          "with the same cost model; exact is the integer-program referee):")
     _out(table(comparison_rows(rows)))
     best = min(rows, key=lambda r: (r.objective, r.mode != "dynamic_programming"))
-    plan = best.plan
-    assert plan is not None
-    _out(f"\nbest: {best.mode}\n" + plan.summary())
+    assert best.plan is not None
+    _out(f"\nbest: {best.mode}\n" + best.plan.summary())
     for p in graph.parameters()[:6]:
-        _out(f"  {p}: {plan.layout(p)} (splits {plan.split_counts(p)})")
+        _out(f"  {p}: {best.plan.layout(p)} (splits {best.plan.split_counts(p)})")
+    return graph, best
 
-    # 3. strategy file round trip
+
+def _strategy_round_trip(graph: Any, plan: Any, out: Path) -> tuple[Path, bool]:
+    """3. Save the plan as a strategy file and load it back: ``(path, same plan and same
+    bytes)``."""
+    import autopar as ap
+
     path = ap.save_strategy(plan, graph, out / "strategy.json")
     loaded = ap.load_strategy(path, graph)
     same = (loaded.nodes, loaded.layouts, loaded.cost) == (plan.nodes, plan.layouts, plan.cost)
@@ -114,35 +154,7 @@ def _demo(args: argparse.Namespace, out: Path, t_start: float) -> int:
     again.unlink()
     _out(f"\nstrategy file {path} ({path.stat().st_size / 1024:.0f} KiB): reloaded -> same "
          f"plan {same}, same bytes {same_bytes}  (autopar show {path})")
-
-    # 4. train on the devices and check against one device
-    ok, predicted, measured = _train(args, best.mode)
-
-    # 4b. the same, pipelined (1F1B over --pipeline-stages stages)
-    piped = _train_pipeline(args, best.mode)
-
-    # 5. iteration trace
-    it = ap.simulate(graph, plan, cluster=args.cluster)
-    trace_path = it.write_chrome_trace(out / "trace.json")
-    _out(f"\niteration trace of the best plan: {it.summary()}")
-    _out(f"Chrome trace written: {trace_path} (open in ui.perfetto.dev)")
-
-    # 6. summary
-    _out("\nsummary:")
-    _out(table([("step", "result"),
-                ("search", f"{best.mode}: {best.step_seconds * 1e3:.3f} ms predicted, "
-                 f"{best.ratio_to_exact:.4f} x exact"),
-                ("strategy file", f"{path} round trip {'OK' if same and same_bytes else 'FAIL'}"),
-                ("training", f"{args.steps} steps on {args.devices} devices vs one device: "
-                 f"{'OK' if ok else 'MISMATCH'}"),
-                ("cost model", f"{args.cluster.name}: step {predicted * 1e3:.2f} ms predicted, "
-                 f"{measured * 1e3:.2f} ms measured"),
-                ("pipeline", "skipped" if piped is None else
-                 f"{args.pipeline_stages} stages x {args.devices // args.pipeline_stages} "
-                 f"devices, 1F1B, vs one device: {'OK' if piped else 'MISMATCH'}"),
-                ("iteration trace", str(trace_path)),
-                ("wall time", f"{time.perf_counter() - t_start:.1f} s")], align="ll"))
-    return 0 if ok and same and same_bytes and piped is not False else 1
+    return path, same and same_bytes
 
 
 def _train(args: argparse.Namespace, mode: str) -> tuple[bool, float, float]:

@@ -17,7 +17,9 @@ XLA's CPU combiner is then free to merge. ``grad_accumulation_step = g``: the ba
 micro-batches (dim 0 = g x the traced micro-batch), a ``lax.scan`` accumulates their local
 gradients, which are synchronised once. ``enable_parallel_optimizer``: see
 :mod:`autopar.optimizer_shard`. The optax update runs outside the ``shard_map`` on the
-synchronised gradients (exact for every optimizer). The context keys:
+synchronised gradients (exact for every optimizer). ``train_step`` reads the context once, at
+its entry, and hands that configuration to :class:`TrainStep` (under ``pipeline_stages > 1``
+to :class:`autopar.pipeline.step.PipelineTrainStep`). The context keys:
 
 - ``gradients_mean=True``: the synchronised gradient is the gradient of the global loss
   (the single-device reference). ``gradients_mean=False`` (MindSpore's default): the summed
@@ -32,8 +34,8 @@ synchronised gradients (exact for every optimizer). The context keys:
   are cast to fp32 for their AllReduce / ReduceScatter and cast back to the parameter dtype
   before the optimizer.
 - ``parameter_broadcast``: autopar takes one global parameter pytree, so every device starts
-  from the same values by construction; :func:`broadcast_parameters` makes this explicit for
-  arrays whose per-device copies may differ (rank 0's copy wins), and
+  from the same values by construction; :func:`autopar.broadcast_parameters` makes this
+  explicit for arrays whose per-device copies may differ (rank 0's copy wins), and
   :meth:`TrainStep.prepare` applies it when the key is set.
 - ``dataset_strategy`` / ``full_batch`` / ``enable_alltoall``: chosen by the search (the
   batch inputs' layouts, the redistribution steps); the step runs whatever the plan says.
@@ -87,6 +89,8 @@ from autopar.pipeline.step import PipelineTrainStep
 from autopar.step_inputs import (DEFAULT_LEARNING_RATE, broadcast_parameters, check_arrays,
                                  step_arguments)
 
+#: ``DEFAULT_LEARNING_RATE`` (defined with the other step inputs) stays part of this module's
+#: interface: train_step's default optimizer is ``optax.sgd(DEFAULT_LEARNING_RATE)``.
 __all__ = ["train_step", "TrainStep", "train_body", "DEFAULT_LEARNING_RATE"]
 
 BACKENDS = ("shard_map", "pmap")
@@ -461,7 +465,7 @@ class TrainStep(ProgramInspection):
     def prepare(self, params: Any) -> Any:
         """``params`` placed on their storage layouts (the plan's, or sharded by the parallel
         optimizer); with ``parameter_broadcast`` set, rank 0's values are broadcast first
-        (:func:`broadcast_parameters`)."""
+        (:func:`autopar.step_inputs.broadcast_parameters`)."""
         if self.parameter_broadcast:
             params = broadcast_parameters(params, self.mesh)
         leaves = jax.tree_util.tree_leaves(params)

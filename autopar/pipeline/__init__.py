@@ -4,9 +4,12 @@
   stage runs forward or backward at each tick, buffer slots, in-flight micro-batches.
 * :mod:`~autopar.pipeline.buffers` -- stage-local buffers: parameters packed per stage (and
   sharded by the parallel optimizer), padded boundary activation buffers.
+* :mod:`~autopar.pipeline.plan` -- the stages and their plans: the partition (searched or
+  at given boundaries), each stage searched on its devices (one strategy file per stage) and
+  rewritten; :class:`PipelinePlan`.
 * :mod:`~autopar.pipeline.step` -- :func:`pipeline_train_step`: one ``shard_map`` over
   ``('stage', a0, ...)``, a scan over ticks, ``lax.switch`` per stage, ``ppermute`` between
-  stages.
+  stages; the facade reads the context once and passes its configuration down.
 * :mod:`~autopar.pipeline.simulation` -- :func:`simulate_pipeline`: the stages x
   micro-batches timeline, the bubble, a Chrome trace.
 
@@ -16,7 +19,8 @@ The stage partition itself is :mod:`autopar.strategies.stages`.
 from autopar.pipeline.buffers import PackedParams
 from autopar.pipeline.schedules import Schedule, schedule
 from autopar.pipeline.simulation import PipelineTrace, simulate_pipeline, simulate_schedule
-from autopar.pipeline.step import PipelinePlan, PipelineTrainStep, pipeline_train_step
+from autopar.pipeline.plan import PipelinePlan
+from autopar.pipeline.step import PipelineTrainStep, pipeline_train_step
 
 __all__ = ["PackedParams", "PipelinePlan", "PipelineTrace", "PipelineTrainStep", "Schedule",
            "pipeline_train_step", "schedule", "simulate_pipeline", "simulate_schedule"]

@@ -344,8 +344,6 @@ def check_elementwise_optimizer(optimizer: Any, n_buffers: int, lead: tuple[int,
     ...
     autopar.errors.AutoParallelError: ...
     """
-    import optax
-
     from autopar.errors import AutoParallelError
 
     rng = np.random.default_rng(0)
@@ -360,31 +358,16 @@ def check_elementwise_optimizer(optimizer: Any, n_buffers: int, lead: tuple[int,
     ga = [draw(ka, 1e12) for _ in range(2)]
     gb = [draw(kb, 1e12) for _ in range(2)]
     cat = lambda x, y: [np.concatenate([u, v], axis=-1) for u, v in zip(x, y)]  # noqa: E731
-
-    def run(params: list[Any], grads: list[list[Any]]) -> list[np.ndarray]:
-        pp = PackedParams(tuple(jnp.asarray(x) for x in params))
-        state = optimizer.init(pp)
-        out: list[np.ndarray] = []
-        for g in grads:
-            upd, state = optimizer.update(PackedParams(tuple(jnp.asarray(x) for x in g)),
-                                          state, pp)
-            pp = optax.apply_updates(pp, upd)
-            out += [np.asarray(u, np.float64) for u in upd.buffers]
-        return out
-
     try:
-        ua, ub = run(pa, ga), run(pb, gb)
-        uab = run(cat(pa, pb), [cat(x, y) for x, y in zip(ga, gb)])
+        ua, ub = _probe_updates(optimizer, pa, ga), _probe_updates(optimizer, pb, gb)
+        uab = _probe_updates(optimizer, cat(pa, pb), [cat(x, y) for x, y in zip(ga, gb)])
     except Exception as e:  # noqa: BLE001 - the user's optimizer: report any failure typed
         raise AutoParallelError("optimizer", type(optimizer).__name__, "fails on the packed "
                                 f"parameter buffers of a pipelined step ({type(e).__name__}: "
                                 f"{e})", "Use an elementwise optax optimizer (sgd, adam, "
                                 "adamw, rmsprop, ...)") from e
     for x, y, z in zip(ua, ub, uab):
-        want = np.concatenate([x, y], axis=-1)
-        tol = 1e-4 * float(np.max(np.abs(want), initial=0.0)) + 1e-30
-        if want.shape != z.shape or not np.allclose(want, z, rtol=1e-4, atol=tol,
-                                                     equal_nan=True):
+        if not _same_updates(np.concatenate([x, y], axis=-1), z):
             raise AutoParallelError("optimizer", type(optimizer).__name__, "is not elementwise "
                                     "(an update depends on other elements, e.g. "
                                     "clip_by_global_norm, LAMB/LARS, adafactor, a norm "
@@ -394,3 +377,26 @@ def check_elementwise_optimizer(optimizer: Any, n_buffers: int, lead: tuple[int,
                                     "Use an elementwise optax optimizer (sgd, adam, adamw, "
                                     "rmsprop, ...), or autopar.train_step without "
                                     "pipeline_stages")
+
+
+def _probe_updates(optimizer: Any, params: list[Any], grads: list[list[Any]]
+                   ) -> list[np.ndarray]:
+    """The updates of ``len(grads)`` eager optimizer steps on packed buffers ``params``."""
+    import optax
+
+    pp = PackedParams(tuple(jnp.asarray(x) for x in params))
+    state = optimizer.init(pp)
+    out: list[np.ndarray] = []
+    for g in grads:
+        upd, state = optimizer.update(PackedParams(tuple(jnp.asarray(x) for x in g)),
+                                      state, pp)
+        pp = optax.apply_updates(pp, upd)
+        out += [np.asarray(u, np.float64) for u in upd.buffers]
+    return out
+
+
+def _same_updates(want: np.ndarray, got: np.ndarray) -> bool:
+    """``got`` equals ``want`` (shape, then values to 1e-4 of the largest)."""
+    tol = 1e-4 * float(np.max(np.abs(want), initial=0.0)) + 1e-30
+    return want.shape == got.shape and bool(np.allclose(want, got, rtol=1e-4, atol=tol,
+                                                        equal_nan=True))

@@ -201,11 +201,11 @@ def simulate_pipeline(graph: Any, stages: int, *, micro_batches: int | None = No
     """Simulate ``graph`` (traced at micro-batch size) pipelined over ``stages`` stages of
     ``device_num / stages`` devices (see the module docstring). ``plans``: the stages'
     plans (e.g. ``PipelineTrainStep.plans``) for their splits and gradient-sync times;
-    without, each stage is data parallel over its devices."""
+    without, each stage is data parallel over its devices. ``device_num`` defaults to the
+    context's: the one read of the context (everything below takes resolved values)."""
     from autopar.clusters import cluster_for
     from autopar.context import current_config
     from autopar.strategies.cost import BACKWARD_FACTOR, CostModel
-    from autopar.strategies.problem import fused_values, operator_time
     from autopar.strategies.stages import partition_stages, send_time
 
     if not isinstance(recompute, bool):
@@ -223,9 +223,23 @@ def simulate_pipeline(graph: Any, stages: int, *, micro_batches: int | None = No
     d = n // stages
     if plans is not None and (not isinstance(plans, (list, tuple)) or len(plans) != stages):
         raise AutoParallelTypeError("plans", plans, f"a list of {stages} stage plans")
+    fwd, sync = _stage_times(graph, part.stage_nodes, plans, cm, d)
+    bwd = [(BACKWARD_FACTOR + (1.0 if recompute else 0.0)) * t for t in fwd]
+    sends = [send_time(b, cm, d) for b in part.crossing_bytes]
+    return simulate_schedule(fwd, bwd, micro_batches=m, schedule=schedule, sends=sends,
+                             sync=sync, cluster=clus.name, device_num=n)
+
+
+def _stage_times(graph: Any, stage_nodes: Sequence[Sequence[str]], plans: Sequence[Any] | None,
+                 cm: Any, d: int) -> tuple[list[float], list[float]]:
+    """``(forward seconds, gradient-sync seconds)`` of each stage on its ``d`` devices: the
+    stage plan's operator times and communication, or data parallel without plans."""
+    from autopar.strategies.cost import BACKWARD_FACTOR
+    from autopar.strategies.problem import fused_values, operator_time
+
     fwd, sync = [], []
     fused = fused_values(graph)
-    for s, names in enumerate(part.stage_nodes):
+    for s, names in enumerate(stage_nodes):
         plan = plans[s] if plans is not None else None
         t = 0.0
         for name in names:
@@ -244,9 +258,6 @@ def simulate_pipeline(graph: Any, stages: int, *, micro_batches: int | None = No
                 v for name in names for v in graph.node(name).inputs
                 if graph.values[v].kind == "param"))
             sync.append(cm.collective_time("all_reduce", nbytes, d,
-                                           intra=d <= clus.devices_per_node))
+                                           intra=d <= cm.cluster.devices_per_node))
         fwd.append(t)
-    bwd = [(BACKWARD_FACTOR + (1.0 if recompute else 0.0)) * t for t in fwd]
-    sends = [send_time(b, cm, d) for b in part.crossing_bytes]
-    return simulate_schedule(fwd, bwd, micro_batches=m, schedule=schedule, sends=sends,
-                             sync=sync, cluster=clus.name, device_num=n)
+    return fwd, sync

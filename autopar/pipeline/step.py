@@ -75,7 +75,7 @@ from autopar.step_inputs import broadcast_parameters, step_arguments
 from autopar.strategies.layout import DeviceMesh, Layout
 from autopar.strategies.redistribution import redistribute
 
-__all__ = ["pipeline_train_step", "PipelineTrainStep", "PipelinePlan", "PackedParams"]
+__all__ = ["pipeline_train_step", "PipelineTrainStep"]
 
 
 def _convert(x: Any, shape: tuple[int, ...], dtype: str, src: Layout, dst: Layout,
