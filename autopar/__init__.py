@@ -65,7 +65,8 @@ from autopar.advisor import SplitAdvice, SplitComparison, advise_split, compare_
 from autopar.pipeline import (PackedParams, PipelinePlan, PipelineTrace, PipelineTrainStep,
                               Schedule, pipeline_train_step, simulate_pipeline,
                               simulate_schedule, schedule as pipeline_schedule)
-from autopar.strategies.stages import StagePartition, partition_stages
+from autopar.strategies.stages import StagePartition
+from autopar.planner import partition_stages
 
 __version__ = "0.1.0"
 

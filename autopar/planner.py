@@ -15,7 +15,7 @@ the plan (:mod:`autopar.checkpoint`). The search itself is
 from __future__ import annotations
 
 import warnings
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from autopar.algo import current_algo_parameters
 from autopar.checkpoint import load_plan, save_strategy
@@ -28,8 +28,10 @@ from autopar.strategies.cost import Cluster
 from autopar.strategies.modes import PARALLEL_MODES, SOLVERS, USES_STRATEGY_FILES
 from autopar.strategies.plan import Plan
 from autopar.strategies.search import SearchSettings, search_plan
+from autopar.strategies.stages import StagePartition
+from autopar.strategies.stages import partition_stages as _partition_stages
 
-__all__ = ["search"]
+__all__ = ["partition_stages", "search"]
 
 
 def search(graph: Graph, *, mode: str | None = None, device_num: int | None = None,
@@ -115,3 +117,19 @@ def _load(graph: Graph, cfg: Any, n: int, cluster: Cluster | None, fixed_map: di
                 f"conflicts with {plan.nodes[name].strategy} in strategy_ckpt_load_file "
                 f"{path!r}", "Drop fixed= or the load file")
     return plan
+
+
+def partition_stages(graph: Graph, stages: int, *, boundaries: Sequence[str | int] | None = None,
+                     device_num: int | None = None, micro_batches: int | None = None,
+                     cluster: str | Cluster | None = None) -> StagePartition:
+    """Cut ``graph`` into ``stages`` pipeline stages
+    (:func:`autopar.strategies.stages.partition_stages`). ``device_num``: all devices
+    (default: the context's); each stage gets ``device_num / stages``. ``cluster``: as for
+    :func:`search`. ``boundaries``: fix the cuts instead of searching them.
+    ``micro_batches``: ``m`` of the objective (default ``stages``).
+    """
+    from autopar.context import current_config
+
+    n = current_config().device_num if device_num is None else device_num
+    return _partition_stages(graph, stages, device_num=n, cluster=resolve_cluster(cluster),
+                             boundaries=boundaries, micro_batches=micro_batches)

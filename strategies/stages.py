@@ -279,27 +279,22 @@ def _search_cuts(units: Sequence[Unit], sends: Sequence[float], stages: int,
     return best_cuts
 
 
-def partition_stages(graph: Graph, stages: int, *, boundaries: Sequence[str | int] | None = None,
-                     device_num: int | None = None, micro_batches: int | None = None,
-                     cluster: str | Cluster | None = None) -> StagePartition:
-    """Cut ``graph`` into ``stages`` pipeline stages (see the module docstring).
-
-    ``device_num``: all devices (default: the context's); each stage gets
-    ``device_num / stages``. ``boundaries``: fix the cuts instead of searching them.
-    ``micro_batches``: ``m`` of the objective (default ``stages``).
+def partition_stages(graph: Graph, stages: int, *, device_num: int, cluster: Cluster,
+                     boundaries: Sequence[str | int] | None = None,
+                     micro_batches: int | None = None) -> StagePartition:
+    """Cut ``graph`` into ``stages`` pipeline stages of ``device_num / stages`` devices each,
+    priced on ``cluster`` (see the module docstring; :func:`autopar.partition_stages` is the
+    entry point that takes both from the context). ``boundaries``: fix the cuts instead of
+    searching them. ``micro_batches``: ``m`` of the objective (default ``stages``).
     """
     if not isinstance(graph, Graph):
         raise AutoParallelTypeError("graph", graph, "an autopar.Graph from autopar.trace")
-    if device_num is None:
-        from autopar.context import current_config
-
-        device_num = current_config().device_num
     if isinstance(device_num, bool) or not isinstance(device_num, int) or device_num < 1:
         raise AutoParallelError("device_num", device_num, "must be an int >= 1")
+    if not isinstance(cluster, Cluster):
+        raise AutoParallelTypeError("cluster", cluster, "an autopar.Cluster (resolved)")
     stages = _check_stages(stages, device_num)
-    from autopar.clusters import resolve_cluster  # the entry point's step (issue 16)
-
-    clus = resolve_cluster(cluster)
+    clus = cluster
     cm = CostModel(clus)
     per_stage = device_num // stages
     units = stage_units(graph, cm, per_stage)

@@ -20,7 +20,8 @@ from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.models import mlp, tfm_stack, transformer
 from autopar.pipeline import PackedParams, pipeline_train_step
 from autopar.pipeline.schedules import BWD, FWD, IDLE, bubble_fraction, schedule
-from autopar.strategies.stages import partition_stages, stage_graph, stage_units
+from autopar.planner import partition_stages
+from autopar.strategies.stages import stage_graph, stage_units
 
 import numerics
 

@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from autopar.clusters import resolve_cluster
 from autopar.config import AutoParallelConfig
 from autopar.context import auto_parallel_context
 from autopar.errors import AutoParallelTypeError
@@ -93,6 +94,7 @@ def plan_stages(graph: Graph, p: int, *, config: AutoParallelConfig, micro_batch
     (each stage takes its own); ``config``: the step's configuration (its strategy-file
     paths become one file per stage)."""
     n = config.device_num
+    cluster = resolve_cluster(cluster)  # once: the partition and every stage price on it
     part = partition_stages(graph, p, boundaries=boundaries, device_num=n,
                             micro_batches=micro_batches, cluster=cluster)
     fixed = dict(fixed or {}) if fixed is None or isinstance(fixed, Mapping) else fixed
