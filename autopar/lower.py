@@ -10,9 +10,11 @@ with the same axis names (``a0, a1, ...``, devices row-major). The body of one
   ``dynamic_slice`` at this device's block (StridedSlice). A group of several axes is ordered
   mixed radix, outer axis first, as ``jax.lax`` orders a tuple ``axis_name``;
 - an operator re-binds its JAX primitive on local arrays, with the shape-carrying parameters
-  rewritten to local sizes (``reshape.new_sizes``, ``broadcast_in_dim.shape``, ``iota.shape``,
-  ``slice.limit_indices``, ``dynamic_slice`` / ``gather`` ``slice_sizes``) and shardings
-  dropped; an ``iota`` split along its counting dim is offset by the device's block start.
+  rewritten to local sizes by its kind's ``local_params`` rule in the operator registry
+  (:mod:`autopar.graph.ops`: ``reshape.new_sizes``, ``broadcast_in_dim.shape``,
+  ``iota.shape``, ``slice.limit_indices``, ``dynamic_slice`` / ``gather`` ``slice_sizes``)
+  and shardings dropped; an ``iota`` split along its counting dim is offset by the device's
+  block start.
 
 In-specs are the input layouts' ``PartitionSpec`` s and out-specs the output layouts'
 (outputs never hold partial sums after the rewrite). The result is jitted, differentiable
@@ -52,8 +54,9 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError
+from autopar.graph.ops import OPERATORS
 from autopar.kernel_rules import FusedKernels, fuse_kernels, run_fused
-from autopar.parallel_graph import PNode, PValue, ParallelGraph
+from autopar.parallel_graph import PNode, ParallelGraph
 from autopar.strategies.layout import DeviceMesh
 from autopar.strategies.redistribution import Step
 
@@ -150,70 +153,6 @@ def apply_step(x: Any, step: Step, mesh: DeviceMesh, *, vma: bool = False) -> An
 # ---------------------------------------------------------------------------- operators
 
 
-def _same(p: dict[str, Any], ins: list[PValue], outs: list[PValue]) -> dict[str, Any]:
-    return p
-
-
-def _out_shape(key: str) -> Callable[..., dict[str, Any]]:
-    def rule(p: dict[str, Any], ins: list[PValue], outs: list[PValue]) -> dict[str, Any]:
-        p[key] = tuple(outs[0].local_shape)
-        return p
-    return rule
-
-
-def _reshape(p: dict[str, Any], ins: list[PValue], outs: list[PValue]) -> dict[str, Any]:
-    if p.get("dimensions") is not None:
-        raise ValueError("a reshape with `dimensions` (a transposing reshape) cannot run on "
-                         "split inputs")
-    p["new_sizes"] = tuple(outs[0].local_shape)
-    return p
-
-
-def _slice(p: dict[str, Any], ins: list[PValue], outs: list[PValue]) -> dict[str, Any]:
-    start, limit = list(p["start_indices"]), list(p["limit_indices"])
-    strides = p.get("strides")
-    for d, (loc, glob) in enumerate(zip(ins[0].local_shape, ins[0].spec.shape)):
-        if loc != glob:
-            if start[d] != 0 or limit[d] != glob or (strides is not None and strides[d] != 1):
-                raise ValueError(f"dim {d} is split but not taken whole by the slice")
-            limit[d] = loc
-    p["limit_indices"] = tuple(limit)
-    return p
-
-
-def _slice_sizes(p: dict[str, Any], ins: list[PValue], outs: list[PValue]) -> dict[str, Any]:
-    sizes = list(p["slice_sizes"])
-    for d, (loc, glob) in enumerate(zip(ins[0].local_shape, ins[0].spec.shape)):
-        if loc != glob:
-            if sizes[d] == glob:
-                sizes[d] = loc
-            elif not (sizes[d] == 1 and d in _batching_dims(p)):
-                raise ValueError(f"operand dim {d} is split but not taken whole")
-    p["slice_sizes"] = tuple(sizes)
-    return p
-
-
-def _batching_dims(p: dict[str, Any]) -> tuple[int, ...]:
-    dn = p.get("dimension_numbers")
-    return tuple(getattr(dn, "operand_batching_dims", ()) or ())
-
-
-#: How each primitive's shape-carrying params change when its tensors are split. Primitives
-#: of other kinds carry no global sizes on the dims their op spec lets split.
-_RULES: dict[str, Callable[[dict[str, Any], list[PValue], list[PValue]], dict[str, Any]]] = {
-    "broadcast_in_dim": _out_shape("shape"),
-    "iota": _out_shape("shape"),
-    "reshape": _reshape,
-    "squeeze": _same,
-    "expand_dims": _same,
-    "slice": _slice,
-    "dynamic_slice": _slice_sizes,
-    "gather": _slice_sizes,
-}
-_SAME_KINDS = {"elementwise", "matmul", "conv", "reduce", "transpose", "concatenate", "split",
-               "pad", "reduce_window", "identity"}
-
-
 def _node_error(node: PNode, why: str) -> AutoParallelError:
     where = f" at {node.source}" if node.source and node.source != "<unknown>" else ""
     return AutoParallelError(f"cannot lower node {node.name!r} ({node.op}){where} with strategy "
@@ -222,7 +161,8 @@ def _node_error(node: PNode, why: str) -> AutoParallelError:
 
 
 def local_params(node: PNode, pg: ParallelGraph) -> dict[str, Any]:
-    """The node's primitive params for its local shapes (see the module docstring)."""
+    """The node's primitive params for its local shapes: its kind's ``local_params`` rule
+    (:mod:`autopar.graph.ops`), shardings dropped."""
     p = dict(node.params)
     for key in ("sharding", "out_sharding"):
         if key in p:
@@ -231,14 +171,12 @@ def local_params(node: PNode, pg: ParallelGraph) -> dict[str, Any]:
     outs = [pg.values[v] for v in node.outputs]
     if all(v.local_shape == v.spec.shape for v in ins + outs):
         return p
-    rule = _RULES.get(node.op)
-    if rule is None:
-        if node.kind not in _SAME_KINDS:
-            raise _node_error(node, f"operators of kind {node.kind!r} cannot run on split "
-                              f"tensors")
-        rule = _same
+    kind = OPERATORS.get(node.kind)
+    if kind is None:
+        raise _node_error(node, f"operators of kind {node.kind!r} cannot run on split tensors")
     try:
-        return rule(p, ins, outs)
+        return kind.local_params(p, [(v.local_shape, v.spec.shape) for v in ins],
+                                 [(v.local_shape, v.spec.shape) for v in outs])
     except ValueError as e:
         raise _node_error(node, str(e)) from None
 

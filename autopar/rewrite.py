@@ -28,6 +28,7 @@ from autopar.graph.ir import Graph
 from autopar.kernel_rules import FusedKernels, check_fused_kernels, fuse_kernels
 from autopar.parallel_graph import PNode, PValue, ParallelGraph
 from autopar.strategies.layout import DeviceMesh, Layout
+from autopar.strategies.opspec import tensor_spec
 from autopar.strategies.plan import Plan
 from autopar.strategies.redistribution import Step, redistribute
 
@@ -65,13 +66,14 @@ def _check_local(name: str, shape: tuple[int, ...], layout: Layout, mesh: Device
     if layout.rank != len(shape):
         raise AutoParallelError("layout", str(layout), f"value {name!r} has rank {len(shape)}, "
                                 f"its layout has rank {layout.rank}")
+    whole = tensor_spec(shape)
     for d, (n, axes) in enumerate(zip(shape, layout.dims)):
         unknown = [a for a in axes if a not in mesh.sizes]
         if unknown:
             raise AutoParallelError("layout", str(layout), f"value {name!r}: mesh axes "
                                     f"{unknown} are not in the mesh {mesh}")
         parts = mesh.size_of(axes)
-        if n % parts:
+        if not whole.allows(d, parts):
             raise AutoParallelError(
                 "layout", str(layout), f"value {name!r}: dim {d} of size {n} cannot be split "
                 f"into {parts} equal parts", "Choose a strategy whose splits divide the dims")

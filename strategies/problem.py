@@ -21,16 +21,13 @@ import numpy as np
 
 from autopar.errors import AutoParallelError
 from autopar.graph.ir import Graph, Node
+from autopar.graph.ops import FUSED_PRODUCERS, FUSING_READERS, KINDS, NO_GRADIENT
 from autopar.strategies.cost import BACKWARD_FACTOR, CostModel
 from autopar.strategies.layout import DeviceMesh, Layout
-from autopar.strategies.opspec import OpSpec, op_spec
+from autopar.strategies.opspec import OpSpec, legal_splits, op_spec, tensor_spec
 from autopar.strategies.redistribution import plan_steps
 
 __all__ = ["Choice", "Vertex", "Edge", "Problem", "Breakdown"]
-
-_NO_GRAD_OPS = {"stop_gradient", "argmax", "argmin", "iota", "eq", "ne", "lt", "le", "gt", "ge",
-                "and", "or", "not", "xor", "is_finite", "population_count", "clz", "floor",
-                "ceil", "round", "sign"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,14 +129,7 @@ def enumerate_splits(spec: OpSpec, device_num: int, full_use: bool) -> list[tupl
     ``full_use`` only those using every device (as MindSpore's fully_use_devices), unless
     none does."""
     divs = _divisors_of(device_num)
-    limits = dict(spec.divides)
-    cands = []
-    for d, size in enumerate(spec.sizes):
-        if not spec.splittable(d):
-            cands.append([1])
-            continue
-        extra = limits.get(d)
-        cands.append([c for c in divs if size % c == 0 and (extra is None or extra % c == 0)])
+    cands = [[c for c in divs if spec.allows(d, c)] for d in range(len(spec.sizes))]
     out: list[tuple[int, ...]] = []
 
     def rec(d: int, prod: int, acc: list[int]) -> None:
@@ -191,30 +181,20 @@ def splits_from_strategy(spec: OpSpec, strategy: Any, name: str,
             owner[m] = (i, d)
             splits[m] = s
     for d, s in enumerate(splits):
-        if spec.sizes[d] % s:
-            raise AutoParallelError(where, strategy, f"split {s} does not divide the dim size "
-                                    f"{spec.sizes[d]}")
-    for d, n in spec.divides:
-        if n % splits[d]:
-            raise AutoParallelError(where, strategy, f"split {splits[d]} must also divide "
-                                    f"{n} (the reshaped dim)")
-    if mesh.device_num % math.prod(splits) or mesh.assign(splits) is None:
+        why = spec.refuses(d, s)
+        if why:
+            raise AutoParallelError(where, strategy, why)
+    if mesh.assign(splits) is None:
         raise AutoParallelError(where, strategy, f"the product of splits {math.prod(splits)} "
                                 f"must divide device_num={mesh.device_num}")
     return tuple(splits)
 
 
-#: Operator kinds XLA fuses into the operator that reads them (loop and input fusion), and
-#: the kinds that take such producers in: a value made by the first and read only by the
-#: second is never written to memory, and its producer launches nothing of its own.
-_FUSED_PRODUCERS = frozenset({"elementwise", "broadcast", "reshape", "iota"})
-_FUSING_READERS = _FUSED_PRODUCERS | {"reduce"}
-
-
 def fused_values(graph: Graph) -> frozenset[str]:
     """Values XLA keeps in registers: made by a fusible operator, read only by operators
     that fuse it, and not an output of the graph (a pricing rule: such a value costs no
-    memory pass and its producer no launch).
+    memory pass and its producer no launch). Which kinds fuse is the operator registry's
+    ``fusion`` (:mod:`autopar.graph.ops`).
 
     >>> import jax.numpy as jnp, autopar
     >>> g = autopar.trace(lambda w, x: jnp.tanh(x @ w * 2.0).sum(), jnp.ones((4, 4)),
@@ -222,16 +202,14 @@ def fused_values(graph: Graph) -> frozenset[str]:
     >>> sorted(g.producer(v).op for v in fused_values(g))
     ['mul', 'tanh']
     """
-    from autopar.graph.ops import KINDS
-
     readers: dict[str, list[str]] = {}
     for n in graph.nodes:
         for v in n.inputs:
             readers.setdefault(v, []).append(KINDS.get(n.op, n.op))
     outputs = set(graph.outputs)
-    return frozenset(v for n in graph.nodes if KINDS.get(n.op, n.op) in _FUSED_PRODUCERS
+    return frozenset(v for n in graph.nodes if KINDS.get(n.op, n.op) in FUSED_PRODUCERS
                      for v in n.outputs if v not in outputs and readers.get(v) and
-                     all(k in _FUSING_READERS for k in readers[v]))
+                     all(k in FUSING_READERS for k in readers[v]))
 
 
 def local_bytes(graph: Graph, value: str, layout: Layout, mesh: DeviceMesh) -> int:
@@ -259,7 +237,7 @@ def operator_time(cm: CostModel, graph: Graph, node: Node, splits: Sequence[int]
 def requires_grad(graph: Graph) -> dict[str, bool]:
     req = {v: graph.values[v].kind == "param" for v in graph.values}
     for n in graph.nodes:
-        flows = n.op not in _NO_GRAD_OPS and any(req[v] for v in n.inputs)
+        flows = n.op not in NO_GRADIENT and any(req[v] for v in n.inputs)
         for v in n.outputs:
             dt = graph.spec(v).dtype
             req[v] = flows and (dt.startswith("float") or dt.startswith("bfloat") or
@@ -433,16 +411,17 @@ class Problem:
                     "dataset_strategy", dataset_strategy, f"needs one entry per data input; "
                     f"the function has {n_data}: {list(self.graph.data_inputs())}")
             entry = dataset_strategy[position]
-            if len(entry) != spec.rank or any(n % s for n, s in zip(spec.shape, entry)):
+            whole = tensor_spec(spec.shape)
+            if len(entry) != spec.rank or any(whole.refuses(d, s) for d, s in enumerate(entry)):
                 raise AutoParallelError(
                     "dataset_strategy", dataset_strategy,
                     f"entry {entry} does not fit data input {value!r} of shape {spec.shape}")
             return Layout.from_strategy(entry, self.mesh)
         # data parallel: the batch dim split by the largest divisor of device_num dividing
         # it, on the canonical axes (repeats outermost), as operators place their splits
-        n = self.mesh.device_num
-        s = max(d for d in range(1, n + 1) if n % d == 0 and spec.shape[0] % d == 0 and
-                self.mesh.assign((d,)) is not None)
+        batch = tensor_spec(spec.shape[:1])
+        s = max(d for d in range(1, self.mesh.device_num + 1)
+                if legal_splits(batch, (d,), self.mesh))
         return Layout.from_strategy((s,) + (1,) * (spec.rank - 1), self.mesh)
 
     def _build(self, dataset_strategy: Any, fixed: dict[str, Any],

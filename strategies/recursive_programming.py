@@ -46,21 +46,22 @@ import numpy as np
 
 from autopar.strategies import dynamic_programming
 from autopar.strategies.layout import Layout, prime_factors
+from autopar.strategies.opspec import legal_splits
 from autopar.strategies.problem import Choice, Problem, enumerate_splits
 
 __all__ = ["solve"]
 
+Splits = tuple[int, ...]
 
-def _candidates(problem: Problem, i: int, cur: tuple[int, ...], p: int) -> list[tuple[int, ...]]:
+
+def _candidates(problem: Problem, i: int, cur: Splits, p: int) -> list[Splits]:
+    """A round's options of operator ``i``: one loop dim's split times ``p`` (where legal),
+    or ``cur`` when the operator may repeat its work (or nothing else is legal)."""
     spec = problem.specs[problem.vertices[i].node.name]
-    limits = dict(spec.divides)
-    mesh = problem.mesh
     out = []
     for d in range(len(cur)):
         new = cur[:d] + (cur[d] * p,) + cur[d + 1:]
-        if spec.splittable(d) and spec.sizes[d] % new[d] == 0 and \
-                (d not in limits or limits[d] % new[d] == 0) and \
-                mesh.device_num % math.prod(new) == 0 and mesh.assign(new) is not None:
+        if legal_splits(spec, new, problem.mesh, (d,)):
             out.append(new)
     if not out or problem.may_repeat(problem.vertices[i].node):
         out.append(cur)  # not cutting: the operator repeats its work on this axis
@@ -70,7 +71,7 @@ def _candidates(problem: Problem, i: int, cur: tuple[int, ...], p: int) -> list[
 _MAX_RECUTS = 16  # re-cut passes at most (each lowers the objective; a few suffice)
 
 
-def _moves(problem: Problem, i: int, cur: tuple[int, ...]) -> list[tuple[int, ...]]:
+def _moves(problem: Problem, i: int, cur: Splits) -> list[Splits]:
     """``cur`` first, then every split that moves one prime factor of ``cur`` from one loop
     dimension to another (the same devices, one round's cut placed elsewhere); an operator
     that may repeat its work (as a round lets it keep its split) may also drop one factor or
@@ -78,34 +79,27 @@ def _moves(problem: Problem, i: int, cur: tuple[int, ...]) -> list[tuple[int, ..
     hidden) on 64 devices may become (4, 2, 8), (4, 1, 16), (8, 2, 4) or (8, 1, 8) again —
     never (16, 1, 4): its batch has 8 rows."""
     spec = problem.specs[problem.vertices[i].node.name]
-    limits = dict(spec.divides)
     mesh = problem.mesh
     out = [cur]
+
+    def offer(t: Splits, changed: tuple[int, ...]) -> None:
+        if t not in out and legal_splits(spec, t, mesh, changed):
+            out.append(t)
+
     for a in range(len(cur)):
         for p in sorted(set(prime_factors(cur[a]))):
             for b in range(len(cur)):
-                if b == a:
-                    continue
-                new = list(cur)
-                new[a] //= p
-                new[b] *= p
-                t = tuple(new)
-                if spec.splittable(b) and spec.sizes[b] % t[b] == 0 and \
-                        (b not in limits or limits[b] % t[b] == 0) and \
-                        mesh.assign(t) is not None and t not in out:
-                    out.append(t)
+                if b != a:
+                    new = list(cur)
+                    new[a] //= p
+                    new[b] *= p
+                    offer(tuple(new), (b,))
     if problem.may_repeat(problem.vertices[i].node):
         for a in range(len(cur)):
             for p in sorted(set(prime_factors(cur[a]))):
-                t = cur[:a] + (cur[a] // p,) + cur[a + 1:]
-                if mesh.assign(t) is not None and t not in out:
-                    out.append(t)
+                offer(cur[:a] + (cur[a] // p,) + cur[a + 1:], ())
             for p in sorted(set(prime_factors(mesh.device_num // math.prod(cur)))):
-                t = cur[:a] + (cur[a] * p,) + cur[a + 1:]
-                if spec.splittable(a) and spec.sizes[a] % t[a] == 0 and \
-                        (a not in limits or limits[a] % t[a] == 0) and \
-                        mesh.assign(t) is not None and t not in out:
-                    out.append(t)
+                offer(cur[:a] + (cur[a] * p,) + cur[a + 1:], (a,))
     return out
 
 

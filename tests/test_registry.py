@@ -1,0 +1,92 @@
+"""One owner per kind: the operator registry.
+
+Every operator kind has every part (primitives, loop nest, FLOPs, local params, gradient
+flags, fusion) and a traced example here that runs; every primitive the tracer accepts is in
+exactly one kind.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import autopar as ap
+from autopar.graph import ops
+from autopar.graph.ops import KINDS, OPERATORS, op_spec
+
+X = jnp.arange(32.0).reshape(4, 8) / 10
+
+
+def _conv(x):
+    img = x.reshape(1, 1, 4, 8)
+    return lax.conv_general_dilated(img, jnp.ones((2, 1, 3, 3)), (1, 1), "SAME")
+
+
+#: one traced example per operator kind (a new kind adds its line)
+EXAMPLES = {
+    "elementwise": lambda x: jnp.tanh(x) * 2.0,
+    "matmul": lambda x: x @ x.T,
+    "conv": _conv,
+    "reduce": lambda x: jnp.sum(x, axis=1),
+    "broadcast": lambda x: jnp.broadcast_to(x[None], (2, 4, 8)),
+    "reshape": lambda x: x.reshape(8, 4),
+    "transpose": lambda x: jnp.transpose(x),
+    "slice": lambda x: x[:, 2:6],
+    "concatenate": lambda x: jnp.concatenate([x, x], axis=1),
+    "split": lambda x: jnp.split(x, 2, axis=1)[0],
+    "pad": lambda x: jnp.pad(x, ((0, 0), (1, 1))),
+    "gather": lambda x: x[jnp.array([1, 3])],
+    "iota": lambda x: x + jnp.arange(8.0),
+    "reduce_window": lambda x: lax.reduce_window(x, 0.0, lax.add, (1, 2), (1, 2), "VALID"),
+    "identity": lambda x: lax.optimization_barrier(x),
+}
+
+
+def test_every_operator_kind_has_every_part():
+    assert set(EXAMPLES) == set(OPERATORS), "every kind needs a traced example here"
+    for name, kind in OPERATORS.items():
+        assert kind.name == name and kind.primitives
+        assert callable(kind.spec) and callable(kind.flops) and callable(kind.local_params)
+        assert kind.no_grad <= set(kind.primitives), name
+        assert kind.fusion in ("", "loop", "input"), name
+
+
+def test_every_primitive_the_tracer_accepts_is_in_exactly_one_kind():
+    import importlib
+
+    assert importlib.import_module("autopar.graph.trace").KINDS is KINDS  # read, not copied
+    seen: dict[str, str] = {}
+    for kind in OPERATORS.values():
+        for p in kind.primitives:
+            assert p not in seen, f"{p} is in {seen[p]} and {kind.name}"
+            seen[p] = kind.name
+    assert seen == KINDS and sorted(seen) == ops.supported_primitives()
+    assert not set(KINDS) & (set(ops.INLINED) | set(ops.UNSUPPORTED_HINTS))
+    assert ops.NO_GRADIENT == {p for k in OPERATORS.values() for p in k.no_grad}
+
+
+@pytest.mark.parametrize("kind", sorted(EXAMPLES))
+def test_each_kind_traces_specs_and_runs(kind):
+    fn = EXAMPLES[kind]
+    g = ap.trace(fn, X)
+    nodes = [n for n in g.nodes if n.kind == kind]
+    assert nodes, f"the example of {kind} traced no {kind} node"
+    for n in nodes:
+        spec = op_spec(n, g)
+        assert len(spec.in_maps) == len(n.inputs) or kind == "iota"
+        for mp, v in zip(spec.in_maps, n.inputs):
+            assert len(mp) in (0, g.spec(v).rank)
+        for mp, v in zip(spec.out_maps, n.outputs):
+            assert len(mp) == g.spec(v).rank
+        assert all(0 <= d < len(spec.sizes) for d in spec.fixed + spec.summed)
+        assert n.flops >= 0
+        shapes = [(g.spec(v).shape, g.spec(v).shape) for v in n.inputs]
+        outs = [(g.spec(v).shape, g.spec(v).shape) for v in n.outputs]
+        params = dict(n.params)
+        assert OPERATORS[kind].local_params(dict(params), shapes, outs).keys() == params.keys()
+    with ap.auto_parallel_context(device_num=2, parallel_mode="auto_parallel"):
+        f = ap.parallelize(fn, X)
+    np.testing.assert_allclose(np.asarray(f(X)), np.asarray(jax.jit(fn)(X)), rtol=1e-5)
