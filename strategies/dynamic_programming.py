@@ -11,17 +11,23 @@ per connected component, whose best choice is then replayed backwards through th
 eliminations. What does not reduce (a core where every vertex has three or more neighbours)
 is solved exactly by the integer program of :mod:`autopar.strategies.exact` on the reduced
 graph, so the result is optimal under the cost model in every case.
+
+The order of the eliminations depends on the graph's structure only (degrees and indices):
+:class:`Order` finds it, :func:`eliminate` replays it on cost vectors and matrices. Both are
+shared with :mod:`recursive_programming`, whose rounds all have one structure (it finds the
+order once) and which memoises the arithmetic (:class:`Memo`).
 """
 
 from __future__ import annotations
 
 import heapq
+from typing import Sequence
 
 import numpy as np
 
 from autopar.strategies.problem import Problem
 
-__all__ = ["solve"]
+__all__ = ["solve", "Order", "Memo", "eliminate"]
 
 _CHUNK = 2_000_000  # floats per temporary in node elimination
 
@@ -45,72 +51,190 @@ def _eliminate_middle(a: np.ndarray, cx: np.ndarray, b: np.ndarray) -> tuple[np.
     return best, arg
 
 
-def solve(problem: Problem) -> list[int]:
-    n = len(problem.vertices)
-    cost = [v.cost.astype(np.float64).copy() for v in problem.vertices]
-    adj: list[dict[int, np.ndarray]] = [dict() for _ in range(n)]  # adj[x][y]: [S_x, S_y]
-
-    def add_edge(x: int, y: int, m: np.ndarray) -> None:
-        if y in adj[x]:
-            adj[x][y] = adj[x][y] + m
-            adj[y][x] = adj[x][y].T
-        else:
-            adj[x][y] = m
-            adj[y][x] = m.T
-
-    for e in problem.edges:
-        if e.u == e.v:  # a value consumed twice by its own producer cannot happen in a DAG
-            continue
-        add_edge(e.u, e.v, e.matrix)
-
-    alive = [True] * n
-    log: list[tuple] = []
-    heap = [(len(adj[i]), i) for i in range(n)]
+def _reduce(adj: list[set[int]]) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
+    """Eliminate leaves and degree-2 vertices of ``adj`` (in place: the core remains), lowest
+    degree then lowest index first. Returns the steps -- (x, y, -1) folds leaf x into y,
+    (x, y, z) with y < z turns x into an edge y-z -- and the edges those steps created, in
+    creation order."""
+    alive = [True] * len(adj)
+    heap = [(len(a), i) for i, a in enumerate(adj)]
     heapq.heapify(heap)
+    steps: list[tuple[int, int, int]] = []
+    created: list[tuple[int, int]] = []
     while heap:
         deg, x = heapq.heappop(heap)
-        if not alive[x] or deg != len(adj[x]) or deg > 2:
-            continue
-        if deg == 0:
-            continue  # a component's last vertex: chosen at the end
+        if not alive[x] or deg != len(adj[x]) or deg > 2 or deg == 0:
+            continue  # stale, not (yet) reducible, or a component's last vertex
+        alive[x] = False
+        ends = sorted(adj[x])
+        adj[x].clear()
+        for y in ends:
+            adj[y].discard(x)
         if deg == 1:
-            (y, m), = adj[x].items()            # m: [S_x, S_y]
-            t = m.T + cost[x][None, :]          # [S_y, S_x]
-            arg = t.argmin(axis=1)
-            cost[y] = cost[y] + t[np.arange(t.shape[0]), arg]
-            del adj[y][x]
-            adj[x].clear()
-            alive[x] = False
-            log.append(("leaf", x, y, arg))
-            heapq.heappush(heap, (len(adj[y]), y))
+            steps.append((x, ends[0], -1))
         else:
-            (y, mx_y), (z, mx_z) = sorted(adj[x].items())
-            best, arg = _eliminate_middle(mx_y.T, cost[x], mx_z)   # [S_y, S_z]
-            del adj[y][x]
-            del adj[z][x]
-            adj[x].clear()
-            alive[x] = False
-            log.append(("node", x, y, z, arg))
-            add_edge(y, z, best)
+            y, z = ends
+            steps.append((x, y, z))
+            if z not in adj[y]:
+                created.append((y, z))
+            adj[y].add(z)
+            adj[z].add(y)
+        for y in ends:
             heapq.heappush(heap, (len(adj[y]), y))
-            heapq.heappush(heap, (len(adj[z]), z))
+    return steps, created
 
-    picks = [-1] * n
-    core = [i for i in range(n) if alive[i] and adj[i]]
-    if core:
-        from autopar.strategies.exact import solve_reduced
 
-        sub = solve_reduced(core, cost, adj)
-        for i, k in sub.items():
-            picks[i] = k
-    for i in range(n):
-        if alive[i] and picks[i] < 0:
+class Order:
+    """The elimination order of a graph of ``n`` vertices and ``links`` (u, v): parallel
+    links are merged (summed in link order), self-links ignored. It depends on the structure
+    only, so every problem of one structure shares it."""
+
+    def __init__(self, n: int, links: Sequence[tuple[int, int]]) -> None:
+        self.n, self.links = n, list(links)
+        groups: dict[tuple[int, int], list[tuple[int, bool]]] = {}
+        for k, (u, v) in enumerate(self.links):
+            if u != v:
+                groups.setdefault((min(u, v), max(u, v)), []).append((k, u > v))
+        self.groups = list(groups.items())
+        self.singles = [(key, ms[0][0]) for key, ms in self.groups
+                        if len(ms) == 1 and not ms[0][1]]
+        self.multi = [(key, ms) for key, ms in self.groups if len(ms) > 1 or ms[0][1]]
+        adj: list[set[int]] = [set() for _ in range(n)]
+        for lo, hi in groups:
+            adj[lo].add(hi)
+            adj[hi].add(lo)
+        self.steps, created = _reduce(adj)
+        self.eliminated = {x for x, _, _ in self.steps}
+        self.core = [i for i in range(n) if adj[i]]
+        self.reduces = not self.core  # nothing left for the integer program
+        core = set(self.core)  # the core's edges: by lower end, then in creation order
+        self.core_edges = sorted(((lo, hi) for lo, hi in [*groups, *created]
+                                  if lo in core and hi in core), key=lambda e: e[0])
+
+
+class Memo:
+    """The elimination arithmetic, memoised on the identity of its input arrays (``on``).
+
+    The blocks of a deep network give identical cost vectors and edge matrices (the very
+    same cached objects), so most eliminations recur once per block: each is computed once.
+    Every key's arrays are kept alive here, so an ``id`` is never reused while the memo
+    lives; no array is ever modified in place. Off, it only computes."""
+
+    def __init__(self, on: bool = True) -> None:
+        self.on = on
+        self.keep: list[object] = []
+        self.sums: dict[tuple[int, int], np.ndarray] = {}
+        self.trans: dict[int, np.ndarray] = {}
+        self.leaves: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self.middles: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    def add(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        if not self.on:
+            return a + b
+        key = (id(a), id(b))
+        hit = self.sums.get(key)
+        if hit is None:
+            hit = self.sums[key] = a + b
+            self.keep += (a, b)
+        return hit
+
+    def t(self, m: np.ndarray) -> np.ndarray:
+        if not self.on:
+            return m.T
+        hit = self.trans.get(id(m))
+        if hit is None:
+            hit = m.T
+            self.trans[id(m)] = hit
+            self.trans[id(hit)] = m
+            self.keep += (m, hit)
+        return hit
+
+    def leaf(self, a: np.ndarray, cx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """min / argmin over x of a^T + cost[x] (a: [S_x, S_y])."""
+        key = (id(a), id(cx))
+        hit = self.leaves.get(key) if self.on else None
+        if hit is None:
+            s = self.t(a) + cx[None, :]                 # [S_y, S_x]
+            hit = (s.min(axis=1), s.argmin(axis=1))
+            if self.on:
+                self.leaves[key] = hit
+                self.keep += (a, cx)
+        return hit
+
+    def middle(self, a: np.ndarray, cx: np.ndarray,
+               b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """min / argmin over x of a^T + cost[x] + b (a: [S_x, S_y], b: [S_x, S_z])."""
+        key = (id(a), id(cx), id(b))
+        hit = self.middles.get(key) if self.on else None
+        if hit is None:
+            hit = _eliminate_middle(self.t(a), cx, b)
+            if self.on:
+                self.middles[key] = hit
+                self.keep += (a, cx, b)
+        return hit
+
+
+def _pairs(order: Order, mats: Sequence[np.ndarray],
+           memo: Memo) -> dict[tuple[int, int], np.ndarray]:
+    """(lo, hi) -> [S_lo, S_hi]: each group of parallel links summed in link order."""
+    pair = {key: mats[k] for key, k in order.singles}
+    for key, members in order.multi:
+        acc = None
+        for k, flip in members:
+            m = memo.t(mats[k]) if flip else mats[k]
+            acc = m if acc is None else memo.add(acc, m)
+        pair[key] = acc  # type: ignore[assignment]
+    return pair
+
+
+def _core_picks(order: Order, cost: list[np.ndarray],
+                pair: dict[tuple[int, int], np.ndarray]) -> list[int]:
+    """Picks of the vertices no step eliminated: the core exactly (the integer program), the
+    rest (a component's last vertex) by its folded cost."""
+    picks = [-1] * order.n
+    if order.core:
+        from autopar.strategies.exact import milp_picks
+
+        local = {v: i for i, v in enumerate(order.core)}
+        sub = milp_picks([cost[v] for v in order.core],
+                         [(local[x], local[y], pair[x, y]) for x, y in order.core_edges])
+        for v, k in zip(order.core, sub):
+            picks[v] = k
+    for i in range(order.n):
+        if i not in order.eliminated and picks[i] < 0:
             picks[i] = int(np.argmin(cost[i]))
-    for entry in reversed(log):
-        if entry[0] == "leaf":
-            _, x, y, arg = entry
-            picks[x] = int(arg[picks[y]])
-        else:
-            _, x, y, z, arg = entry
-            picks[x] = int(arg[picks[y], picks[z]])
     return picks
+
+
+def eliminate(order: Order, costs: Sequence[np.ndarray], mats: Sequence[np.ndarray],
+              memo: Memo | None = None) -> list[int]:
+    """One choice per vertex: the eliminations of ``order`` on vertex ``costs`` and one
+    matrix per link (``mats[k]``: [S_u, S_v] of ``order.links[k]``), then the core, then the
+    eliminated vertices replayed backwards."""
+    memo = Memo(on=False) if memo is None else memo
+    pair = _pairs(order, mats, memo)
+    cost = list(costs)
+    log: list[tuple[int, int, int, np.ndarray]] = []
+    for x, y, z in order.steps:
+        a = pair[x, y] if x < y else memo.t(pair[y, x])      # [S_x, S_y]
+        if z < 0:  # leaf: cost[y] += min over x of (a^T + cost[x])
+            best, arg = memo.leaf(a, cost[x])
+            cost[y] = memo.add(cost[y], best)
+        else:      # middle: edge y-z += min over x of (a^T + cost[x] + b)
+            b = pair[x, z] if x < z else memo.t(pair[z, x])  # [S_x, S_z]
+            best, arg = memo.middle(a, cost[x], b)
+            old = pair.get((y, z))
+            pair[y, z] = best if old is None else memo.add(old, best)
+        log.append((x, y, z, arg))
+    picks = _core_picks(order, cost, pair)
+    for x, y, z, arg in reversed(log):
+        picks[x] = int(arg[picks[y]]) if z < 0 else int(arg[picks[y], picks[z]])
+    return picks
+
+
+def solve(problem: Problem) -> list[int]:
+    edges = problem.edges
+    order = Order(len(problem.vertices), [(e.u, e.v) for e in edges])
+    mats = [e.matrix if e.u != e.v else None for e in edges]
+    return eliminate(order, [v.cost.astype(np.float64) for v in problem.vertices],
+                     mats)  # type: ignore[arg-type]

@@ -19,7 +19,7 @@ from scipy.sparse import coo_matrix
 from autopar.errors import AutoParallelError
 from autopar.strategies.problem import Problem
 
-__all__ = ["solve", "solve_reduced", "milp_picks"]
+__all__ = ["solve", "milp_picks"]
 
 
 def milp_picks(costs: Sequence[np.ndarray], edges: Sequence[tuple[int, int, np.ndarray]], *,
@@ -104,12 +104,3 @@ def solve(problem: Problem, *, memory_limit: float | None = None,
                       memory=[v.memory for v in problem.vertices], limit=memory_limit,
                       time_limit=time_limit)
 
-
-def solve_reduced(core: list[int], cost: list[np.ndarray],
-                  adj: list[dict[int, np.ndarray]]) -> dict[int, int]:
-    """Exact picks for the vertices left after eliminations (used by dynamic_programming)."""
-    local = {v: i for i, v in enumerate(core)}
-    edges = [(local[x], local[y], m) for x in core for y, m in adj[x].items()
-             if y in local and x < y]
-    picks = milp_picks([cost[v] for v in core], edges)
-    return {v: picks[local[v]] for v in core}
