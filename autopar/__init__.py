@@ -6,27 +6,33 @@
 >>> ap.get_auto_parallel_context("device_num")
 8
 >>> ap.reset_auto_parallel_context()
+
+The top level is the user's API: the context and the algorithm parameters, tracing and
+annotations, search, the parallel function and the training steps, calibration, strategy
+files, the mode comparison and the errors. The rest lives in named submodules:
+
+- :mod:`autopar.hccl` -- HCCL's communication groups and gradient split strategies;
+- :mod:`autopar.simulation` -- the iteration and pipeline simulators, the split advisor,
+  gradient buckets;
+- :mod:`autopar.pipeline` -- the pipelined step's parts (schedules, stage partition, plans);
+- the building blocks by module: :mod:`autopar.rewrite`, :mod:`autopar.lower`,
+  :mod:`autopar.resolve`, :mod:`autopar.clusters`, :mod:`autopar.checkpoint`,
+  :mod:`autopar.strategies` (planning), :mod:`autopar.graph` (the IR), :mod:`autopar.models`.
 """
 
-from autopar.comm import (
-    DEFAULT_SPLIT_SIZES,
-    WORLD_GROUP,
-    SplitStrategy,
-    create_group,
-    destroy_group,
-    get_group_rank_from_world_rank,
-    get_rank_id,
-    get_rank_size,
-    get_split_strategy,
-    get_world_rank_from_group_rank,
-    reset_comm_groups,
-    set_split_strategy_by_idx,
-    set_split_strategy_by_size,
+from autopar import hccl, pipeline, simulation
+from autopar.algo import (
+    algo_parameters_context,
+    get_algo_parameters,
+    reset_algo_parameters,
+    set_algo_parameters,
 )
-from autopar.config import AutoParallelConfig
+from autopar.checkpoint import StrategyFileError, load_strategy, save_strategy
+from autopar.clusters import ClusterFileError, calibrate
+from autopar.compare import compare_modes
 from autopar.context import (
+    ParallelMode,
     auto_parallel_context,
-    current_config,
     get_auto_parallel_context,
     reset_auto_parallel_context,
     set_auto_parallel_context,
@@ -41,121 +47,35 @@ from autopar.errors import (
     UnknownKeyError,
     UnsupportedOperatorError,
 )
-from autopar.graph import Graph, Node, TensorSpec, Value, matmul, shard, trace
-from autopar.resolve import FusionSetting, ResolvedContext, resolve_context
-from autopar.strategies import CLUSTERS, Cluster, CostModel, DeviceMesh, Layout, Plan
-from autopar.clusters import calibrate
-from autopar.clusters import ClusterFileError, load_cluster, resolve_cluster, save_cluster
-from autopar.planner import search
 from autopar.export import in_shardings, to_jax_shardings
-from autopar.rewrite import rewrite
-from autopar.lower import lower
-from autopar.parallelize import parallelize
-from autopar import checkpoint
-from autopar.checkpoint import (StrategyFileError, load_strategy, read_strategy_file,
-                                save_strategy)
-from autopar.mindspore_import import MindSporeImport, import_mindspore_strategy
-from autopar.compare import ModeResult, compare_modes
-from autopar.step_inputs import broadcast_parameters
-from autopar.train import TrainStep, train_step
-from autopar.grad_sync import sync_gradients
-from autopar.fusion import Bucket, GradientBuckets, gradient_buckets
-from autopar.timeline import IterationTrace, plot_timeline, simulate
-from autopar.advisor import SplitAdvice, SplitComparison, advise_split, compare_splits
-from autopar.pipeline import (PackedParams, PipelinePlan, PipelineTrace, PipelineTrainStep,
-                              Schedule, pipeline_train_step, simulate_pipeline,
-                              simulate_schedule, schedule as pipeline_schedule)
-from autopar.strategies.stages import StagePartition
-from autopar.planner import partition_stages
+from autopar.graph import Graph, matmul, shard, trace
+from autopar.hccl import get_group_size, get_rank
+from autopar.mindspore_import import import_mindspore_strategy
+from autopar.parallel_function import parallelize
+from autopar.pipeline import pipeline_train_step
+from autopar.planner import search
+from autopar.resolve import resolve_context
+from autopar.strategies import CLUSTERS, Cluster, Plan
+from autopar.train import train_step
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AutoParallelConfig",
-    "CLUSTERS",
-    "Cluster",
-    "ClusterFileError",
-    "CostModel",
-    "calibrate",
-    "load_cluster",
-    "resolve_cluster",
-    "save_cluster",
-    "DeviceMesh",
-    "Layout",
-    "Plan",
-    "search",
-    "to_jax_shardings",
-    "in_shardings",
-    "rewrite",
-    "lower",
-    "parallelize",
-    "StrategyFileError",
-    "load_strategy",
-    "read_strategy_file",
-    "save_strategy",
-    "MindSporeImport",
-    "import_mindspore_strategy",
-    "ModeResult",
-    "compare_modes",
-    "train_step",
-    "TrainStep",
-    "broadcast_parameters",
-    "sync_gradients",
-    "Bucket",
-    "GradientBuckets",
-    "gradient_buckets",
-    "IterationTrace",
-    "plot_timeline",
-    "simulate",
-    "SplitAdvice",
-    "SplitComparison",
-    "advise_split",
-    "compare_splits",
-    "AutoParallelError",
-    "AutoParallelTypeError",
-    "AutoParallelWarning",
-    "AutoparError",
-    "CommGroupError",
-    "ContextConflictError",
-    "DEFAULT_SPLIT_SIZES",
-    "FusionSetting",
-    "Graph",
-    "Node",
-    "TensorSpec",
-    "Value",
-    "matmul",
-    "shard",
-    "trace",
-    "ResolvedContext",
-    "SplitStrategy",
-    "UnknownKeyError",
-    "UnsupportedOperatorError",
-    "WORLD_GROUP",
-    "auto_parallel_context",
-    "create_group",
-    "current_config",
-    "destroy_group",
-    "get_auto_parallel_context",
-    "get_group_rank_from_world_rank",
-    "get_rank_id",
-    "get_rank_size",
-    "get_split_strategy",
-    "get_world_rank_from_group_rank",
-    "reset_auto_parallel_context",
-    "reset_comm_groups",
-    "resolve_context",
-    "set_auto_parallel_context",
-    "set_split_strategy_by_idx",
-    "set_split_strategy_by_size",
-    "PackedParams",
-    "PipelinePlan",
-    "PipelineTrainStep",
-    "pipeline_train_step",
-    "PipelineTrace",
-    "simulate_pipeline",
-    "simulate_schedule",
-    "Schedule",
-    "pipeline_schedule",
-    "StagePartition",
-    "partition_stages",
+    # the context, the algorithm parameters, the communication queries
+    "ParallelMode", "auto_parallel_context", "get_auto_parallel_context",
+    "reset_auto_parallel_context", "resolve_context", "set_auto_parallel_context",
+    "algo_parameters_context", "get_algo_parameters", "reset_algo_parameters",
+    "set_algo_parameters", "get_group_size", "get_rank",
+    # trace, plan, run
+    "Graph", "matmul", "shard", "trace",
+    "CLUSTERS", "Cluster", "Plan", "calibrate", "compare_modes", "search",
+    "in_shardings", "parallelize", "pipeline_train_step", "to_jax_shardings", "train_step",
+    # strategy files
+    "import_mindspore_strategy", "load_strategy", "save_strategy",
+    # errors
+    "AutoParallelError", "AutoParallelTypeError", "AutoParallelWarning", "AutoparError",
+    "ClusterFileError", "CommGroupError", "ContextConflictError", "StrategyFileError",
+    "UnknownKeyError", "UnsupportedOperatorError",
+    # namespaces
+    "hccl", "pipeline", "simulation",
 ]

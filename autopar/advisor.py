@@ -38,7 +38,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from autopar.comm import DEFAULT_SPLIT_SIZES, MAX_SEGMENTS, WORLD_GROUP
+from autopar.hccl import DEFAULT_SPLIT_SIZES, MAX_SEGMENTS, WORLD_GROUP
 from autopar.context import current_config
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.fusion import (MB, Gradient, GradientBuckets, buckets_by_percent, buckets_by_size,
@@ -74,7 +74,7 @@ class SplitAdvice:
 
     def apply(self, group: str = WORLD_GROUP) -> None:
         """Set the advice as the group's HCCL split strategy (``set_split_strategy_by_size``)."""
-        from autopar.comm import set_split_strategy_by_size
+        from autopar.hccl import set_split_strategy_by_size
 
         set_split_strategy_by_size(list(self.percentages), group)
 

@@ -1,10 +1,11 @@
-"""The `autopar` command: demo, search, compare, run, trace, show.
+"""The `autopar` command: demo, search, compare, run, simulate, show, calibrate (verbs named
+after the API functions they call: autopar.search, autopar.simulation.simulate, ...).
 
     autopar demo                                   the main job end to end on 8 emulated devices
     autopar search  --model transformer -o layers=2 --devices 8 --mode dynamic_programming
     autopar compare --model mlp --devices 8 [--measure] [--out DIR]
     autopar run     --model mlp --devices 8 --steps 3 --check [--save FILE | --load FILE]
-    autopar trace   --model transformer --devices 8 [--out trace.json] [--png trace.png]
+    autopar simulate --model transformer --devices 8 [--out trace.json] [--png trace.png]
     autopar show    strategy.json
 
 ``--model`` is a zoo name (mlp, transformer, tfm_stack, resnet50; builder options with
@@ -299,7 +300,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------- trace / show
 
 
-def cmd_trace(args: argparse.Namespace) -> int:
+def cmd_simulate(args: argparse.Namespace) -> int:
     import autopar as ap
 
     _, _, graph, desc = _graph(args)
@@ -308,7 +309,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
         with Progress("search + simulate", 2) as bar:
             plan = ap.search(graph, mode=args.mode, cluster=cluster)
             bar.advance(plan.mode)
-            it = ap.simulate(graph, plan, buckets=args.buckets, cluster=cluster)
+            it = ap.simulation.simulate(graph, plan, buckets=args.buckets, cluster=cluster)
             bar.advance("iteration trace")
     _out(f"{desc}: {plan.summary()}\n")
     _out(it.summary())
@@ -456,7 +457,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "processes; other: leave JAX's platform alone (GPU/TPU hosts)")
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("trace", help="simulate one iteration: the seed's trace points")
+    p = sub.add_parser("simulate", help="simulate one iteration (autopar.simulation.simulate): "
+                       "the seed's trace points")
     _model_args(p)
     p.add_argument("--mode", choices=MODES, help="search mode (auto_parallel only)")
     p.add_argument("--buckets", choices=("context", "hccl", "none"), default="context",
@@ -464,7 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "strategy, or one per gradient")
     p.add_argument("--out", type=Path, help="write the Chrome trace JSON here")
     p.add_argument("--png", type=Path, help="draw the timeline PNG here (plot extra)")
-    p.set_defaults(func=cmd_trace)
+    p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("calibrate", help="measure these devices and fit the cost model")
     p.add_argument("--devices", type=positive_int, default=8,

@@ -212,7 +212,7 @@ NO_EFFECT_REASONS: dict[str, str] = {
     "schedules: each stage holds one contiguous part of the network and runs the chosen "
     "pipeline_scheduler without interleaving (same gradients, a larger bubble)",
     "auto_pipeline": "autopar does not choose the number of stages: pipeline_stages is used "
-    "as given (autopar.partition_stages searches where the stages begin)",
+    "as given (autopar.pipeline.partition_stages searches where the stages begin)",
     "force_fp32_communication": "autopar's collectives communicate in the tensor's own dtype; "
     "only gradient synchronisation is upcast, by gradient_fp32_sync (semi_auto_parallel / "
     "auto_parallel)",

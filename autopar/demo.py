@@ -75,7 +75,7 @@ def _demo(args: argparse.Namespace, out: Path, t_start: float) -> int:
     path, round_trip = _strategy_round_trip(graph, plan, out)  # 3. strategy file
     ok, predicted, measured = _train(args, best.mode)         # 4. train vs one device
     piped = _train_pipeline(args, best.mode)                  # 4b. the same, pipelined
-    it = ap.simulate(graph, plan, cluster=args.cluster)       # 5. iteration trace
+    it = ap.simulation.simulate(graph, plan, cluster=args.cluster)       # 5. iteration trace
     trace_path = it.write_chrome_trace(out / "trace.json")
     _out(f"\niteration trace of the best plan: {it.summary()}")
     _out(f"Chrome trace written: {trace_path} (open in ui.perfetto.dev)")
@@ -106,9 +106,9 @@ def _show_context(args: argparse.Namespace) -> None:
     _out(resolved.table())
     if args.cluster is None and not os.environ.get(CLUSTER_ENV):
         args.cluster = "calibrated"
-    args.cluster = ap.resolve_cluster(args.cluster)
+    args.cluster = ap.clusters.resolve_cluster(args.cluster)
     _out(f"\ncost model: {describe_cluster(args.cluster).splitlines()[0]}")
-    split = ap.get_split_strategy()
+    split = ap.hccl.get_split_strategy()
     _out(f"\nHCCL gradient split ({split.group}): {split.mode} {list(split.values)}"
          f"{' (default)' if split.is_default else ''}\n")
 

@@ -4,7 +4,7 @@
 input by value name; ``in_shardings(plan, mesh=None)`` arranges them like the example arguments,
 so ``jax.jit(fn, in_shardings=in_shardings(plan))`` runs the plan's data placement with XLA's
 own partitioner doing the rest. ``mesh``: a ``jax.sharding.Mesh`` with the plan's axis names
-and sizes (default: the first ``device_num`` devices, as :func:`autopar.lower` builds it).
+and sizes (default: the first ``device_num`` devices, as :func:`autopar.lower.lower` builds it).
 Kept beside lowering: planning (``autopar.strategies``) builds no JAX objects.
 
 >>> shardings = to_jax_shardings(plan)                # doctest: +SKIP

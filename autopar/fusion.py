@@ -63,7 +63,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Literal, Sequence
 
-from autopar.comm import MAX_SEGMENTS, WORLD_GROUP, check_percentages, get_split_strategy
+from autopar.hccl import MAX_SEGMENTS, WORLD_GROUP, check_percentages, get_split_strategy
 from autopar.errors import AutoParallelError, AutoParallelTypeError, found
 
 __all__ = [
@@ -354,7 +354,7 @@ def buckets_by_index(grads: Any, indices: Sequence[int], *,
             raise AutoParallelError(
                 key, idx, f"split indices must be in [1, {n}] for {n} gradients (index i "
                 f"closes a bucket before gradient i, in backward order); {bad} out of range",
-                f"Use indices below {n}; see autopar.gradient_buckets(...).table()")
+                f"Use indices below {n}; see autopar.simulation.gradient_buckets(...).table()")
         ends = [i for i in idx if i < n] + [n]
         src = source or f"MindSpore index split points {idx}"
     elif convention == "hccl":
@@ -481,7 +481,7 @@ def _setting(kind: str, resolved: Any) -> Any:
     from autopar.resolve import ResolvedContext
 
     if not isinstance(resolved, ResolvedContext):
-        raise AutoParallelTypeError("resolved", resolved, "an autopar.ResolvedContext "
+        raise AutoParallelTypeError("resolved", resolved, "an autopar.resolve.ResolvedContext "
                                     "(from autopar.resolve_context())")
     return getattr(resolved, f"{kind}_fusion")
 

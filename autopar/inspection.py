@@ -1,6 +1,7 @@
 """Inspecting a lowered program: its StableHLO text, its compiled text, its collectives.
 
-The one base of autopar's three compiled objects (:class:`autopar.parallelize.ParallelFunction`,
+The one base of autopar's three compiled objects
+(:class:`autopar.parallel_function.ParallelFunction`,
 :class:`autopar.train.TrainStep`, :class:`autopar.pipeline.step.PipelineTrainStep`): each
 says how it lowers its program for given arguments (``lower(*args)``, a
 ``jax.stages.Lowered``), and :class:`ProgramInspection` derives the rest from that, the same

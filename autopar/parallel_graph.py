@@ -1,6 +1,6 @@
 """ParallelGraph: the per-device program, with local shapes and explicit communication.
 
-:func:`autopar.rewrite` turns a traced :class:`~autopar.graph.ir.Graph` and a
+:func:`autopar.rewrite.rewrite` turns a traced :class:`~autopar.graph.ir.Graph` and a
 :class:`~autopar.strategies.plan.Plan` into a ParallelGraph: every value carries its global
 spec, its :class:`~autopar.strategies.layout.Layout` and its local (per-device) shape; every
 place where a producer's layout differs from what a consumer needs holds explicit

@@ -362,8 +362,8 @@ def _ends_of(model: _Model, buckets: Any) -> tuple[list[int], str]:
         seq, source = buckets, "explicit buckets"
     else:
         raise AutoParallelTypeError("buckets", buckets, "None, a policy name ('context', "
-                                    "'hccl', 'none'), autopar.gradient_buckets(...) or a list "
-                                    "of autopar.Bucket")
+                                    "'hccl', 'none'), autopar.simulation.gradient_buckets(...) "
+                                    "or a list of autopar.simulation.Bucket")
     flat = [name for b in seq for name in b.gradients]
     if flat != names:
         missing = sorted(set(names) - set(flat))[:3]
@@ -372,7 +372,7 @@ def _ends_of(model: _Model, buckets: Any) -> tuple[list[int], str]:
             "buckets", f"{len(seq)} buckets over {len(flat)} gradients",
             f"the buckets must hold every gradient of the graph exactly once, in backward "
             f"order ({len(names)} gradients; missing {missing}, unknown {extra})",
-            "Build them with autopar.gradient_buckets(graph, plan)")
+            "Build them with autopar.simulation.gradient_buckets(graph, plan)")
     ends, acc = [], 0
     for b in seq:
         if len(b.gradients) == 0:
@@ -388,8 +388,8 @@ def simulate(graph: Any, plan: Any = None, *, buckets: Any = None,
     """Simulate one iteration (see the module doc) and return its trace.
 
     ``buckets``: ``None`` or a policy name (``"context"``, ``"hccl"``, ``"none"``) to build
-    them with :func:`autopar.gradient_buckets`, or buckets you built (their boundaries are
-    used; bytes are those of this simulation). ``device_num``: with a plan, the plan's;
+    them with :func:`autopar.simulation.gradient_buckets`, or buckets you built (their
+    boundaries are used; bytes are those of this simulation). ``device_num``: with a plan, the plan's;
     without, the context's unless given.
     """
     from autopar.context import current_config
@@ -414,7 +414,8 @@ def plot_timeline(trace: IterationTrace, path: str | os.PathLike[str], *,
     seed's bp_end and Iteration_end marked; write a PNG. Needs matplotlib (the ``plot``
     extra: ``pip install 'autopar[plot]'``); no pyplot global state is touched."""
     if not isinstance(trace, IterationTrace):
-        raise AutoParallelTypeError("trace", trace, "an IterationTrace from autopar.simulate")
+        raise AutoParallelTypeError("trace", trace,
+                                    "an IterationTrace from autopar.simulation.simulate")
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure

@@ -7,7 +7,7 @@ does. Inside one ``jax.shard_map``, every device computes its **local** gradient
 dual: AllGather <-> ReduceScatter, AllReduce of a partial cotangent), seeding ``1 / device_num``
 so that a gradient is partial over exactly the mesh axes where its parameter is replicated
 (its sync axes, ``.sync_axes``). Those are then summed **explicitly**
-(:mod:`autopar.grad_sync`), in the buckets of :func:`autopar.gradient_buckets` under the
+(:mod:`autopar.grad_sync`), in the buckets of :func:`autopar.simulation.gradient_buckets` under the
 context (``.buckets``): one collective per bucket and sync-axes group (``.sync_groups``).
 With fusion configured (comm_fusion allreduce / all_reduce_fusion_config / an HCCL split
 strategy), each bucket is synchronised at a sync point inside backward, as soon as its last
@@ -34,7 +34,7 @@ to :class:`autopar.pipeline.step.PipelineTrainStep`). The context keys:
   are cast to fp32 for their AllReduce / ReduceScatter and cast back to the parameter dtype
   before the optimizer.
 - ``parameter_broadcast``: autopar takes one global parameter pytree, so every device starts
-  from the same values by construction; :func:`autopar.broadcast_parameters` makes this
+  from the same values by construction; :func:`autopar.step_inputs.broadcast_parameters` makes this
   explicit for arrays whose per-device copies may differ (rank 0's copy wins), and
   :meth:`TrainStep.prepare` applies it when the key is set.
 - ``dataset_strategy`` / ``full_batch`` / ``enable_alltoall``: chosen by the search (the
@@ -84,7 +84,7 @@ from autopar.inspection import ProgramInspection
 from autopar.optimizer_shard import (ShardDecision, decide_sharding, gather_parameters,
                                      scatter_gradients, state_shardings, storage_spec)
 from autopar.parallel_graph import ParallelGraph
-from autopar.parallelize import parallel_function
+from autopar.parallel_function import parallel_function
 from autopar.pipeline.step import PipelineTrainStep
 from autopar.step_inputs import (DEFAULT_LEARNING_RATE, broadcast_parameters, check_arrays,
                                  step_arguments)
@@ -100,7 +100,7 @@ def train_body(pg: ParallelGraph, *flat: Any,
                before_node: Callable[[int, Any, dict[str, Any]], None] | None = None) \
         -> tuple[Any, ...]:
     """``lower.run_body`` for training: the AllReduce producing the loss is differentiated
-    without a second AllReduce (:func:`autopar.lower.final_psum`); ``before_node`` inserts
+    without a second AllReduce (:func:`autopar.lower.lower.final_psum`); ``before_node`` inserts
     the gradient sync points; everything else is the same program."""
     final = replicated_tails(pg)
 

@@ -45,7 +45,7 @@ from jax.sharding import PartitionSpec
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.graph.ir import Graph
-from autopar.graph.trace import trace
+from autopar.graph.tracer import trace
 from autopar.lower import block_index
 from autopar.parallel_graph import ParallelGraph
 

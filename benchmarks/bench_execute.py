@@ -7,8 +7,8 @@ are medians over rounds and ``autopar / gspmd`` is the median over rounds of the
 same round (the machine is shared, so paired ratios are steadier than ratios of medians):
 
 - ``autopar``: ``jax.value_and_grad`` of the lowered ``shard_map`` program
-  (the default path: plans priced on this machine's calibration, and :func:`autopar.rewrite`
-  deciding fused kernels on the same cluster; :func:`autopar.lower`: explicit collectives,
+  (the default path: plans priced on this machine's calibration, and :func:`autopar.rewrite.rewrite`
+  deciding fused kernels on the same cluster; :func:`autopar.lower.lower`: explicit collectives,
   local shapes), arguments placed
   on the plan's layouts; the gradient synchronisation is the one ``shard_map``'s transpose
   inserts;
@@ -156,8 +156,8 @@ def _programs(make: Callable[[], Any], ctx: dict) -> tuple[dict[str, Callable[[]
         tstep = ap.train_step(m.loss, params, batch, opt)
     # the default path: the plan priced on this machine's calibration (or its platform's
     # preset), and the fused kernels decided on the same cluster
-    pg = ap.rewrite(fn.graph, fn.plan)
-    lowered = ap.lower(pg)
+    pg = ap.rewrite.rewrite(fn.graph, fn.plan)
+    lowered = ap.lower.lower(pg)
     mesh = lowered.mesh
     n_p = len(jax.tree.leaves(params))
     state = opt.init(jax.tree.leaves(params))

@@ -136,7 +136,7 @@ def simulate_splits(quick: bool = False) -> None:
         graph = ap.trace(model.loss, *jax.eval_shape(model.example_args, jax.random.key(0)))
         for n in devices:
             t0 = time.perf_counter()
-            cmp = ap.compare_splits(graph, device_num=n, cluster="accelerator-8x")
+            cmp = ap.simulation.compare_splits(graph, device_num=n, cluster="accelerator-8x")
             seconds = time.perf_counter() - t0
             adv = cmp.advice
             t = adv.trace
@@ -225,7 +225,7 @@ def measure_sync(repeat: int = 5) -> list[dict]:
     graph = ap.trace(model.loss, *jax.eval_shape(model.example_args, jax.random.key(0)))
     order = list(graph.gradient_order())
     grads = [(n, graph.spec(n).nbytes) for n in order]
-    advice = ap.advise_split(graph, device_num=8)
+    advice = ap.simulation.advise_split(graph, device_num=8)
     configs = {
         "xla_combiner_161_psums": None,
         "autopar_64MB_auto": buckets_by_size(grads, 64 * 2**20),

@@ -16,8 +16,8 @@ arguments: parameters, state, batch). ``step_ms``: median wall time of a step, t
 round-robin (7 rounds) so that they share the machine's noise (2 CPU cores shared by 8
 emulated devices: compare ratios, not absolutes).
 
-Simulated: :func:`autopar.simulate` (data parallel, HCCL default split, all-reduce overlapped
-with backward) vs :func:`autopar.simulate_pipeline` (1F1B, the stage search's cuts,
+Simulated: :func:`autopar.simulation.simulate` (data parallel, HCCL default split, all-reduce overlapped
+with backward) vs :func:`autopar.simulation.simulate_pipeline` (1F1B, the stage search's cuts,
 data parallel inside stages, gradient all-reduce after the last backward), a 24-layer GPT
 (hidden 1024, seq 512), global batch 4 x devices sequences in every configuration
 (``m = 2p`` micro-batches, 2 sequences per device per micro-batch).
@@ -176,12 +176,12 @@ def simulated(quick: bool) -> list[dict[str, Any]]:
             if pp == 1:
                 with ap.auto_parallel_context(device_num=n, parallel_mode="data_parallel"):
                     plan = ap.search(g, device_num=n)
-                t = ap.simulate(g, plan, buckets="hccl", cluster="accelerator-8x")
+                t = ap.simulation.simulate(g, plan, buckets="hccl", cluster="accelerator-8x")
                 sim, bubble = t.iteration_time, 0.0
                 base = sim
                 sched = "-"
             else:
-                t = ap.simulate_pipeline(g, pp, micro_batches=m, schedule="1f1b",
+                t = ap.simulation.simulate_pipeline(g, pp, micro_batches=m, schedule="1f1b",
                                          device_num=n, cluster="accelerator-8x")
                 sim, bubble, sched = t.iteration_time, t.bubble, "1f1b"
             rows.append({"kind": "simulated", "config": f"dp{dp}" + (f" x pp{pp}" if pp > 1

@@ -232,7 +232,7 @@ def short_repr(value: Any, limit: int = 60) -> str:
 
 #: Every key of set_auto_parallel_context (``auto_parallel_search_mode`` is a view of
 #: ``search_mode``, read through it: reading the alias itself warns).
-CONTEXT_KEYS = (*ap.AutoParallelConfig.model_fields, "all_reduce_fusion_config")
+CONTEXT_KEYS = (*ap.config.AutoParallelConfig.model_fields, "all_reduce_fusion_config")
 ALL_KEYS = (*CONTEXT_KEYS, "auto_parallel_search_mode")
 BASE_CONTEXT: dict[str, Any] = {
     "device_num": 8, "global_rank": 1, "parallel_mode": "semi_auto_parallel",
@@ -247,12 +247,12 @@ def set_baseline() -> None:
     """A non-default context and HCCL state (so that a partial change shows): every case
     starts from it."""
     ap.reset_auto_parallel_context()
-    ap.reset_comm_groups()
+    ap.hccl.reset_comm_groups()
     ap.set_auto_parallel_context(**BASE_CONTEXT)
     for name, ranks in BASE_GROUPS.items():
-        ap.create_group(name, ranks)
-    ap.set_split_strategy_by_size([60, 40])
-    ap.set_split_strategy_by_idx([1, 5], "tp0")
+        ap.hccl.create_group(name, ranks)
+    ap.hccl.set_split_strategy_by_size([60, 40])
+    ap.hccl.set_split_strategy_by_idx([1, 5], "tp0")
 
 
 def _try(fn: Callable[..., Any], *args: Any) -> str:
@@ -266,8 +266,8 @@ def process_state(groups: Iterable[str] = ()) -> dict[str, str]:
     """The context, the HCCL state, the AUTOPAR_* environment and /dev/null, as text."""
     out = {f"context {k}": _try(ap.get_auto_parallel_context, k) for k in CONTEXT_KEYS}
     out["explicit keys"] = repr(sorted(explicit_keys()))
-    for g in dict.fromkeys((ap.WORLD_GROUP, *BASE_GROUPS, *groups)):
-        for fn in (ap.get_rank_size, ap.get_rank_id, ap.get_split_strategy):
+    for g in dict.fromkeys((ap.hccl.WORLD_GROUP, *BASE_GROUPS, *groups)):
+        for fn in (ap.hccl.get_rank_size, ap.hccl.get_rank_id, ap.hccl.get_split_strategy):
             out[f"{fn.__name__}({g!r})"] = _try(fn, g)
     out.update({f"env {k}": v for k, v in os.environ.items() if k.startswith("AUTOPAR")})
     st = os.stat("/dev/null")
@@ -355,7 +355,7 @@ def fixture() -> SimpleNamespace:
         "dynamic_programming"
     with plain_context(parallel_mode="data_parallel"):
         step = ap.train_step(m.loss, params, (x,), cluster=CLUSTER)
-    cluster = ap.resolve_cluster(CLUSTER)
+    cluster = ap.clusters.resolve_cluster(CLUSTER)
     return SimpleNamespace(
         model=m, params=params, x=x, graph=graph, plan=plan, doc=doc,
         valid=dumps_strategy(doc).encode(),
@@ -599,23 +599,23 @@ def _hccl(label: str, fn: Callable[[], Any], names: tuple[str, ...],
 def hccl_cases() -> list[Case]:
     """The HCCL split API and communication groups: bad lists, order, segments, names."""
     cases = [_hccl(f"set_split_strategy_by_size({short_repr(v)})",
-                   partial(ap.set_split_strategy_by_size, v), ("dataSizeList",))
+                   partial(ap.hccl.set_split_strategy_by_size, v), ("dataSizeList",))
              for v in BAD_SIZES]
     cases += [_hccl(f"set_split_strategy_by_idx({short_repr(v)})",
-                    partial(ap.set_split_strategy_by_idx, v), ("idxList",)) for v in BAD_IDX]
+                    partial(ap.hccl.set_split_strategy_by_idx, v), ("idxList",)) for v in BAD_IDX]
     for g in [*BAD_GROUP_NAMES, "nosuch"]:
         shown = short_repr(g, 30)
         cases += [_hccl(f"set_split_strategy_by_size([50, 50], {shown})",
-                        partial(ap.set_split_strategy_by_size, [50, 50], g), ("group",), [g]),
+                        partial(ap.hccl.set_split_strategy_by_size, [50, 50], g), ("group",), [g]),
                   _hccl(f"set_split_strategy_by_idx([1, 2], {shown})",
-                        partial(ap.set_split_strategy_by_idx, [1, 2], g), ("group",), [g]),
-                  _hccl(f"destroy_group({shown})", partial(ap.destroy_group, g), ("group",), [g]),
-                  _hccl(f"get_rank_size({shown})", partial(ap.get_rank_size, g), ("group",),
+                        partial(ap.hccl.set_split_strategy_by_idx, [1, 2], g), ("group",), [g]),
+                  _hccl(f"destroy_group({shown})", partial(ap.hccl.destroy_group, g), ("group",), [g]),
+                  _hccl(f"get_rank_size({shown})", partial(ap.hccl.get_rank_size, g), ("group",),
                         [g])]
         if g != "nosuch":
             cases.append(_hccl(f"create_group({shown}, [0, 1])",
-                               partial(ap.create_group, g, [0, 1]), ("group",), [g]))
-    cases += [_hccl(f"create_group('newgrp', {r!r})", partial(ap.create_group, "newgrp", r),
+                               partial(ap.hccl.create_group, g, [0, 1]), ("group",), [g]))
+    cases += [_hccl(f"create_group('newgrp', {r!r})", partial(ap.hccl.create_group, "newgrp", r),
                     ("rank_ids",), ["newgrp"]) for r in BAD_RANKS]
     return cases + hccl_rule_cases()
 
@@ -629,27 +629,27 @@ def hccl_rule_cases() -> list[Case]:
         return call
 
     return [
-        _hccl("create_group('tp0', ...) again", partial(ap.create_group, "tp0", [0, 1]),
+        _hccl("create_group('tp0', ...) again", partial(ap.hccl.create_group, "tp0", [0, 1]),
               ("tp0",)),
-        _hccl("create_group(hccl_world_group)", partial(ap.create_group, ap.WORLD_GROUP, [0]),
-              (ap.WORLD_GROUP,)),
-        _hccl("destroy_group(hccl_world_group)", partial(ap.destroy_group, ap.WORLD_GROUP),
-              (ap.WORLD_GROUP,)),
-        _hccl("get_rank_id('evens') from rank 1", partial(ap.get_rank_id, "evens"), ("evens",)),
+        _hccl("create_group(hccl_world_group)", partial(ap.hccl.create_group, ap.hccl.WORLD_GROUP, [0]),
+              (ap.hccl.WORLD_GROUP,)),
+        _hccl("destroy_group(hccl_world_group)", partial(ap.hccl.destroy_group, ap.hccl.WORLD_GROUP),
+              (ap.hccl.WORLD_GROUP,)),
+        _hccl("get_rank_id('evens') from rank 1", partial(ap.hccl.get_rank_id, "evens"), ("evens",)),
         _hccl("set_split_strategy_by_size on a group the caller is not in",
-              partial(ap.set_split_strategy_by_size, [50, 50], "evens"), ("evens",)),
+              partial(ap.hccl.set_split_strategy_by_size, [50, 50], "evens"), ("evens",)),
         _hccl("set_split_strategy_by_idx on a group the caller is not in",
-              partial(ap.set_split_strategy_by_idx, [1, 2], "evens"), ("evens",)),
+              partial(ap.hccl.set_split_strategy_by_idx, [1, 2], "evens"), ("evens",)),
         *(_hccl(f"get_group_rank_from_world_rank({r!r}, 'tp0')",
-                partial(ap.get_group_rank_from_world_rank, r, "tp0"), ("world_rank_id",))
+                partial(ap.hccl.get_group_rank_from_world_rank, r, "tp0"), ("world_rank_id",))
           for r in (9, -1, 1.0, True, "1", None)),
         *(_hccl(f"get_world_rank_from_group_rank('tp0', {r!r})",
-                partial(ap.get_world_rank_from_group_rank, "tp0", r), ("group_rank_id",))
+                partial(ap.hccl.get_world_rank_from_group_rank, "tp0", r), ("group_rank_id",))
           for r in (4, -1, 1.0, True, "0", None)),
-        _hccl("get_rank_size('tp0') after device_num=2", shrunk(partial(ap.get_rank_size, "tp0")),
+        _hccl("get_rank_size('tp0') after device_num=2", shrunk(partial(ap.hccl.get_rank_size, "tp0")),
               ("tp0",)),
         _hccl("set_split_strategy_by_idx on 'tp0' after device_num=2",
-              shrunk(partial(ap.set_split_strategy_by_idx, [1, 2], "tp0")), ("tp0",)),
+              shrunk(partial(ap.hccl.set_split_strategy_by_idx, [1, 2], "tp0")), ("tp0",)),
     ]
 
 
@@ -930,9 +930,9 @@ def calibration_cases(quick: bool) -> list[Case]:
     mutations = [*truncations(data, 4 if quick else 20), *flips(data, 4 if quick else 20, rng),
                  *field_edits(fx.cluster_doc, 4 if quick else 16, rng),
                  *number_edits(fx.cluster_doc, 2 if quick else 8, rng)]
-    cases = [_file_load("calibration files", label, d, ap.load_cluster, as_in_file,
+    cases = [_file_load("calibration files", label, d, ap.clusters.load_cluster, as_in_file,
                         ap.ClusterFileError) for label, d in mutations]
-    return cases + _reader_paths("calibration files", data, ap.load_cluster, as_in_file,
+    return cases + _reader_paths("calibration files", data, ap.clusters.load_cluster, as_in_file,
                                  ap.ClusterFileError, "path")
 
 
@@ -951,7 +951,7 @@ def savers() -> dict[str, tuple[str, Callable[[Any], Any], bytes]]:
         "write_text_atomic": ("path", lambda p: write_text_atomic(p, "{}\n"), b"{}\n"),
         "save_strategy": ("strategy_ckpt_save_file",
                           lambda p: ap.save_strategy(fx.plan, fx.graph, p), fx.valid),
-        "save_cluster": ("path", lambda p: ap.save_cluster(fx.cluster, p), fx.cluster_bytes),
+        "save_cluster": ("path", lambda p: ap.clusters.save_cluster(fx.cluster, p), fx.cluster_bytes),
         "search(strategy_ckpt_save_file)": ("strategy_ckpt_save_file", via_search, fx.valid),
     }
 
@@ -1256,7 +1256,7 @@ CLI = [
     (["search", "--model", "mlp", "--load", "s.json", "--mode", "exact"], "--mode"),
     (["search", "--model", "mlp", "--cluster", "nosuchcluster"], "nosuchcluster"),
     (["search", "--model", "mlp", "--cluster", "garbage.json"], "garbage.json"),
-    (["trace", "--model", "mlp", "--buckets", "bogus"], "--buckets"),
+    (["simulate", "--model", "mlp", "--buckets", "bogus"], "--buckets"),
     (["calibrate", "--budget", "-1"], "--budget"),
     (["calibrate", "--budget", "nan"], "--budget"),
     (["show", "t-fifo.json"], "t-fifo.json"),

@@ -283,8 +283,8 @@ def partition_stages(graph: Graph, stages: int, *, device_num: int, cluster: Clu
                      boundaries: Sequence[str | int] | None = None,
                      micro_batches: int | None = None) -> StagePartition:
     """Cut ``graph`` into ``stages`` pipeline stages of ``device_num / stages`` devices each,
-    priced on ``cluster`` (see the module docstring; :func:`autopar.partition_stages` is the
-    entry point that takes both from the context). ``boundaries``: fix the cuts instead of
+    priced on ``cluster`` (see the module docstring; :func:`autopar.pipeline.partition_stages`
+    is the entry point that takes both from the context). ``boundaries``: fix the cuts instead of
     searching them. ``micro_batches``: ``m`` of the objective (default ``stages``).
     """
     if not isinstance(graph, Graph):

@@ -22,7 +22,7 @@ def _fresh_context():
     import autopar
 
     autopar.reset_auto_parallel_context()
-    autopar.reset_comm_groups()
+    autopar.hccl.reset_comm_groups()
     yield
     autopar.reset_auto_parallel_context()
-    autopar.reset_comm_groups()
+    autopar.hccl.reset_comm_groups()

@@ -218,7 +218,7 @@ def test_elementwise_follow_keeps_user_strategies_and_only_acts_in_auto_parallel
 
 def test_search_settings_carry_the_parameters():
     assert SearchSettings().elementwise_op_strategy_follow is False
-    cfg = ap.current_config()
+    cfg = ap.context.current_config()
     s = SearchSettings.from_config(cfg, fully_use_devices=False,
                                    elementwise_op_strategy_follow=True)
     assert (s.fully_use_devices, s.elementwise_op_strategy_follow) == (False, True)

@@ -114,10 +114,10 @@ def test_update_and_launch_are_priced():
 
 def test_calibration_file_round_trips_byte_identically(tmp_path):
     c = _measured(calibration=None)
-    p1 = ap.save_cluster(c, tmp_path / "a.json")
+    p1 = ap.clusters.save_cluster(c, tmp_path / "a.json")
     back = load_cluster(p1)
     assert back == c
-    p2 = ap.save_cluster(back, tmp_path / "b.json")
+    p2 = ap.clusters.save_cluster(back, tmp_path / "b.json")
     assert p1.read_bytes() == p2.read_bytes()
 
 
@@ -131,7 +131,7 @@ def test_calibration_file_round_trips_byte_identically(tmp_path):
     (lambda t: "[" * 100000, "<json>"),
 ])
 def test_corrupt_calibration_file_names_the_file_and_field(tmp_path, mutate, field):
-    path = ap.save_cluster(_measured(), tmp_path / "c.json")
+    path = ap.clusters.save_cluster(_measured(), tmp_path / "c.json")
     path.write_text(mutate(path.read_text()))
     with pytest.raises(ClusterFileError) as info:
         load_cluster(path)
@@ -148,7 +148,7 @@ def test_calibration_file_special_and_missing_paths(tmp_path):
     with pytest.raises(ClusterFileError, match="regular file"):
         load_cluster(fifo)
     with pytest.raises(ap.AutoParallelError, match="regular file"):
-        ap.save_cluster(_measured(), fifo)
+        ap.clusters.save_cluster(_measured(), fifo)
     big = tmp_path / "big.json"
     big.write_bytes(b" " * (clusters.MAX_FILE_BYTES + 1))
     with pytest.raises(ClusterFileError, match="at most"):
@@ -186,7 +186,7 @@ def test_a_cached_calibration_is_the_default(unpinned, capsys):
 
 
 def test_env_pin_and_explicit_forms(unpinned, tmp_path, monkeypatch, capsys):
-    path = ap.save_cluster(_measured(), tmp_path / "mine.json")
+    path = ap.clusters.save_cluster(_measured(), tmp_path / "mine.json")
     monkeypatch.setenv(clusters.CLUSTER_ENV, str(path))
     assert resolve_cluster(None).name == "measured"
     assert resolve_cluster("accelerator-8x").name == "accelerator-8x"
@@ -203,7 +203,7 @@ def test_plan_records_and_file_carries_the_cluster(tmp_path):
 
     g = ap.trace(lambda p, x: jnp.sum((x @ p["w"]) ** 2), {"w": jnp.ones((64, 64))},
                  jnp.ones((16, 64)))
-    path = ap.save_cluster(_measured(), tmp_path / "mine.json")
+    path = ap.clusters.save_cluster(_measured(), tmp_path / "mine.json")
     with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel"):
         plan = ap.search(g, cluster=str(path))
     assert plan.cluster == "measured"
@@ -247,7 +247,7 @@ def test_iteration_trace_agrees_with_the_plan():
     for pmode in ("data_parallel", "auto_parallel"):
         with ap.auto_parallel_context(device_num=8, parallel_mode=pmode):
             plan = ap.search(g, cluster=clus)
-        t = ap.simulate(g, plan, buckets="none", overlap=False)
+        t = ap.simulation.simulate(g, plan, buckets="none", overlap=False)
         assert t.cluster == "measured"  # the plan's own cluster
         assert t.step_time == pytest.approx(plan.cost.total, rel=1e-9), pmode
 
@@ -270,7 +270,7 @@ def test_ring_kernels_follow_the_measured_overlap():
         clus = acc.model_copy(update={"name": f"overlap-{overlap}", "overlap": overlap})
         with ap.auto_parallel_context(device_num=4, parallel_mode="semi_auto_parallel"):
             plan = ap.search(g, fixed=fixed, cluster=clus)
-        fused[overlap] = len(ap.rewrite(g, plan, fused_kernels="auto").fused_nodes())
+        fused[overlap] = len(ap.rewrite.rewrite(g, plan, fused_kernels="auto").fused_nodes())
     assert fused == {0.0: 0, 1.0: 2}
 
 

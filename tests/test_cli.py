@@ -141,7 +141,7 @@ def test_run_checks_against_one_device(tmp_path, capsys):
 
 def test_trace_writes_chrome_trace(tmp_path, capsys):
     out = tmp_path / "t.json"
-    assert main(["trace", *SMALL_TFM, "--devices", "8", "--out", str(out), "--buckets",
+    assert main(["simulate", *SMALL_TFM, "--devices", "8", "--out", str(out), "--buckets",
                  "hccl"]) == 0
     text = capsys.readouterr().out
     assert "bp_end" in text and "Iteration_end" in text and "iteration" in text
@@ -205,7 +205,7 @@ def test_python_dash_m_matches_console_script():
     p = subprocess.run([sys.executable, "-m", "autopar", "--help"], capture_output=True,
                        text=True, timeout=120, env=env)
     assert p.returncode == 0
-    for cmd in ("demo", "search", "compare", "run", "trace", "show"):
+    for cmd in ("demo", "search", "compare", "run", "simulate", "show"):
         assert cmd in p.stdout
 
 
@@ -290,9 +290,9 @@ def test_unwritable_outputs_are_clean_errors(tmp_path, capsys):
                  str(existing)]) == 2
     err = capsys.readouterr().err
     assert "autopar compare: error:" in err and "afile" in err and "Traceback" not in err
-    assert main(["trace", *SMALL_MLP, "--out", str(tmp_path / "nodir" / "t.json")]) == 2
+    assert main(["simulate", *SMALL_MLP, "--out", str(tmp_path / "nodir" / "t.json")]) == 2
     err = capsys.readouterr().err
-    assert "autopar trace: error:" in err and "Traceback" not in err
+    assert "autopar simulate: error:" in err and "Traceback" not in err
 
 
 def test_compare_records_the_command_it_was_given(tmp_path):
@@ -348,7 +348,7 @@ def test_calibrate_command_writes_a_loadable_file(tmp_path, capsys, monkeypatch)
                  str(out)]) == 0
     text = capsys.readouterr().out
     assert "calibrated-cpu-2 (calibrated)" in text and "all_reduce" in text
-    assert ap.load_cluster(out).name == "calibrated-cpu-2"
+    assert ap.clusters.load_cluster(out).name == "calibrated-cpu-2"
     assert main(["search", *SMALL_MLP, "--cluster", str(out)]) == 0
     assert "cluster calibrated-cpu-2" in capsys.readouterr().out
     assert main(["calibrate", "--budget", "-1"]) == 2
@@ -397,5 +397,5 @@ def test_cli_output_says_what_happened(tmp_path, capsys):
     for name, p in sub.choices.items():
         for action in p._actions:
             assert action.help, f"autopar {name} {action.option_strings or action.dest}"
-            if "--load" in (action.help or "") and name in ("compare", "trace"):
+            if "--load" in (action.help or "") and name in ("compare", "simulate"):
                 raise AssertionError(f"autopar {name} help mentions --load")

@@ -537,7 +537,7 @@ def test_threads_hold_different_configurations():
 
 
 def test_config_object_is_frozen():
-    cfg = ap.current_config()
+    cfg = ap.context.current_config()
     with pytest.raises(Exception):
         cfg.device_num = 3  # type: ignore[misc]
 
@@ -568,9 +568,9 @@ def test_messages_name_what_was_set():
                                                                      "config": "x"}}),
      "'x' (str) at config"),
     (lambda: ap.set_auto_parallel_context(comm_fusion={3: {}}), "the key 3 (int)"),
-    (lambda: ap.set_split_strategy_by_idx([50, "x"]), "'x' (str) at [1]"),
-    (lambda: ap.set_split_strategy_by_size([50, None]), "None (NoneType) at [1]"),
-    (lambda: ap.create_group("g", [0, 1.0]), "1.0 (float) at [1]"),
+    (lambda: ap.hccl.set_split_strategy_by_idx([50, "x"]), "'x' (str) at [1]"),
+    (lambda: ap.hccl.set_split_strategy_by_size([50, None]), "None (NoneType) at [1]"),
+    (lambda: ap.hccl.create_group("g", [0, 1.0]), "1.0 (float) at [1]"),
     (lambda: check_strategy_shape(((2, 1), (1, "4")), None, "matmul"), "'4' (str) at [1][1]"),
     (lambda: check_strategy_shape(((2, 1), 4), None, "matmul"), "4 (int) at [1]"),
 ])

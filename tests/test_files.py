@@ -88,18 +88,18 @@ def test_strategy_files_are_read_with_a_cap_and_depth_safe(tmp_path, monkeypatch
     deep = tmp_path / "deep.json"
     deep.write_text("[" * 100000)
     with pytest.raises(ap.StrategyFileError) as info:
-        ap.read_strategy_file(deep)
+        ap.checkpoint.read_strategy_file(deep)
     assert info.value.field == "<json>"
     monkeypatch.setenv("AUTOPAR_MAX_FILE_BYTES", "1000")
     with pytest.raises(ap.StrategyFileError, match="at most 1000 bytes"):
-        ap.read_strategy_file(deep)
+        ap.checkpoint.read_strategy_file(deep)
     fifo = tmp_path / "plan.json"
     os.mkfifo(fifo)
     with pytest.raises(ap.StrategyFileError, match="regular file"):
-        ap.read_strategy_file(fifo)
+        ap.checkpoint.read_strategy_file(fifo)
     monkeypatch.setenv("AUTOPAR_MAX_FILE_BYTES", "lots")
     with pytest.raises(ap.AutoParallelError, match="AUTOPAR_MAX_FILE_BYTES"):
-        ap.read_strategy_file(deep)
+        ap.checkpoint.read_strategy_file(deep)
 
 
 def test_quick_benchmark_runs_write_to_scratch(monkeypatch, tmp_path, capsys):

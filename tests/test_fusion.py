@@ -52,7 +52,7 @@ def test_resnet50_gradients_in_backward_order(graph, grads):
 
 
 def test_hccl_default_split_96_54_3_46(grads):
-    b = ap.gradient_buckets(grads, policy="hccl")
+    b = ap.simulation.gradient_buckets(grads, policy="hccl")
     assert b.mode == "hccl_size" and "default" in b.source
     assert b.ends == (109, 161)
     check_partition(b, 161)
@@ -66,8 +66,8 @@ def test_hccl_default_split_96_54_3_46(grads):
 
 def test_hccl_index_20_100_159(grads):
     ap.set_auto_parallel_context(device_num=8)
-    ap.set_split_strategy_by_idx([20, 100, 159])
-    b = ap.gradient_buckets(grads)
+    ap.hccl.set_split_strategy_by_idx([20, 100, 159])
+    b = ap.simulation.gradient_buckets(grads)
     assert b.mode == "hccl_index"
     assert [(x.first, x.last) for x in b] == [(0, 20), (21, 100), (101, 159), (160, 160)]
     check_partition(b, 161)
@@ -78,7 +78,7 @@ def test_hccl_index_20_100_159(grads):
 
 def test_all_reduce_fusion_config_20_35(grads):
     ap.set_auto_parallel_context(device_num=8, all_reduce_fusion_config=[20, 35])
-    b = ap.gradient_buckets(grads)
+    b = ap.simulation.gradient_buckets(grads)
     assert b.mode == "index" and "all_reduce_fusion_config" in b.source
     assert [(x.first, x.last) for x in b] == [(0, 19), (20, 34), (35, 160)]
     assert b.fusion_config == (20, 35)
@@ -86,7 +86,7 @@ def test_all_reduce_fusion_config_20_35(grads):
     # comm_fusion's index mode is the same setting
     ap.reset_auto_parallel_context()
     ap.set_auto_parallel_context(comm_fusion={"allreduce": {"mode": "index", "config": [20, 35]}})
-    assert ap.gradient_buckets(grads).ends == b.ends
+    assert ap.simulation.gradient_buckets(grads).ends == b.ends
     # MindSpore's own example [8, 160] on 161 gradients; a point equal to n leaves no rest
     assert buckets_by_index(grads, [8, 160]).ends == (8, 160, 161)
     assert buckets_by_index(grads, [8, 161]).ends == (8, 161)
@@ -102,7 +102,7 @@ def greedy_ok(b, threshold):
 @pytest.mark.parametrize("config", [{"mode": "size", "config": 64}, {"mode": "auto"}])
 def test_size_64mb_and_auto(grads, config):
     ap.set_auto_parallel_context(comm_fusion={"allreduce": config})
-    b = ap.gradient_buckets(grads)
+    b = ap.simulation.gradient_buckets(grads)
     assert b.mode == config["mode"]
     check_partition(b, 161)
     greedy_ok(b, 64 * MB)
@@ -113,7 +113,7 @@ def test_size_64mb_and_auto(grads, config):
 def test_gradient_larger_than_threshold_gets_its_own_bucket(grads):
     """fc/w is 7.8 MB: with a 1 MB threshold it is never split and never merged."""
     ap.set_auto_parallel_context(comm_fusion={"allreduce": {"mode": "size", "config": 1}})
-    b = ap.gradient_buckets(grads)
+    b = ap.simulation.gradient_buckets(grads)
     check_partition(b, 161)
     greedy_ok(b, 1 * MB)
     fc = next(x for x in b if "params/fc/w" in x.gradients)
@@ -125,52 +125,52 @@ def test_gradient_larger_than_threshold_gets_its_own_bucket(grads):
 
 
 def test_fusion_closed_and_none(grads):
-    b = ap.gradient_buckets(grads)  # nothing set: fusion closed
+    b = ap.simulation.gradient_buckets(grads)  # nothing set: fusion closed
     assert len(b) == 161 and b.mode == "none" and "fusion closed" in b.source
-    assert ap.gradient_buckets(grads, policy="none").ends == b.ends
+    assert ap.simulation.gradient_buckets(grads, policy="none").ends == b.ends
     assert buckets_per_gradient(grads).ends == tuple(range(1, 162))
 
 
 def test_precedence(grads):
     ap.set_auto_parallel_context(device_num=8)
     # HCCL size wins over HCCL index
-    ap.set_split_strategy_by_idx([20, 100, 159])
-    ap.set_split_strategy_by_size([60, 20, 20])
-    b = ap.gradient_buckets(grads)
+    ap.hccl.set_split_strategy_by_idx([20, 100, 159])
+    ap.hccl.set_split_strategy_by_size([60, 20, 20])
+    b = ap.simulation.gradient_buckets(grads)
     assert b.mode == "hccl_size" and "ignored" in b.source
     assert b.ends == buckets_by_percent(grads, [60, 20, 20]).ends
     # comm_fusion in the context wins over any HCCL strategy
     ap.set_auto_parallel_context(all_reduce_fusion_config=[20, 35])
-    assert ap.gradient_buckets(grads).ends == (20, 35, 161)
+    assert ap.simulation.gradient_buckets(grads).ends == (20, 35, 161)
     # policy="hccl" uses HCCL's effective strategy (comm_fusion not consulted)
-    assert ap.gradient_buckets(grads, policy="hccl").ends == b.ends
-    ap.reset_comm_groups()
-    assert ap.gradient_buckets(grads, policy="hccl").ends == (109, 161)  # the default
-    assert ap.gradient_buckets(grads).ends == (20, 35, 161)
+    assert ap.simulation.gradient_buckets(grads, policy="hccl").ends == b.ends
+    ap.hccl.reset_comm_groups()
+    assert ap.simulation.gradient_buckets(grads, policy="hccl").ends == (109, 161)  # the default
+    assert ap.simulation.gradient_buckets(grads).ends == (20, 35, 161)
     # a resolved context replaces the current one
     with ap.auto_parallel_context(parallel_mode="data_parallel", comm_fusion={
             "allreduce": {"mode": "index", "config": [5]}}):
         resolved = ap.resolve_context()
-    assert ap.gradient_buckets(grads, resolved=resolved).ends == (5, 161)
+    assert ap.simulation.gradient_buckets(grads, resolved=resolved).ends == (5, 161)
 
 
 def test_group_strategies_are_per_group(grads):
     ap.set_auto_parallel_context(device_num=8)
-    ap.create_group("dp", [0, 1, 2, 3])
-    ap.set_split_strategy_by_size([50, 50], "dp")
-    assert len(ap.gradient_buckets(grads)) == 161          # the world group: nothing set
-    assert len(ap.gradient_buckets(grads, group="dp")) == 2
+    ap.hccl.create_group("dp", [0, 1, 2, 3])
+    ap.hccl.set_split_strategy_by_size([50, 50], "dp")
+    assert len(ap.simulation.gradient_buckets(grads)) == 161          # the world group: nothing set
+    assert len(ap.simulation.gradient_buckets(grads, group="dp")) == 2
 
 
 def test_allgather_and_reducescatter(graph):
     ap.set_auto_parallel_context(comm_fusion={"allgather": {"mode": "size", "config": 32},
                                               "reducescatter": {"mode": "auto"}})
-    ag = ap.gradient_buckets(graph, kind="allgather")
+    ag = ap.simulation.gradient_buckets(graph, kind="allgather")
     assert ag.kind == "allgather" and ag.gradients[0].name == "params/stem/conv/w"  # forward
     greedy_ok(ag, 32 * MB)
-    rs = ap.gradient_buckets(graph, kind="reducescatter")
+    rs = ap.simulation.gradient_buckets(graph, kind="reducescatter")
     assert rs.gradients[0].name == "params/fc/b" and rs.mode == "auto"
-    assert len(ap.gradient_buckets(graph)) == 161  # allreduce untouched: closed
+    assert len(ap.simulation.gradient_buckets(graph)) == 161  # allreduce untouched: closed
 
 
 def test_graph_source_with_plan(graph):
@@ -181,14 +181,14 @@ def test_graph_source_with_plan(graph):
     assert [x.name for x in gs] == list(g.gradient_order())
     w = next(x for x in gs if x.name == "params/stem/conv/w")
     assert w.nbytes == g.spec(w.name).nbytes and w.axes == plan.mesh.names
-    b = ap.gradient_buckets(g, plan, policy="hccl")
+    b = ap.simulation.gradient_buckets(g, plan, policy="hccl")
     check_partition(b, 161)
     with pytest.raises(ap.AutoParallelError, match="another graph"):
         gradients(graph, plan)
 
 
 def test_table_is_readable(grads):
-    text = ap.gradient_buckets(grads, policy="hccl").table()
+    text = ap.simulation.gradient_buckets(grads, policy="hccl").table()
     lines = text.splitlines()
     assert lines[0].split()[:3] == ["bucket", "gradients", "count"]
     assert "0..108" in text and "109..160" in text and "params/stem/conv/w" in text
@@ -221,18 +221,18 @@ def test_pytorch_ddp_buckets():
     (lambda gs: buckets_by_size(gs, "64"), ap.AutoParallelTypeError, "number"),
     (lambda gs: buckets_from_ends(gs, [10, 5, 161]), ap.AutoParallelError, "ascending"),
     (lambda gs: buckets_from_ends(gs, [10]), ap.AutoParallelError, "161"),
-    (lambda gs: ap.gradient_buckets(gs, kind="broadcast"), ap.AutoParallelError, "kind"),
-    (lambda gs: ap.gradient_buckets(gs, policy="nccl"), ap.AutoParallelError, "policy"),
-    (lambda gs: ap.gradient_buckets(gs, kind="allgather", policy="hccl"),
+    (lambda gs: ap.simulation.gradient_buckets(gs, kind="broadcast"), ap.AutoParallelError, "kind"),
+    (lambda gs: ap.simulation.gradient_buckets(gs, policy="nccl"), ap.AutoParallelError, "policy"),
+    (lambda gs: ap.simulation.gradient_buckets(gs, kind="allgather", policy="hccl"),
      ap.AutoParallelError, "allreduce only"),
-    (lambda gs: ap.gradient_buckets(gs, plan=object()), ap.AutoParallelError, "Graph"),
-    (lambda gs: ap.gradient_buckets(gs, resolved={"x": 1}), ap.AutoParallelTypeError,
+    (lambda gs: ap.simulation.gradient_buckets(gs, plan=object()), ap.AutoParallelError, "Graph"),
+    (lambda gs: ap.simulation.gradient_buckets(gs, resolved={"x": 1}), ap.AutoParallelTypeError,
      "ResolvedContext"),
-    (lambda gs: ap.gradient_buckets([]), ap.AutoParallelError, "no gradients"),
-    (lambda gs: ap.gradient_buckets([("a", 1), ("a", 2)]), ap.AutoParallelError, "unique"),
-    (lambda gs: ap.gradient_buckets([("a", -1)]), ap.AutoParallelError, ">= 0"),
-    (lambda gs: ap.gradient_buckets([("a", 1.5)]), ap.AutoParallelTypeError, "int"),
-    (lambda gs: ap.gradient_buckets("abc"), ap.AutoParallelTypeError, "list"),
+    (lambda gs: ap.simulation.gradient_buckets([]), ap.AutoParallelError, "no gradients"),
+    (lambda gs: ap.simulation.gradient_buckets([("a", 1), ("a", 2)]), ap.AutoParallelError, "unique"),
+    (lambda gs: ap.simulation.gradient_buckets([("a", -1)]), ap.AutoParallelError, ">= 0"),
+    (lambda gs: ap.simulation.gradient_buckets([("a", 1.5)]), ap.AutoParallelTypeError, "int"),
+    (lambda gs: ap.simulation.gradient_buckets("abc"), ap.AutoParallelTypeError, "list"),
     (lambda gs: gradients([1, 2]), ap.AutoParallelTypeError, "Graph"),
 ])
 def test_bad_inputs_raise_typed_errors(grads, call, exc, match):
@@ -243,13 +243,13 @@ def test_bad_inputs_raise_typed_errors(grads, call, exc, match):
 def test_context_index_beyond_gradients_names_the_key(grads):
     ap.set_auto_parallel_context(all_reduce_fusion_config=[20, 500])
     with pytest.raises(ap.AutoParallelError, match="all_reduce_fusion_config=") as err:
-        ap.gradient_buckets(grads)
+        ap.simulation.gradient_buckets(grads)
     assert err.value.key == "all_reduce_fusion_config"
     ap.reset_auto_parallel_context()
     ap.set_auto_parallel_context(device_num=8)
-    ap.set_split_strategy_by_idx([20, 300])
+    ap.hccl.set_split_strategy_by_idx([20, 300])
     with pytest.raises(ap.AutoParallelError, match="idxList="):
-        ap.gradient_buckets(grads)
+        ap.simulation.gradient_buckets(grads)
 
 
 sizes_st = st.lists(st.integers(0, 10_000), min_size=1, max_size=40).filter(lambda s: sum(s))

@@ -135,7 +135,7 @@ def test_every_fusion_mode_equals_one_device_under_tensor_parallel(fusion):
 
 def test_hccl_split_strategy_buckets_the_step():
     m, params, x = _mlp()
-    ap.set_split_strategy_by_size([50, 50])
+    ap.hccl.set_split_strategy_by_size([50, 50])
     step = _step(m, params, x)
     assert len(step.buckets["allreduce"]) == 2
     assert len(_all_reduces(step.compiled_text(params, step.init(params), x))) == 2

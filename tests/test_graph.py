@@ -95,7 +95,7 @@ def test_params_and_data_inputs_by_pytree_path():
     g = ap.trace(loss, params, jnp.array([1, 2]), jnp.ones(2))
     assert g.parameters() == ("params/bias/0", "params/layer0/w1")
     assert g.data_inputs() == ("tokens", "targets")
-    assert g.values["tokens"].spec == ap.TensorSpec((2,), "int32")
+    assert g.values["tokens"].spec == ap.graph.TensorSpec((2,), "int32")
     g = ap.trace(loss, params, jnp.array([1, 2]), jnp.ones(2), param_argnums=())
     assert g.parameters() == ()
     g = ap.trace(jnp.sin, jnp.ones(3))

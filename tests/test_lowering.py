@@ -56,7 +56,7 @@ def grad_reference(name: str) -> numerics.Reference:
     return _GRAD_REFS[name]
 
 
-def column_split(node: ap.Node, graph: ap.Graph, n: int) -> tuple:
+def column_split(node: ap.graph.Node, graph: ap.Graph, n: int) -> tuple:
     """A strategy splitting the rhs's last (free) dim n ways: MindSpore's column parallel."""
     lhs, rhs = (graph.spec(v).rank for v in node.inputs)
     return ((1,) * lhs, (1,) * (rhs - 1) + (n,))
@@ -330,7 +330,7 @@ def test_parallel_graph_dump_and_layouts():
                                  dataset_strategy="full_batch")
     plan = ap.search(g, fixed={"layer0/dot_general_0": ((1, 1), (1, 8)),
                                "layer1/dot_general_0": ((1, 8), (8, 1))})
-    pg = ap.rewrite(g, plan)
+    pg = ap.rewrite.rewrite(g, plan)
     text = str(pg)
     assert "AllReduce[a0,a1,a2]" in text and "%layer1/dot_general_0" in text
     assert "[64,128]" in text and "S(1)[a0,a1,a2]" in text and "P[a0,a1,a2]" in text
@@ -354,9 +354,9 @@ def test_redistribution_is_shared_between_consumers():
     plan = ap.search(g, fixed={"dot_general_0": ((1, 4), (4, 1)), "mul_0": ((1, 1), ()),
                                "mul_1": ((1, 1), ()), "reduce_sum_0": ((1, 1),),
                                "reduce_sum_1": ((1, 1),), "add_0": ((), ())})
-    pg = ap.rewrite(g, plan)
+    pg = ap.rewrite.rewrite(g, plan)
     assert pg.comm_counts() == {"all_reduce": 1, "slice": 1}  # both muls read one all-reduced h
-    close(ap.lower(pg)(w, x), f(w, x))
+    close(ap.lower.lower(pg)(w, x), f(w, x))
 
 
 def test_single_device_program_has_no_communication():
@@ -378,18 +378,18 @@ def test_errors_name_the_problem():
         f(args[0])
     other = ap.trace(lambda w, x: x @ w, jnp.ones((4, 4)), jnp.ones((2, 4)))
     with pytest.raises(ap.AutoParallelError, match="another graph"):
-        ap.rewrite(other, f.plan)
+        ap.rewrite.rewrite(other, f.plan)
     with pytest.raises(ap.AutoParallelError, match="mesh"):
-        ap.lower(f.parallel_graph, jax_mesh(DeviceMesh.for_devices(2)))
+        ap.lower.lower(f.parallel_graph, jax_mesh(DeviceMesh.for_devices(2)))
     with pytest.raises(TypeError):
-        ap.lower(g)
+        ap.lower.lower(g)
     # an operator kind the lowering does not know, with split tensors, is refused by name
     pg = f.parallel_graph
     node = next(n for n in pg.nodes if n.op == "dot_general")
     odd = dataclasses.replace(node, op="mystery", kind="mystery")
     broken = dataclasses.replace(pg, nodes=tuple(odd if n is node else n for n in pg.nodes))
     with pytest.raises(ap.AutoParallelError, match=r"layer0/dot_general_0.*mystery"):
-        ap.lower(broken)
+        ap.lower.lower(broken)
 
 
 def test_lower_reuses_a_given_mesh_and_as_text_is_stablehlo():
@@ -446,8 +446,8 @@ def test_fused_kernels_replace_matmul_collective_pairs_and_stay_differentiable()
     from autopar.lower import lower
 
     f, args, g, plan = _row_parallel()
-    plain = ap.rewrite(g, plan, fused_kernels=False)
-    fused = ap.rewrite(g, plan, fused_kernels=True)
+    plain = ap.rewrite.rewrite(g, plan, fused_kernels=False)
+    fused = ap.rewrite.rewrite(g, plan, fused_kernels=True)
     assert "mm_reduce_scatter" not in plain.comm_counts()
     counts = fused.comm_counts()
     assert counts["mm_reduce_scatter"] == 1 and counts["all_gather_matmul"] == 1
@@ -475,8 +475,8 @@ def test_comm_bytes_counts_fused_collectives_and_auto_uses_the_plans_cluster():
     from autopar.strategies.cost import get_cluster
 
     _, _, g, plan = _row_parallel()
-    plain = ap.rewrite(g, plan, fused_kernels=False)
-    fused = ap.rewrite(g, plan, fused_kernels=True)
+    plain = ap.rewrite.rewrite(g, plan, fused_kernels=False)
+    fused = ap.rewrite.rewrite(g, plan, fused_kernels=True)
     assert len(fused.fused_nodes()) == 2 and plain.comm_bytes() > 0
     assert fused.comm_bytes() == plain.comm_bytes()  # fusing moves the same bytes
     # a plan priced on a custom cluster (not a preset name): "auto" prices with that cluster
@@ -484,7 +484,7 @@ def test_comm_bytes_counts_fused_collectives_and_auto_uses_the_plans_cluster():
     fixed = {n.name: plan.nodes[n.name].strategy for n in g.nodes}
     with ap.auto_parallel_context(device_num=4, parallel_mode="semi_auto_parallel"):
         plan_c = ap.search(g, fixed=fixed, cluster=custom)
-    assert len(ap.rewrite(g, plan_c, fused_kernels="auto").fused_nodes()) == 2
+    assert len(ap.rewrite.rewrite(g, plan_c, fused_kernels="auto").fused_nodes()) == 2
 
 
 def test_fused_kernels_auto_follows_the_overlap_model():
@@ -492,9 +492,9 @@ def test_fused_kernels_auto_follows_the_overlap_model():
 
     _, _, g, plan = _row_parallel()
     # cpu-emulated: 8 emulated devices share 2 cores, nothing overlaps -> never fused
-    assert ap.rewrite(g, plan, cluster="cpu-emulated").fused_nodes() == ()
+    assert ap.rewrite.rewrite(g, plan, cluster="cpu-emulated").fused_nodes() == ()
     # accelerator preset: the overlapped ring hides the matmul blocks behind the transfers
-    assert len(ap.rewrite(g, plan, cluster="accelerator-8x").fused_nodes()) == 2
+    assert len(ap.rewrite.rewrite(g, plan, cluster="accelerator-8x").fused_nodes()) == 2
     big = dict(flops=2 * 8192 * 4096 * 4096, x_bytes=8192 * 4096 * 2, out_bytes=8192 * 4096 * 2,
                comm_bytes=8192 * 4096 * 2, p=8, intra=True, itemsize=2)
     acc = predict("all_gather_matmul", cluster="accelerator-8x", **big)
@@ -511,8 +511,8 @@ def test_fused_nodes_run_the_ring_schedule_the_model_picks():
 
     f, args, g, plan = _row_parallel()
     want = jax.jit(f)(*args)
-    acc = ap.rewrite(g, plan, cluster="accelerator-8x")
-    cpu = ap.rewrite(g, plan, fused_kernels=True, cluster="cpu-emulated")
+    acc = ap.rewrite.rewrite(g, plan, cluster="accelerator-8x")
+    cpu = ap.rewrite.rewrite(g, plan, fused_kernels=True, cluster="cpu-emulated")
     for pg, bidirectional in ((acc, True), (cpu, False)):
         nodes = pg.fused_nodes()
         assert len(nodes) == 2
@@ -554,8 +554,8 @@ def test_fused_kernels_option_is_validated(bad, exc):
 
     _, _, g, plan = _row_parallel()
     with pytest.raises(exc, match="fused_kernels"):
-        ap.rewrite(g, plan, fused_kernels=bad)
-    pg = ap.rewrite(g, plan, fused_kernels=False)
+        ap.rewrite.rewrite(g, plan, fused_kernels=bad)
+    pg = ap.rewrite.rewrite(g, plan, fused_kernels=False)
     if bad is not None:  # None means "as rewritten" for lower
         with pytest.raises(exc, match="fused_kernels"):
             lower(pg, fused_kernels=bad)

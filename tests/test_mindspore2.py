@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 import autopar as ap
-from autopar.comm import get_group_size, get_rank
+from autopar.hccl import get_group_size, get_rank
 from autopar.config import (MINDSPORE_PIPELINE_SCHEDULERS, NO_EFFECT_REASONS,
                             PIPELINE_SCHEDULERS)
 from autopar.context import ParallelMode, public_dict
@@ -140,7 +140,7 @@ def test_strategy_ckpt_config_and_the_two_keys_are_one_setting():
     # both names in one call: they must agree
     ap.set_auto_parallel_context(strategy_ckpt_config={"save_file": "e.json"},
                                  strategy_ckpt_save_file="e.json")
-    assert ap.current_config().strategy_ckpt_save_file == "e.json"
+    assert ap.context.current_config().strategy_ckpt_save_file == "e.json"
     with ap.auto_parallel_context(strategy_ckpt_save_file=""):  # the pipeline's per-stage use
         assert ap.get_auto_parallel_context("strategy_ckpt_config")["save_file"] == ""
     assert ap.get_auto_parallel_context("strategy_ckpt_config")["save_file"] == "e.json"
@@ -233,9 +233,9 @@ def test_get_rank_and_group_size_as_mindspore_communication():
     assert (get_rank(), get_group_size()) == (5, 8)
     for world in ("hccl_world_group", "nccl_world_group", "mccl_world_group"):
         assert (get_rank(world), get_group_size(world)) == (5, 8)
-    ap.create_group("tp1", [7, 5, 6])
+    ap.hccl.create_group("tp1", [7, 5, 6])
     assert (get_rank(group="tp1"), get_group_size(group="tp1")) == (1, 3)
-    ap.create_group("other", [0, 1])
+    ap.hccl.create_group("other", [0, 1])
     assert get_group_size("other") == 2
     with pytest.raises(ap.CommGroupError, match="not a member"):
         get_rank("other")

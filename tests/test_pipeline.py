@@ -476,7 +476,7 @@ def test_train_step_dispatches_to_the_pipeline_and_keeps_a_strategy_file_per_sta
         for key, value in (("backend", "pmap"), ("sync_method", "concat")):
             with pytest.raises(AutoParallelError, match=key):
                 ap.train_step(model.loss, params, tuple(batch), **{key: value})
-    assert isinstance(step, ap.PipelineTrainStep) and len(step.plans) == 2
+    assert isinstance(step, ap.pipeline.PipelineTrainStep) and len(step.plans) == 2
     numerics.check(step.grads(params, *batch), _reference(model, params, batch))
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["strategy_stage0.json", "strategy_stage1.json"]

@@ -75,7 +75,7 @@ def test_a_changed_context_or_split_strategy_fails():
         _typed(tmp)
 
     def split(tmp):
-        ap.set_split_strategy_by_size([100])
+        ap.hccl.set_split_strategy_by_size([100])
         _typed(tmp)
 
     a, b = _run(br.Case("probe", "ctx", partial_apply)), _run(br.Case("probe", "split", split))

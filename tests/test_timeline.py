@@ -83,14 +83,14 @@ def test_trace_consistency_resnet(resnet, devices, overlap, policy):
     if policy == "size":
         ap.set_auto_parallel_context(comm_fusion={"allreduce": {"mode": "size", "config": 8}})
         policy = "context"
-    t = ap.simulate(resnet, buckets=policy, device_num=devices, overlap=overlap)
+    t = ap.simulation.simulate(resnet, buckets=policy, device_num=devices, overlap=overlap)
     check_trace(t)
     assert t.device_num == devices and t.overlap is overlap
 
 
 def test_overlap_never_hurts_and_seed_events(resnet):
-    on = ap.simulate(resnet, buckets="hccl", device_num=64)
-    off = ap.simulate(resnet, buckets="hccl", device_num=64, overlap=False)
+    on = ap.simulation.simulate(resnet, buckets="hccl", device_num=64)
+    off = ap.simulation.simulate(resnet, buckets="hccl", device_num=64, overlap=False)
     assert on.iteration_end <= off.iteration_end
     ev = dict(on.events())
     assert sorted(ev) == sorted(["fp_start", "allreduce1_start", "allreduce1_end", "bp_end",
@@ -103,10 +103,10 @@ def test_overlap_never_hurts_and_seed_events(resnet):
 
 def test_buckets_from_the_context(resnet):
     ap.set_auto_parallel_context(device_num=8, all_reduce_fusion_config=[20, 35])
-    t = ap.simulate(resnet)            # device_num and buckets from the context
+    t = ap.simulation.simulate(resnet)            # device_num and buckets from the context
     assert t.device_num == 8 and len(t.segments) == 3
     assert [(s.first, s.last) for s in t.segments] == [(0, 19), (20, 34), (35, 160)]
-    one = ap.simulate(resnet, device_num=1, buckets="hccl")
+    one = ap.simulation.simulate(resnet, device_num=1, buckets="hccl")
     assert one.comm_time == 0.0 and one.iteration_end == one.bp_end
 
 
@@ -114,21 +114,21 @@ def test_simulation_with_a_plan(small_tfm_plan):
     g, plan = small_tfm_plan
     gs = gradients(g, plan)
     assert len({x.axes for x in gs}) > 1      # mixed all-reduce groups under this plan
-    t = ap.simulate(g, plan, buckets="hccl")
+    t = ap.simulation.simulate(g, plan, buckets="hccl")
     check_trace(t)
     assert t.device_num == 8
     # compute is the per-device share: each node's time divided by its split product
-    free = ap.simulate(g, device_num=8, buckets="hccl")
+    free = ap.simulation.simulate(g, device_num=8, buckets="hccl")
     assert t.fp_time < free.fp_time
     with pytest.raises(ap.AutoParallelError, match="plan is for 8 devices"):
-        ap.simulate(g, plan, device_num=16)
-    adv = ap.advise_split(g, plan)
-    cmp = ap.compare_splits(g, plan)
+        ap.simulation.simulate(g, plan, device_num=16)
+    adv = ap.simulation.advise_split(g, plan)
+    cmp = ap.simulation.compare_splits(g, plan)
     assert all(adv.iteration_time <= x.iteration_time for x in cmp.traces.values())
 
 
 def test_chrome_trace_json(resnet, tmp_path):
-    t = ap.simulate(resnet, buckets="hccl", device_num=64)
+    t = ap.simulation.simulate(resnet, buckets="hccl", device_num=64)
     path = t.write_chrome_trace(tmp_path / "iteration.json")
     doc = json.loads(path.read_text())
     assert set(doc) >= {"traceEvents"} and isinstance(doc["traceEvents"], list)
@@ -162,10 +162,10 @@ def test_chrome_trace_json(resnet, tmp_path):
 
 
 def test_png_timeline(resnet, tmp_path):
-    t = ap.advise_split(resnet, device_num=64).trace
+    t = ap.simulation.advise_split(resnet, device_num=64).trace
     out = t.plot(tmp_path / "timeline.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert ap.plot_timeline(t, tmp_path / "t2.png").stat().st_size > 1000
+    assert ap.simulation.plot_timeline(t, tmp_path / "t2.png").stat().st_size > 1000
 
 
 def all_splits(n, max_segments):
@@ -181,11 +181,11 @@ def test_advisor_is_exact_by_brute_force(small_tfm_plan, devices, overlap):
     n = len(g.parameters())
     best = {}
     for ends in all_splits(n, 3):
-        t = ap.simulate(g, buckets=buckets_from_ends(gradients(g), ends), device_num=devices,
+        t = ap.simulation.simulate(g, buckets=buckets_from_ends(gradients(g), ends), device_num=devices,
                         overlap=overlap)
         best[len(ends)] = min(best.get(len(ends), float("inf")), t.iteration_end)
     for s in (1, 2, 3):
-        adv = ap.advise_split(g, device_num=devices, max_segments=s, overlap=overlap)
+        adv = ap.simulation.advise_split(g, device_num=devices, max_segments=s, overlap=overlap)
         assert adv.iteration_time == min(v for k, v in best.items() if k <= s)
         assert len(adv.buckets) <= s
 
@@ -193,9 +193,9 @@ def test_advisor_is_exact_by_brute_force(small_tfm_plan, devices, overlap):
 def test_advisor_on_a_tiny_mlp_matches_every_split():
     g = _trace(mlp(widths=(256, 1024, 1024, 256), batch=64))
     n = len(g.parameters())
-    times = [ap.simulate(g, buckets=buckets_from_ends(gradients(g), e), device_num=64)
+    times = [ap.simulation.simulate(g, buckets=buckets_from_ends(gradients(g), e), device_num=64)
              .iteration_end for e in all_splits(n, n)]
-    assert ap.advise_split(g, device_num=64, max_segments=min(n, 8)).iteration_time == \
+    assert ap.simulation.advise_split(g, device_num=64, max_segments=min(n, 8)).iteration_time == \
         min(times)
 
 
@@ -203,7 +203,7 @@ def test_advisor_on_a_tiny_mlp_matches_every_split():
 @pytest.mark.parametrize("devices", [8, 64, 512])
 def test_advisor_never_loses(request, model, devices):
     g = request.getfixturevalue(model)
-    cmp = ap.compare_splits(g, device_num=devices)
+    cmp = ap.simulation.compare_splits(g, device_num=devices)
     adv = cmp.advice
     assert set(cmp.traces) == {"advised", "hccl_default_96.54/3.46", "one_per_gradient",
                                "one_segment", "mindspore_auto_64MB", "pytorch_ddp_1+25MiB",
@@ -229,16 +229,16 @@ def test_advisor_never_loses(request, model, devices):
 
 def test_advice_applies_as_hccl_strategy(resnet):
     ap.set_auto_parallel_context(device_num=64)
-    adv = ap.advise_split(resnet)
+    adv = ap.simulation.advise_split(resnet)
     adv.apply()
-    assert ap.get_split_strategy().values == adv.percentages
-    t = ap.simulate(resnet)  # the context's precedence now finds the HCCL strategy
+    assert ap.hccl.get_split_strategy().values == adv.percentages
+    t = ap.simulation.simulate(resnet)  # the context's precedence now finds the HCCL strategy
     assert t.iteration_end == adv.iteration_time
     assert "advised split" in adv.summary()
 
 
 def test_advisor_without_overlap_prefers_one_segment(resnet):
-    adv = ap.advise_split(resnet, device_num=64, overlap=False)
+    adv = ap.simulation.advise_split(resnet, device_num=64, overlap=False)
     assert len(adv.buckets) == 1   # nothing to hide: every extra segment only adds latency
     check_trace(adv.trace)
 
@@ -259,26 +259,26 @@ def test_round_percentages_and_horovod():
 
 
 @pytest.mark.parametrize("call, exc, match", [
-    (lambda g: ap.simulate("graph"), ap.AutoParallelTypeError, "Graph"),
-    (lambda g: ap.simulate(g, device_num=8, overlap=1), ap.AutoParallelTypeError, "bool"),
-    (lambda g: ap.simulate(g, device_num=8.0), ap.AutoParallelTypeError, "int"),
-    (lambda g: ap.simulate(g, device_num=0), ap.AutoParallelError, "4096"),
-    (lambda g: ap.simulate(g, device_num=8, cluster="tpu"), ap.AutoParallelError, "preset"),
-    (lambda g: ap.simulate(g, device_num=8, buckets=42), ap.AutoParallelTypeError, "policy"),
-    (lambda g: ap.simulate(g, device_num=8, buckets="fast"), ap.AutoParallelError, "policy"),
-    (lambda g: ap.simulate(g, device_num=8, buckets=buckets_from_ends(
+    (lambda g: ap.simulation.simulate("graph"), ap.AutoParallelTypeError, "Graph"),
+    (lambda g: ap.simulation.simulate(g, device_num=8, overlap=1), ap.AutoParallelTypeError, "bool"),
+    (lambda g: ap.simulation.simulate(g, device_num=8.0), ap.AutoParallelTypeError, "int"),
+    (lambda g: ap.simulation.simulate(g, device_num=0), ap.AutoParallelError, "4096"),
+    (lambda g: ap.simulation.simulate(g, device_num=8, cluster="tpu"), ap.AutoParallelError, "preset"),
+    (lambda g: ap.simulation.simulate(g, device_num=8, buckets=42), ap.AutoParallelTypeError, "policy"),
+    (lambda g: ap.simulation.simulate(g, device_num=8, buckets="fast"), ap.AutoParallelError, "policy"),
+    (lambda g: ap.simulation.simulate(g, device_num=8, buckets=buckets_from_ends(
         [("x", 4), ("y", 4)], [2])), ap.AutoParallelError, "exactly once"),
-    (lambda g: ap.simulate(g, device_num=8, buckets=list(ap.gradient_buckets(
+    (lambda g: ap.simulation.simulate(g, device_num=8, buckets=list(ap.simulation.gradient_buckets(
         g, policy="hccl"))[::-1]), ap.AutoParallelError, "backward order"),
-    (lambda g: ap.advise_split(g, device_num=8, max_segments=9), ap.AutoParallelError,
+    (lambda g: ap.simulation.advise_split(g, device_num=8, max_segments=9), ap.AutoParallelError,
      r"\[1, 8\]"),
-    (lambda g: ap.advise_split(g, device_num=8, max_segments=0), ap.AutoParallelError,
+    (lambda g: ap.simulation.advise_split(g, device_num=8, max_segments=0), ap.AutoParallelError,
      r"\[1, 8\]"),
-    (lambda g: ap.advise_split(g, device_num=8, max_segments=True), ap.AutoParallelTypeError,
+    (lambda g: ap.simulation.advise_split(g, device_num=8, max_segments=True), ap.AutoParallelTypeError,
      "int"),
-    (lambda g: ap.simulate(g, object()), ap.AutoParallelTypeError, "Plan"),
-    (lambda g: ap.plot_timeline("trace", "x.png"), ap.AutoParallelTypeError, "IterationTrace"),
-    (lambda g: ap.compare_splits(g, device_num=8, extra={"x": [1]}), ap.AutoParallelTypeError,
+    (lambda g: ap.simulation.simulate(g, object()), ap.AutoParallelTypeError, "Plan"),
+    (lambda g: ap.simulation.plot_timeline("trace", "x.png"), ap.AutoParallelTypeError, "IterationTrace"),
+    (lambda g: ap.simulation.compare_splits(g, device_num=8, extra={"x": [1]}), ap.AutoParallelTypeError,
      "GradientBuckets"),
     (lambda g: horovod_buckets([("a", 1)], [0.0, 1.0]), ap.AutoParallelError, "ready"),
 ])

@@ -194,7 +194,7 @@ def test_broadcast_parameters_takes_rank_zeros_copy():
     differing = jax.make_array_from_single_device_arrays(
         shape, NamedSharding(mesh, P()), per_device)
     assert {float(s.data[0, 0]) for s in differing.addressable_shards} == set(range(8))
-    out = ap.broadcast_parameters({"w": differing, "b": np.ones(3, np.float32)}, mesh)
+    out = ap.step_inputs.broadcast_parameters({"w": differing, "b": np.ones(3, np.float32)}, mesh)
     assert out["w"].sharding.is_fully_replicated
     assert all(np.all(np.asarray(s.data) == 0.0) for s in out["w"].addressable_shards)
     close(out["b"], np.ones(3))
@@ -354,4 +354,4 @@ def test_bad_step_arguments_are_typed_errors():
         with pytest.raises(ap.AutoParallelTypeError, match="opt_state"):
             step(step.prepare(p), bad, x)
     with pytest.raises(ap.AutoParallelError, match="UTF-8"):
-        ap.create_group("a\ud800", [0, 1])
+        ap.hccl.create_group("a\ud800", [0, 1])

@@ -2,6 +2,6 @@
 
 from autopar.graph.annotate import matmul, shard
 from autopar.graph.ir import Graph, Node, Strategy, TensorSpec, Value
-from autopar.graph.trace import trace
+from autopar.graph.tracer import trace
 
 __all__ = ["Graph", "Node", "Strategy", "TensorSpec", "Value", "matmul", "shard", "trace"]

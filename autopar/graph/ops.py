@@ -7,7 +7,7 @@ A kind groups primitives that split the same way. Each kind is one :class:`OpKin
 - ``spec``: the operator as a loop nest (:class:`OpSpec`, read by the search);
 - ``flops``: FLOPs of one forward application (read by the tracer for the cost model);
 - ``local_params``: how its shape-carrying params change when its tensors are split (shape
-  arithmetic only; :func:`autopar.lower.local_params` applies it before re-binding);
+  arithmetic only; :func:`autopar.lower.lower.local_params` applies it before re-binding);
 - ``no_grad``: its primitives whose outputs carry no gradient (comparisons, argmax, iota);
 - ``fusion``: how XLA fuses it (``"loop"``: into the operator that reads it, and it takes
   such producers in; ``"input"``: it only takes them in, as a reduction does).

@@ -13,7 +13,8 @@
 * :mod:`~autopar.pipeline.simulation` -- :func:`simulate_pipeline`: the stages x
   micro-batches timeline, the bubble, a Chrome trace.
 
-The stage partition itself is :mod:`autopar.strategies.stages`.
+The stage partition itself is :mod:`autopar.strategies.stages` (:func:`partition_stages`,
+exported here, reads the context and the cluster for it).
 """
 
 from autopar.pipeline.buffers import PackedParams
@@ -21,6 +22,9 @@ from autopar.pipeline.schedules import Schedule, schedule
 from autopar.pipeline.simulation import PipelineTrace, simulate_pipeline, simulate_schedule
 from autopar.pipeline.plan import PipelinePlan
 from autopar.pipeline.step import PipelineTrainStep, pipeline_train_step
+from autopar.planner import partition_stages
+from autopar.strategies.stages import StagePartition
 
 __all__ = ["PackedParams", "PipelinePlan", "PipelineTrace", "PipelineTrainStep", "Schedule",
-           "pipeline_train_step", "schedule", "simulate_pipeline", "simulate_schedule"]
+           "StagePartition", "partition_stages", "pipeline_train_step", "schedule",
+           "simulate_pipeline", "simulate_schedule"]

@@ -1,6 +1,7 @@
 """Simulate one pipelined iteration: stages x micro-batches, the bubble, the gradient sync.
 
-The pipeline counterpart of :func:`autopar.simulate` (one device's iteration trace): every
+The pipeline counterpart of :func:`autopar.simulation.simulate` (one device's iteration
+trace): every
 stage runs its schedule's op order (:func:`autopar.pipeline.schedules.op_order`, GPipe or 1F1B),
 each op as soon as its stage is free and its input has arrived:
 

@@ -4,7 +4,7 @@ The loss is traced at micro-batch size, cut into ``p`` stages
 (:func:`autopar.strategies.stages.partition_stages`: searched, or fixed by the user), and
 each stage is searched, rewritten (:mod:`autopar.pipeline.plan`) and lowered for its
 ``D = device_num / p`` devices with the ordinary spine (``autopar.search`` on the stage's
-subgraph, ``autopar.rewrite``, ``lower.run_body``). This equals MindSpore's recursive
+subgraph, ``autopar.rewrite.rewrite``, ``lower.run_body``). This equals MindSpore's recursive
 programming rolled back by ``log2(p)`` levels of cuts: the outermost mesh axis becomes the
 stage axis, the inner axes are searched per stage.
 
@@ -63,7 +63,7 @@ from autopar.context import current_config
 from autopar.errors import AutoParallelError, AutoParallelTypeError, AutoParallelWarning
 from autopar.grad_sync import (LOW_PRECISION, data_parallel_degree, fp32_collective,
                                fp32_sync_active, gradient_scale, replicated_axes)
-from autopar.graph.trace import trace
+from autopar.graph.tracer import trace
 from autopar.inspection import ProgramInspection
 from autopar.lower import apply_step, run_body
 from autopar.optimizer_shard import ShardDecision, decide_sharding

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import autopar as ap
-from autopar.comm import _STATE
+from autopar.hccl import _STATE
 
 
 def snapshot():
@@ -23,106 +23,106 @@ def _eight_devices():
 
 
 def test_default_split_is_resnet50_optimum():
-    s = ap.get_split_strategy()
+    s = ap.hccl.get_split_strategy()
     assert (s.mode, s.values, s.is_default) == ("size", (96.54, 3.46), True)
     assert s.group == "hccl_world_group"
 
 
 def test_seed_examples():
-    ap.create_group("group", [0, 1, 2, 3])
-    ap.set_split_strategy_by_size([60, 20, 20], "group")
-    assert ap.get_split_strategy("group").values == (60, 20, 20)
-    ap.set_split_strategy_by_idx([20, 100, 159])
-    ap.set_split_strategy_by_size([80, 20])
-    assert ap.get_split_strategy().values == (80, 20)
+    ap.hccl.create_group("group", [0, 1, 2, 3])
+    ap.hccl.set_split_strategy_by_size([60, 20, 20], "group")
+    assert ap.hccl.get_split_strategy("group").values == (60, 20, 20)
+    ap.hccl.set_split_strategy_by_idx([20, 100, 159])
+    ap.hccl.set_split_strategy_by_size([80, 20])
+    assert ap.hccl.get_split_strategy().values == (80, 20)
 
 
 def test_size_wins_over_index_in_either_order():
-    ap.set_split_strategy_by_idx([20, 100, 159])
-    assert ap.get_split_strategy() == ap.SplitStrategy("hccl_world_group", "index",
+    ap.hccl.set_split_strategy_by_idx([20, 100, 159])
+    assert ap.hccl.get_split_strategy() == ap.hccl.SplitStrategy("hccl_world_group", "index",
                                                        (20, 100, 159), False)
-    ap.set_split_strategy_by_size([50.5, 49.5])
-    s = ap.get_split_strategy()
+    ap.hccl.set_split_strategy_by_size([50.5, 49.5])
+    s = ap.hccl.get_split_strategy()
     assert (s.mode, s.values, s.ignored_index) == ("size", (50.5, 49.5), (20, 100, 159))
-    ap.set_split_strategy_by_idx([5])  # setting index later does not override size
-    assert ap.get_split_strategy().mode == "size"
-    assert ap.get_split_strategy().ignored_index == (5,)
+    ap.hccl.set_split_strategy_by_idx([5])  # setting index later does not override size
+    assert ap.hccl.get_split_strategy().mode == "size"
+    assert ap.hccl.get_split_strategy().ignored_index == (5,)
 
 
 def test_groups_and_ranks():
     ap.set_auto_parallel_context(global_rank=5)
-    ap.create_group("odd", [1, 3, 5, 7])
-    assert ap.get_rank_size("odd") == 4 and ap.get_rank_size() == 8
-    assert ap.get_rank_id("odd") == 2 and ap.get_rank_id() == 5
-    assert ap.get_group_rank_from_world_rank(7, "odd") == 3
-    assert ap.get_world_rank_from_group_rank("odd", 1) == 3
-    ap.set_split_strategy_by_size([100], "odd")
-    ap.destroy_group("odd")
+    ap.hccl.create_group("odd", [1, 3, 5, 7])
+    assert ap.hccl.get_rank_size("odd") == 4 and ap.hccl.get_rank_size() == 8
+    assert ap.hccl.get_rank_id("odd") == 2 and ap.hccl.get_rank_id() == 5
+    assert ap.hccl.get_group_rank_from_world_rank(7, "odd") == 3
+    assert ap.hccl.get_world_rank_from_group_rank("odd", 1) == 3
+    ap.hccl.set_split_strategy_by_size([100], "odd")
+    ap.hccl.destroy_group("odd")
     with pytest.raises(ap.CommGroupError, match="odd"):
-        ap.get_split_strategy("odd")
-    ap.create_group("odd", [5])  # re-created: old split strategy is gone
-    assert ap.get_split_strategy("odd").is_default
+        ap.hccl.get_split_strategy("odd")
+    ap.hccl.create_group("odd", [5])  # re-created: old split strategy is gone
+    assert ap.hccl.get_split_strategy("odd").is_default
 
 
 def test_group_name_byte_limit_127_accepted_128_rejected():
-    ap.create_group("g" * 127, [0])
+    ap.hccl.create_group("g" * 127, [0])
     with pytest.raises(ValueError, match="128"):
-        ap.create_group("g" * 128, [0])
+        ap.hccl.create_group("g" * 128, [0])
     # multi-byte UTF-8: 42 x 3 bytes = 126 (+NUL = 127) ok; 43 x 3 = 129 rejected
-    ap.create_group("\u4e2d" * 42, [0])
+    ap.hccl.create_group("\u4e2d" * 42, [0])
     with pytest.raises(ValueError, match="group"):
-        ap.create_group("\u4e2d" * 43, [0])
+        ap.hccl.create_group("\u4e2d" * 43, [0])
     with pytest.raises(ValueError, match="group"):
-        ap.set_split_strategy_by_size([100], "g" * 128)
+        ap.hccl.set_split_strategy_by_size([100], "g" * 128)
 
 
 def test_caller_must_be_member():
-    ap.create_group("upper", [4, 5, 6, 7])
+    ap.hccl.create_group("upper", [4, 5, 6, 7])
     before = snapshot()
     with pytest.raises(ap.CommGroupError, match="global_rank=0"):
-        ap.set_split_strategy_by_size([100], "upper")
+        ap.hccl.set_split_strategy_by_size([100], "upper")
     with pytest.raises(ap.CommGroupError, match="global_rank=0"):
-        ap.set_split_strategy_by_idx([1], "upper")
+        ap.hccl.set_split_strategy_by_idx([1], "upper")
     with pytest.raises(ap.CommGroupError):
-        ap.get_split_strategy("upper")
+        ap.hccl.get_split_strategy("upper")
     assert snapshot() == before
     ap.set_auto_parallel_context(global_rank=6)
-    ap.set_split_strategy_by_size([100], "upper")
-    assert ap.get_split_strategy("upper").values == (100,)
+    ap.hccl.set_split_strategy_by_size([100], "upper")
+    assert ap.hccl.get_split_strategy("upper").values == (100,)
 
 
 def test_world_group_follows_device_num():
     ap.set_auto_parallel_context(device_num=2, global_rank=1)
-    assert ap.get_rank_size() == 2
+    assert ap.hccl.get_rank_size() == 2
     ap.set_auto_parallel_context(global_rank=3)
     with pytest.raises(ap.CommGroupError, match="global_rank=3"):
-        ap.set_split_strategy_by_size([100])
+        ap.hccl.set_split_strategy_by_size([100])
 
 
 def test_group_that_no_longer_fits_device_num():
-    ap.create_group("hi", [0, 7])
+    ap.hccl.create_group("hi", [0, 7])
     ap.set_auto_parallel_context(device_num=4)
     with pytest.raises(ap.CommGroupError, match="device_num=4"):
-        ap.get_rank_size("hi")
+        ap.hccl.get_rank_size("hi")
 
 
 def test_threads_have_their_own_groups():
-    ap.create_group("main_only", [0])
+    ap.hccl.create_group("main_only", [0])
     seen = {}
 
     def worker():
         ap.set_auto_parallel_context(device_num=8)
         try:
-            ap.get_rank_size("main_only")
+            ap.hccl.get_rank_size("main_only")
         except ap.CommGroupError:
             seen["isolated"] = True
-        ap.set_split_strategy_by_size([10, 90])
+        ap.hccl.set_split_strategy_by_size([10, 90])
 
     t = threading.Thread(target=worker)
     t.start()
     t.join()
     assert seen == {"isolated": True}
-    assert ap.get_split_strategy().is_default  # the worker's split did not leak
+    assert ap.hccl.get_split_strategy().is_default  # the worker's split did not leak
 
 
 T, V = TypeError, ValueError
@@ -184,11 +184,11 @@ BAD = [
 @pytest.mark.parametrize("fn,args,kwargs,exc,text", BAD,
                          ids=[f"{b[0]}-{repr(b[1])[:30]}-{b[2]}" for b in BAD])
 def test_bad_input(fn, args, kwargs, exc, text):
-    ap.create_group("exists", [0])
-    ap.set_split_strategy_by_idx([3])
+    ap.hccl.create_group("exists", [0])
+    ap.hccl.set_split_strategy_by_idx([3])
     before = snapshot()
     with pytest.raises(exc) as info:
-        getattr(ap, fn)(*args, **kwargs)
+        getattr(ap.hccl, fn)(*args, **kwargs)
     assert isinstance(info.value, ap.AutoparError)
     assert text in str(info.value), str(info.value)
     assert snapshot() == before
@@ -200,14 +200,14 @@ def test_bad_input(fn, args, kwargs, exc, text):
 def test_size_rule_property(sizes):
     total = sum(sizes)
     ok = len(sizes) <= 8 and all(s >= 0 for s in sizes) and abs(total - 100) <= 1e-6
-    ap.reset_comm_groups()
+    ap.hccl.reset_comm_groups()
     if ok:
-        ap.set_split_strategy_by_size(sizes)
-        assert ap.get_split_strategy().values == tuple(sizes)
+        ap.hccl.set_split_strategy_by_size(sizes)
+        assert ap.hccl.get_split_strategy().values == tuple(sizes)
     else:
         with pytest.raises(ValueError, match="dataSizeList"):
-            ap.set_split_strategy_by_size(sizes)
-        assert ap.get_split_strategy().is_default
+            ap.hccl.set_split_strategy_by_size(sizes)
+        assert ap.hccl.get_split_strategy().is_default
 
 
 @settings(max_examples=80, deadline=None)
@@ -220,9 +220,9 @@ def test_sizes_that_sum_to_100_are_accepted(weights):
     sizes[-1] = 100 - sum(sizes[:-1])
     if sizes[-1] < 0:
         return
-    ap.reset_comm_groups()
-    ap.set_split_strategy_by_size(sizes)
-    assert ap.get_split_strategy().mode == "size"
+    ap.hccl.reset_comm_groups()
+    ap.hccl.set_split_strategy_by_size(sizes)
+    assert ap.hccl.get_split_strategy().mode == "size"
 
 
 @settings(max_examples=80, deadline=None)
@@ -230,26 +230,26 @@ def test_sizes_that_sum_to_100_are_accepted(weights):
 def test_index_rule_property(idx):
     ok = (len(idx) <= 8 and all(i >= 0 for i in idx)
           and all(b > a for a, b in zip(idx, idx[1:])))
-    ap.reset_comm_groups()
+    ap.hccl.reset_comm_groups()
     if ok:
-        ap.set_split_strategy_by_idx(idx)
-        assert ap.get_split_strategy().values == tuple(idx)
+        ap.hccl.set_split_strategy_by_idx(idx)
+        assert ap.hccl.get_split_strategy().values == tuple(idx)
     else:
         with pytest.raises(ValueError, match="idxList"):
-            ap.set_split_strategy_by_idx(idx)
-        assert ap.get_split_strategy().is_default
+            ap.hccl.set_split_strategy_by_idx(idx)
+        assert ap.hccl.get_split_strategy().is_default
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.text(min_size=1, max_size=140).filter(lambda s: "\0" not in s))
 def test_group_name_byte_rule_property(name):
-    ap.reset_comm_groups()
+    ap.hccl.reset_comm_groups()
     if name == "hccl_world_group":
         return
     nbytes = len(name.encode("utf-8")) + 1
     if nbytes <= 128:
-        ap.create_group(name, [0])
-        assert ap.get_rank_size(name) == 1
+        ap.hccl.create_group(name, [0])
+        assert ap.hccl.get_rank_size(name) == 1
     else:
         with pytest.raises(ValueError, match="128"):
-            ap.create_group(name, [0])
+            ap.hccl.create_group(name, [0])

@@ -13,11 +13,11 @@ everything before it changes anything.
 
 >>> import autopar
 >>> autopar.set_auto_parallel_context(device_num=8)
->>> autopar.set_split_strategy_by_size([60, 20, 20])
->>> autopar.get_split_strategy()
+>>> autopar.hccl.set_split_strategy_by_size([60, 20, 20])
+>>> autopar.hccl.get_split_strategy()
 SplitStrategy(group='hccl_world_group', mode='size', values=(60, 20, 20), is_default=False, \
 ignored_index=None)
->>> autopar.reset_comm_groups(); autopar.reset_auto_parallel_context()
+>>> autopar.hccl.reset_comm_groups(); autopar.reset_auto_parallel_context()
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def _ranks_of(group: Any) -> tuple[int, ...]:
     if name not in groups:
         known = ", ".join([WORLD_GROUP, *sorted(groups)])
         raise CommGroupError("group", name, f"no such group (known groups: {known})",
-                             "Create it first with autopar.create_group(group, rank_ids)")
+                             "Create it first with autopar.hccl.create_group(group, rank_ids)")
     ranks = groups[name]
     device_num = current_config().device_num
     if max(ranks) >= device_num:
@@ -143,10 +143,10 @@ def create_group(group: str, rank_ids: list[int]) -> None:
 
     >>> import autopar
     >>> autopar.set_auto_parallel_context(device_num=8)
-    >>> autopar.create_group("tp0", [0, 1, 2, 3])
-    >>> autopar.get_rank_size("tp0")
+    >>> autopar.hccl.create_group("tp0", [0, 1, 2, 3])
+    >>> autopar.hccl.get_rank_size("tp0")
     4
-    >>> autopar.reset_comm_groups(); autopar.reset_auto_parallel_context()
+    >>> autopar.hccl.reset_comm_groups(); autopar.reset_auto_parallel_context()
     """
     name = _check_group_name(group)
     if name == WORLD_GROUP:
@@ -169,7 +169,7 @@ def create_group(group: str, rank_ids: list[int]) -> None:
     state = _STATE.get()
     if name in state.groups:
         raise CommGroupError("group", name, "a group of this name exists already",
-                             "Destroy it first with autopar.destroy_group")
+                             "Destroy it first with autopar.hccl.destroy_group")
     _STATE.set(_CommState({**state.groups, name: tuple(rank_ids)}, state.by_size, state.by_idx))
 
 
@@ -213,10 +213,10 @@ def get_rank(group: str = WORLD_GROUP) -> int:
 
     >>> import autopar
     >>> autopar.set_auto_parallel_context(device_num=8, global_rank=5)
-    >>> autopar.create_group("tp1", [4, 5, 6, 7])
+    >>> autopar.hccl.create_group("tp1", [4, 5, 6, 7])
     >>> get_rank(), get_rank("tp1"), get_group_size("tp1"), get_group_size("nccl_world_group")
     (5, 1, 4, 8)
-    >>> autopar.reset_comm_groups(); autopar.reset_auto_parallel_context()
+    >>> autopar.hccl.reset_comm_groups(); autopar.reset_auto_parallel_context()
     """
     return get_rank_id(_mindspore_group(group))
 

@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 from autopar.context import current_config
 from autopar.errors import AutoParallelTypeError
 from autopar.graph.ir import Graph
-from autopar.graph.trace import trace
+from autopar.graph.tracer import trace
 from autopar.inspection import ProgramInspection
 from autopar.kernel_rules import FusedKernels, check_fused_kernels
 from autopar.lower import LoweredFunction, lower
