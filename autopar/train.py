@@ -495,6 +495,7 @@ class TrainStep(ProgramInspection):
     def _check_state(self, params: Any, opt_state: Any) -> None:
         """``opt_state`` must be what ``init(params)`` makes: the same structure and leaf
         shapes (a state of other parameters would be applied silently otherwise)."""
+        check_arrays("params", params)
         p_leaves, p_tree = jax.tree_util.tree_flatten(params)
         key = (p_tree, tuple(np.shape(x) for x in p_leaves))
         cache = self.__dict__.setdefault("_state_specs", {})

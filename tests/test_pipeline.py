@@ -560,3 +560,18 @@ def test_integer_parameter_is_not_sharded_with_its_own_reason():
     k = next(name for name in reasons if name.endswith("k"))
     assert "int32 is not a float" in reasons[k]
     assert not any("enable_parallel_optimizer is False" in r for r in reasons.values())
+
+
+def test_the_schedule_comes_from_pipeline_config():
+    """MindSpore's pipeline_config['pipeline_scheduler'] picks the schedule; an argument wins."""
+    model = mlp(widths=(8, 16, 8), batch=8)
+    params, x = model.example_args(KEY)
+    for scheduler in ("gpipe", "1f1b"):
+        with ap.auto_parallel_context(**PIPE, pipeline_stages=2,
+                                      pipeline_config={"pipeline_scheduler": scheduler}):
+            step = pipeline_train_step(model.loss, params, (x,), micro_batches=2)
+            assert step.schedule_table.name == scheduler
+            other = "1f1b" if scheduler == "gpipe" else "gpipe"
+            step = pipeline_train_step(model.loss, params, (x,), micro_batches=2,
+                                       schedule=other)
+            assert step.schedule_table.name == other

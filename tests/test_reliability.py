@@ -20,8 +20,6 @@ from benchmarks import bench_reliability as br
 KNOWN_DEFECTS = [
     # a figure past a double's range (1e400, a 401-digit integer) loads as infinity
     ("calibration files", r"= (1e400|a 401-digit number)$"),
-    # jnp.result_type('abc') raises TypeError in TrainStep._check_state
-    ("train_step", r"^step: a str parameter$"),
 ]
 
 

@@ -59,6 +59,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar.config import AutoParallelConfig
+from autopar.resolve import pipeline_schedule
 from autopar.context import current_config
 from autopar.errors import AutoParallelError, AutoParallelTypeError, AutoParallelWarning
 from autopar.grad_sync import (LOW_PRECISION, data_parallel_degree, fp32_collective,
@@ -98,7 +99,7 @@ class PipelineTrainStep(ProgramInspection):
     def __init__(self, loss_fn: Callable[..., Any], params: Any, batch: tuple[Any, ...],
                  optimizer: optax.GradientTransformation, *, config: AutoParallelConfig,
                  stages: int | None = None, micro_batches: int | None = None,
-                 schedule: str = "1f1b", boundaries: Sequence[str | int] | None = None,
+                 schedule: str | None = None, boundaries: Sequence[str | int] | None = None,
                  mode: str | None = None, fixed: Mapping[str, Any] | None = None,
                  cluster: Any = None) -> None:
         """Built by :func:`pipeline_train_step` (or :func:`autopar.train_step`), which reads
@@ -125,8 +126,10 @@ class PipelineTrainStep(ProgramInspection):
 
     # ------------------------------------------------------------------ construction
     def _read_config(self, cfg: AutoParallelConfig, stages: int | None,
-                     micro_batches: int | None, schedule: str) -> None:
-        """Stages, micro-batches, schedule and the context keys the step uses, checked."""
+                     micro_batches: int | None, schedule: str | None) -> None:
+        """Stages, micro-batches, schedule (default: pipeline_config's pipeline_scheduler)
+        and the context keys the step uses, checked."""
+        schedule = pipeline_schedule(cfg) if schedule is None else schedule
         p = cfg.pipeline_stages if stages is None else stages
         if isinstance(p, bool) or not isinstance(p, int):
             raise AutoParallelTypeError("pipeline_stages", p, "must be an int")
@@ -570,7 +573,8 @@ class PipelineTrainStep(ProgramInspection):
 def pipeline_train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
                         optimizer: optax.GradientTransformation | None = None, *,
                         stages: int | None = None, micro_batches: int | None = None,
-                        schedule: str = "1f1b", boundaries: Sequence[str | int] | None = None,
+                        schedule: str | None = None,
+                        boundaries: Sequence[str | int] | None = None,
                         mode: str | None = None, fixed: Mapping[str, Any] | None = None,
                         cluster: Any = None) -> PipelineTrainStep:
     """A pipelined training step for ``loss_fn(params, *batch)`` under the current context.
@@ -578,8 +582,9 @@ def pipeline_train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
     ``stages``: pipeline stages ``p`` (default: the context's ``pipeline_stages``; must divide
     ``device_num``). ``micro_batches``: ``m >= p`` (default ``p``, the fewest MindSpore's
     ``micro_size`` allows); the batch (every leaf's dim 0) must divide into
-    ``grad_accumulation_step x m`` equal micro-batches. ``schedule``: ``"1f1b"`` (default, as
-    MindSpore) or ``"gpipe"``. ``boundaries``: the unit names (top-level named scopes) or
+    ``grad_accumulation_step x m`` equal micro-batches. ``schedule``: ``"1f1b"`` or ``"gpipe"``
+    (default: the context's ``pipeline_config["pipeline_scheduler"]``, ``"1f1b"`` as in
+    MindSpore). ``boundaries``: the unit names (top-level named scopes) or
     indices where stages 1..p-1 begin (default: searched). ``optimizer`` / ``mode`` /
     ``fixed`` / ``cluster``: as :func:`autopar.train_step` (``mode`` and ``fixed`` act per
     stage; ``fixed`` keys are node names of the whole graph).
