@@ -69,6 +69,7 @@ from jax import lax
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.strategies.layout import DeviceMesh, Layout
+from autopar.strategies.redistribution import STEP_KINDS
 
 __all__ = ["SyncGroup", "sync_groups", "sync_gradients", "bucketed_collective",
            "bucket_indices", "sync_point", "sync_sites", "replicated_axes",
@@ -76,8 +77,8 @@ __all__ = ["SyncGroup", "sync_groups", "sync_gradients", "bucketed_collective",
            "METHODS", "KINDS", "LOW_PRECISION"]
 
 METHODS = ("tuple", "concat")
-#: collective kinds of :func:`bucketed_collective`
-KINDS = ("all_reduce", "reduce_scatter", "all_gather")
+#: collective kinds of :func:`bucketed_collective`: those a ``comm_fusion`` key buckets
+KINDS = tuple(k for k, r in STEP_KINDS.items() if r.comm_fusion)
 #: dtypes that gradient_fp32_sync sums in float32
 LOW_PRECISION = ("bfloat16", "float16")
 
@@ -306,7 +307,7 @@ def sync_gradients(grads: Sequence[Any], sync_axes: Sequence[tuple[str, ...] | N
     ``grads``: local gradients (inside ``shard_map``); ``sync_axes[i]``: the mesh axes where
     gradient i's parameter is replicated (empty / None: nothing to do); ``buckets``: lists of
     indices into ``grads`` in the order the collectives are issued (backward order), e.g.
-    ``bucket_indices(names, autopar.simulation.gradient_buckets(...))``. ``fp32``: per gradient (or
+    ``bucket_indices(names, autopar.gradient_buckets(...))``. ``fp32``: per gradient (or
     for all), bf16 / fp16 gradients are summed in fp32 and cast back (gradient_fp32_sync).
     ``method`` / ``chain``: see the module docstring. Returns the synchronised gradients in
     the order of ``grads``.

@@ -1,8 +1,8 @@
 """Fused communication kernels as rewrite rules over the redistribution steps.
 
-DESIGN.md: "fused kernels are rewrite rules over its steps". After :func:`autopar.rewrite.rewrite` has
+DESIGN.md: "fused kernels are rewrite rules over its steps". After :func:`autopar.rewrite` has
 turned a plan into explicit communication nodes, two patterns of a matmul next to one of its
-steps are replaced by one fused node that :func:`autopar.lower.lower` runs as a ring kernel
+steps are replaced by one fused node that :func:`autopar.lower` runs as a ring kernel
 (``autopar.kernels``):
 
 - **matmul -> ReduceScatter** (``mm_reduce_scatter``): a ``dot_general`` whose partial-sum
@@ -281,7 +281,7 @@ def _fused(op: str, dot: PNode, comm: PNode, inputs: tuple[str, ...],
                  outputs, MappingProxyType({"axes": st.axes, "dot": dot.name,
                                             "comm": comm.name, "nbytes": st.nbytes,
                                             **schedule}),
-                 strategy=dot.strategy, source=dot.source, note=note)
+                 strategy=dot.strategy, source=dot.source, note=note, display=FUSED_OPS[op])
 
 
 # ---------------------------------------------------------------------------- lowering

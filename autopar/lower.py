@@ -4,11 +4,12 @@ The abstract mesh of the plan becomes a :class:`jax.sharding.Mesh` of ``device_n
 with the same axis names (``a0, a1, ...``, devices row-major). The body of one
 ``jax.shard_map`` walks the parallel program in order:
 
-- a communication node becomes a ``jax.lax`` collective over its mesh axes: ``psum``
-  (AllReduce), ``psum_scatter(..., tiled=True)`` (ReduceScatter), ``all_gather(...,
-  tiled=True)`` (AllGather), ``all_to_all(..., tiled=True)`` (AlltoAll), or a local
-  ``dynamic_slice`` at this device's block (StridedSlice). A group of several axes is ordered
-  mixed radix, outer axis first, as ``jax.lax`` orders a tuple ``axis_name``;
+- a communication node becomes a ``jax.lax`` collective over its mesh axes, by the rule of
+  its step kind in :data:`STEP_LOWERING`: ``psum`` (AllReduce), ``psum_scatter(...,
+  tiled=True)`` (ReduceScatter), ``all_gather(..., tiled=True)`` (AllGather),
+  ``all_to_all(..., tiled=True)`` (AlltoAll), or a local ``dynamic_slice`` at this device's
+  block (StridedSlice). A group of several axes is ordered mixed radix, outer axis first, as
+  ``jax.lax`` orders a tuple ``axis_name``;
 - an operator re-binds its JAX primitive on local arrays, with the shape-carrying parameters
   rewritten to local sizes by its kind's ``local_params`` rule in the operator registry
   (:mod:`autopar.graph.ops`: ``reshape.new_sizes``, ``broadcast_in_dim.shape``,
@@ -38,7 +39,7 @@ gradients with the single-device ones.
 >>> g = autopar.trace(f, w, x)
 >>> plan = autopar.search(g, mode="dynamic_programming", device_num=2,
 ...                       parallel_mode="auto_parallel")
->>> run = lower(autopar.rewrite.rewrite(g, plan))
+>>> run = lower(autopar.rewrite(g, plan))
 >>> bool(jnp.allclose(run(w, x), f(w, x)))
 True
 """
@@ -58,10 +59,10 @@ from autopar.graph.ops import OPERATORS
 from autopar.kernel_rules import FusedKernels, fuse_kernels, run_fused
 from autopar.parallel_graph import PNode, ParallelGraph
 from autopar.strategies.layout import DeviceMesh
-from autopar.strategies.redistribution import Step
+from autopar.strategies.redistribution import STEP_KINDS, Step
 
 __all__ = ["lower", "LoweredFunction", "jax_mesh", "apply_step", "block_index", "final_psum",
-           "replicated_tails"]
+           "replicated_tails", "STEP_LOWERING"]
 
 
 # ---------------------------------------------------------------------------- mesh
@@ -121,6 +122,43 @@ def _to_varying(x: Any, axes: Any) -> Any:
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
+def _psum(x: Any, step: Step, mesh: DeviceMesh, vma: bool) -> Any:
+    return lax.psum(x, _axis_name(step.axes))
+
+
+def _psum_scatter(x: Any, step: Step, mesh: DeviceMesh, vma: bool) -> Any:
+    return lax.psum_scatter(x, _axis_name(step.axes), scatter_dimension=step.dim, tiled=True)
+
+
+def _all_gather(x: Any, step: Step, mesh: DeviceMesh, vma: bool) -> Any:
+    if vma:  # every device of the group holds the same result
+        return lax.all_gather(x, _axis_name(step.axes), axis=step.dim, tiled=True,
+                              to="invarying")
+    return lax.all_gather(x, _axis_name(step.axes), axis=step.dim, tiled=True)
+
+
+def _all_to_all(x: Any, step: Step, mesh: DeviceMesh, vma: bool) -> Any:
+    return lax.all_to_all(x, _axis_name(step.axes), split_axis=step.dim,
+                          concat_axis=step.src_dim, tiled=True)
+
+
+def _local_slice(x: Any, step: Step, mesh: DeviceMesh, vma: bool) -> Any:
+    size = x.shape[step.dim] // mesh.size_of(step.axes)
+    start = block_index(step.axes, mesh.sizes) * size
+    return lax.dynamic_slice_in_dim(x, start, size, axis=step.dim)
+
+
+#: The ``jax.lax`` rule of each redistribution step kind, keyed as
+#: :data:`~autopar.strategies.redistribution.STEP_KINDS` (which holds the planning facts).
+STEP_LOWERING: dict[str, Callable[[Any, Step, DeviceMesh, bool], Any]] = {
+    "all_reduce": _psum,
+    "reduce_scatter": _psum_scatter,
+    "all_gather": _all_gather,
+    "all_to_all": _all_to_all,
+    "slice": _local_slice,
+}
+
+
 def apply_step(x: Any, step: Step, mesh: DeviceMesh, *, vma: bool = False) -> Any:
     """One redistribution step on a local array, inside ``shard_map`` over ``mesh``'s axes.
 
@@ -129,25 +167,12 @@ def apply_step(x: Any, step: Step, mesh: DeviceMesh, *, vma: bool = False) -> An
     the group holds the same data), so JAX's transpose sums a gradient only where the
     contributions really differ.
     """
-    name = _axis_name(step.axes)
-    if vma and step.kind in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all"):
+    rule = STEP_LOWERING.get(step.kind)
+    if rule is None:
+        raise AutoParallelError("step", str(step), "unknown redistribution step kind")
+    if vma and STEP_KINDS[step.kind].collective is not None:
         x = _to_varying(x, step.axes)
-    if step.kind == "all_reduce":
-        return lax.psum(x, name)
-    if step.kind == "reduce_scatter":
-        return lax.psum_scatter(x, name, scatter_dimension=step.dim, tiled=True)
-    if step.kind == "all_gather":
-        if vma:
-            return lax.all_gather(x, name, axis=step.dim, tiled=True, to="invarying")
-        return lax.all_gather(x, name, axis=step.dim, tiled=True)
-    if step.kind == "all_to_all":
-        return lax.all_to_all(x, name, split_axis=step.dim, concat_axis=step.src_dim,
-                              tiled=True)
-    if step.kind == "slice":
-        size = x.shape[step.dim] // mesh.size_of(step.axes)
-        start = block_index(step.axes, mesh.sizes) * size
-        return lax.dynamic_slice_in_dim(x, start, size, axis=step.dim)
-    raise AutoParallelError("step", str(step), "unknown redistribution step kind")
+    return rule(x, step, mesh, vma)
 
 
 # ---------------------------------------------------------------------------- operators
@@ -401,7 +426,7 @@ def lower(parallel_graph: ParallelGraph, mesh: Mesh | None = None, *,
     """
     if not isinstance(parallel_graph, ParallelGraph):
         raise AutoParallelTypeError("parallel_graph", parallel_graph,
-                                    "lower takes the ParallelGraph from autopar.rewrite.rewrite")
+                                    "lower takes the ParallelGraph from autopar.rewrite")
     pg = parallel_graph
     jmesh = jax_mesh(pg.mesh) if mesh is None else _check_mesh(mesh, pg.mesh)
     if fused_kernels is not None:

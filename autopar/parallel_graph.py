@@ -26,20 +26,9 @@ import numpy as np
 
 from autopar.graph.ir import Graph, Strategy, TensorSpec
 from autopar.strategies.layout import DeviceMesh, Layout
-from autopar.strategies.redistribution import Step
+from autopar.strategies.redistribution import STEP_KINDS, Step
 
-__all__ = ["PValue", "PNode", "ParallelGraph", "COMM_OP_NAMES"]
-
-#: MindSpore operator names of the communication steps.
-COMM_OP_NAMES: dict[str, str] = {
-    "all_reduce": "AllReduce",
-    "reduce_scatter": "ReduceScatter",
-    "all_gather": "AllGather",
-    "all_to_all": "AlltoAll",
-    "slice": "StridedSlice",
-    "mm_reduce_scatter": "MatMulReduceScatter",   # fused kernels (autopar/kernel_rules.py)
-    "all_gather_matmul": "AllGatherMatMul",
-}
+__all__ = ["PValue", "PNode", "ParallelGraph"]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -78,10 +67,19 @@ class PNode:
     strategy: Strategy | None = None
     source: str = ""
     note: str = ""                 # for communication: which value, for which consumer
+    display: str = ""              # a fused kernel's MindSpore name (autopar/kernel_rules.py)
 
     @property
     def is_comm(self) -> bool:
         return self.step is not None
+
+    @property
+    def op_name(self) -> str:
+        """The MindSpore operator of a communication node (its step kind's ``display``) or a
+        fused kernel; the primitive of an operator."""
+        if self.step is not None:
+            return STEP_KINDS[self.step.kind].display
+        return self.display if self.is_fused else self.op
 
     @property
     def is_fused(self) -> bool:
@@ -91,14 +89,11 @@ class PNode:
     @property
     def display_op(self) -> str:
         if self.is_fused:
-            return f"{COMM_OP_NAMES[self.op]}[{','.join(self.params['axes'])}]"
+            return f"{self.op_name}[{','.join(self.params['axes'])}]"
         if self.step is None:
             return self.op
-        s = self.step
-        name = f"{COMM_OP_NAMES[s.kind]}[{','.join(s.axes)}]"
-        if s.kind == "all_to_all":
-            return f"{name}(dim {s.src_dim}->{s.dim})"
-        return f"{name}(dim {s.dim})" if s.dim is not None else name
+        name = f"{self.op_name}[{','.join(self.step.axes)}]"
+        return f"{name}({self.step.where})" if self.step.where else name
 
 
 @dataclass(frozen=True, eq=False)
@@ -139,7 +134,7 @@ class ParallelGraph:
         """Per-device bytes the inserted collectives move in forward (the cost formula's n),
         including those of collectives fused into a matmul (``fused_nodes``)."""
         return sum(n.step.nbytes for n in self.comm_nodes()
-                   if n.step is not None and n.step.kind != "slice") + \
+                   if n.step is not None and STEP_KINDS[n.step.kind].collective) + \
             sum(int(n.params["nbytes"]) for n in self.fused_nodes())
 
     def in_layouts(self) -> tuple[Layout, ...]:
@@ -158,7 +153,8 @@ class ParallelGraph:
     def summary(self) -> str:
         ops = sum(1 for n in self.nodes if not n.is_comm and not n.is_fused)
         counts = self.comm_counts()
-        comm = ", ".join(f"{COMM_OP_NAMES[k]} {c}" for k, c in counts.items())
+        names = {n.op: n.op_name for n in self.comm_nodes() + self.fused_nodes()}
+        comm = ", ".join(f"{names[k]} {c}" for k, c in counts.items())
         return (f"ParallelGraph {self.name!r} on {self.device_num} devices ({self.mesh}): "
                 f"{ops} operators, {sum(counts.values())} communication"
                 + (f" ({comm})" if comm else ""))

@@ -4,10 +4,11 @@ Walks the graph's nodes in order. Each input of a node is read in the layout the
 strategy needs (``plan.nodes[node].in_layouts[j]``); when the value lives in another layout
 (its producer's output layout, the placement of a parameter or data input, or replicated for
 literals and constants), the redistribution table's steps become explicit communication nodes,
-one per :class:`~autopar.strategies.redistribution.Step`. A value redistributed to the same
-layout twice is redistributed once (later consumers reuse the result). Graph outputs with a
-pending partial sum are all-reduced; splits of outputs are kept (the caller receives a sharded
-global array).
+one per :class:`~autopar.strategies.redistribution.Step`; the layout after each step is its
+kind's effect (:func:`~autopar.strategies.redistribution.apply_step_to_layout`). A value
+redistributed to the same layout twice is redistributed once (later consumers reuse the
+result). Graph outputs with a pending partial sum are all-reduced; splits of outputs are kept
+(the caller receives a sharded global array).
 
 >>> import jax.numpy as jnp, autopar
 >>> g = autopar.trace(lambda w, x: jnp.sum(x @ w), jnp.ones((8, 4)), jnp.ones((2, 8)))
@@ -30,36 +31,9 @@ from autopar.parallel_graph import PNode, PValue, ParallelGraph
 from autopar.strategies.layout import DeviceMesh, Layout
 from autopar.strategies.opspec import tensor_spec
 from autopar.strategies.plan import Plan
-from autopar.strategies.redistribution import Step, redistribute
+from autopar.strategies.redistribution import apply_step_to_layout, redistribute
 
 __all__ = ["rewrite", "apply_step_to_layout"]
-
-
-def apply_step_to_layout(layout: Layout, step: Step) -> Layout:
-    """The layout after one redistribution step.
-
-    >>> lay = Layout(((), ("a1",)), ("a0",))
-    >>> str(apply_step_to_layout(lay, Step("reduce_scatter", ("a0",), 0)))
-    'S(0)[a0]S(1)[a1]'
-    """
-    dims = [list(d) for d in layout.dims]
-    partial = list(layout.partial)
-    if step.kind == "all_reduce":
-        partial = [a for a in partial if a not in step.axes]
-    elif step.kind == "reduce_scatter":
-        partial = [a for a in partial if a not in step.axes]
-        dims[step.dim] += list(step.axes)  # type: ignore[index]
-    elif step.kind == "all_gather":
-        dims[step.dim] = [a for a in dims[step.dim] if a not in step.axes]  # type: ignore[index]
-    elif step.kind == "all_to_all":
-        dims[step.src_dim] = [a for a in dims[step.src_dim]  # type: ignore[index]
-                              if a not in step.axes]
-        dims[step.dim] += list(step.axes)  # type: ignore[index]
-    elif step.kind == "slice":
-        dims[step.dim] += list(step.axes)  # type: ignore[index]
-    else:  # pragma: no cover - Step kinds are a closed set
-        raise AutoParallelError("step", str(step), "unknown redistribution step kind")
-    return Layout(tuple(tuple(d) for d in dims), tuple(partial))
 
 
 def _check_local(name: str, shape: tuple[int, ...], layout: Layout, mesh: DeviceMesh) -> None:

@@ -22,22 +22,30 @@ Cluster presets (figures documented in docs/search.md):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Literal
+from typing import Callable, Iterable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.strategies.layout import DeviceMesh
-from autopar.strategies.redistribution import Step, transpose_step
+from autopar.strategies.redistribution import STEP_KINDS, Step, transpose_step
 
 __all__ = ["BACKWARD_FACTOR", "COLLECTIVE_KINDS", "Calibration", "Cluster", "CLUSTERS",
            "CollectiveFit", "CostModel", "get_cluster"]
 
 
-#: Collective kinds the model prices, each with its alpha-beta shape over a group of p devices:
-#: (latency steps, bandwidth factor) -> ``steps * alpha + factor * n / B``.
-COLLECTIVE_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all",
-                    "collective_permute")
+#: Collective kinds the model prices, each with its ring formula over a group of p devices:
+#: p -> (latency steps, bandwidth factor), the time being ``steps * alpha + factor * n / B``.
+#: Redistribution steps name the kind that prices them (:data:`STEP_KINDS
+#: <autopar.strategies.redistribution.STEP_KINDS>` ``.collective``).
+_RING: dict[str, Callable[[int], tuple[float, float]]] = {
+    "all_reduce": lambda p: (2.0 * (p - 1), 2.0 * ((p - 1) / p)),
+    "reduce_scatter": lambda p: (float(p - 1), (p - 1) / p),
+    "all_gather": lambda p: (float(p - 1), (p - 1) / p),
+    "all_to_all": lambda p: (float(p - 1), (p - 1) / p),
+    "collective_permute": lambda p: (1.0, 1.0),
+}
+COLLECTIVE_KINDS = tuple(_RING)
 #: Backward of an operator costs this many times its forward (two matmuls per matmul: the
 #: gradient of each input); the one place the factor lives.
 BACKWARD_FACTOR = 2.0
@@ -45,15 +53,11 @@ BACKWARD_FACTOR = 2.0
 
 def _formula(kind: str, p: int) -> tuple[float, float]:
     """(latency steps, bytes factor) of the ring formula of ``kind`` over ``p`` devices."""
-    frac = (p - 1) / p
-    if kind == "all_reduce":
-        return 2.0 * (p - 1), 2.0 * frac
-    if kind in ("reduce_scatter", "all_gather", "all_to_all"):
-        return float(p - 1), frac
-    if kind == "collective_permute":
-        return 1.0, 1.0
-    raise AutoParallelError("collective", kind, f"unknown collective kind; one of "
-                            f"{list(COLLECTIVE_KINDS)}")
+    ring = _RING.get(kind)
+    if ring is None:
+        raise AutoParallelError("collective", kind, f"unknown collective kind; one of "
+                                f"{list(COLLECTIVE_KINDS)}")
+    return ring(p)
 
 
 class CollectiveFit(BaseModel):
@@ -65,8 +69,7 @@ class CollectiveFit(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    kind: Literal["all_reduce", "reduce_scatter", "all_gather", "all_to_all",
-                  "collective_permute"]
+    kind: Literal[COLLECTIVE_KINDS]
     group: int = Field(ge=2, description="devices in the group")
     intra: bool = Field(description="every device of the group in one node (process)")
     alpha: float = Field(ge=0, description="seconds: the fixed cost of one collective")
@@ -210,7 +213,9 @@ class CostModel:
         return hit
 
     def collective_time(self, kind: str, nbytes: float, p: int, *, intra: bool) -> float:
-        if p <= 1 or kind == "slice":
+        """Seconds of one ``kind`` collective (:data:`COLLECTIVE_KINDS`) of ``nbytes`` over
+        ``p`` devices."""
+        if p <= 1:
             return 0.0
         a, b, knee, extra = self.alpha_beta(kind, p, intra)
         return a + b * nbytes + (extra * max(0.0, nbytes - knee) if extra else 0.0)
@@ -226,8 +231,12 @@ class CostModel:
         return hit
 
     def step_time(self, step: Step, mesh: DeviceMesh) -> float:
+        """Forward seconds of one redistribution step (0 for a local one)."""
+        kind = STEP_KINDS[step.kind].collective
+        if kind is None:
+            return 0.0
         p, intra = self.group(step.axes, mesh)
-        return self.collective_time(step.kind, step.nbytes, p, intra=intra)
+        return self.collective_time(kind, step.nbytes, p, intra=intra)
 
     def steps_time(self, steps: tuple[Step, ...], mesh: DeviceMesh, *,
                    backward: bool = False) -> float:
@@ -266,8 +275,9 @@ class CostModel:
             # forward, and in backward the transpose (which moves the same n: all_gather's
             # output is reduce_scatter's input)
             for t in (s, transpose_step(s) if backward else None):
-                if t is not None and t.kind != "slice":
-                    ka, kb, knee, extra = self.alpha_beta(t.kind, p, intra)
+                kind = STEP_KINDS[t.kind].collective if t is not None else None
+                if kind is not None:
+                    ka, kb, knee, extra = self.alpha_beta(kind, p, intra)
                     a += ka
                     b += kb * s.fraction
                     if extra:

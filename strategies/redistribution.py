@@ -10,6 +10,14 @@ explicit communication nodes, the lowering into ``jax.lax`` collectives. Steps:
 - ``all_to_all`` over one axis: move a split from ``src_dim`` to ``dim``.
 - ``slice`` over axes along ``dim``: split a replicated dim locally (no communication).
 
+Each kind is one :class:`StepKind` record in :data:`STEP_KINDS`: its layout effect, its
+backward counterpart, the collective the cost model prices it as, its ``comm_fusion`` key and
+its display name. The rewrite (layouts), the IR dump (names), the cost model (pricing,
+transposes) and the lowering (whether it communicates) read the record; the ``jax.lax`` rule
+of each kind lives in :mod:`autopar.lower` (execution stays above planning), keyed by the same
+kind. A new kind is a record here, the code of :func:`plan_steps` that emits it, and its
+lowering rule (tests/test_registry.py checks both tables cover the same kinds).
+
 With ``enable_alltoall=False`` a move is all_gather + slice, as MindSpore does.
 ``nbytes`` is the per-device byte count the collective formula uses: the gathered (output)
 size for all_gather, the input size for reduce_scatter, all_reduce and all_to_all, and for a
@@ -27,65 +35,122 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Literal
+from typing import Callable
 
 from autopar.errors import AutoParallelError
 from autopar.strategies.layout import DeviceMesh, Layout
 
-__all__ = ["Step", "redistribute", "transpose_step"]
-
-StepKind = Literal["all_reduce", "reduce_scatter", "all_gather", "all_to_all", "slice"]
+__all__ = ["Step", "StepKind", "STEP_KINDS", "redistribute", "plan_steps", "transpose_step",
+           "apply_step_to_layout"]
 
 
 @dataclass(frozen=True, slots=True)
 class Step:
-    kind: StepKind
+    kind: str                     # a key of STEP_KINDS
     axes: tuple[str, ...]
     dim: int | None = None        # the dim gathered / scattered / sliced / split into
     src_dim: int | None = None    # all_to_all: the dim whose split moves to `dim`
     nbytes: int = 0               # per-device bytes the cost formula uses
     fraction: float = 0.0         # nbytes / the tensor's global bytes
 
+    @property
+    def where(self) -> str:
+        """The dims the step acts on, as printed: ``dim 0``, ``dim 1->0`` or ""."""
+        return STEP_KINDS[self.kind].where(self)
+
     def __str__(self) -> str:
-        where = f" dim {self.dim}" if self.dim is not None else ""
-        if self.kind == "all_to_all":
-            where = f" dim {self.src_dim}->{self.dim}"
+        where = f" {self.where}" if self.where else ""
         return f"{self.kind}[{','.join(self.axes)}]{where}"
+
+
+# ---------------------------------------------------------------------------- the step kinds
+
+#: A layout effect: changes a layout's per-dim axes and partial axes in place.
+Effect = Callable[[list[list[str]], list[str], Step], None]
+
+
+def _resolve(dims: list[list[str]], partial: list[str], s: Step) -> None:
+    partial[:] = [a for a in partial if a not in s.axes]
+
+
+def _split(dims: list[list[str]], partial: list[str], s: Step) -> None:
+    dims[s.dim] += list(s.axes)  # type: ignore[index]
+
+
+def _unsplit(dims: list[list[str]], partial: list[str], s: Step) -> None:
+    dims[s.dim] = [a for a in dims[s.dim] if a not in s.axes]  # type: ignore[index]
+
+
+def _move(dims: list[list[str]], partial: list[str], s: Step) -> None:
+    dims[s.src_dim] = [a for a in dims[s.src_dim] if a not in s.axes]  # type: ignore[index]
+    dims[s.dim] += list(s.axes)  # type: ignore[index]
+
+
+def _as(kind: str) -> Callable[[Step], Step]:
+    """Backward: the same axes, dim and bytes as a step of ``kind`` (a gather's transpose is
+    a reduce-scatter moving the same n, and back; a slice's is the gather of its pieces)."""
+    return lambda s: Step(kind, s.axes, s.dim, nbytes=s.nbytes, fraction=s.fraction)
+
+
+def _swap(s: Step) -> Step:
+    return Step(s.kind, s.axes, s.src_dim, src_dim=s.dim, nbytes=s.nbytes, fraction=s.fraction)
+
+
+def _dim(s: Step) -> str:
+    return f"dim {s.dim}" if s.dim is not None else ""
+
+
+@dataclass(frozen=True)
+class StepKind:
+    """Everything autopar knows about one kind of redistribution step."""
+
+    name: str
+    display: str                          # the MindSpore operator (IR dumps)
+    collective: str | None                # the cost model's collective kind; None: local
+    comm_fusion: str | None               # the comm_fusion key bucketing this collective
+    effect: tuple[Effect, ...]            # the layout change, in order
+    transpose: Callable[[Step], Step | None]  # backward counterpart (None: no communication)
+    where: Callable[[Step], str] = _dim   # the dims it acts on, as printed
+
+
+STEP_KINDS: dict[str, StepKind] = {k.name: k for k in (
+    # partial -> replicated transposes to the identity
+    StepKind("all_reduce", "AllReduce", "all_reduce", "allreduce", (_resolve,),
+             lambda s: None),
+    StepKind("reduce_scatter", "ReduceScatter", "reduce_scatter", "reducescatter",
+             (_resolve, _split), _as("all_gather")),
+    StepKind("all_gather", "AllGather", "all_gather", "allgather", (_unsplit,),
+             _as("reduce_scatter")),
+    StepKind("all_to_all", "AlltoAll", "all_to_all", None, (_move,), _swap,
+             lambda s: f"dim {s.src_dim}->{s.dim}"),
+    # a replicated input's cotangent: gather the sliced pieces
+    StepKind("slice", "StridedSlice", None, None, (_split,), _as("all_gather")),
+)}
 
 
 def transpose_step(step: Step) -> Step | None:
     """The backward counterpart of a forward step (None: no communication in backward)."""
-    n, f = step.nbytes, step.fraction
-    if step.kind == "all_gather":
-        return Step("reduce_scatter", step.axes, step.dim, nbytes=n, fraction=f)
-    if step.kind == "reduce_scatter":
-        return Step("all_gather", step.axes, step.dim, nbytes=n, fraction=f)
-    if step.kind == "slice":  # replicated input's cotangent: gather the sliced pieces
-        return Step("all_gather", step.axes, step.dim, nbytes=n, fraction=f)
-    if step.kind == "all_to_all":
-        return Step("all_to_all", step.axes, step.src_dim, src_dim=step.dim, nbytes=n,
-                    fraction=f)
-    return None  # all_reduce (partial -> replicated) transposes to the identity
+    return STEP_KINDS[step.kind].transpose(step)
 
 
-def _fraction(dims: list[list[str]], mesh: DeviceMesh) -> float:
-    """Per-device share of the global tensor for the current dims."""
-    sizes, n = mesh.sizes, 1
-    for axes in dims:
-        for a in axes:
-            n *= sizes[a]
-    return 1.0 / n
+def apply_step_to_layout(layout: Layout, step: Step) -> Layout:
+    """The layout after one redistribution step.
+
+    >>> lay = Layout(((), ("a1",)), ("a0",))
+    >>> str(apply_step_to_layout(lay, Step("reduce_scatter", ("a0",), 0)))
+    'S(0)[a0]S(1)[a1]'
+    """
+    kind = STEP_KINDS.get(step.kind)
+    if kind is None:
+        raise AutoParallelError("step", str(step), "unknown redistribution step kind")
+    dims = [list(d) for d in layout.dims]
+    partial = list(layout.partial)
+    for effect in kind.effect:
+        effect(dims, partial, step)
+    return Layout(tuple(tuple(d) for d in dims), tuple(partial))
 
 
-def _slice(steps: list[Step], axes: tuple[str, ...], dim: int, fraction: float) -> None:
-    """Append a local slice of a tensor holding ``fraction`` of the whole (its input: the
-    size its backward all_gather produces), merged with a slice of the same dim just before
-    it (which keeps its own, larger, input fraction)."""
-    last = steps[-1] if steps else None
-    if last is not None and last.kind == "slice" and last.dim == dim:
-        steps[-1] = Step("slice", last.axes + axes, dim, fraction=last.fraction)
-    else:
-        steps.append(Step("slice", axes, dim, fraction=fraction))
+# ---------------------------------------------------------------------------- the planner
 
 
 def redistribute(shape: tuple[int, ...], itemsize: int, src: Layout, dst: Layout,
@@ -105,120 +170,154 @@ def redistribute(shape: tuple[int, ...], itemsize: int, src: Layout, dst: Layout
 def plan_steps(src: Layout, dst: Layout, mesh: DeviceMesh,
                enable_alltoall: bool = False) -> tuple[Step, ...]:
     """The shape-free steps (``fraction`` set, ``nbytes`` 0); pure and cached."""
-    shape = tuple(0 for _ in src.dims)
     if set(dst.partial) - set(src.partial):
         raise AutoParallelError("layout", str(dst), "a redistribution cannot create a partial "
                                 "sum; only resolve one")
-    cur = [list(d) for d in src.dims]
-    want = [list(d) for d in dst.dims]
-    steps: list[Step] = []
+    plan = _Planner(src, dst, mesh)
+    plan.resolve_partials(src, dst)
+    plan.move_splits(enable_alltoall)
+    return tuple(plan.steps)
 
-    # 1. resolve partial sums: reduce_scatter where the target splits on that axis next,
-    #    all_reduce otherwise.
-    pending = [a for a in src.partial if a not in dst.partial]
-    scatter: dict[int, list[str]] = {}
-    for d in range(len(shape)):
-        if cur[d] != want[d][:len(cur[d])]:
-            continue
-        nxt = want[d][len(cur[d]):]
-        take = []
-        for a in nxt:
-            if a in pending and not any(a in c for c in cur):
+
+class _Planner:
+    """The steps from ``src`` to ``dst`` so far, and the per-dim axes they reach (``cur``)."""
+
+    def __init__(self, src: Layout, dst: Layout, mesh: DeviceMesh) -> None:
+        self.mesh, self.rank, self.route = mesh, len(src.dims), f"{src} -> {dst}"
+        self.cur = [list(d) for d in src.dims]
+        self.want = [list(d) for d in dst.dims]
+        self.steps: list[Step] = []
+
+    def fraction(self) -> float:
+        """Per-device share of the global tensor for the current dims."""
+        sizes, n = self.mesh.sizes, 1
+        for axes in self.cur:
+            for a in axes:
+                n *= sizes[a]
+        return 1.0 / n
+
+    def is_prefix(self, d: int) -> bool:
+        return self.cur[d] == self.want[d][:len(self.cur[d])]
+
+    def wants_next(self, d: int, a: str) -> bool:
+        """Whether dim ``d`` is on its way to the target and takes axis ``a`` next."""
+        w = self.want[d]
+        return self.is_prefix(d) and len(w) > len(self.cur[d]) and w[len(self.cur[d])] == a
+
+    def slice(self, axes: tuple[str, ...], dim: int) -> None:
+        """Split ``dim`` locally over ``axes``; merged with a slice of the same dim just
+        before it (which keeps its own, larger, input fraction: the size its backward
+        all_gather produces)."""
+        last = self.steps[-1] if self.steps else None
+        if last is not None and last.kind == "slice" and last.dim == dim:
+            self.steps[-1] = Step("slice", last.axes + axes, dim, fraction=last.fraction)
+        else:
+            self.steps.append(Step("slice", axes, dim, fraction=self.fraction()))
+        self.cur[dim].extend(axes)
+
+    def resolve_partials(self, src: Layout, dst: Layout) -> None:
+        """Resolve partial sums: reduce_scatter where the target splits on that axis next,
+        all_reduce otherwise."""
+        cur, want = self.cur, self.want
+        pending = [a for a in src.partial if a not in dst.partial]
+        scatter: dict[int, list[str]] = {}
+        for d in range(self.rank):
+            if not self.is_prefix(d):
+                continue
+            take = []
+            for a in want[d][len(cur[d]):]:
+                if a not in pending or any(a in c for c in cur):
+                    break
                 take.append(a)
-            else:
+            if take:
+                scatter[d] = take
+        reduce_axes = [a for a in pending if not any(a in t for t in scatter.values())]
+        if reduce_axes:
+            self.steps.append(Step("all_reduce", tuple(reduce_axes), fraction=self.fraction()))
+        for d in sorted(scatter):
+            before = self.fraction()
+            cur[d].extend(scatter[d])
+            self.steps.append(Step("reduce_scatter", tuple(scatter[d]), d, fraction=before))
+
+    def move_splits(self, enable_alltoall: bool) -> None:
+        """Move splits until every dim matches the target: all_to_all where allowed, early
+        slices, then gathers, then the final slices."""
+        early_done = False
+        for _ in range(4 * len(self.mesh.axes) + 4):
+            if self.cur == self.want:
                 break
-        if take:
-            scatter[d] = take
-    reduce_axes = [a for a in pending if not any(a in t for t in scatter.values())]
-    if reduce_axes:
-        steps.append(Step("all_reduce", tuple(reduce_axes),
-                          fraction=_fraction(cur, mesh)))
-    for d in sorted(scatter):
-        before = _fraction(cur, mesh)
-        cur[d].extend(scatter[d])
-        steps.append(Step("reduce_scatter", tuple(scatter[d]), d, fraction=before))
-
-    # 2. move splits until every dim matches the target.
-    def is_prefix(d: int) -> bool:
-        return cur[d] == want[d][:len(cur[d])]
-
-    early_done = False
-    for _ in range(4 * len(mesh.axes) + 4):
-        if cur == want:
-            break
-        moved = False
-        if enable_alltoall:
-            for d1 in range(len(shape)):
-                if not cur[d1] or is_prefix(d1):
+            if enable_alltoall and self.all_to_all():
+                continue
+            bad = [d for d in range(self.rank) if not self.is_prefix(d)]
+            if bad and not early_done:
+                early_done = True
+                if self.early_slices(bad):
                     continue
-                a = cur[d1][-1]
-                for d2 in range(len(shape)):
-                    w2 = want[d2]
-                    if d2 != d1 and is_prefix(d2) and len(w2) > len(cur[d2]) \
-                            and w2[len(cur[d2])] == a:
-                        nb = _fraction(cur, mesh)
-                        cur[d1].pop()
-                        cur[d2].append(a)
-                        steps.append(Step("all_to_all", (a,), d2, src_dim=d1, fraction=nb))
-                        moved = True
-                        break
-                if moved:
-                    break
-        if moved:
-            continue
-        bad = [d for d in range(len(shape)) if not is_prefix(d)]
-        if bad and not early_done:
-            # Slice first what no gather will touch: axes free now that a good dim wants
-            # next. The gathers that follow then move smaller pieces.
-            early_done = True
-            used = {a for c in cur for a in c}
-            for d2 in range(len(shape)):
-                if d2 in bad:
-                    continue
-                add = []
-                for a in want[d2][len(cur[d2]):]:
-                    if a in used:
-                        break
-                    add.append(a)
+            if bad:
+                self.gather(bad[0])
+                continue
+            for d in range(self.rank):
+                add = self.want[d][len(self.cur[d]):]
                 if add:
-                    _slice(steps, tuple(add), d2, _fraction(cur, mesh))
-                    cur[d2].extend(add)
-                    used.update(add)
-                    moved = True
-            if moved:
+                    self.slice(tuple(add), d)
+        else:  # pragma: no cover - the loop always converges; guard against regressions
+            raise AutoParallelError("layout", self.route, "redistribution did not converge")
+
+    def all_to_all(self) -> bool:
+        """Move the innermost axis of a dim off its target to a dim that takes it next."""
+        for d1 in range(self.rank):
+            if not self.cur[d1] or self.is_prefix(d1):
                 continue
-        if bad:
-            d = bad[0]
-            k = 0
-            while k < len(cur[d]) and k < len(want[d]) and cur[d][k] == want[d][k]:
-                k += 1
-            gone = cur[d][k:]
-            wanted = {a for w in want for a in w}
-            if not wanted.intersection(gone):  # a plain un-split: one collective
-                del cur[d][k:]
-                steps.append(Step("all_gather", tuple(gone), d, fraction=_fraction(cur, mesh)))
+            a = self.cur[d1][-1]
+            for d2 in range(self.rank):
+                if d2 != d1 and self.wants_next(d2, a):
+                    nb = self.fraction()
+                    self.cur[d1].pop()
+                    self.cur[d2].append(a)
+                    self.steps.append(Step("all_to_all", (a,), d2, src_dim=d1, fraction=nb))
+                    return True
+        return False
+
+    def early_slices(self, bad: list[int]) -> bool:
+        """Slice first what no gather will touch: axes free now that a good dim wants next.
+        The gathers that follow then move smaller pieces."""
+        used = {a for c in self.cur for a in c}
+        moved = False
+        for d2 in range(self.rank):
+            if d2 in bad:
                 continue
-            # Some gathered axes split another dim next: gather one axis at a time (innermost
-            # first) and slice it where it is wanted at once, never holding more of the tensor
-            # than needed. In the alpha-beta ring model this is never dearer than one gather
-            # of all the axes followed by slices: the bytes are the same or fewer (later steps
-            # move smaller pieces) and the latency sum(p_i - 1) <= prod(p_i) - 1.
-            a = cur[d].pop()
-            steps.append(Step("all_gather", (a,), d, fraction=_fraction(cur, mesh)))
-            if all(is_prefix(d2) for d2 in range(len(shape))):
-                continue  # no gather follows: the final slices go together
-            for d2 in range(len(shape)):
-                if d2 != d and is_prefix(d2) and len(want[d2]) > len(cur[d2]) \
-                        and want[d2][len(cur[d2])] == a:
-                    _slice(steps, (a,), d2, _fraction(cur, mesh))
-                    cur[d2].append(a)
+            add = []
+            for a in self.want[d2][len(self.cur[d2]):]:
+                if a in used:
                     break
-            continue
-        for d in range(len(shape)):
-            add = want[d][len(cur[d]):]
+                add.append(a)
             if add:
-                _slice(steps, tuple(add), d, _fraction(cur, mesh))
-                cur[d].extend(add)
-    else:  # pragma: no cover - the loop always converges; guard against regressions
-        raise AutoParallelError("layout", f"{src} -> {dst}", "redistribution did not converge")
-    return tuple(steps)
+                self.slice(tuple(add), d2)
+                used.update(add)
+                moved = True
+        return moved
+
+    def gather(self, d: int) -> None:
+        """Undo the splits of dim ``d`` past its agreement with the target. A plain un-split
+        is one collective. When some gathered axes split another dim next, gather one axis at
+        a time (innermost first) and slice it where it is wanted at once, never holding more
+        of the tensor than needed. In the alpha-beta ring model this is never dearer than one
+        gather of all the axes followed by slices: the bytes are the same or fewer (later
+        steps move smaller pieces) and the latency sum(p_i - 1) <= prod(p_i) - 1."""
+        cur, want = self.cur, self.want
+        k = 0
+        while k < len(cur[d]) and k < len(want[d]) and cur[d][k] == want[d][k]:
+            k += 1
+        gone = cur[d][k:]
+        if not {a for w in want for a in w}.intersection(gone):
+            del cur[d][k:]
+            self.steps.append(Step("all_gather", tuple(gone), d, fraction=self.fraction()))
+            return
+        a = cur[d].pop()
+        self.steps.append(Step("all_gather", (a,), d, fraction=self.fraction()))
+        if all(self.is_prefix(d2) for d2 in range(self.rank)):
+            return  # no gather follows: the final slices go together
+        for d2 in range(self.rank):
+            if d2 != d and self.wants_next(d2, a):
+                self.slice((a,), d2)
+                return

@@ -1,8 +1,9 @@
-"""One owner per kind: the operator registry.
+"""One owner per kind: the operator registry and the table of redistribution step kinds.
 
 Every operator kind has every part (primitives, loop nest, FLOPs, local params, gradient
 flags, fusion) and a traced example here that runs; every primitive the tracer accepts is in
-exactly one kind.
+exactly one kind. Every step kind has every part (layout effect, transpose, pricing,
+display) and a lowering rule; the cost model prices each collective it names.
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ from jax import lax
 import autopar as ap
 from autopar.graph import ops
 from autopar.graph.ops import KINDS, OPERATORS, op_spec
+from autopar.lower import STEP_LOWERING
+from autopar.strategies.cost import CLUSTERS, COLLECTIVE_KINDS, CostModel
+from autopar.strategies.layout import DeviceMesh, Layout
+from autopar.strategies.redistribution import (STEP_KINDS, Step, apply_step_to_layout,
+                                               plan_steps, transpose_step)
 
 X = jnp.arange(32.0).reshape(4, 8) / 10
 
@@ -57,7 +63,7 @@ def test_every_operator_kind_has_every_part():
 def test_every_primitive_the_tracer_accepts_is_in_exactly_one_kind():
     import importlib
 
-    assert importlib.import_module("autopar.graph.tracer").KINDS is KINDS  # read, not copied
+    assert importlib.import_module("autopar.graph.trace").KINDS is KINDS  # read, not copied
     seen: dict[str, str] = {}
     for kind in OPERATORS.values():
         for p in kind.primitives:
@@ -90,3 +96,49 @@ def test_each_kind_traces_specs_and_runs(kind):
     with ap.auto_parallel_context(device_num=2, parallel_mode="auto_parallel"):
         f = ap.parallelize(fn, X)
     np.testing.assert_allclose(np.asarray(f(X)), np.asarray(jax.jit(fn)(X)), rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------- step kinds
+
+MESH = DeviceMesh.for_devices(8)
+#: per step kind a (source, target) layout pair whose plan is exactly one step of it
+ONE_STEP = {
+    "all_reduce": (Layout(((), ()), ("a0",)), Layout(((), ()))),
+    "reduce_scatter": (Layout(((), ()), ("a0",)), Layout((("a0",), ()))),
+    "all_gather": (Layout((("a0",), ())), Layout(((), ()))),
+    "all_to_all": (Layout((("a0",), ())), Layout(((), ("a0",)))),
+    "slice": (Layout(((), ())), Layout(((), ("a1",)))),
+}
+
+
+def test_every_step_kind_has_every_part():
+    assert set(ONE_STEP) == set(STEP_KINDS), "every step kind needs an example here"
+    assert set(STEP_LOWERING) == set(STEP_KINDS), "every step kind needs a lax rule"
+    for name, kind in STEP_KINDS.items():
+        assert kind.name == name and kind.display and kind.effect
+        assert kind.collective is None or kind.collective in COLLECTIVE_KINDS, name
+        src, dst = ONE_STEP[name]
+        (step,) = plan_steps(src, dst, MESH, name == "all_to_all")
+        assert step.kind == name
+        assert apply_step_to_layout(src, step) == dst
+        back = transpose_step(step)
+        assert back is None or back.kind in STEP_KINDS
+        if back is not None and not src.partial:  # backward undoes the forward's layout
+            assert apply_step_to_layout(dst, back) == src
+
+
+def test_the_cost_model_prices_steps_by_their_collective():
+    cm = CostModel(CLUSTERS["accelerator-8x"])
+    for name, kind in STEP_KINDS.items():
+        step = Step(name, ("a0",), 0, src_dim=1, nbytes=1 << 20)
+        t = cm.step_time(step, MESH)
+        assert (t > 0) == (kind.collective is not None), name
+        if kind.collective is not None:
+            assert t == cm.collective_time(kind.collective, 1 << 20, 2, intra=True)
+
+
+def test_step_display_names():
+    pg_names = {k.display for k in STEP_KINDS.values()}
+    assert pg_names == {"AllReduce", "ReduceScatter", "AllGather", "AlltoAll", "StridedSlice"}
+    assert str(Step("all_to_all", ("a0",), 0, src_dim=1)) == "all_to_all[a0] dim 1->0"
+    assert str(Step("all_reduce", ("a0", "a1"))) == "all_reduce[a0,a1]"
