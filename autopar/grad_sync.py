@@ -307,7 +307,7 @@ def sync_gradients(grads: Sequence[Any], sync_axes: Sequence[tuple[str, ...] | N
     ``grads``: local gradients (inside ``shard_map``); ``sync_axes[i]``: the mesh axes where
     gradient i's parameter is replicated (empty / None: nothing to do); ``buckets``: lists of
     indices into ``grads`` in the order the collectives are issued (backward order), e.g.
-    ``bucket_indices(names, autopar.gradient_buckets(...))``. ``fp32``: per gradient (or
+    ``bucket_indices(names, autopar.simulation.gradient_buckets(...))``. ``fp32``: per gradient (or
     for all), bf16 / fp16 gradients are summed in fp32 and cast back (gradient_fp32_sync).
     ``method`` / ``chain``: see the module docstring. Returns the synchronised gradients in
     the order of ``grads``.

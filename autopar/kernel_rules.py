@@ -1,8 +1,8 @@
 """Fused communication kernels as rewrite rules over the redistribution steps.
 
-DESIGN.md: "fused kernels are rewrite rules over its steps". After :func:`autopar.rewrite` has
+DESIGN.md: "fused kernels are rewrite rules over its steps". After :func:`autopar.rewrite.rewrite` has
 turned a plan into explicit communication nodes, two patterns of a matmul next to one of its
-steps are replaced by one fused node that :func:`autopar.lower` runs as a ring kernel
+steps are replaced by one fused node that :func:`autopar.lower.lower` runs as a ring kernel
 (``autopar.kernels``):
 
 - **matmul -> ReduceScatter** (``mm_reduce_scatter``): a ``dot_general`` whose partial-sum

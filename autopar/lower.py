@@ -39,7 +39,7 @@ gradients with the single-device ones.
 >>> g = autopar.trace(f, w, x)
 >>> plan = autopar.search(g, mode="dynamic_programming", device_num=2,
 ...                       parallel_mode="auto_parallel")
->>> run = lower(autopar.rewrite(g, plan))
+>>> run = lower(autopar.rewrite.rewrite(g, plan))
 >>> bool(jnp.allclose(run(w, x), f(w, x)))
 True
 """
@@ -426,7 +426,7 @@ def lower(parallel_graph: ParallelGraph, mesh: Mesh | None = None, *,
     """
     if not isinstance(parallel_graph, ParallelGraph):
         raise AutoParallelTypeError("parallel_graph", parallel_graph,
-                                    "lower takes the ParallelGraph from autopar.rewrite")
+                                    "lower takes the ParallelGraph from autopar.rewrite.rewrite")
     pg = parallel_graph
     jmesh = jax_mesh(pg.mesh) if mesh is None else _check_mesh(mesh, pg.mesh)
     if fused_kernels is not None:

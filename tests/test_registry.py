@@ -63,7 +63,7 @@ def test_every_operator_kind_has_every_part():
 def test_every_primitive_the_tracer_accepts_is_in_exactly_one_kind():
     import importlib
 
-    assert importlib.import_module("autopar.graph.trace").KINDS is KINDS  # read, not copied
+    assert importlib.import_module("autopar.graph.tracer").KINDS is KINDS  # read, not copied
     seen: dict[str, str] = {}
     for kind in OPERATORS.values():
         for p in kind.primitives:
