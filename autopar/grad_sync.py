@@ -68,7 +68,7 @@ import numpy as np
 from jax import lax
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError
-from autopar.strategies.layout import DeviceMesh, Layout
+from autopar.strategies.layout import DeviceMesh, Layout, axis_name
 from autopar.strategies.redistribution import STEP_KINDS
 
 __all__ = ["SyncGroup", "sync_groups", "sync_gradients", "bucketed_collective",
@@ -164,10 +164,6 @@ class SyncGroup:
     axes: tuple[str, ...]
 
 
-def _axis_name(axes: tuple[str, ...]) -> Any:
-    return axes[0] if len(axes) == 1 else tuple(axes)
-
-
 def bucket_indices(order: Sequence[str], buckets: Any) -> list[list[int]]:
     """Buckets of names (a :class:`~autopar.fusion.GradientBuckets` or lists of names) as
     lists of indices into ``order``.
@@ -239,7 +235,7 @@ def _collective(xs: list[Any], kind: str, axes: tuple[str, ...], method: str,
     concatenation; reduce_scatter / all_gather of several arrays: always one collective over
     the arrays laid side by side as ``(group, -1)`` blocks (XLA's CPU pipeline has no
     combiner for them, so a bucket is one collective only if it is built as one)."""
-    name = _axis_name(axes)
+    name = axis_name(axes)
     size = lax.psum(1, name) if kind != "all_reduce" else 1
     if kind == "all_reduce":
         if method == "concat" and len(xs) > 1:

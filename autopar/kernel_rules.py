@@ -1,6 +1,7 @@
 """Fused communication kernels as rewrite rules over the redistribution steps.
 
-DESIGN.md: "fused kernels are rewrite rules over its steps". After :func:`autopar.rewrite.rewrite` has
+DESIGN.md: "fused kernels are rewrite rules over its steps". After
+:func:`autopar.rewrite.rewrite` has
 turned a plan into explicit communication nodes, two patterns of a matmul next to one of its
 steps are replaced by one fused node that :func:`autopar.lower.lower` runs as a ring kernel
 (``autopar.kernels``):
@@ -51,6 +52,7 @@ from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.kernels.mm_reduce_scatter import ring_hops
 from autopar.parallel_graph import PNode, ParallelGraph
 from autopar.strategies.cost import CLUSTERS, Cluster, CostModel, get_cluster
+from autopar.strategies.layout import axis_name
 
 __all__ = ["DEFAULT_SCHEDULE", "FusedKernels", "FUSED_OPS",
            "best_schedule", "check_fused_kernels", "fuse_kernels", "predict", "run_fused"]
@@ -175,10 +177,6 @@ def _consumers(pg: ParallelGraph) -> dict[str, list[int]]:
     return out
 
 
-def _group(axes: tuple[str, ...], pg: ParallelGraph) -> int:
-    return pg.mesh.size_of(axes)
-
-
 def _schedule(kind: str, dot: PNode, comm: PNode, pg: ParallelGraph, cluster: str | Cluster | None
               ) -> tuple[Mapping[str, Any], dict[str, float] | None]:
     """The fastest ring schedule for one matched pair on ``cluster`` (:func:`best_schedule`);
@@ -190,9 +188,8 @@ def _schedule(kind: str, dot: PNode, comm: PNode, pg: ParallelGraph, cluster: st
     m = int(np.prod(lhs.local_shape[:-1]))
     k, n = rhs.local_shape
     item = int(np.dtype(lhs.spec.dtype).itemsize)
-    p = _group(comm.step.axes, pg)  # type: ignore[union-attr]
     cm = CostModel(get_cluster(cluster))  # resolved by fuse_kernels
-    _, intra = cm.group(comm.step.axes, pg.mesh)  # type: ignore[union-attr]
+    p, intra = cm.group(comm.step.axes, pg.mesh)  # type: ignore[union-attr]
     if kind == "all_gather_matmul":
         m *= p
     return best_schedule(kind, p, cluster, flops=2.0 * m * k * n, x_bytes=m * k * item,
@@ -240,8 +237,7 @@ def fuse_kernels(pg: ParallelGraph, fused_kernels: FusedKernels = "auto",
             if st is None or st.kind != "reduce_scatter" or st.dim != 0 or \
                     set(st.axes) != set(pg.values[v].layout.partial):
                 continue
-            p = _group(st.axes, pg)
-            if pg.values[node.inputs[0]].local_shape[0] % p:
+            if pg.values[node.inputs[0]].local_shape[0] % pg.mesh.size_of(st.axes):
                 continue
             sched, cost = _schedule("mm_reduce_scatter", node, c, pg, cluster)
             if mode == "auto" and cost is not None and cost["gain"] < 1.0:
@@ -292,8 +288,7 @@ def run_fused(node: PNode, args: list[Any], pg: ParallelGraph) -> list[Any]:
     from autopar.kernels import all_gather_matmul, mm_reduce_scatter
 
     x, w = args
-    axes = tuple(node.params["axes"])
-    name: Any = axes[0] if len(axes) == 1 else axes
+    name = axis_name(node.params["axes"])
     want = pg.values[node.outputs[0]].local_shape
     x2 = x.reshape(-1, x.shape[-1])
     sched = {key: node.params.get(key, DEFAULT_SCHEDULE[key]) for key in DEFAULT_SCHEDULE}

@@ -58,7 +58,7 @@ from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.graph.ops import OPERATORS
 from autopar.kernel_rules import FusedKernels, fuse_kernels, run_fused
 from autopar.parallel_graph import PNode, ParallelGraph
-from autopar.strategies.layout import DeviceMesh
+from autopar.strategies.layout import DeviceMesh, axis_name, jax_mesh
 from autopar.strategies.redistribution import STEP_KINDS, Step
 
 __all__ = ["lower", "LoweredFunction", "jax_mesh", "apply_step", "block_index", "final_psum",
@@ -66,23 +66,6 @@ __all__ = ["lower", "LoweredFunction", "jax_mesh", "apply_step", "block_index", 
 
 
 # ---------------------------------------------------------------------------- mesh
-
-
-def jax_mesh(mesh: DeviceMesh, devices: Sequence[Any] | None = None) -> Mesh:
-    """A ``jax.sharding.Mesh`` for an abstract mesh: the first ``device_num`` devices, row-major.
-
-    >>> jax_mesh(DeviceMesh.for_devices(4)).shape  # doctest: +SKIP
-    OrderedDict([('a0', 2), ('a1', 2)])
-    """
-    devs = list(jax.devices() if devices is None else devices)
-    n = mesh.device_num
-    if len(devs) < n:
-        raise AutoParallelError(
-            "device_num", n, f"only {len(devs)} JAX devices are available",
-            "Lower device_num, or on CPU start with jax.config.update('jax_num_cpu_devices', "
-            f"{n}) (or XLA_FLAGS=--xla_force_host_platform_device_count={n})")
-    shape = tuple(s for _, s in mesh.axes)
-    return Mesh(np.array(devs[:n], dtype=object).reshape(shape), mesh.names)
 
 
 def _check_mesh(given: Any, mesh: DeviceMesh) -> Mesh:
@@ -107,10 +90,6 @@ def block_index(axes: Sequence[str], sizes: Mapping[str, int]) -> Any:
     return idx
 
 
-def _axis_name(axes: tuple[str, ...]) -> Any:
-    return axes[0] if len(axes) == 1 else tuple(axes)
-
-
 def varying(x: Any) -> frozenset[str]:
     """Mesh axes along which ``x`` varies (``shard_map(check_vma=True)``; empty otherwise)."""
     mat = getattr(jax.typeof(x), "manual_axis_type", None)
@@ -123,22 +102,22 @@ def _to_varying(x: Any, axes: Any) -> Any:
 
 
 def _psum(x: Any, step: Step, mesh: DeviceMesh, vma: bool) -> Any:
-    return lax.psum(x, _axis_name(step.axes))
+    return lax.psum(x, axis_name(step.axes))
 
 
 def _psum_scatter(x: Any, step: Step, mesh: DeviceMesh, vma: bool) -> Any:
-    return lax.psum_scatter(x, _axis_name(step.axes), scatter_dimension=step.dim, tiled=True)
+    return lax.psum_scatter(x, axis_name(step.axes), scatter_dimension=step.dim, tiled=True)
 
 
 def _all_gather(x: Any, step: Step, mesh: DeviceMesh, vma: bool) -> Any:
     if vma:  # every device of the group holds the same result
-        return lax.all_gather(x, _axis_name(step.axes), axis=step.dim, tiled=True,
+        return lax.all_gather(x, axis_name(step.axes), axis=step.dim, tiled=True,
                               to="invarying")
-    return lax.all_gather(x, _axis_name(step.axes), axis=step.dim, tiled=True)
+    return lax.all_gather(x, axis_name(step.axes), axis=step.dim, tiled=True)
 
 
 def _all_to_all(x: Any, step: Step, mesh: DeviceMesh, vma: bool) -> Any:
-    return lax.all_to_all(x, _axis_name(step.axes), split_axis=step.dim,
+    return lax.all_to_all(x, axis_name(step.axes), split_axis=step.dim,
                           concat_axis=step.src_dim, tiled=True)
 
 
@@ -285,7 +264,7 @@ def final_psum(axes: tuple[str, ...], size: int) -> Callable[[Any], Any]:
     ``ct * size / device_num``. The cotangent being equal on every device, ``ct * size`` is
     that result, computed locally.
     """
-    name = _axis_name(axes)
+    name = axis_name(axes)
 
     @jax.custom_vjp
     def psum(x: Any) -> Any:

@@ -220,13 +220,25 @@ class CostModel:
         a, b, knee, extra = self.alpha_beta(kind, p, intra)
         return a + b * nbytes + (extra * max(0.0, nbytes - knee) if extra else 0.0)
 
+    def intra_node(self, span: int) -> bool:
+        """Whether a group of devices spread over ``span`` consecutive device numbers talks
+        over the intra-node link (else the inter-node one): the one rule of which link a
+        group uses, a node holding ``devices_per_node`` consecutive devices. A group over
+        mesh axes spans :meth:`DeviceMesh.span <autopar.strategies.layout.DeviceMesh.span>`
+        devices (:meth:`group`); a stage's data-parallel group of d devices spans d.
+
+        >>> cm = CostModel(CLUSTERS["accelerator-8x"])
+        >>> cm.intra_node(8), cm.intra_node(16)
+        (True, False)
+        """
+        return span <= self.cluster.devices_per_node
+
     def group(self, axes: Iterable[str], mesh: DeviceMesh) -> tuple[int, bool]:
         """(group size, whether the group is inside one node) of collectives over axes."""
         key = (tuple(axes), mesh)
         hit = self._groups.get(key)
         if hit is None:
-            inner = mesh.inner_axes(self.cluster.devices_per_node)
-            hit = (mesh.size_of(key[0]), all(a in inner for a in key[0]))
+            hit = (mesh.size_of(key[0]), self.intra_node(mesh.span(key[0])))
             self._groups[key] = hit
         return hit
 

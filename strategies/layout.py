@@ -1,8 +1,10 @@
 """DeviceMesh and Layout: how tensors live on an abstract mesh of devices.
 
-A :class:`DeviceMesh` is abstract: axis names and sizes only. ``device_num`` is factorised into
-prime-size axes, outermost first (8 -> ``a0:2, a1:2, a2:2``; 12 -> ``a0:2, a1:2, a2:3``), and
-devices are numbered row-major, so the last axes connect devices of one node.
+A :class:`DeviceMesh` is abstract: axis names and sizes only. ``device_num`` is factorised
+into prime-size axes, outermost first (8 -> ``a0:2, a1:2, a2:2``; 12 -> ``a0:2, a1:2,
+a2:3``), and devices are numbered row-major, so the last axes connect devices of one node.
+:func:`jax_mesh` places it on JAX devices; :func:`axis_name` names a group of its axes as
+``jax`` does.
 
 A :class:`Layout` says, for each tensor dimension, the mesh axes it is split over (outer axis
 first), and the axes over which the tensor is a pending partial sum. Axes used by neither are
@@ -14,7 +16,7 @@ over a1, ``R`` = replicated.
 >>> str(lay), lay.split_counts(mesh)
 ('S(0)[a0]S(1)[a1,a2]', (2, 4))
 >>> lay.partition_spec()
-PartitionSpec('a0', ('a1', 'a2'))
+P('a0', ('a1', 'a2'))
 """
 
 from __future__ import annotations
@@ -23,11 +25,11 @@ import functools
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 
-__all__ = ["DeviceMesh", "Layout", "prime_factors"]
+__all__ = ["DeviceMesh", "Layout", "axis_name", "jax_mesh", "prime_factors"]
 
 
 def prime_factors(n: int) -> list[int]:
@@ -41,6 +43,18 @@ def prime_factors(n: int) -> list[int]:
     if n > 1:
         out.append(n)
     return out
+
+
+def axis_name(axes: Iterable[str]) -> Any:
+    """How ``jax`` names a group of mesh axes (a collective's ``axis_name``, a
+    ``PartitionSpec`` entry): one axis by its name, several as a tuple, outer first (the
+    mixed radix ``jax.lax`` uses), none as None.
+
+    >>> axis_name(("a1",)), axis_name(("a0", "a2")), axis_name(())
+    ('a1', ('a0', 'a2'), None)
+    """
+    axes = tuple(axes)
+    return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
 @dataclass(frozen=True)
@@ -75,16 +89,28 @@ class DeviceMesh:
             n *= sizes[a]
         return n
 
+    def span(self, axes: Iterable[str]) -> int:
+        """How many consecutive device numbers a group over ``axes`` spans: the product of
+        the sizes from its outermost axis to the innermost mesh axis (1 for no axes; devices
+        are numbered row-major). Which link a group uses follows from it
+        (:meth:`CostModel.intra_node <autopar.strategies.cost.CostModel.intra_node>`).
+
+        >>> DeviceMesh.for_devices(8).span(("a1",))
+        4
+        """
+        names = set(axes)
+        n = 1
+        for name, size in reversed(self.axes):
+            if not names:
+                break
+            n *= size
+            names.discard(name)
+        return n
+
     @functools.lru_cache(maxsize=64)
     def inner_axes(self, devices_per_node: int) -> frozenset[str]:
-        """Axes whose devices share a node: the innermost axes whose product fits a node."""
-        inner, prod = [], 1
-        for name, size in reversed(self.axes):
-            if prod * size > devices_per_node:
-                break
-            prod *= size
-            inner.append(name)
-        return frozenset(inner)
+        """Axes whose devices share a node: those whose groups span at most a node."""
+        return frozenset(a for a in self.names if self.span((a,)) <= devices_per_node)
 
     def assign(self, splits: Iterable[int]) -> tuple[tuple[str, ...], ...] | None:
         """Canonical axes for split counts, or None if they do not fit the mesh.
@@ -166,10 +192,33 @@ class Layout:
         if self.partial:
             raise AutoParallelError("layout", str(self), "a partial-sum layout has no "
                                     "PartitionSpec; resolve the partial sum first")
-        return PartitionSpec(*[None if not d else d[0] if len(d) == 1 else d for d in self.dims])
+        return PartitionSpec(*[axis_name(d) for d in self.dims])
 
     def __str__(self) -> str:
         parts = [f"S({i})[{','.join(d)}]" for i, d in enumerate(self.dims) if d]
         if self.partial:
             parts.append(f"P[{','.join(self.partial)}]")
         return "".join(parts) or "R"
+
+
+def jax_mesh(mesh: DeviceMesh, devices: Sequence[Any] | None = None) -> Any:
+    """The ``jax.sharding.Mesh`` of an abstract mesh: the first ``device_num`` devices (default
+    ``jax.devices()``), row-major, with the mesh's axis names. Any axes will do, e.g. a
+    pipeline's ``(("stage", p), *stage_mesh.axes)``.
+
+    >>> jax_mesh(DeviceMesh.for_devices(4)).shape  # doctest: +SKIP
+    OrderedDict([('a0', 2), ('a1', 2)])
+    """
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    devs = list(jax.devices() if devices is None else devices)
+    n = mesh.device_num
+    if len(devs) < n:
+        raise AutoParallelError(
+            "device_num", n, f"only {len(devs)} JAX devices are available",
+            "Lower device_num, or on CPU start with jax.config.update('jax_num_cpu_devices', "
+            f"{n}) (or XLA_FLAGS=--xla_force_host_platform_device_count={n})")
+    shape = tuple(s for _, s in mesh.axes)
+    return Mesh(np.array(devs[:n], dtype=object).reshape(shape), mesh.names)
