@@ -43,6 +43,7 @@ import numpy as np
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.strategies.cost import (COLLECTIVE_KINDS, Calibration, Cluster, CollectiveFit)
+from autopar.strategies.layout import DeviceMesh, jax_mesh
 
 __all__ = ["CALIBRATION_VERSION", "calibrated_name", "check_settings", "fit_alpha_beta",
            "fit_with_knee", "group_sizes", "measure", "select_devices"]
@@ -115,8 +116,6 @@ def fit_with_knee(sizes: Sequence[float], seconds: Sequence[float]
 def group_sizes(device_count: int) -> list[int]:
     """Every group size a mesh of ``device_count`` devices can form: the products of its
     prime axes' subsets, above 1 (8 -> [2, 4, 8]; 12 -> [2, 3, 4, 6, 12])."""
-    from autopar.strategies.layout import DeviceMesh
-
     sizes = {1}
     for _, s in DeviceMesh.for_devices(device_count).axes:
         sizes |= {k * s for k in sizes}
@@ -287,10 +286,10 @@ def _measure_compute(devices: Sequence[Any], share: float, bar: Any) -> dict[str
     shared_compute, overlap (see the module doc)."""
     import jax.numpy as jnp
     from jax import lax
-    from jax.sharding import Mesh, PartitionSpec
+    from jax.sharding import PartitionSpec
 
     n = len(devices)
-    mesh = Mesh(np.array(devices, dtype=object).reshape(n), ("g",))
+    mesh = jax_mesh(DeviceMesh((("g", n),)), devices)
     spec = PartitionSpec("g")
     limit = max(0.05, share / 16)
 
@@ -321,7 +320,7 @@ def _measure_compute(devices: Sequence[Any], share: float, bar: Any) -> dict[str
     _, inv_bw, ew_resid = fit_alpha_beta(nbytes, t_ew)
     bar.advance("elementwise")
     # one device alone, the same matmul
-    solo = Mesh(np.array(devices[:1], dtype=object), ("g",))
+    solo = jax_mesh(DeviceMesh((("g", 1),)), devices)
     m = MATMUL_SIZES[-2]
     t_solo = _per_op(*mm_chains(solo), _placed(solo, spec, m * m), _CHAIN, limit)
     shared = t_mm[-2] / t_solo

@@ -16,9 +16,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from autopar.strategies.cost import COLLECTIVE_KINDS
+
 __all__ = ["COLLECTIVES", "ProgramInspection", "count_collectives"]
 
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "collective_permute")
+COLLECTIVES = COLLECTIVE_KINDS  # the cost model's kinds: what the lowered text is counted by
 
 
 def count_collectives(text: str) -> dict[str, int]:

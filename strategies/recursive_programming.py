@@ -52,9 +52,6 @@ from autopar.strategies.problem import Choice, Problem, enumerate_splits
 
 __all__ = ["solve"]
 
-# the shared elimination under the names this module's tests know it by
-_Cut, _Memo, _eliminate = Order, Memo, eliminate
-
 Splits = tuple[int, ...]
 
 

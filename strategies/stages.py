@@ -153,9 +153,8 @@ def send_time(nbytes: float, cm: CostModel, devices_per_stage: int) -> float:
     the next stage, on the inter-node link when a stage fills a node or more."""
     if nbytes <= 0:
         return 0.0
-    intra = devices_per_stage < cm.cluster.devices_per_node
     return cm.collective_time("collective_permute", nbytes / devices_per_stage, 2,
-                              intra=intra)
+                              intra=cm.intra_node(devices_per_stage + 1))
 
 
 def _crossing(graph: Graph, units: Sequence[Unit]) -> list[tuple[list[str], int]]:

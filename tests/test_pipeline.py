@@ -299,7 +299,7 @@ def test_gpipe_keeps_more_activations_than_1f1b_in_compiled_memory():
     (dict(pipeline_stages=2), dict(micro_batches=1), AutoParallelError, "micro_batches"),
     (dict(pipeline_stages=2), dict(micro_batches="4"), AutoParallelTypeError, "micro_batches"),
     (dict(pipeline_stages=2), dict(schedule="zigzag"), AutoParallelError, "schedule"),
-    (dict(pipeline_stages=2), dict(schedule=None), AutoParallelTypeError, "schedule"),
+    (dict(pipeline_stages=2), dict(schedule=3), AutoParallelTypeError, "schedule"),
     (dict(), dict(stages=3), AutoParallelError, "pipeline_stages"),
     (dict(), dict(stages=2.5), AutoParallelTypeError, "pipeline_stages"),
     (dict(pipeline_stages=2), dict(micro_batches=3), AutoParallelError, "batch size"),

@@ -66,15 +66,15 @@ def _random_cut(rng: random.Random, n: int) -> tuple[list[np.ndarray], list[tupl
 def test_memoised_elimination_equals_dynamic_programming(seed):
     rng = random.Random(seed)
     costs, links = _random_cut(rng, rng.randint(2, 14))
-    cut = recursive_programming._Cut(len(costs), [(u, v) for u, v, _ in links])
+    cut = dynamic_programming.Order(len(costs), [(u, v) for u, v, _ in links])
     mats = [m for _, _, m in links]
     want = dynamic_programming.solve(SimpleNamespace(
         vertices=[SimpleNamespace(cost=c) for c in costs],
         edges=[SimpleNamespace(u=u, v=v, matrix=m) for u, v, m in links]))
-    memo = recursive_programming._Memo()
-    assert recursive_programming._eliminate(cut, costs, mats, memo) == want
+    memo = dynamic_programming.Memo()
+    assert dynamic_programming.eliminate(cut, costs, mats, memo) == want
     # a second round through the same memo (every elimination a hit) gives the same picks
-    assert recursive_programming._eliminate(cut, costs, mats, memo) == want
+    assert dynamic_programming.eliminate(cut, costs, mats, memo) == want
 
 
 def test_cut_with_an_irreducible_core_uses_the_general_solver():
@@ -82,13 +82,13 @@ def test_cut_with_an_irreducible_core_uses_the_general_solver():
     costs = [np.array([float(rng.randint(0, 5)) for _ in range(3)]) for _ in range(4)]
     links = [(u, v, np.array([[float(rng.randint(0, 5)) for _ in range(3)] for _ in range(3)]))
              for u in range(4) for v in range(u + 1, 4)]   # K4: every vertex has 3 neighbours
-    cut = recursive_programming._Cut(4, [(u, v) for u, v, _ in links])
+    cut = dynamic_programming.Order(4, [(u, v) for u, v, _ in links])
     assert not cut.reduces and cut.steps == []
     want = dynamic_programming.solve(SimpleNamespace(
         vertices=[SimpleNamespace(cost=c) for c in costs],
         edges=[SimpleNamespace(u=u, v=v, matrix=m) for u, v, m in links]))
-    got = recursive_programming._eliminate(cut, costs, [m for _, _, m in links],
-                                           recursive_programming._Memo())
+    got = dynamic_programming.eliminate(cut, costs, [m for _, _, m in links],
+                                           dynamic_programming.Memo())
     assert got == want
 
 

@@ -259,6 +259,6 @@ def _stage_times(graph: Any, stage_nodes: Sequence[Sequence[str]], plans: Sequen
                 v for name in names for v in graph.node(name).inputs
                 if graph.values[v].kind == "param"))
             sync.append(cm.collective_time("all_reduce", nbytes, d,
-                                           intra=d <= cm.cluster.devices_per_node))
+                                           intra=cm.intra_node(d)))
         fwd.append(t)
     return fwd, sync

@@ -73,7 +73,7 @@ from autopar.pipeline.buffers import (BoundaryCodec, PackedParams, StagePacking,
 from autopar.pipeline.plan import PipelinePlan, plan_stages
 from autopar.pipeline.schedules import FWD, IDLE, schedule as build_schedule
 from autopar.step_inputs import broadcast_parameters, step_arguments
-from autopar.strategies.layout import DeviceMesh, Layout
+from autopar.strategies.layout import DeviceMesh, Layout, axis_name, jax_mesh
 from autopar.strategies.redistribution import redistribute
 
 __all__ = ["pipeline_train_step", "PipelineTrainStep"]
@@ -202,14 +202,7 @@ class PipelineTrainStep(ProgramInspection):
 
     def _pipeline_mesh(self) -> Mesh:
         """The ``('stage', a0, a1, ...)`` mesh over the first ``device_num`` devices."""
-        n, intra = self.device_num, self.intra_mesh
-        devs = jax.devices()
-        if len(devs) < n:
-            raise AutoParallelError("device_num", n, f"only {len(devs)} JAX devices are "
-                                    "available", "Lower device_num or start JAX with more "
-                                    "(CPU: jax.config.update('jax_num_cpu_devices', N))")
-        return Mesh(np.array(devs[:n], dtype=object).reshape((self.stages,) + tuple(
-            s for _, s in intra.axes)), ("stage",) + intra.names)
+        return jax_mesh(DeviceMesh((("stage", self.stages), *self.intra_mesh.axes)))
 
     def _place_parameters(self, p_sds: list[jax.ShapeDtypeStruct],
                           cfg: AutoParallelConfig) -> None:
@@ -342,10 +335,7 @@ class PipelineTrainStep(ProgramInspection):
         optax update of the packed buffers), ``pack`` and ``unpack``."""
         m, g = self.micro_batches, self.grad_accumulation_step
         self._seed = 1.0 / (self.devices_per_stage * g * m)
-        intra_names = self.intra_mesh.names
-        ax = None if not intra_names else intra_names[0] if len(intra_names) == 1 \
-            else intra_names
-        self.param_spec = PartitionSpec("stage", ax, None)
+        self.param_spec = PartitionSpec("stage", axis_name(self.intra_mesh.names), None)
         self.param_sharding = NamedSharding(self.mesh, self.param_spec)
         self.batch_sharding = NamedSharding(self.mesh, PartitionSpec())
         specs = (self.param_spec,) * len(self.packing.dtypes)
