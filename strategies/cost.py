@@ -67,7 +67,7 @@ class CollectiveFit(BaseModel):
     reduce_scatter, all_to_all, collective_permute), per-device output bytes (all_gather).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
     kind: Literal[COLLECTIVE_KINDS]
     group: int = Field(ge=2, description="devices in the group")
@@ -84,7 +84,7 @@ class CollectiveFit(BaseModel):
 class Calibration(BaseModel):
     """Where and how a calibrated cluster was measured (``autopar.calibrate``)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
     version: int = Field(description="calibration format version")
     platform: str = Field(description="jax backend platform: cpu, gpu, tpu")
@@ -104,7 +104,7 @@ class Calibration(BaseModel):
 class Cluster(BaseModel):
     """Hardware figures the cost model uses (per device unless stated)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
     name: str
     devices_per_node: int = Field(ge=1, description="devices sharing the fast intra-node link")

@@ -18,8 +18,6 @@ from benchmarks import bench_reliability as br
 #: fails (it was fixed: delete its line). What went wrong, per case: benchmarks/results/
 #: reliability.json, meta.failing.
 KNOWN_DEFECTS = [
-    # a figure past a double's range (1e400, a 401-digit integer) loads as infinity
-    ("calibration files", r"= (1e400|a 401-digit number)$"),
 ]
 
 
