@@ -27,6 +27,7 @@ from autopar.config import (AUTO_FUSION_THRESHOLD_MB, PIPELINE_SCHEDULERS, AutoP
                             reference_rows)
 from autopar.context import current_config, explicit_keys, public_dict
 from autopar.errors import AutoParallelWarning, ContextConflictError
+from autopar.strategies.modes import PIPELINE_MODES
 
 __all__ = ["Restriction", "RESTRICTIONS", "FusionSetting", "ResolvedContext", "fusion_setting",
            "pipeline_schedule", "resolve_context"]
@@ -63,8 +64,7 @@ RESTRICTIONS: tuple[Restriction, ...] = (
     Restriction("pipeline_stages", "error",
                 "pipeline_stages > 1 needs parallel_mode 'semi_auto_parallel' (as the seed) or "
                 "'auto_parallel' (autopar searches the stage boundaries, then each stage)",
-                lambda c, e: c.pipeline_stages > 1 and _mode(c) not in ("semi_auto_parallel",
-                                                                        "auto_parallel"),
+                lambda c, e: c.pipeline_stages > 1 and _mode(c) not in PIPELINE_MODES,
                 "set parallel_mode='semi_auto_parallel' or 'auto_parallel', or pipeline_stages=1"),
     Restriction("pipeline_stages", "error", "device_num must be divisible by pipeline_stages",
                 lambda c, e: c.device_num % c.pipeline_stages != 0,

@@ -26,7 +26,8 @@ from typing import Any, Callable
 from autopar.strategies import (dynamic_programming, exact, recursive_programming,
                                 sharding_propagation)
 
-__all__ = ["DEFAULT_PARALLEL_MODE", "DEFAULT_SEARCH_MODE", "PARALLEL_MODES", "SEARCH_MODES",
+__all__ = ["DEFAULT_PARALLEL_MODE", "DEFAULT_SEARCH_MODE", "PARALLEL_MODES", "PIPELINE_MODES",
+           "SEARCH_MODES",
            "SOLVERS", "Solver", "USES_STRATEGY_FILES", "USES_USER_STRATEGIES"]
 
 
@@ -69,5 +70,7 @@ DEFAULT_PARALLEL_MODE = "stand_alone"
 #: The modes that honour the user's strategies (``fixed=``, annotations).
 USES_USER_STRATEGIES: tuple[str, ...] = ("hybrid_parallel", "semi_auto_parallel",
                                          "auto_parallel")
+#: The modes a pipelined step (pipeline_stages > 1) runs under.
+PIPELINE_MODES: tuple[str, ...] = ("semi_auto_parallel", "auto_parallel")
 #: The modes whose plans strategy files load and save (MindSpore's rule).
 USES_STRATEGY_FILES: tuple[str, ...] = ("semi_auto_parallel", "auto_parallel")

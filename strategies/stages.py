@@ -186,7 +186,8 @@ def _crossing(graph: Graph, units: Sequence[Unit]) -> list[tuple[list[str], int]
 # ---------------------------------------------------------------------------- the search
 
 
-def _check_stages(stages: Any, device_num: int) -> int:
+def check_stages(stages: Any, device_num: int) -> int:
+    """``stages``, checked: an int >= 1 dividing ``device_num`` (the one rule)."""
     if isinstance(stages, bool) or not isinstance(stages, int):
         raise AutoParallelTypeError("pipeline_stages", stages, "must be an int")
     if stages < 1:
@@ -292,7 +293,7 @@ def partition_stages(graph: Graph, stages: int, *, device_num: int, cluster: Clu
         raise AutoParallelError("device_num", device_num, "must be an int >= 1")
     if not isinstance(cluster, Cluster):
         raise AutoParallelTypeError("cluster", cluster, "an autopar.Cluster (resolved)")
-    stages = _check_stages(stages, device_num)
+    stages = check_stages(stages, device_num)
     clus = cluster
     cm = CostModel(clus)
     per_stage = device_num // stages

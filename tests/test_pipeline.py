@@ -575,3 +575,17 @@ def test_the_schedule_comes_from_pipeline_config():
             step = pipeline_train_step(model.loss, params, (x,), micro_batches=2,
                                        schedule=other)
             assert step.schedule_table.name == other
+
+
+def test_the_pipelined_step_and_the_context_agree_on_the_modes():
+    """One rule (strategies.modes.PIPELINE_MODES): hybrid_parallel with stages is refused by
+    both, not accepted by the step and then refused by the search."""
+    model = mlp(widths=(8, 16, 8), batch=8)
+    params, x = model.example_args(KEY)
+    with ap.auto_parallel_context(device_num=8, parallel_mode="hybrid_parallel"):
+        with pytest.raises(ap.AutoParallelError, match="parallel_mode"):
+            pipeline_train_step(model.loss, params, (x,), stages=2, micro_batches=2)
+    with ap.auto_parallel_context(device_num=8, parallel_mode="hybrid_parallel",
+                                  pipeline_stages=2):
+        with pytest.raises(ap.ContextConflictError, match="pipeline_stages"):
+            ap.resolve_context()

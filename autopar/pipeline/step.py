@@ -75,6 +75,8 @@ from autopar.pipeline.schedules import FWD, IDLE, schedule as build_schedule
 from autopar.step_inputs import broadcast_parameters, step_arguments
 from autopar.strategies.layout import DeviceMesh, Layout, axis_name, jax_mesh
 from autopar.strategies.redistribution import redistribute
+from autopar.strategies.modes import PIPELINE_MODES
+from autopar.strategies.stages import check_stages
 
 __all__ = ["pipeline_train_step", "PipelineTrainStep"]
 
@@ -130,18 +132,12 @@ class PipelineTrainStep(ProgramInspection):
         """Stages, micro-batches, schedule (default: pipeline_config's pipeline_scheduler)
         and the context keys the step uses, checked."""
         schedule = pipeline_schedule(cfg) if schedule is None else schedule
-        p = cfg.pipeline_stages if stages is None else stages
-        if isinstance(p, bool) or not isinstance(p, int):
-            raise AutoParallelTypeError("pipeline_stages", p, "must be an int")
         n = cfg.device_num
-        if p < 1 or n % p:
-            raise AutoParallelError("pipeline_stages", p, f"must be >= 1 and divide "
-                                    f"device_num ({n})", "Choose pipeline_stages dividing "
-                                    "device_num")
-        if p > 1 and cfg.parallel_mode in ("stand_alone", "data_parallel"):
+        p = check_stages(cfg.pipeline_stages if stages is None else stages, n)
+        if p > 1 and cfg.parallel_mode not in PIPELINE_MODES:
             raise AutoParallelError("parallel_mode", cfg.parallel_mode, "pipeline_stages > 1 "
-                                    "needs semi_auto_parallel, hybrid_parallel or "
-                                    "auto_parallel", "set parallel_mode='semi_auto_parallel'")
+                                    f"needs one of {list(PIPELINE_MODES)}",
+                                    "set parallel_mode='semi_auto_parallel'")
         if isinstance(cfg.dataset_strategy, tuple):
             raise AutoParallelError("dataset_strategy", cfg.dataset_strategy, "a per-input "
                                     "strategy tuple is not supported with pipeline stages "
