@@ -175,6 +175,7 @@ class CostModel:
     _steps: dict = field(default_factory=dict, repr=False, compare=False)
     _coef: dict = field(default_factory=dict, repr=False, compare=False)
     _lin: dict = field(default_factory=dict, repr=False, compare=False)
+    _step_terms: dict = field(default_factory=dict, repr=False, compare=False)
 
     def compute_time(self, flops: float, nbytes: float, *, launch: bool = True) -> float:
         """Seconds of one operator's forward on one device: its launch (unless fused into
@@ -280,23 +281,37 @@ class CostModel:
             return hit
         a = b = 0.0
         terms = []
+        per_step = self._step_terms.get((mesh, backward))
+        if per_step is None:
+            per_step = self._step_terms[(mesh, backward)] = {}
         for s in steps:
-            p, intra = self.group(s.axes, mesh)
-            if p <= 1:
-                continue
-            # forward, and in backward the transpose (which moves the same n: all_gather's
-            # output is reduce_scatter's input)
-            for t in (s, transpose_step(s) if backward else None):
-                kind = STEP_KINDS[t.kind].collective if t is not None else None
-                if kind is not None:
-                    ka, kb, knee, extra = self.alpha_beta(kind, p, intra)
-                    a += ka
-                    b += kb * s.fraction
-                    if extra:
-                        terms.append((s.fraction, knee, extra))
+            parts = per_step.get((s.kind, s.axes))
+            if parts is None:
+                parts = per_step[(s.kind, s.axes)] = self._step_parts(s, mesh, backward)
+            for ka, kb, knee, extra in parts:
+                a += ka
+                b += kb * s.fraction
+                if extra:
+                    terms.append((s.fraction, knee, extra))
         hit = (a, b, tuple(terms))
         self._lin[key] = hit
         return hit
+
+    def _step_parts(self, s: Step, mesh: DeviceMesh, backward: bool
+                    ) -> tuple[tuple[float, float, float, float], ...]:
+        """The collectives one step costs, as :meth:`alpha_beta` terms: the forward one, and
+        in backward its transpose (which moves the same n: all_gather's output is
+        reduce_scatter's input); none over a group of one device or for a local step. They
+        depend on the step's kind and axes only, so :meth:`coefficients` keeps them."""
+        p, intra = self.group(s.axes, mesh)
+        if p <= 1:
+            return ()
+        parts = []
+        for t in (s, transpose_step(s) if backward else None):
+            kind = STEP_KINDS[t.kind].collective if t is not None else None
+            if kind is not None:
+                parts.append(self.alpha_beta(kind, p, intra))
+        return tuple(parts)
 
     @staticmethod
     def steps_seconds(coef: tuple[float, float, tuple], nbytes: float) -> float:

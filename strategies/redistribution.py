@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable
+from typing import Callable, Sequence
 
 from autopar.errors import AutoParallelError
 from autopar.strategies.layout import DeviceMesh, Layout
@@ -170,39 +170,68 @@ def redistribute(shape: tuple[int, ...], itemsize: int, src: Layout, dst: Layout
 def plan_steps(src: Layout, dst: Layout, mesh: DeviceMesh,
                enable_alltoall: bool = False) -> tuple[Step, ...]:
     """The shape-free steps (``fraction`` set, ``nbytes`` 0); pure and cached."""
-    if set(dst.partial) - set(src.partial):
+    if dst.partial and set(dst.partial) - set(src.partial):
         raise AutoParallelError("layout", str(dst), "a redistribution cannot create a partial "
                                 "sum; only resolve one")
     plan = _Planner(src, dst, mesh)
-    plan.resolve_partials(src, dst)
+    if src.partial:
+        plan.resolve_partials(src, dst)
     plan.move_splits(enable_alltoall)
     return tuple(plan.steps)
 
 
 class _Planner:
-    """The steps from ``src`` to ``dst`` so far, and the per-dim axes they reach (``cur``)."""
+    """The steps from ``src`` to ``dst`` so far, and the per-dim axes they reach (``cur``).
+
+    Hot: the dynamic_programming search plans every distinct layout pair of its edges
+    (tens of thousands at 64 devices), so the state is kept cheap to test: ``n`` is the
+    product of the sizes of the axes in ``cur`` (the fraction is ``1 / n``), ``wanted`` the
+    axes the target uses anywhere (it never changes)."""
+
+    __slots__ = ("mesh", "rank", "src", "dst", "cur", "want", "steps", "sizes", "n", "wanted",
+                 "ok")
 
     def __init__(self, src: Layout, dst: Layout, mesh: DeviceMesh) -> None:
-        self.mesh, self.rank, self.route = mesh, len(src.dims), f"{src} -> {dst}"
+        self.mesh, self.rank, self.src, self.dst = mesh, len(src.dims), src, dst
         self.cur = [list(d) for d in src.dims]
         self.want = [list(d) for d in dst.dims]
         self.steps: list[Step] = []
+        self.sizes = sizes = mesh.sizes
+        n = 1
+        for axes in src.dims:
+            for a in axes:
+                n *= sizes[a]
+        self.n = n
+        self.wanted = {a for w in dst.dims for a in w}
+        self.ok = [c == w[:len(c)] for c, w in zip(self.cur, self.want)]  # is_prefix per dim
 
     def fraction(self) -> float:
         """Per-device share of the global tensor for the current dims."""
-        sizes, n = self.mesh.sizes, 1
-        for axes in self.cur:
-            for a in axes:
-                n *= sizes[a]
-        return 1.0 / n
+        return 1.0 / self.n
 
     def is_prefix(self, d: int) -> bool:
-        return self.cur[d] == self.want[d][:len(self.cur[d])]
+        return self.ok[d]
+
+    def bad_dims(self) -> list[int]:
+        """The dims whose current axes are not a prefix of their target's."""
+        return [d for d, ok in enumerate(self.ok) if not ok]
 
     def wants_next(self, d: int, a: str) -> bool:
         """Whether dim ``d`` is on its way to the target and takes axis ``a`` next."""
-        w = self.want[d]
-        return self.is_prefix(d) and len(w) > len(self.cur[d]) and w[len(self.cur[d])] == a
+        k, w = len(self.cur[d]), self.want[d]
+        return len(w) > k and w[k] == a and self.ok[d]
+
+    def touched(self, d: int) -> None:
+        """Dim ``d``'s axes changed: whether it is still on its way to the target."""
+        c = self.cur[d]
+        self.ok[d] = c == self.want[d][:len(c)]
+
+    def add(self, d: int, axes: Sequence[str]) -> None:
+        """Split dim ``d`` further over ``axes``."""
+        self.cur[d].extend(axes)
+        for a in axes:
+            self.n *= self.sizes[a]
+        self.touched(d)
 
     def slice(self, axes: tuple[str, ...], dim: int) -> None:
         """Split ``dim`` locally over ``axes``; merged with a slice of the same dim just
@@ -212,8 +241,8 @@ class _Planner:
         if last is not None and last.kind == "slice" and last.dim == dim:
             self.steps[-1] = Step("slice", last.axes + axes, dim, fraction=last.fraction)
         else:
-            self.steps.append(Step("slice", axes, dim, fraction=self.fraction()))
-        self.cur[dim].extend(axes)
+            self.steps.append(Step("slice", axes, dim, fraction=1.0 / self.n))
+        self.add(dim, axes)
 
     def resolve_partials(self, src: Layout, dst: Layout) -> None:
         """Resolve partial sums: reduce_scatter where the target splits on that axis next,
@@ -236,19 +265,20 @@ class _Planner:
             self.steps.append(Step("all_reduce", tuple(reduce_axes), fraction=self.fraction()))
         for d in sorted(scatter):
             before = self.fraction()
-            cur[d].extend(scatter[d])
+            self.add(d, scatter[d])
             self.steps.append(Step("reduce_scatter", tuple(scatter[d]), d, fraction=before))
 
     def move_splits(self, enable_alltoall: bool) -> None:
         """Move splits until every dim matches the target: all_to_all where allowed, early
         slices, then gathers, then the final slices."""
         early_done = False
+        cur, want = self.cur, self.want
         for _ in range(4 * len(self.mesh.axes) + 4):
-            if self.cur == self.want:
+            if cur == want:
                 break
             if enable_alltoall and self.all_to_all():
                 continue
-            bad = [d for d in range(self.rank) if not self.is_prefix(d)]
+            bad = [] if all(self.ok) else self.bad_dims()
             if bad and not early_done:
                 early_done = True
                 if self.early_slices(bad):
@@ -257,11 +287,12 @@ class _Planner:
                 self.gather(bad[0])
                 continue
             for d in range(self.rank):
-                add = self.want[d][len(self.cur[d]):]
+                add = want[d][len(cur[d]):]
                 if add:
                     self.slice(tuple(add), d)
         else:  # pragma: no cover - the loop always converges; guard against regressions
-            raise AutoParallelError("layout", self.route, "redistribution did not converge")
+            raise AutoParallelError("layout", f"{self.src} -> {self.dst}",
+                                    "redistribution did not converge")
 
     def all_to_all(self) -> bool:
         """Move the innermost axis of a dim off its target to a dim that takes it next."""
@@ -273,7 +304,9 @@ class _Planner:
                 if d2 != d1 and self.wants_next(d2, a):
                     nb = self.fraction()
                     self.cur[d1].pop()
-                    self.cur[d2].append(a)
+                    self.n //= self.sizes[a]
+                    self.touched(d1)
+                    self.add(d2, (a,))
                     self.steps.append(Step("all_to_all", (a,), d2, src_dim=d1, fraction=nb))
                     return True
         return False
@@ -304,18 +337,23 @@ class _Planner:
         of the tensor than needed. In the alpha-beta ring model this is never dearer than one
         gather of all the axes followed by slices: the bytes are the same or fewer (later
         steps move smaller pieces) and the latency sum(p_i - 1) <= prod(p_i) - 1."""
-        cur, want = self.cur, self.want
+        c, w, sizes = self.cur[d], self.want[d], self.sizes
         k = 0
-        while k < len(cur[d]) and k < len(want[d]) and cur[d][k] == want[d][k]:
+        while k < len(c) and k < len(w) and c[k] == w[k]:
             k += 1
-        gone = cur[d][k:]
-        if not {a for w in want for a in w}.intersection(gone):
-            del cur[d][k:]
-            self.steps.append(Step("all_gather", tuple(gone), d, fraction=self.fraction()))
+        gone = c[k:]
+        if self.wanted.isdisjoint(gone):
+            del c[k:]
+            for a in gone:
+                self.n //= sizes[a]
+            self.touched(d)
+            self.steps.append(Step("all_gather", tuple(gone), d, fraction=1.0 / self.n))
             return
-        a = cur[d].pop()
-        self.steps.append(Step("all_gather", (a,), d, fraction=self.fraction()))
-        if all(self.is_prefix(d2) for d2 in range(self.rank)):
+        a = c.pop()
+        self.n //= sizes[a]
+        self.touched(d)
+        self.steps.append(Step("all_gather", (a,), d, fraction=1.0 / self.n))
+        if all(self.ok):
             return  # no gather follows: the final slices go together
         for d2 in range(self.rank):
             if d2 != d and self.wants_next(d2, a):
