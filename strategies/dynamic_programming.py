@@ -39,7 +39,8 @@ def _eliminate_middle(a: np.ndarray, cx: np.ndarray, b: np.ndarray) -> tuple[np.
     sz = b.shape[1]
     if sy * sx * sz <= _CHUNK:
         t = a[:, :, None] + (cx[:, None] + b)[None, :, :]
-        return t.min(axis=1), t.argmin(axis=1)
+        arg = t.argmin(axis=1)  # the minimum read at the argmin: one pass over t, not two
+        return np.take_along_axis(t, arg[:, None, :], axis=1)[:, 0, :], arg
     best = np.empty((sy, sz))
     arg = np.empty((sy, sz), dtype=np.int32)
     step = max(1, _CHUNK // max(1, sx * sz))
@@ -155,7 +156,8 @@ class Memo:
         hit = self.leaves.get(key) if self.on else None
         if hit is None:
             s = self.t(a) + cx[None, :]                 # [S_y, S_x]
-            hit = (s.min(axis=1), s.argmin(axis=1))
+            arg = s.argmin(axis=1)
+            hit = (np.take_along_axis(s, arg[:, None], axis=1)[:, 0], arg)
             if self.on:
                 self.leaves[key] = hit
                 self.keep += (a, cx)
@@ -236,5 +238,7 @@ def solve(problem: Problem) -> list[int]:
     edges = problem.edges
     order = Order(len(problem.vertices), [(e.u, e.v) for e in edges])
     mats = [e.matrix if e.u != e.v else None for e in edges]
-    return eliminate(order, [v.cost.astype(np.float64) for v in problem.vertices],
-                     mats)  # type: ignore[arg-type]
+    # the blocks of a deep network share their cost vectors and edge matrices (the same
+    # cached arrays): the memo computes each block's eliminations once
+    costs = [v.cost.astype(np.float64, copy=False) for v in problem.vertices]
+    return eliminate(order, costs, mats, Memo())  # type: ignore[arg-type]
