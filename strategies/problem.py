@@ -380,13 +380,17 @@ class Problem:
         if src == dst:
             return 0.0
         grad = self.requires_grad[value]
-        key = (src, dst, grad)
-        coef = self._pair_cache.get(key)
+        coef = self._pair_cache.get((src, dst, grad))
         if coef is None:
-            steps = plan_steps(src, dst, self.mesh, self.enable_alltoall)
-            coef = self.cm.coefficients(steps, self.mesh, backward=grad)
-            self._pair_cache[key] = coef
+            coef = self._pair_coefficients(src, dst, grad)
         return CostModel.steps_seconds(coef, self._nbytes[value])
+
+    def _pair_coefficients(self, src: Layout, dst: Layout, grad: bool) -> tuple:
+        """:meth:`CostModel.coefficients` of the steps from ``src`` to ``dst`` (kept)."""
+        steps = plan_steps(src, dst, self.mesh, self.enable_alltoall)
+        coef = self._pair_cache[(src, dst, grad)] = self.cm.coefficients(
+            steps, self.mesh, backward=grad)
+        return coef
 
     # ------------------------------------------------------------------ build
     def _add_vertex(self, vertex: Vertex) -> int:
@@ -586,12 +590,36 @@ class Problem:
         hit = self._edge_cache.get(key)
         if hit is not None:
             return hit
-        m = np.empty((len(u.choices), len(v.choices)))
-        for a, cu in enumerate(u.choices):
-            src = cu.out_layouts[out_index]
-            for b, cv in enumerate(v.choices):
-                m[a, b] = self.edge_cost(value, src, cv.in_layouts[j])
+        m = self._edge_costs(value, [cu.out_layouts[out_index] for cu in u.choices],
+                             [cv.in_layouts[j] for cv in v.choices])
         self._edge_cache[key] = m
+        return m
+
+    def _edge_costs(self, value: str, srcs: list[Layout], dsts: list[Layout]) -> np.ndarray:
+        """[len(srcs), len(dsts)] :meth:`edge_cost` of ``value``, entry by entry the same
+        arithmetic: ``a + b * nbytes`` over the arrays of the pairs' coefficients, then the
+        knee terms of the few pairs that have some."""
+        grad, nbytes, cache = self.requires_grad[value], self._nbytes[value], self._pair_cache
+        lat = np.zeros((len(srcs), len(dsts)))
+        per_byte = np.zeros((len(srcs), len(dsts)))
+        knees = []
+        for a, src in enumerate(srcs):
+            lat_row, byte_row = lat[a], per_byte[a]
+            for b, dst in enumerate(dsts):
+                if src == dst:
+                    continue
+                coef = cache.get((src, dst, grad))
+                if coef is None:
+                    coef = self._pair_coefficients(src, dst, grad)
+                lat_row[b], byte_row[b], terms = coef
+                if terms:
+                    knees.append((a, b, terms))
+        m = lat + per_byte * nbytes
+        for a, b, terms in knees:
+            t = m[a, b]
+            for frac, knee, extra in terms:
+                t += extra * max(0.0, frac * nbytes - knee)
+            m[a, b] = t
         return m
 
     def choice_index(self, i: int, splits: tuple[int, ...]) -> int:
