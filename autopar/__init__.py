@@ -49,6 +49,7 @@ from autopar.errors import (
 )
 from autopar.export import in_shardings, to_jax_shardings
 from autopar.graph import Graph, matmul, shard, trace
+from autopar.graph.ms_layout import Layout
 from autopar.hccl import get_group_size, get_rank
 from autopar.mindspore_import import import_mindspore_strategy
 from autopar.parallel_function import parallelize
@@ -67,7 +68,7 @@ __all__ = [
     "algo_parameters_context", "get_algo_parameters", "reset_algo_parameters",
     "set_algo_parameters", "get_group_size", "get_rank",
     # trace, plan, run
-    "Graph", "matmul", "shard", "trace",
+    "Graph", "Layout", "matmul", "shard", "trace",
     "CLUSTERS", "Cluster", "Plan", "calibrate", "compare_modes", "search",
     "in_shardings", "parallelize", "pipeline_train_step", "to_jax_shardings", "train_step",
     # strategy files

@@ -20,7 +20,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError
-from autopar.lower import jax_mesh
+from autopar.lower import jax_mesh, user_mesh
 from autopar.strategies.plan import Plan
 
 __all__ = ["in_shardings", "to_jax_shardings"]
@@ -48,10 +48,4 @@ def in_shardings(plan: Plan, mesh: Mesh | None = None) -> Any:
 def _jax_mesh(plan: Plan, mesh: Any) -> Mesh:
     if mesh is None:
         return jax_mesh(plan.mesh)
-    if not isinstance(mesh, Mesh):
-        raise AutoParallelTypeError("mesh", mesh, "a jax.sharding.Mesh (or None)")
-    want, have = dict(plan.mesh.axes), dict(mesh.shape)
-    if tuple(mesh.axis_names) != plan.mesh.names or have != want:
-        raise AutoParallelError("mesh", have, f"the plan needs a mesh with axes {want} in "
-                                "this order", "Pass mesh=None to build it from the plan")
-    return mesh
+    return user_mesh(mesh, plan.mesh)

@@ -61,22 +61,27 @@ from autopar.parallel_graph import PNode, ParallelGraph
 from autopar.strategies.layout import DeviceMesh, axis_name, jax_mesh
 from autopar.strategies.redistribution import STEP_KINDS, Step
 
-__all__ = ["lower", "LoweredFunction", "jax_mesh", "apply_step", "block_index", "final_psum",
-           "replicated_tails", "STEP_LOWERING"]
+__all__ = ["lower", "LoweredFunction", "jax_mesh", "user_mesh", "apply_step", "block_index",
+           "final_psum", "replicated_tails", "STEP_LOWERING"]
 
 
 # ---------------------------------------------------------------------------- mesh
 
 
-def _check_mesh(given: Any, mesh: DeviceMesh) -> Mesh:
+def user_mesh(given: Any, mesh: DeviceMesh) -> Mesh:
+    """The user's mesh, or -- when its axes are the user's own, e.g. ``("dp", "mp")`` -- the
+    plan's axes over the same devices in the same (row-major) order."""
     if not isinstance(given, Mesh):
         raise AutoParallelTypeError("mesh", given, "a jax.sharding.Mesh (or None)")
     want = {n: s for n, s in mesh.axes}
     have = dict(given.shape)
-    if tuple(given.axis_names) != mesh.names or have != want:
-        raise AutoParallelError("mesh", dict(have), f"the plan needs a mesh with axes {want} "
-                                f"in this order", "Pass mesh=None to build it from the plan")
-    return given
+    if tuple(given.axis_names) == mesh.names and have == want:
+        return given
+    if given.devices.size != mesh.device_num:
+        raise AutoParallelError("mesh", dict(have), f"it has {given.devices.size} devices; "
+                                f"the plan needs {mesh.device_num} (axes {want})",
+                                "Pass a mesh of device_num devices, or mesh=None")
+    return jax_mesh(mesh, list(given.devices.flat))
 
 
 # ---------------------------------------------------------------------------- collectives
@@ -407,7 +412,7 @@ def lower(parallel_graph: ParallelGraph, mesh: Mesh | None = None, *,
         raise AutoParallelTypeError("parallel_graph", parallel_graph,
                                     "lower takes the ParallelGraph from autopar.rewrite.rewrite")
     pg = parallel_graph
-    jmesh = jax_mesh(pg.mesh) if mesh is None else _check_mesh(mesh, pg.mesh)
+    jmesh = jax_mesh(pg.mesh) if mesh is None else user_mesh(mesh, pg.mesh)
     if fused_kernels is not None:
         pg = fuse_kernels(pg, fused_kernels)
     for node in pg.nodes:  # fail early, before any tracing, on nodes that cannot be lowered

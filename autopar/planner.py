@@ -22,6 +22,7 @@ from autopar.checkpoint import load_plan, save_strategy
 from autopar.clusters import resolve_cluster
 from autopar.errors import AutoParallelError, AutoParallelTypeError, AutoParallelWarning
 from autopar.graph.ir import Graph, check_strategy_shape
+from autopar.graph.ms_layout import to_strategy
 from autopar.limits import MAX_DEVICES
 from autopar.resolve import resolve_context
 from autopar.strategies.cost import Cluster
@@ -60,8 +61,10 @@ def search(graph: Graph, *, mode: str | None = None, device_num: int | None = No
         cfg.device_num if device_num is None else device_num)
     if fixed is not None and not isinstance(fixed, Mapping):
         raise AutoParallelTypeError("fixed", fixed, "a mapping of node name -> strategy")
-    fixed_map = dict(fixed or {})
-    if fixed_map and pmode in ("stand_alone", "data_parallel"):
+    used = pmode not in ("stand_alone", "data_parallel")  # Layouts: the product is device_num
+    fixed_map = {name: to_strategy(strategy, f"fixed node {name!r}", n if used else None)
+                 for name, strategy in (fixed or {}).items()}
+    if fixed_map and not used:
         warnings.warn(f"fixed strategies are not used under parallel_mode={pmode!r} (every "
                       "operator is data parallel there); use semi_auto_parallel or "
                       "auto_parallel to honour them", AutoParallelWarning, stacklevel=2)

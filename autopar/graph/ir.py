@@ -27,6 +27,7 @@ from typing import Any, Iterable, Literal, Mapping
 import numpy as np
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError, found
+from autopar.graph.ms_layout import to_strategy
 
 __all__ = ["TensorSpec", "Value", "Node", "Graph", "Strategy", "check_strategy_shape"]
 
@@ -93,11 +94,13 @@ class Node:
 
 def check_strategy_shape(strategy: Any, ranks: list[int] | None, where: str) -> Strategy:
     """Validate a MindSpore strategy's form: one tuple of split counts (ints >= 1) per input,
-    and, when ``ranks`` are given, one count per dimension of each input.
+    and, when ``ranks`` are given, one count per dimension of each input. An entry may be a
+    MindSpore :class:`~autopar.graph.ms_layout.Layout` (its split counts are taken).
 
     >>> check_strategy_shape(((2, 1), (1, 4)), [2, 2], "matmul")
     ((2, 1), (1, 4))
     """
+    strategy = to_strategy(strategy, where)
     if not isinstance(strategy, (tuple, list)) or len(strategy) == 0:
         raise AutoParallelTypeError(f"strategy for {where}", strategy,
                                     "a strategy is a non-empty tuple with one tuple of ints per "

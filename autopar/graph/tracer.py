@@ -27,7 +27,7 @@ import numpy as np
 from jax._src import source_info_util
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError, UnsupportedOperatorError
-from autopar.graph.annotate import parse_scope
+from autopar.graph.annotate import apply_parameter_plans, parse_plan_scope, parse_scope
 from autopar.graph.ir import Graph, Node, Strategy, TensorSpec, Value
 from autopar.graph.ops import INLINED, KINDS, UNSUPPORTED_HINTS, flops
 
@@ -81,6 +81,7 @@ class _Builder:
         self.literals = 0
         self.pending: dict[int, Strategy] = {}  # annotation id -> strategy, not yet attached
         self.done: set[int] = set()
+        self.plans: set[int] = set()  # shard(parameter_plan=...) ids seen while tracing
 
     def add_value(self, name: str, value: Value) -> str:
         base, k = name, 1
@@ -140,7 +141,10 @@ class _Builder:
         readable, markers = [], []
         for entry in stack:
             parsed = parse_scope(entry)
-            if parsed is None:
+            plan = parse_plan_scope(entry)
+            if plan is not None:
+                self.plans.add(plan)
+            elif parsed is None:
                 readable.append(entry)
             else:
                 markers.append(parsed)
@@ -229,4 +233,6 @@ def trace(fn: Callable[..., Any], *example_args: Any, param_argnums: Iterable[in
     graph = Graph(b.nodes, b.values, inputs, outputs, in_tree=in_tree,
                   out_tree=jax.tree_util.tree_structure(out_shape),
                   name=name or getattr(fn, "__name__", "fn"))
+    if b.plans:
+        graph = apply_parameter_plans(graph, sorted(b.plans))
     return graph.annotate(annotations) if annotations else graph
