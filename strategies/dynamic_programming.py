@@ -39,8 +39,7 @@ def _eliminate_middle(a: np.ndarray, cx: np.ndarray, b: np.ndarray) -> tuple[np.
     sz = b.shape[1]
     if sy * sx * sz <= _CHUNK:
         t = a[:, :, None] + (cx[:, None] + b)[None, :, :]
-        arg = t.argmin(axis=1)  # the minimum read at the argmin: one pass over t, not two
-        return np.take_along_axis(t, arg[:, None, :], axis=1)[:, 0, :], arg
+        return t.min(axis=1), t.argmin(axis=1)
     best = np.empty((sy, sz))
     arg = np.empty((sy, sz), dtype=np.int32)
     step = max(1, _CHUNK // max(1, sx * sz))
@@ -156,8 +155,7 @@ class Memo:
         hit = self.leaves.get(key) if self.on else None
         if hit is None:
             s = self.t(a) + cx[None, :]                 # [S_y, S_x]
-            arg = s.argmin(axis=1)
-            hit = (np.take_along_axis(s, arg[:, None], axis=1)[:, 0], arg)
+            hit = (s.min(axis=1), s.argmin(axis=1))
             if self.on:
                 self.leaves[key] = hit
                 self.keep += (a, cx)

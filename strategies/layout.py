@@ -119,7 +119,12 @@ class DeviceMesh:
         repeated (replicated) calculation, the following axes go to the splits in order.
         (2, 4) on 8 devices -> (('a0',), ('a1', 'a2')); (1, 4) -> ((), ('a1', 'a2')).
         """
-        splits = tuple(splits)
+        return self._assign(tuple(splits))
+
+    @functools.lru_cache(maxsize=8192)
+    def _assign(self, splits: tuple[int, ...]) -> tuple[tuple[str, ...], ...] | None:
+        """:meth:`assign`, kept per mesh and split counts (the searches ask again and
+        again: every candidate of every round)."""
         total = math.prod(splits)
         if total == 0 or self.device_num % total:
             return None
