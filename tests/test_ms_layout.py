@@ -193,6 +193,24 @@ def test_parameter_plan_fixes_the_parameter_layout_in_the_plan():
         ap.trace(_planned_loss({"w1": (3, 1)}), params, x)  # 3 does not divide 16
 
 
+def test_parameter_plan_names_match_mindspore_paths_and_refuse_ambiguity():
+    layers = {"layers": [{"w": jnp.ones((16, 16))}, {"w": jnp.ones((16, 16))}]}
+
+    def make(plan_key):
+        def loss(p, x):
+            for layer in p["layers"]:
+                x = ap.shard(jnp.tanh, in_strategy=((1, 1),),
+                             parameter_plan={plan_key: (1, 2)})(x @ layer["w"])
+            return x.sum()
+        return loss
+
+    g = ap.trace(make("layers.1.w"), layers, jnp.ones((4, 16)))  # MindSpore's dotted name
+    assert g.node("dot_general_1").annotation == ((1, 1), (1, 2))
+    assert g.node("dot_general_0").annotation is None
+    with pytest.raises(AutoParallelError, match="names several parameters.*'layers.0.w'"):
+        ap.trace(make("w"), layers, jnp.ones((4, 16)))
+
+
 def test_parameter_plan_numerics_against_float64():
     params, x = _args()
     ap.set_auto_parallel_context(device_num=8, parallel_mode="semi_auto_parallel")
@@ -223,7 +241,10 @@ def test_named_mesh_works_for_parallelize_train_step_and_shardings():
     assert list(f.mesh.devices.flat) == devices
     assert tuple(f.mesh.axis_names) == f.plan.mesh.names
     numerics.check(f(params, x), numerics.reference(_loss, params, x))
-    step = ap.train_step(_loss, params, (x,), mesh=mesh)
+    lay = ap.Layout((2, 4), ("dp", "mp"))
+    step = ap.train_step(_loss, params, (x,), mesh=mesh,
+                         fixed={"dot_general_0": (lay("dp", "None"), lay("None", "mp"))})
+    assert step.plan.strategy("dot_general_0") == ((2, 1), (1, 4))
     state = step.init(params)
     _, _, value = step(params, state, x)
     numerics.check(value, numerics.reference(_loss, params, x))

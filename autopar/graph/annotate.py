@@ -149,6 +149,10 @@ def apply_parameter_plans(graph: Graph, plan_ids: list[int]) -> Graph:
                 warnings.warn(f"parameter_plan: no parameter {key!r} in the graph (its "
                               f"parameters: {list(graph.parameters())}); ignored, as in "
                               "MindSpore", AutoParallelWarning, stacklevel=4)
+            elif len(found_params) > 1:
+                raise AutoParallelError("parameter_plan", key, f"names several parameters "
+                                        f"{found_params}", "Use the full name, e.g. "
+                                        f"{found_params[0].partition('/')[2].replace('/', '.')!r}")
             for p in found_params:
                 _plan_consumers(graph, p, entry, new)
     return graph.annotate(new) if new else graph
