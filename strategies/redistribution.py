@@ -180,6 +180,13 @@ def plan_steps(src: Layout, dst: Layout, mesh: DeviceMesh,
     return tuple(plan.steps)
 
 
+@lru_cache(maxsize=65_536)
+def _target(dst: Layout) -> tuple[list[list[str]], frozenset[str]]:
+    """A target's per-dim axes as the planner compares them (lists, never modified) and
+    every axis it uses."""
+    return [list(d) for d in dst.dims], frozenset(a for d in dst.dims for a in d)
+
+
 class _Planner:
     """The steps from ``src`` to ``dst`` so far, and the per-dim axes they reach (``cur``).
 
@@ -194,15 +201,10 @@ class _Planner:
     def __init__(self, src: Layout, dst: Layout, mesh: DeviceMesh) -> None:
         self.mesh, self.rank, self.src, self.dst = mesh, len(src.dims), src, dst
         self.cur = [list(d) for d in src.dims]
-        self.want = [list(d) for d in dst.dims]
+        self.want, self.wanted = _target(dst)  # shared between plans: only read
         self.steps: list[Step] = []
-        self.sizes = sizes = mesh.sizes
-        n = 1
-        for axes in src.dims:
-            for a in axes:
-                n *= sizes[a]
-        self.n = n
-        self.wanted = {a for w in dst.dims for a in w}
+        self.sizes = mesh.sizes
+        self.n = mesh.size_of(a for d in src.dims for a in d)
         self.ok = [c == w[:len(c)] for c, w in zip(self.cur, self.want)]  # is_prefix per dim
 
     def fraction(self) -> float:
@@ -211,10 +213,6 @@ class _Planner:
 
     def is_prefix(self, d: int) -> bool:
         return self.ok[d]
-
-    def bad_dims(self) -> list[int]:
-        """The dims whose current axes are not a prefix of their target's."""
-        return [d for d, ok in enumerate(self.ok) if not ok]
 
     def wants_next(self, d: int, a: str) -> bool:
         """Whether dim ``d`` is on its way to the target and takes axis ``a`` next."""
@@ -278,13 +276,12 @@ class _Planner:
                 break
             if enable_alltoall and self.all_to_all():
                 continue
-            bad = [] if all(self.ok) else self.bad_dims()
-            if bad and not early_done:
-                early_done = True
-                if self.early_slices(bad):
-                    continue
-            if bad:
-                self.gather(bad[0])
+            if False in self.ok:  # some dim is off its way to the target
+                if not early_done:
+                    early_done = True
+                    if self.early_slices():
+                        continue
+                self.gather(self.ok.index(False))
                 continue
             for d in range(self.rank):
                 add = want[d][len(cur[d]):]
@@ -311,13 +308,13 @@ class _Planner:
                     return True
         return False
 
-    def early_slices(self, bad: list[int]) -> bool:
+    def early_slices(self) -> bool:
         """Slice first what no gather will touch: axes free now that a good dim wants next.
         The gathers that follow then move smaller pieces."""
         used = {a for c in self.cur for a in c}
         moved = False
         for d2 in range(self.rank):
-            if d2 in bad:
+            if not self.ok[d2]:  # a bad dim (slicing a good one keeps it good)
                 continue
             add = []
             for a in self.want[d2][len(self.cur[d2]):]:
@@ -353,7 +350,7 @@ class _Planner:
         self.n //= sizes[a]
         self.touched(d)
         self.steps.append(Step("all_gather", (a,), d, fraction=1.0 / self.n))
-        if all(self.ok):
+        if False not in self.ok:
             return  # no gather follows: the final slices go together
         for d2 in range(self.rank):
             if d2 != d and self.wants_next(d2, a):
