@@ -27,6 +27,7 @@ from typing import Callable, Iterable, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError
+from autopar.limits import MAX_DEVICES
 from autopar.strategies.layout import DeviceMesh
 from autopar.strategies.redistribution import STEP_KINDS, Step, transpose_step
 
@@ -147,7 +148,7 @@ CLUSTERS: dict[str, Cluster] = {
     # preset for CPU devices when no calibration is cached. Figures per device (machine
     # total / 8) rounded from `autopar calibrate` on a 2-core machine; nothing overlaps.
     "cpu-emulated": Cluster(
-        name="cpu-emulated", devices_per_node=4096, peak_flops=4e9, memory_bandwidth=2e9,
+        name="cpu-emulated", devices_per_node=MAX_DEVICES, peak_flops=4e9, memory_bandwidth=2e9,
         memory_bytes=2.5e9, intra_bandwidth=1e9, intra_alpha=30e-6, inter_bandwidth=1e9,
         inter_alpha=30e-6, overlap=0.0),
 }

@@ -28,6 +28,7 @@ from functools import cached_property
 from typing import Any, Iterable, Sequence
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError
+from autopar.limits import MAX_DEVICES
 
 __all__ = ["DeviceMesh", "Layout", "axis_name", "jax_mesh", "prime_factors"]
 
@@ -67,8 +68,8 @@ class DeviceMesh:
     def for_devices(device_num: int) -> "DeviceMesh":
         if not isinstance(device_num, int) or isinstance(device_num, bool):
             raise AutoParallelTypeError("device_num", device_num, "must be an int")
-        if not 1 <= device_num <= 4096:
-            raise AutoParallelError("device_num", device_num, "must be in [1, 4096]")
+        if not 1 <= device_num <= MAX_DEVICES:
+            raise AutoParallelError("device_num", device_num, f"must be in [1, {MAX_DEVICES}]")
         return DeviceMesh(tuple((f"a{i}", p) for i, p in enumerate(prime_factors(device_num))))
 
     @property
