@@ -460,9 +460,14 @@ def test_to_jax_shardings_bad_mesh():
     plan = ap.search(g)
     with pytest.raises(ap.AutoParallelTypeError):
         ap.to_jax_shardings(plan, "mesh")
-    wrong = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(8), ("x",))
+    wrong = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(4), ("x",))
     with pytest.raises(ap.AutoParallelError, match="axes"):
         ap.to_jax_shardings(plan, wrong)
+    # a mesh with the user's own axis names: the plan's axes over its devices, in its order
+    named = jax.sharding.Mesh(np.array(jax.devices()[::-1]).reshape(8), ("x",))
+    got = ap.to_jax_shardings(plan, named)["params/layer0/w"].mesh
+    assert list(got.devices.flat) == jax.devices()[::-1]
+    assert tuple(got.axis_names) == plan.mesh.names
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("a0", "a1", "a2"))
     assert ap.to_jax_shardings(plan, mesh)["params/layer0/w"].mesh is mesh
 

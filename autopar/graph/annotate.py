@@ -60,12 +60,12 @@ def shard(fn: Callable[..., Any], in_strategy: Any, out_strategy: Any = None,
     _check_entries(in_strategy, "in_strategy")
     checked = check_strategy_shape(in_strategy, None, "autopar.shard")
     _check_out_strategy(out_strategy)
-    plan_id = _register_plan(parameter_plan)
     if not isinstance(device, str):
         raise AutoParallelTypeError("device", device, "must be a str (unused: 'Ascend', 'GPU' "
                                     "or 'CPU')")
     if not isinstance(level, int) or isinstance(level, bool):
         raise AutoParallelTypeError("level", level, "must be an int (unused)")
+    plan_id = _register_plan(parameter_plan)
     text = repr(checked)
 
     @functools.wraps(fn)
