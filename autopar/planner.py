@@ -32,7 +32,7 @@ from autopar.strategies.search import SearchSettings, search_plan
 from autopar.strategies.stages import StagePartition
 from autopar.strategies.stages import partition_stages as _partition_stages
 
-__all__ = ["partition_stages", "search"]
+__all__ = ["partition_stages", "plan_graph", "search"]
 
 
 def search(graph: Graph, *, mode: str | None = None, device_num: int | None = None,
@@ -46,6 +46,19 @@ def search(graph: Graph, *, mode: str | None = None, device_num: int | None = No
     4 MiB of output), which may repeat their work; False lets every operator repeat work on
     some axes — a larger space (slower search) that can pay off when communication is dear.
     """
+    return plan_graph(graph, resolve_context().config, mode=mode, device_num=device_num,
+                      cluster=cluster, fixed=fixed, parallel_mode=parallel_mode,
+                      fully_use_devices=fully_use_devices)
+
+
+def plan_graph(graph: Graph, cfg: Any, *, mode: str | None = None,
+               device_num: int | None = None, cluster: str | Cluster | None = None,
+               fixed: Mapping[str, Any] | None = None, parallel_mode: str | None = None,
+               fully_use_devices: bool | None = None, load_file: str | None = None,
+               save_file: str | None = None) -> Plan:
+    """:func:`search` on a configuration its caller's entry point has read (the pipelined
+    step's, once for all its stages). ``load_file`` / ``save_file`` replace the
+    configuration's strategy-file paths (a stage's own files)."""
     algo = current_algo_parameters()
     if fully_use_devices is None:
         fully_use_devices = algo.fully_use_devices
@@ -54,7 +67,8 @@ def search(graph: Graph, *, mode: str | None = None, device_num: int | None = No
     if not isinstance(graph, Graph):
         raise AutoParallelTypeError("graph", graph, "autopar.search takes the Graph returned "
                                     "by autopar.trace")
-    cfg = resolve_context().config
+    load = cfg.strategy_ckpt_load_file if load_file is None else load_file
+    save = cfg.strategy_ckpt_save_file if save_file is None else save_file
     pmode = _check_parallel_mode(cfg.parallel_mode if parallel_mode is None else parallel_mode)
     m = _check_search_mode(cfg.search_mode if mode is None else mode)
     n = 1 if pmode == "stand_alone" else _check_device_num(
@@ -72,14 +86,14 @@ def search(graph: Graph, *, mode: str | None = None, device_num: int | None = No
         cfg, parallel_mode=pmode, fully_use_devices=fully_use_devices,
         elementwise_op_strategy_follow=algo.elementwise_op_strategy_follow)
     files = pmode in USES_STRATEGY_FILES
-    if files and cfg.strategy_ckpt_load_file:  # priced on the file's own cluster unless named
-        plan = _load(graph, cfg, n, None if cluster is None else resolve_cluster(cluster),
-                     fixed_map, settings)
+    if files and load:  # priced on the file's own cluster unless named
+        plan = _load(graph, load, cfg.pipeline_stages, n,
+                     None if cluster is None else resolve_cluster(cluster), fixed_map, settings)
     else:
         plan = search_plan(graph, mode=m, device_num=n, cluster=resolve_cluster(cluster),
                            fixed=fixed_map, settings=settings)
-    if files and cfg.strategy_ckpt_save_file:
-        save_strategy(plan, graph, cfg.strategy_ckpt_save_file)
+    if files and save:
+        save_strategy(plan, graph, save)
     return plan
 
 
@@ -106,12 +120,11 @@ def _check_device_num(n: Any) -> int:
     return n
 
 
-def _load(graph: Graph, cfg: Any, n: int, cluster: Cluster | None, fixed_map: dict,
-          settings: SearchSettings) -> Plan:
-    """The plan of ``strategy_ckpt_load_file``; fixed strategies must agree with it."""
-    path = cfg.strategy_ckpt_load_file
+def _load(graph: Graph, path: str, stages: int, n: int, cluster: Cluster | None,
+          fixed_map: dict, settings: SearchSettings) -> Plan:
+    """The plan of the strategy file ``path``; fixed strategies must agree with it."""
     plan = load_plan(path, graph, device_num=n, cluster=cluster, settings=settings,
-                     pipeline_stages=cfg.pipeline_stages)
+                     pipeline_stages=stages)
     for name, strategy in sorted(fixed_map.items()):
         graph.node(name)
         if check_strategy_shape(strategy, None, name) != plan.nodes[name].strategy:

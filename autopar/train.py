@@ -73,6 +73,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar.config import AutoParallelConfig
 from autopar.context import current_config
+from autopar.resolve import resolve_context
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.fusion import GradientBuckets, gradient_buckets
 from autopar.grad_sync import (LOW_PRECISION, METHODS, data_parallel_degree, fp32_sync_active,
@@ -588,7 +589,8 @@ def train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
         raise AutoParallelError("sync_method", sync_method, f"must be one of {list(METHODS)}")
     check_fused_kernels(fused_kernels)
     cfg = current_config()  # the context, read once: everything below takes this config
-    if cfg.pipeline_stages > 1:  # the pipelined step (autopar.pipeline)
+    if cfg.pipeline_stages > 1:  # the pipelined step (autopar.pipeline), checked once here
+        cfg = resolve_context().config
         _check_pipelined(cfg.pipeline_stages, backend=backend, mesh=mesh,
                          sync_method=sync_method, fused_kernels=fused_kernels)
         return PipelineTrainStep(loss_fn, params, batch, optimizer, config=cfg, mode=mode,

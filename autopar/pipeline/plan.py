@@ -19,12 +19,11 @@ from typing import Any, Mapping, Sequence
 
 from autopar.clusters import resolve_cluster
 from autopar.config import AutoParallelConfig
-from autopar.context import auto_parallel_context
 from autopar.errors import AutoParallelTypeError
 from autopar.graph.ir import Graph
 from autopar.parallel_graph import ParallelGraph
 from autopar.pipeline.schedules import Schedule
-from autopar.planner import search
+from autopar.planner import plan_graph
 from autopar.rewrite import rewrite
 from autopar.strategies.plan import Plan
 from autopar.strategies.stages import StagePartition, partition_stages, stage_graph
@@ -107,10 +106,9 @@ def plan_stages(graph: Graph, p: int, *, config: AutoParallelConfig, micro_batch
     for s, sg in enumerate(sgs):
         mine = {k: v for k, v in fixed.items() if k in {nd.name for nd in sg.nodes}}
         # strategy files: one per stage, as MindSpore keeps them (strategy_stage{s}...)
-        files = {k: stage_file(getattr(config, k), s) for k in
-                 ("strategy_ckpt_save_file", "strategy_ckpt_load_file")}
-        with auto_parallel_context(**files):
-            plan = search(sg, mode=mode, device_num=n // p, cluster=cluster, fixed=mine)
+        plan = plan_graph(sg, config, mode=mode, device_num=n // p, cluster=cluster, fixed=mine,
+                          load_file=stage_file(config.strategy_ckpt_load_file, s),
+                          save_file=stage_file(config.strategy_ckpt_save_file, s))
         plans.append(plan)
         pgs.append(_rewrite_unfused(sg, plan))
     return StagePlans(part, tuple(sgs), tuple(plans), tuple(pgs))

@@ -59,8 +59,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar.config import AutoParallelConfig
-from autopar.resolve import pipeline_schedule
-from autopar.context import current_config
+from autopar.resolve import pipeline_schedule, resolve_context
 from autopar.errors import AutoParallelError, AutoParallelTypeError, AutoParallelWarning
 from autopar.grad_sync import (LOW_PRECISION, data_parallel_degree, fp32_collective,
                                fp32_sync_active, gradient_scale, replicated_axes)
@@ -585,7 +584,7 @@ def pipeline_train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
     """
     batch, optimizer = step_arguments(loss_fn, batch, optimizer,
                                       "pipeline_train_step needs a callable")
-    config = current_config()  # the context, read once: everything below takes this config
+    config = resolve_context().config  # read and checked once: every stage takes this config
     return PipelineTrainStep(loss_fn, params, batch, optimizer, config=config, stages=stages,
                              micro_batches=micro_batches, schedule=schedule,
                              boundaries=boundaries, mode=mode, fixed=fixed, cluster=cluster)
