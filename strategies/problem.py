@@ -447,6 +447,7 @@ class Problem:
                         for name, strategy in sorted(fixed.items())}
         fixed_splits.update(given_splits)
         self.fixed = fixed_splits
+        self.fixed_params = self._fixed_params()
         # data inputs: one fixed layout each
         for pos, v in enumerate(g.data_inputs()):
             lay = self._data_layout(v, pos, dataset_strategy)
@@ -516,13 +517,28 @@ class Problem:
         self._add_param_vertices(replace_existing=True)
         return [0] * len(self.vertices)
 
+    def _fixed_params(self) -> dict[str, Layout]:
+        """The parameters stored at a fixed layout (``shard(parameter_plan=...)``)."""
+        out = {}
+        for v, splits in self.graph.parameter_layouts().items():
+            try:
+                out[v] = Layout.from_strategy(splits, self.mesh)
+            except AutoParallelError:
+                raise AutoParallelError(f"parameter_plan for {v!r}", splits, "split counts "
+                                        "must multiply to a divisor of device_num="
+                                        f"{self.mesh.device_num}") from None
+        return out
+
     def param_choice_set(self, v: str, layouts: Iterable[Layout]
                          ) -> tuple[list[Choice], dict[str, np.ndarray]]:
         """Parameter ``v``'s choices -- replicated plus ``layouts``, deduplicated and ordered
-        by split counts then name -- and their cost arrays (the optimizer update of a trained
-        parameter's block, and memory)."""
+        by split counts then name; only its fixed layout if it has one -- and their cost
+        arrays (the optimizer update of a trained parameter's block, and memory)."""
         mesh = self.mesh
-        seen = dict.fromkeys((Layout.replicated(self.graph.spec(v).rank), *layouts))
+        if v in self.fixed_params:
+            seen = {self.fixed_params[v]: None}
+        else:
+            seen = dict.fromkeys((Layout.replicated(self.graph.spec(v).rank), *layouts))
         lays = sorted(seen, key=lambda lay: (lay.split_counts(mesh), str(lay)))
         rows = [(self.param_update(v, lay), 0.0, 0.0, self.param_memory(v, lay))
                 for lay in lays]
@@ -559,7 +575,8 @@ class Problem:
                             wanted[key] = tuple(dict.fromkeys(c.in_layouts[j]
                                                               for c in vert.choices))
                         keys.append(key)
-            vkey = (spec.shape, spec.dtype, self.requires_grad.get(v, False), tuple(keys))
+            vkey = (spec.shape, spec.dtype, self.requires_grad.get(v, False), tuple(keys),
+                    self.fixed_params.get(v))
             if vkey not in made:
                 made[vkey] = self.param_choice_set(v, (lay for key in keys
                                                        for lay in wanted[key]))

@@ -340,7 +340,7 @@ def _widen_parameters(problem: Problem) -> None:
         vert = verts[problem.index[f"<param>{v}"]]
         settled = tuple(c.out_layouts[0] for c in vert.choices)
         vkey = (spec.shape, spec.dtype, problem.requires_grad.get(v, False), tuple(keys),
-                settled)
+                settled, problem.fixed_params.get(v))
         if vkey not in made:
             made[vkey] = problem.param_choice_set(v, settled + tuple(
                 lay for key in keys for lay in wanted[key]))

@@ -171,26 +171,50 @@ def _planned_loss(parameter_plan):
     return loss
 
 
-def test_parameter_plan_fixes_the_parameter_layout_in_the_plan():
-    """The plan reaches every reader of the parameter (here a matmul outside the wrapped
-    function, as MindSpore sets the parameter's own layout); names as MindSpore writes them."""
+def test_parameter_plan_fixes_only_the_parameter():
+    """MindSpore's semantics: the plan sets the parameter's own layout (here one read by a
+    matmul outside the wrapped function); the operators reading it are searched as usual and
+    read it through a redistribution where they want another layout."""
     params, x = _args()
     ap.set_auto_parallel_context(device_num=8, parallel_mode="semi_auto_parallel")
     lay = ap.Layout((2, 4), ("dp", "mp"))
-    g = ap.trace(_planned_loss({"w1": lay("None", "mp"), "self.w2": (4, 1)}), params, x)
-    assert g.annotations() == {"dot_general_0": ((1, 1), (1, 4)),
-                               "dot_general_1": ((2, 4), (4, 1))}
+    g = ap.trace(_planned_loss({"w1": lay("None", "mp"), "self.w2": (1, 1)}), params, x)
+    assert g.annotations() == {"dot_general_1": ((2, 4), (4, 1))}  # readers stay free
+    assert g.parameter_layouts() == {"params/w1": (1, 4), "params/w2": (1, 1)}
     plan = ap.search(g)
     assert plan.split_counts("params/w1") == (1, 4)
-    assert plan.split_counts("params/w2") == (4, 1)
-    with pytest.raises(AutoParallelError, match="already has strategy"):
-        ap.trace(_planned_loss({"w2": (1, 1)}), params, x)  # in_strategy gives it (4, 1)
+    assert plan.strategy("dot_general_0") == ((8, 1), (1, 1))  # data parallel reads it whole
+    assert plan.split_counts("params/w2") == (1, 1)  # stored whole, read (4, 1) by its matmul
+    assert plan.strategy("dot_general_1") == ((2, 4), (4, 1))
     with pytest.warns(AutoParallelWarning, match="no parameter 'nope'"):
         ap.trace(_planned_loss({"nope": (2, 1)}), params, x)
     with pytest.raises(AutoParallelError, match="one split count per dimension"):
         ap.trace(_planned_loss({"w1": (2,)}), params, x)
     with pytest.raises(AutoParallelError, match="one split count per dimension"):
         ap.trace(_planned_loss({"w1": (3, 1)}), params, x)  # 3 does not divide 16
+    with pytest.raises(AutoParallelError, match="divisor of device_num=8"):
+        ap.search(ap.trace(_planned_loss({"w1": (1, 16)}), params, x))
+
+
+def test_parameter_plan_leaves_the_search_free():
+    """Under auto_parallel the readers of a planned parameter are searched: the search may
+    read it in another layout (paying the redistribution), and a plan on one parameter never
+    fixes an operator. Two plans disagreeing on one parameter are refused."""
+    params, x = _args()
+    ap.set_auto_parallel_context(device_num=8, parallel_mode="auto_parallel",
+                                 search_mode="dynamic_programming")
+    g = ap.trace(_planned_loss({"w1": (1, 8)}), params, x)
+    assert g.parameter_layouts() == {"params/w1": (1, 8)}
+    plan = ap.search(g)
+    assert plan.split_counts("params/w1") == (1, 8)
+    assert plan.strategy("dot_general_0")[1] != (1, 8)  # its reader chose another layout
+    assert list(g.annotations()) == ["dot_general_1"]  # only the shard's own operator
+
+    def twice(p, x):
+        h = ap.shard(jnp.tanh, in_strategy=((1, 1),), parameter_plan={"w1": (2, 1)})(x @ p["w1"])
+        return ap.shard(jnp.tanh, in_strategy=((1, 1),), parameter_plan={"w1": (1, 2)})(h).sum()
+    with pytest.raises(AutoParallelError, match="already gives this parameter"):
+        ap.trace(twice, params, x)
 
 
 def test_parameter_plan_names_match_mindspore_paths_and_refuse_ambiguity():
@@ -205,10 +229,33 @@ def test_parameter_plan_names_match_mindspore_paths_and_refuse_ambiguity():
         return loss
 
     g = ap.trace(make("layers.1.w"), layers, jnp.ones((4, 16)))  # MindSpore's dotted name
-    assert g.node("dot_general_1").annotation == ((1, 1), (1, 2))
-    assert g.node("dot_general_0").annotation is None
+    assert g.parameter_layouts() == {"p/layers/1/w": (1, 2)}
     with pytest.raises(AutoParallelError, match="names several parameters.*'layers.0.w'"):
         ap.trace(make("w"), layers, jnp.ones((4, 16)))
+
+
+def test_parameter_plan_trains_a_parameter_stored_apart_from_its_reader():
+    """A parameter stored split (2, 1) while its data-parallel reader reads it whole: gathered
+    in forward, its gradient reduce-scattered to the stored blocks, updated there. Two SGD
+    steps match the float64 reference."""
+    params, x = _args()
+    ap.set_auto_parallel_context(device_num=8, parallel_mode="data_parallel",
+                                 gradients_mean=True)
+
+    def loss(p, x):
+        h = ap.shard(jnp.tanh, in_strategy=((8, 1),), parameter_plan={"w1": (2, 1)})(x @ p["w1"])
+        return jnp.mean((h @ p["w2"]) ** 2)
+
+    step = ap.train_step(loss, params, (x,))
+    assert step.plan.split_counts("p/w1") == (2, 1)
+    assert step.plan.strategy("dot_general_0") == ((8, 1), (1, 1))
+    run = numerics.optimizer_steps(loss, steps=2)
+    want = numerics.reference(lambda *a: run(*a)[0], params, x, jit=False)
+    p, st = params, step.init(params)
+    for _ in range(2):
+        p, st, _ = step(p, st, x)
+    assert p["w1"].sharding.shard_shape(p["w1"].shape) == (8, 32)
+    numerics.check(p, want)
 
 
 def test_parameter_plan_numerics_against_float64():

@@ -29,7 +29,6 @@ import jax.numpy as jnp
 from autopar.errors import AutoParallelError, AutoParallelTypeError, AutoParallelWarning
 from autopar.graph.ir import Graph, Strategy, check_strategy_shape
 from autopar.graph.ms_layout import Layout
-from autopar.graph.ops import op_spec
 
 __all__ = ["shard", "matmul", "parse_scope", "parse_plan_scope", "apply_parameter_plans",
            "PREFIX", "PLAN_PREFIX"]
@@ -51,8 +50,8 @@ def shard(fn: Callable[..., Any], in_strategy: Any, out_strategy: Any = None,
     or a :class:`~autopar.graph.ms_layout.Layout` called with its aliases. ``out_strategy``
     is checked and, as in MindSpore's ``ms.shard`` ("not in use right now"), not enforced:
     autopar warns (an operator's output follows its inputs' splits; the search redistributes
-    it for the consumers). ``parameter_plan``: ``{parameter name: strategy}``; every operator
-    reading that parameter is fixed at its layout (see :func:`apply_parameter_plans`).
+    it for the consumers). ``parameter_plan``: ``{parameter name: strategy}``: the parameter is
+    stored at that layout, its readers stay free (see :func:`apply_parameter_plans`).
     ``device`` and ``level`` are checked and unused, as in MindSpore.
     """
     if not callable(fn):
@@ -136,12 +135,12 @@ def _param_matches(value_name: str, key: str) -> bool:
 
 
 def apply_parameter_plans(graph: Graph, plan_ids: list[int]) -> Graph:
-    """Fix every operator reading a planned parameter at the parameter's layout: the
-    operator's loop dims of that input take the plan's splits, its other dims stay whole
-    (autopar fixes whole operators; a parameter layout with a free consumer would need the
-    search to choose among partial strategies). An operator already annotated must agree.
-    Unknown names are warned about and ignored, as MindSpore does."""
-    new: dict[str, Strategy] = {}
+    """Store every planned parameter at the plan's split counts, as MindSpore does: only the
+    parameter is fixed; the operators reading it are searched like any other, and where one
+    reads it in another layout the search prices (and the rewrite inserts) the
+    redistribution. Two plans giving one parameter different layouts are refused. Unknown
+    names are warned about and ignored, as MindSpore does."""
+    fixed: dict[str, tuple[int, ...]] = {}
     for ident in plan_ids:
         for key, entry in _PLANS[ident].items():
             found_params = [p for p in graph.parameters() if _param_matches(p, key)]
@@ -154,32 +153,20 @@ def apply_parameter_plans(graph: Graph, plan_ids: list[int]) -> Graph:
                                         f"{found_params}", "Use the full name, e.g. "
                                         f"{found_params[0].partition('/')[2].replace('/', '.')!r}")
             for p in found_params:
-                _plan_consumers(graph, p, entry, new)
-    return graph.annotate(new) if new else graph
+                _check_plan(graph, p, entry, fixed.get(p))
+                fixed[p] = entry
+    return graph.fix_parameters(fixed) if fixed else graph
 
 
-def _plan_consumers(graph: Graph, p: str, entry: tuple[int, ...],
-                    new: dict[str, Strategy]) -> None:
+def _check_plan(graph: Graph, p: str, entry: tuple[int, ...],
+                before: tuple[int, ...] | None) -> None:
     shape = graph.spec(p).shape
     if len(entry) != len(shape) or any(d % s for d, s in zip(shape, entry)):
         raise AutoParallelError(f"parameter_plan for {p!r}", entry, f"needs one split count "
                                 f"per dimension of shape {shape}, each dividing its size")
-    for name in graph.consumers(p):
-        node = graph.node(name)
-        spec = op_spec(node, graph)
-        current = new.get(name) or node.annotation
-        for j, v in enumerate(node.inputs):
-            if v != p:
-                continue
-            splits = {m: s for m, s in zip(spec.in_maps[j], entry) if m is not None}
-            wanted = tuple(tuple(entry) if i == j or node.inputs[i] == p else
-                           tuple(splits.get(m, 1) if m is not None else 1 for m in mp)
-                           for i, mp in enumerate(spec.in_maps))
-            if current is not None and current[j] != tuple(entry):
-                raise AutoParallelError(f"parameter_plan for {p!r}", entry, f"node {name!r} "
-                                        f"already has strategy {current}, which gives this "
-                                        f"parameter {current[j]}")
-            new[name] = current if current is not None else wanted
+    if before is not None and before != tuple(entry):
+        raise AutoParallelError(f"parameter_plan for {p!r}", entry, f"another parameter_plan "
+                                f"already gives this parameter {before}")
 
 
 def matmul(a: Any, b: Any, strategy: Any = None) -> Any:

@@ -71,6 +71,9 @@ class Value:
     kind: ValueKind
     producer: str | None = None  # node name for activations
     data: np.ndarray | None = None  # for const / literal values
+    # a parameter's split counts per dim, fixed by shard(parameter_plan=...): the parameter is
+    # stored so; the operators reading it stay free (the search prices any redistribution)
+    layout: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -238,6 +241,20 @@ class Graph:
 
     def annotations(self) -> dict[str, Strategy]:
         return {n.name: n.annotation for n in self.nodes if n.annotation is not None}
+
+    def fix_parameters(self, layouts: Mapping[str, tuple[int, ...]]) -> "Graph":
+        """A copy whose parameters ``layouts`` names are stored at those split counts
+        (checked by the caller: one count per dim, each dividing its size)."""
+        values = dict(self.values)
+        for v, splits in layouts.items():
+            values[v] = replace(values[v], layout=tuple(splits))
+        return Graph(self.nodes, values, self.inputs, self.outputs, in_tree=self.in_tree,
+                     out_tree=self.out_tree, name=self.name)
+
+    def parameter_layouts(self) -> dict[str, tuple[int, ...]]:
+        """The parameters fixed by :meth:`fix_parameters`, with their split counts."""
+        return {v: self.values[v].layout for v in self.parameters()  # type: ignore[misc]
+                if self.values[v].layout is not None}
 
     # ------------------------------------------------------------------ gradient order
     def gradient_order(self) -> tuple[str, ...]:
