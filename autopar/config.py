@@ -148,6 +148,10 @@ class CommFusion(BaseModel):
                 if getattr(self, k) is not None}
 
 
+#: parallel_optimizer_config's optimizer_level (MindSpore 2.6) -> gradient_accumulation_shard
+OPTIMIZER_LEVELS: dict[str, bool] = {"level1": False, "level2": True, "level3": False}
+
+
 class ParallelOptimizerConfig(BaseModel):
     model_config = _STRICT
 
@@ -155,6 +159,28 @@ class ParallelOptimizerConfig(BaseModel):
         default=True, description="shard the accumulated gradients across data-parallel devices")
     parallel_optimizer_threshold: Annotated[int, Field(ge=0)] = Field(
         default=64, description="parameters smaller than this (KB) are not sharded")
+    # MindSpore 2.5 (undocumented there; the same setting as the top-level key)
+    optimizer_weight_shard_size: int = Field(
+        default=-1, description="devices a sharded parameter is split over: -1 its whole "
+        "data-parallel group, else a divisor of that group (> 1)")
+    # MindSpore 2.6
+    optimizer_level: str | None = Field(
+        default=None, description="level1: shard the optimizer state and update; level2: "
+        "also the accumulated gradients (sets gradient_accumulation_shard=True; level1 and "
+        "level3 set it False); level3: also the parameters between uses")
+
+    @field_validator("optimizer_weight_shard_size")
+    @classmethod
+    def _shard_size(cls, v: int) -> int:
+        if v != -1 and not 1 < v <= MAX_DEVICES:
+            raise ValueError(f"optimizer_weight_shard_size must be -1 (the whole data-parallel "
+                             f"group) or an int in [2, {MAX_DEVICES}]")
+        return v
+
+    @field_validator("optimizer_level")
+    @classmethod
+    def _level(cls, v: str | None) -> str | None:
+        return None if v is None else _check_choice("optimizer_level", OPTIMIZER_LEVELS)(v)
 
 
 class StrategyCkptConfig(BaseModel):
@@ -226,7 +252,21 @@ NO_EFFECT_REASONS: dict[str, str] = {
     "dump_local_norm_path": "autopar writes no tensor dumps (see dump_local_norm)",
     "dump_device_local_norm": "autopar writes no tensor dumps; take norms of the gradients "
     "step.grads(params, *batch) returns",
+    "pipeline_segments": "autopar has no interleaved (virtual-stage) schedules: each "
+    "pipeline stage is one segment (see pipeline_config's pipeline_interleave)",
+    "communi_parallel_mode": "XLA orders the collectives of all groups itself; there are no "
+    "per-group communication streams to configure",
+    "optimizer_weight_shard_aggregated_save": "autopar writes no weight checkpoints, and a "
+    "parameter the parallel optimizer splits is one jax.Array whose value is the whole "
+    "tensor (np.asarray or a checkpoint library saves it aggregated)",
+    "parallel_optimizer_config.optimizer_level": "level3's gathering at each use is XLA's to "
+    "schedule: autopar gathers the split parameters at the start of the step (level3 acts "
+    "as level1 otherwise)",
 }
+
+#: communi_parallel_mode's values (MindSpore 2.5)
+COMMUNI_PARALLEL_MODES: tuple[str, ...] = ("all_group_parallel", "same_server_group_parallel",
+                                           "no_group_parallel")
 
 
 def _warned(key: str, when: str = "True") -> str:
@@ -319,11 +359,18 @@ class AutoParallelConfig(BaseModel):
     parallel_optimizer_config: ParallelOptimizerConfig = Field(
         default_factory=ParallelOptimizerConfig,
         description="Parallel optimizer details: gradient_accumulation_shard (bool, default True),"
-        " parallel_optimizer_threshold (int >= 0 KB, default 64).",
+        " parallel_optimizer_threshold (int >= 0 KB, default 64), optimizer_weight_shard_size "
+        "(-1 or an int > 1, default -1), optimizer_level ('level1' | 'level2' | 'level3', "
+        "MindSpore 2.6).",
         json_schema_extra=_meta("dict", "keys gradient_accumulation_shard, "
-                                "parallel_optimizer_threshold", "with enable_parallel_optimizer",
+                                "parallel_optimizer_threshold, optimizer_weight_shard_size, "
+                                "optimizer_level", "with enable_parallel_optimizer",
                                 jax="the threshold chooses the parameters the parallel "
-                                "optimizer splits"))
+                                "optimizer splits; optimizer_weight_shard_size the devices "
+                                "each is split over; optimizer_level sets "
+                                "gradient_accumulation_shard (" + _warned(
+                                    "parallel_optimizer_config.optimizer_level",
+                                    "level3") + ")"))
     enable_alltoall: bool = Field(
         default=False, description="Allow AllToAll in redistribution (else AllGather + slice).",
         json_schema_extra=_meta("bool", "-", "semi_auto_parallel, auto_parallel",
@@ -399,10 +446,32 @@ class AutoParallelConfig(BaseModel):
         json_schema_extra=_meta("bool", "-", "semi_auto_parallel, auto_parallel",
                                 jax=_warned("dump_device_local_norm")))
 
+    # ---- MindSpore 2.5, accepted by set_auto_parallel_context though not in its docs
+    pipeline_segments: Annotated[int, Field(ge=1, le=MAX_DEVICES)] = Field(
+        default=1, description="Segments each pipeline stage is cut into (virtual stages of "
+        "an interleaved schedule).",
+        json_schema_extra=_meta("int", ">= 1", "with pipeline_stages > 1",
+                                jax=_warned("pipeline_segments", "> 1")))
+    communi_parallel_mode: str = Field(
+        default="all_group_parallel", description="Which communication groups may run "
+        "concurrently.",
+        json_schema_extra=_meta("str", " / ".join(COMMUNI_PARALLEL_MODES),
+                                jax=_warned("communi_parallel_mode", "not the default")))
+    optimizer_weight_shard_aggregated_save: bool = Field(
+        default=False, description="Save parameters split by the parallel optimizer whole in "
+        "checkpoints.",
+        json_schema_extra=_meta("bool", "-", "with enable_parallel_optimizer",
+                                jax=_warned("optimizer_weight_shard_aggregated_save")))
+
     @field_validator("parallel_mode")
     @classmethod
     def _parallel_mode(cls, v: str) -> str:
         return _check_choice("parallel_mode", PARALLEL_MODES)(v)
+
+    @field_validator("communi_parallel_mode")
+    @classmethod
+    def _communi_parallel_mode(cls, v: str) -> str:
+        return _check_choice("communi_parallel_mode", COMMUNI_PARALLEL_MODES)(v)
 
     @field_validator("search_mode")
     @classmethod
@@ -472,8 +541,14 @@ class AutoParallelConfig(BaseModel):
         return list(ar.config) if ar is not None and ar.mode == "index" else []
 
 
-KEYS: tuple[str, ...] = tuple(AutoParallelConfig.model_fields) + (
-    "auto_parallel_search_mode", "all_reduce_fusion_config")
+#: Keys that are views of others (set and read through them): key -> what it views
+VIEWS: dict[str, str] = {
+    "auto_parallel_search_mode": "search_mode (deprecated alias)",
+    "all_reduce_fusion_config": "comm_fusion['allreduce'] in index mode",
+    "sharding_propagation": "search_mode == 'sharding_propagation' (deprecated)",
+    "optimizer_weight_shard_size": "parallel_optimizer_config['optimizer_weight_shard_size']",
+}
+KEYS: tuple[str, ...] = tuple(AutoParallelConfig.model_fields) + tuple(VIEWS)
 #: Keys get_auto_parallel_context reads but set_auto_parallel_context refuses (MindSpore's
 #: get-only views of pipeline_config): key -> where it is set.
 GET_ONLY: dict[str, str] = {"pipeline_interleave": "pipeline_config",
@@ -556,6 +631,10 @@ def no_effect_messages(config: AutoParallelConfig, keys: Iterable[str]) -> list[
             shown = f"pipeline_config['pipeline_interleave']=" \
                     f"{config.pipeline_config.pipeline_interleave!r}"
             active = config.pipeline_config.pipeline_interleave
+        elif key == "parallel_optimizer_config":
+            reason = "parallel_optimizer_config.optimizer_level"
+            shown = "parallel_optimizer_config['optimizer_level']='level3'"
+            active = config.parallel_optimizer_config.optimizer_level == "level3"
         elif key in NO_EFFECT_REASONS:
             reason, shown = key, f"{key}={getattr(config, key)!r}"
             active = getattr(config, key) != getattr(defaults, key)
@@ -589,6 +668,16 @@ def reference_rows() -> list[dict[str, str]]:
                  "description": "Allreduce fusion by gradient index; same as comm_fusion "
                  "{'allreduce': {'mode': 'index', 'config': [...]}}. Not set: fusion closed.",
                  "jax": "as comm_fusion['allreduce'] in index mode"})
+    rows.append({"key": "sharding_propagation", "type": "bool", "default": "False",
+                 "range": "-", "modes": "auto_parallel", "description": "Deprecated: True "
+                 "is search_mode='sharding_propagation'; warns DeprecationWarning.",
+                 "jax": "True sets search_mode='sharding_propagation' (False changes "
+                 "nothing, as MindSpore ORs the two); reads back whether that is the mode"})
+    rows.append({"key": "optimizer_weight_shard_size", "type": "int", "default": "-1",
+                 "range": "> 1 applied; <= 1 warned and not applied (as MindSpore)",
+                 "modes": "with enable_parallel_optimizer", "description": "The same "
+                 "setting as parallel_optimizer_config['optimizer_weight_shard_size'].",
+                 "jax": "as parallel_optimizer_config['optimizer_weight_shard_size']"})
     for key, where in GET_ONLY.items():
         field = PipelineConfig.model_fields[key]
         rows.append({"key": key, "type": f"{getattr(field.annotation, '__name__', '')} (get "

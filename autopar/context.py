@@ -33,6 +33,8 @@ from pydantic_core import PydanticCustomError
 from autopar.config import (
     GET_ONLY,
     KEYS,
+    OPTIMIZER_LEVELS,
+    VIEWS,
     AllReduceFusion,
     AutoParallelConfig,
     _check_indices,
@@ -134,6 +136,7 @@ def _apply(state: _State, kwargs: dict[str, Any], where: str = _WHERE) -> _State
         explicit.discard("auto_parallel_search_mode")
         explicit.add("search_mode")
 
+    _sharding_propagation(kw, explicit)
     cur = state.config
     data: dict[str, Any] = {name: getattr(cur, name) for name in AutoParallelConfig.model_fields}
 
@@ -161,10 +164,7 @@ def _apply(state: _State, kwargs: dict[str, Any], where: str = _WHERE) -> _State
     if "pipeline_config" in kw:
         data["pipeline_config"] = _merge_dict("pipeline_config", kw.pop("pipeline_config"),
                                               cur.pipeline_config)
-    if "parallel_optimizer_config" in kw:
-        data["parallel_optimizer_config"] = _merge_dict(
-            "parallel_optimizer_config", kw.pop("parallel_optimizer_config"),
-            cur.parallel_optimizer_config)
+    _parallel_optimizer(kw, data, cur, explicit)
 
     # full_batch and dataset_strategy describe one thing; keep them consistent.
     if "full_batch" in kw and "dataset_strategy" not in kw:
@@ -192,6 +192,76 @@ def _apply(state: _State, kwargs: dict[str, Any], where: str = _WHERE) -> _State
     for message in no_effect_messages(config, kwargs):
         warnings.warn(message, AutoParallelWarning, stacklevel=3)
     return _State(config, state.explicit | frozenset(explicit))
+
+
+def _sharding_propagation(kw: dict[str, Any], explicit: set[str]) -> None:
+    """MindSpore's deprecated ``sharding_propagation`` bool: True is
+    search_mode='sharding_propagation' (False changes nothing: MindSpore ORs the two)."""
+    if "sharding_propagation" not in kw:
+        return
+    value = kw.pop("sharding_propagation")
+    explicit.discard("sharding_propagation")
+    if not isinstance(value, bool):
+        raise AutoParallelTypeError("sharding_propagation", value, "must be a bool")
+    if value:
+        if kw.get("search_mode", "sharding_propagation") != "sharding_propagation":
+            raise AutoParallelError(
+                "sharding_propagation", value, f"it means search_mode='sharding_propagation' "
+                f"and contradicts search_mode={kw['search_mode']!r} in the same call",
+                "Set only search_mode")
+        kw["search_mode"] = "sharding_propagation"
+        explicit.add("search_mode")
+    warnings.warn("sharding_propagation is deprecated (as in MindSpore); use "
+                  "search_mode='sharding_propagation'", DeprecationWarning, stacklevel=4)
+
+
+def _parallel_optimizer(kw: dict[str, Any], data: dict[str, Any], cur: AutoParallelConfig,
+                        explicit: set[str]) -> None:
+    """parallel_optimizer_config merged into the current one, with MindSpore's rules: the
+    top-level optimizer_weight_shard_size is the same setting; a shard size <= 1 (1 in the
+    dict) is warned about and not applied; optimizer_level sets gradient_accumulation_shard
+    (a contradicting value in the same dict is refused)."""
+    if "parallel_optimizer_config" not in kw and "optimizer_weight_shard_size" not in kw:
+        return
+    given = kw.pop("parallel_optimizer_config", {})
+    merged = _merge_dict("parallel_optimizer_config", given, cur.parallel_optimizer_config)
+    if "optimizer_weight_shard_size" in kw:
+        size = kw.pop("optimizer_weight_shard_size")
+        explicit.discard("optimizer_weight_shard_size")
+        if not isinstance(size, int) or isinstance(size, bool):
+            raise AutoParallelTypeError("optimizer_weight_shard_size", size, "must be an int")
+        if given.get("optimizer_weight_shard_size", size) != size:
+            raise AutoParallelError(
+                "optimizer_weight_shard_size", size, "it is the same setting as "
+                "parallel_optimizer_config['optimizer_weight_shard_size'] and contradicts "
+                f"{given['optimizer_weight_shard_size']!r} in the same call",
+                "Set only one of them")
+        if size > 1 or size == -1:  # (-1: the whole group, the default)
+            merged["optimizer_weight_shard_size"] = size
+        else:
+            _not_applied("optimizer_weight_shard_size", size)
+    if given.get("optimizer_weight_shard_size") == 1:
+        _not_applied("parallel_optimizer_config['optimizer_weight_shard_size']", 1)
+        merged["optimizer_weight_shard_size"] = cur.parallel_optimizer_config \
+            .optimizer_weight_shard_size
+    level = given.get("optimizer_level")
+    if isinstance(level, str) and level in OPTIMIZER_LEVELS:
+        shard = OPTIMIZER_LEVELS[level]
+        if "gradient_accumulation_shard" in given and given["gradient_accumulation_shard"] \
+                is not shard:
+            raise AutoParallelError(
+                "parallel_optimizer_config.gradient_accumulation_shard",
+                given["gradient_accumulation_shard"], f"optimizer_level={level!r} sets it to "
+                f"{shard} in the same call (only level2 shards the accumulated gradients)")
+        merged["gradient_accumulation_shard"] = shard
+    data["parallel_optimizer_config"] = merged
+    explicit.add("parallel_optimizer_config")
+
+
+def _not_applied(key: str, value: int) -> None:
+    warnings.warn(f"{key}={value!r} is not applied (as in MindSpore, which takes only an int "
+                  "> 1, or -1 for the whole group): the parallel optimizer keeps its shard size", AutoParallelWarning,
+                  stacklevel=5)
 
 
 _FILE_KEYS = (("strategy_ckpt_load_file", "load_file"), ("strategy_ckpt_save_file", "save_file"))
@@ -243,6 +313,10 @@ def set_auto_parallel_context(**kwargs: Any) -> None:
 def _public_value(config: AutoParallelConfig, name: str) -> Any:
     if name == "all_reduce_fusion_config":
         return config.all_reduce_fusion_config
+    if name == "sharding_propagation":
+        return config.search_mode == "sharding_propagation"
+    if name == "optimizer_weight_shard_size":
+        return config.parallel_optimizer_config.optimizer_weight_shard_size
     if name == "comm_fusion":
         return config.comm_fusion.as_dict()
     if name in ("parallel_optimizer_config", "strategy_ckpt_config", "pipeline_config"):
@@ -303,6 +377,8 @@ def public_dict(config: AutoParallelConfig | None = None) -> dict[str, Any]:
     """Every key with its public value (what get_auto_parallel_context returns)."""
     config = config or current_config()
     out = {name: _public_value(config, name) for name in AutoParallelConfig.model_fields}
-    out["all_reduce_fusion_config"] = config.all_reduce_fusion_config
+    for view in VIEWS:
+        if view != "auto_parallel_search_mode":  # (reading it warns: deprecated)
+            out[view] = _public_value(config, view)
     return out
 

@@ -32,9 +32,11 @@ ROUND_TRIP = {
     "dataset_strategy": ((1, 8), (1, 8)),
     "enable_parallel_optimizer": True,
     "parallel_optimizer_config": {"gradient_accumulation_shard": False,
-                                  "parallel_optimizer_threshold": 24},
+                                  "parallel_optimizer_threshold": 24,
+                                  "optimizer_weight_shard_size": 2, "optimizer_level": None},
     "enable_alltoall": True,
     "all_reduce_fusion_config": [8, 160],
+    "optimizer_weight_shard_size": 2,  # the same setting as in parallel_optimizer_config
     "pipeline_stages": 2,
     "grad_accumulation_step": 4,
     "comm_fusion": {"allreduce": {"mode": "size", "config": 32},
@@ -57,7 +59,9 @@ def test_defaults_are_the_seeds():
         "strategy_ckpt_load_file": "", "strategy_ckpt_save_file": "", "full_batch": False,
         "dataset_strategy": "data_parallel", "enable_parallel_optimizer": False,
         "parallel_optimizer_config": {"gradient_accumulation_shard": True,
-                                      "parallel_optimizer_threshold": 64},
+                                      "parallel_optimizer_threshold": 64,
+                                      "optimizer_weight_shard_size": -1,
+                                      "optimizer_level": None},
         "enable_alltoall": False, "all_reduce_fusion_config": [], "pipeline_stages": 1,
         "grad_accumulation_step": 1, "comm_fusion": {},
         "strategy_ckpt_config": {"load_file": "", "save_file": "", "only_trainable_params": True},
@@ -65,6 +69,10 @@ def test_defaults_are_the_seeds():
         "auto_pipeline": False, "force_fp32_communication": False,
         "pipeline_result_broadcast": False, "group_ckpt_save_file": "", "dump_local_norm": False,
         "dump_local_norm_path": "", "dump_device_local_norm": False,
+        # MindSpore 2.5's keys missing from its documentation, and two views
+        "pipeline_segments": 1, "communi_parallel_mode": "all_group_parallel",
+        "optimizer_weight_shard_aggregated_save": False, "sharding_propagation": False,
+        "optimizer_weight_shard_size": -1,
     }
 
 
@@ -81,7 +89,11 @@ def test_round_trip_every_key(key):
     linked = {"full_batch": {"dataset_strategy"}, "dataset_strategy": {"full_batch"},
               "all_reduce_fusion_config": {"comm_fusion"},
               "strategy_ckpt_load_file": {"strategy_ckpt_config"},
-              "strategy_ckpt_save_file": {"strategy_ckpt_config"}}.get(key, set())
+              "strategy_ckpt_save_file": {"strategy_ckpt_config"},
+              "parallel_optimizer_config": {"optimizer_weight_shard_size"},
+              "optimizer_weight_shard_size": {"parallel_optimizer_config"},
+              "sharding_propagation": {"search_mode"},
+              "search_mode": {"sharding_propagation"}}.get(key, set())
     if key == "comm_fusion":
         linked = {"all_reduce_fusion_config"}
     after = snapshot()
@@ -129,7 +141,8 @@ def test_seed_examples_run_unchanged():
     ap.set_auto_parallel_context(comm_fusion=config)
     assert ap.get_auto_parallel_context("comm_fusion") == config
     assert ap.get_auto_parallel_context("all_reduce_fusion_config") == []
-    assert ap.get_auto_parallel_context("parallel_optimizer_config") == parallel_config
+    assert ap.get_auto_parallel_context("parallel_optimizer_config") == {
+        **parallel_config, "optimizer_weight_shard_size": -1, "optimizer_level": None}
     assert ap.get_auto_parallel_context("pipeline_stages") == 2
 
 
@@ -182,7 +195,8 @@ def test_parallel_optimizer_config_merges():
     ap.set_auto_parallel_context(parallel_optimizer_config={"parallel_optimizer_threshold": 0})
     ap.set_auto_parallel_context(parallel_optimizer_config={"gradient_accumulation_shard": False})
     assert ap.get_auto_parallel_context("parallel_optimizer_config") == {
-        "gradient_accumulation_shard": False, "parallel_optimizer_threshold": 0}
+        "gradient_accumulation_shard": False, "parallel_optimizer_threshold": 0,
+        "optimizer_weight_shard_size": -1, "optimizer_level": None}
 
 
 def test_reset_restores_defaults():

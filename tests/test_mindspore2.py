@@ -23,6 +23,9 @@ NEW_DEFAULTS = {
     "auto_pipeline": False, "force_fp32_communication": False,
     "pipeline_result_broadcast": False, "group_ckpt_save_file": "", "dump_local_norm": False,
     "dump_local_norm_path": "", "dump_device_local_norm": False,
+    # in MindSpore 2.5's key map though not in its documentation
+    "pipeline_segments": 1, "communi_parallel_mode": "all_group_parallel",
+    "optimizer_weight_shard_aggregated_save": False, "optimizer_weight_shard_size": -1,
 }
 
 # key, a value autopar cannot honour, the reason's key in NO_EFFECT_REASONS
@@ -37,6 +40,9 @@ NO_EFFECT = [
     ("dump_local_norm", True, "dump_local_norm"),
     ("dump_local_norm_path", "./dump", "dump_local_norm_path"),
     ("dump_device_local_norm", True, "dump_device_local_norm"),
+    ("pipeline_segments", 2, "pipeline_segments"),
+    ("communi_parallel_mode", "no_group_parallel", "communi_parallel_mode"),
+    ("optimizer_weight_shard_aggregated_save", True, "optimizer_weight_shard_aggregated_save"),
 ]
 
 T, V = TypeError, ValueError
@@ -68,6 +74,28 @@ BAD = [
     ({"dump_local_norm_path": b"dump"}, T, "dump_local_norm_path"),
     ({"dump_device_local_norm": 1.0}, T, "dump_device_local_norm"),
     ({"force_fp32_communication": True, "device_num": 0}, V, "device_num"),
+    ({"pipeline_segments": 0}, V, "pipeline_segments"),
+    ({"pipeline_segments": True}, T, "pipeline_segments"),
+    ({"communi_parallel_mode": "ALL_GROUP_PARALLEL"}, V, "communi_parallel_mode"),
+    ({"communi_parallel_mode": 0}, T, "communi_parallel_mode"),
+    ({"optimizer_weight_shard_aggregated_save": 1}, T, "optimizer_weight_shard_aggregated_save"),
+    ({"optimizer_weight_shard_size": 2.0}, T, "optimizer_weight_shard_size"),
+    ({"optimizer_weight_shard_size": True}, T, "optimizer_weight_shard_size"),
+    ({"parallel_optimizer_config": {"optimizer_weight_shard_size": 0}}, V,
+     "optimizer_weight_shard_size"),
+    ({"parallel_optimizer_config": {"optimizer_weight_shard_size": -2}}, V,
+     "optimizer_weight_shard_size"),
+    ({"parallel_optimizer_config": {"optimizer_level": "level4"}}, V, "optimizer_level"),
+    ({"parallel_optimizer_config": {"optimizer_level": 2}}, T, "optimizer_level"),
+    ({"parallel_optimizer_config": {"optimizer_level": "level1",
+                                    "gradient_accumulation_shard": True}}, V,
+     "gradient_accumulation_shard"),
+    ({"optimizer_weight_shard_size": 4,
+      "parallel_optimizer_config": {"optimizer_weight_shard_size": 2}}, V,
+     "optimizer_weight_shard_size"),
+    ({"sharding_propagation": 1}, T, "sharding_propagation"),
+    ({"sharding_propagation": True, "search_mode": "dynamic_programming"}, V,
+     "sharding_propagation"),
 ]
 
 
@@ -121,6 +149,45 @@ def test_every_key_has_its_effect_documented():
     assert all(r["jax"] for r in rows.values())
     for reason in NO_EFFECT_REASONS.values():
         assert any(reason in r["jax"] for r in rows.values())
+
+
+def test_sharding_propagation_is_the_deprecated_form_of_the_search_mode():
+    with pytest.warns(DeprecationWarning, match="search_mode='sharding_propagation'"):
+        ap.set_auto_parallel_context(sharding_propagation=True)
+    assert ap.get_auto_parallel_context("search_mode") == "sharding_propagation"
+    assert ap.get_auto_parallel_context("sharding_propagation") is True
+    with pytest.warns(DeprecationWarning):
+        ap.set_auto_parallel_context(sharding_propagation=False)  # MindSpore ORs the two
+    assert ap.get_auto_parallel_context("search_mode") == "sharding_propagation"
+    ap.set_auto_parallel_context(search_mode="recursive_programming")
+    assert ap.get_auto_parallel_context("sharding_propagation") is False
+
+
+def test_optimizer_weight_shard_size_is_one_setting_under_two_names():
+    ap.set_auto_parallel_context(optimizer_weight_shard_size=4)
+    assert ap.get_auto_parallel_context("parallel_optimizer_config")[
+        "optimizer_weight_shard_size"] == 4
+    ap.set_auto_parallel_context(parallel_optimizer_config={"optimizer_weight_shard_size": 2})
+    assert ap.get_auto_parallel_context("optimizer_weight_shard_size") == 2
+    for value in (1, 0, -3):  # MindSpore warns and keeps the size
+        with pytest.warns(ap.AutoParallelWarning, match="not applied"):
+            ap.set_auto_parallel_context(optimizer_weight_shard_size=value)
+        assert ap.get_auto_parallel_context("optimizer_weight_shard_size") == 2
+    with pytest.warns(ap.AutoParallelWarning, match="not applied"):
+        ap.set_auto_parallel_context(parallel_optimizer_config={"optimizer_weight_shard_size": 1})
+    ap.set_auto_parallel_context(parallel_optimizer_config={"optimizer_weight_shard_size": -1})
+    assert ap.get_auto_parallel_context("optimizer_weight_shard_size") == -1
+
+
+def test_optimizer_level_sets_gradient_accumulation_shard():
+    for level, shard in (("level2", True), ("level1", False), ("level2", True)):
+        ap.set_auto_parallel_context(parallel_optimizer_config={"optimizer_level": level})
+        cfg = ap.get_auto_parallel_context("parallel_optimizer_config")
+        assert cfg["optimizer_level"] == level and cfg["gradient_accumulation_shard"] is shard
+    with pytest.warns(ap.AutoParallelWarning, match="level3"):
+        ap.set_auto_parallel_context(parallel_optimizer_config={"optimizer_level": "level3"})
+    assert ap.get_auto_parallel_context("parallel_optimizer_config")[
+        "gradient_accumulation_shard"] is False
 
 
 # --------------------------------------------------------------------------- strategy files
