@@ -9,6 +9,15 @@ MindSpore (``strategy_ckpt_config={"save_file": "x.json"}``, or a ``.json``
      "parallel_layout_item": {"blocks.0.w1": {"dev_matrix": [...], "tensor_map": [...],
                                               "tensor_shape": [4096, 16384], ...}, ...}}
 
+MindSpore 2.6's operator-strategy file (``set_op_strategy_config`` /
+``save_operator_strategy_file``, sharding propagation) may instead hold Layouts,
+``parallel_layout_value_item: {"Default/network-Net/MatMul-op0": {"0": {"dev_matrix": [2, 4],
+"tensor_map": [[1], [-1]], "alias_name": [...], "interleaved_parallel": false}, "1": ...}}``:
+each is read as the strategy of its split counts. An entry MindSpore saved empty
+(``"parallel_strategy": []``: the script shards that operator with a Layout, which the strategy
+checkpoint does not record) is skipped with that reason, and a parameter's ``tensor_shape``
+written expanded (a dim split over several axes becomes several dims) is grouped back.
+
 Each entry is mapped onto one autopar node, in this order:
 
 1. ``name_map={mindspore name: autopar node}`` when given (it wins), and names the graph has
@@ -47,7 +56,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 from autopar.checkpoint import StrategyFileError
 from autopar.errors import AutoParallelError, AutoParallelTypeError
@@ -170,6 +179,9 @@ def _read(path: str | os.PathLike[str]) -> dict[str, Any]:
     except ValueError as e:
         raise StrategyFileError(path, "<json>", "MindSpore's JSON strategy file", str(e)) \
             from None
+    if isinstance(data, dict) and "parallel_layout_value_item" in data:
+        data = {**data, "parallel_strategy_item": {
+            **(data.get("parallel_strategy_item") or {}), **_layout_values(path, data)}}
     if not isinstance(data, dict) or not isinstance(data.get("parallel_strategy_item"), dict):
         raise StrategyFileError(path, "parallel_strategy_item", "an object of node name -> "
                                 "{stage, parallel_strategy}", type(data).__name__ if not
@@ -186,6 +198,54 @@ def _read(path: str | os.PathLike[str]) -> dict[str, Any]:
     for name, lay in layouts.items():
         _check_layout(path, name, lay)
     return data
+
+
+def _layout_values(path: Any, data: dict[str, Any]) -> dict[str, Any]:
+    """MindSpore 2.6's operator-strategy file (``set_op_strategy_config`` /
+    ``save_operator_strategy_file``) stores an operator sharded with a Layout as
+    ``parallel_layout_value_item: {node: {"0": layout, "1": layout, ...}}``, one layout per
+    input (``dev_matrix``, ``tensor_map`` nested per dim, ``alias_name``,
+    ``interleaved_parallel``). Each becomes a strategy entry: per dim the product of the
+    sizes of the device-matrix dims it is mapped to (counted from the right, -1 whole).
+    An interleaved layout has no autopar counterpart: its entry is left empty, so it is
+    skipped with the reason."""
+    section = data["parallel_layout_value_item"]
+    if not isinstance(section, dict):
+        raise StrategyFileError(path, "parallel_layout_value_item", "an object of node name "
+                                "-> {input index: layout}", section)
+    out: dict[str, Any] = {}
+    for name, per_input in section.items():
+        where = f"parallel_layout_value_item.{name}"
+        if not isinstance(per_input, dict) or not all(k.isdigit() for k in per_input):
+            raise StrategyFileError(path, where, "an object of input index (\"0\", \"1\", "
+                                    "...) -> layout", per_input)
+        entries = [_layout_splits(path, f"{where}.{k}", per_input[k])
+                   for k in sorted(per_input, key=int)]
+        out[name] = {"stage": 0, "layout": True,
+                     "parallel_strategy": [] if None in entries else entries}
+    return out
+
+
+def _layout_splits(path: Any, where: str, lay: Any) -> list[int] | None:
+    """One input's split counts from a MindSpore layout dict (None: interleaved)."""
+    if not isinstance(lay, dict) or not isinstance(lay.get("tensor_map"), list):
+        raise StrategyFileError(path, where, "an object with dev_matrix and tensor_map", lay)
+    dev = lay.get("dev_matrix")
+    if not isinstance(dev, list) or not dev or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in dev):
+        raise StrategyFileError(path, f"{where}.dev_matrix", "a list of ints >= 1", dev)
+    if lay.get("interleaved_parallel", False) is not False:
+        return None
+    splits = []
+    for dim in lay["tensor_map"]:
+        axes = dim if isinstance(dim, list) else [dim]
+        if not all(isinstance(a, int) and not isinstance(a, bool) and -1 <= a < len(dev)
+                   for a in axes):
+            raise StrategyFileError(path, f"{where}.tensor_map", f"per dim a device-matrix "
+                                    f"index in [-1, {len(dev) - 1}] or a list of them",
+                                    lay["tensor_map"])
+        splits.append(math.prod(dev[len(dev) - 1 - a] for a in axes if a != -1))
+    return splits
 
 
 def _check_layout(path: Any, name: str, lay: Any) -> None:
@@ -418,6 +478,33 @@ def _matmul_sourced(graph: Graph, node: Node, st: Strategy,
     return sourced
 
 
+def _grouped(expanded: list[int], shape: Sequence[int]) -> list[int] | None:
+    """``shape`` if consecutive runs of ``expanded`` multiply to its dims, in order."""
+    out, i = [], 0
+    for dim in shape:
+        if i == len(expanded):
+            return None
+        prod, i = expanded[i], i + 1
+        while i < len(expanded) and prod < dim:
+            prod, i = prod * expanded[i], i + 1
+        if prod != dim:
+            return None
+        out.append(dim)
+    return out if i == len(expanded) else None
+
+
+def _unexpanded(stored: list[int] | None, shape: tuple[int, ...]) -> list[int] | None:
+    """A parameter's ``tensor_shape`` as MindSpore stores the tensor. MindSpore writes the
+    shape of a dim split over several axes (a Layout's tuple alias) as several dims: the
+    axes' sizes, then the rest (``[1024, 512]`` split ``(("dp", "sp"), "mp")`` is written
+    ``[2, 512, 512]``). Such a shape is grouped back onto the graph's parameter, in its
+    orientation or (rank 2) transposed; None when neither fits (the shape decides nothing)."""
+    if stored is None or len(stored) == len(shape):
+        return stored
+    fits = [g for g in (_grouped(stored, shape), _grouped(stored, shape[::-1])) if g]
+    return fits[0] if len(fits) == 1 or (fits and fits[0] == fits[-1]) else None
+
+
 def _stored_order(shape: tuple[int, ...], stored: list[int] | None) -> tuple[int, ...]:
     """Per dim of the graph's parameter, the dim of the tensor MindSpore stores (its
     ``tensor_shape`` in the file: the same, or a rank-2 tensor transposed)."""
@@ -542,6 +629,14 @@ def _map_onto(graph: Graph, node: Node, op: MsOp, st: Strategy, given: Mapping[s
 
 
 def _strategy_of(items: Mapping[str, Any], ms: str) -> Strategy:
+    if items[ms]["parallel_strategy"] == [] and items[ms].get("layout"):
+        raise _Skip("its Layout uses interleaved_parallel, which autopar refuses (a device "
+                    "computes its block of an operator in one piece)")
+    if items[ms]["parallel_strategy"] == []:
+        raise _Skip("MindSpore saved no strategy for it: the script shards it with a Layout, "
+                    "which MindSpore's strategy checkpoint does not record (its operator-"
+                    "strategy file does: parallel_layout_value_item); give autopar the same "
+                    "Layout with ap.shard or fixed=")
     try:
         return check_strategy_shape(items[ms]["parallel_strategy"], None, ms)
     except (AutoParallelError, AutoParallelTypeError) as e:
@@ -588,7 +683,8 @@ def _map_by_parameter(graph: Graph, items: Mapping[str, Any], layouts: Mapping[s
             except AutoParallelError as e:
                 raise _Skip(str(e)) from None
             node, j = _consumer(graph, param, MS_OPS[kind].prims)
-            stored = (layouts.get(pname) or {}).get("tensor_shape")
+            stored = _unexpanded((layouts.get(pname) or {}).get("tensor_shape"),
+                                 graph.spec(param).shape)
             found[ms] = _map_onto(graph, node, MS_OPS[kind], st, attrs.get(ms, {}), mesh,
                                   param=(j, stored))
         except _Skip as e:

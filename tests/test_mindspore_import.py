@@ -406,6 +406,75 @@ def test_ambiguous_and_misfit_strategies_are_skipped_or_strict(tmp_path, graph):
         import_mindspore_strategy(p, graph, strict=True)
 
 
+# ----------------------------------------------------------------------------- Layouts
+
+
+def _layout(dev, tensor_map, aliases, interleaved=False):
+    """An input's entry as MindSpore 2.6's operator-strategy file writes it (tensor maps
+    nested per dim)."""
+    return {"dev_matrix": dev, "tensor_map": tensor_map, "alias_name": aliases,
+            "interleaved_parallel": interleaved}
+
+
+def test_operator_strategy_file_with_layouts(tmp_path):
+    """MindSpore 2.6's ``save_operator_strategy_file``: Layout entries keyed by the node's
+    scope name; tuple aliases multiply their axes, "None" (-1) leaves a dim whole. The plan
+    takes them, and the step matches the float64 reference."""
+    shapes = SMALL["mlp_wide"]
+    g = ms_graph(shapes)
+    aliases = ["dp", "sp", "mp"]
+    doc = {"current_stage": 0, "parallel_layout_value_item": {
+        f"{NET}/MatMul-op0": {"0": _layout([2, 2, 2], [[2, 1], [-1]], aliases),  # ("dp","sp")
+                              "1": _layout([2, 2, 2], [[-1], [0]], aliases)},
+        f"{NET}/MatMul-op1": {"1": _layout([2, 2, 2], [[0], [-1]], aliases),  # keys unordered
+                              "0": _layout([2, 2, 2], [[2, 1], [0]], aliases)}}}
+    p = tmp_path / "ops.json"
+    p.write_text(json.dumps(doc))
+    imp = import_mindspore_strategy(p, g)
+    assert imp.skipped == {}
+    assert imp.fixed == {"dot_general_0": ((4, 1), (1, 2)), "dot_general_1": ((4, 2), (2, 1))}
+    k1, k2, kx = jax.random.split(jax.random.key(1), 3)
+    params = {"w1": jax.random.normal(k1, shapes[1]) / 8, "w2": jax.random.normal(k2, shapes[2]) / 16}
+    x = jax.random.normal(kx, shapes[0])
+    with ap.auto_parallel_context(device_num=8, parallel_mode="semi_auto_parallel"):
+        f = ap.parallelize(ms_loss, params, x, fixed=imp.fixed)
+    assert {n: f.plan.strategy(n) for n in imp.fixed} == imp.fixed
+    numerics.assert_close(f(params, x), ms_loss, params, x)
+    doc["parallel_layout_value_item"][f"{NET}/MatMul-op1"]["0"]["interleaved_parallel"] = True
+    p.write_text(json.dumps(doc))
+    assert "interleaved_parallel" in import_mindspore_strategy(p, g).skipped[f"{NET}/MatMul-op1"]
+    for bad, where in ((["x"], "op0"), ({"0": {"dev_matrix": [8], "tensor_map": [[3]]}},
+                                         "op0.0.tensor_map")):
+        doc["parallel_layout_value_item"][f"{NET}/MatMul-op0"] = bad
+        p.write_text(json.dumps(doc))
+        with pytest.raises(StrategyFileError, match=f"parallel_layout_value_item.*{where}"):
+            import_mindspore_strategy(p, g)
+
+
+def test_checkpoint_of_a_layout_sharded_script(tmp_path):
+    """MindSpore's strategy checkpoint of a script that shards with Layouts: the operator's
+    entry is empty (skipped, with the reason) and a parameter split over two axes has its
+    tensor_shape written expanded ([2, 64, 256] for [128, 256]): grouped back, it still tells
+    the orientation of the weight."""
+    g = ms_graph(((32, 128), (128, 256), (256, 128)))
+    p = _ms_file(tmp_path, {"MatMul_w1": [], "MatMul_w2": [[1, 4], [4, 2]]},
+                 {"w1": {"dev_matrix": [2, 2, 2], "tensor_map": [2, 1, 0],
+                         "tensor_shape": [2, 64, 256]},
+                  "w2": {"dev_matrix": [2, 2, 2], "tensor_map": [1, 0, -1],
+                         "tensor_shape": [2, 128, 128]}})
+    imp = import_mindspore_strategy(p, g)
+    assert "Layout" in imp.skipped["MatMul_w1"]
+    assert imp.fixed == {"dot_general_1": ((1, 4), (4, 2))}
+    # [2, 64, 256] is [128, 256]: w2 stored transposed (MatMul's transpose_b), so MindSpore's
+    # (n, k) entry [2, 4] is autopar's (k, n) = (4, 2)
+    p = _ms_file(tmp_path, {"MatMul_w2": [[1, 4], [2, 4]]},
+                 {"w2": {"dev_matrix": [2, 2, 2], "tensor_map": [1, 0, -1],
+                         "tensor_shape": [2, 64, 256]}})
+    imp = import_mindspore_strategy(p, g)
+    assert imp.fixed == {"dot_general_1": ((1, 4), (4, 2))}
+    assert "tensor_shape" in imp.notes["MatMul_w2"]  # the expanded shape decided it
+
+
 def test_the_common_operator_types_are_known():
     for t in ("MatMul", "BatchMatMul", "Add", "Mul", "GeLU", "FastGeLU", "Softmax",
               "ReduceMean", "ReduceSum", "LayerNorm", "Reshape", "Transpose", "Square", "Sub",
