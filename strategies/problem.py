@@ -615,8 +615,15 @@ class Problem:
     def _edge_costs(self, value: str, srcs: list[Layout], dsts: list[Layout]) -> np.ndarray:
         """[len(srcs), len(dsts)] :meth:`edge_cost` of ``value``, entry by entry the same
         arithmetic: ``a + b * nbytes`` over the arrays of the pairs' coefficients, then the
-        knee terms of the few pairs that have some."""
+        knee terms of the few pairs that have some. The coefficients of a large edge come
+        from :meth:`_edge_pricer` (every pair planned at once, bit for bit the same), of a
+        small one (or of layouts it does not take) pair by pair."""
         grad, nbytes, cache = self.requires_grad[value], self._nbytes[value], self._pair_cache
+        pricer = self._edge_pricer()
+        if len(srcs) * len(dsts) >= pricer.MIN_PAIRS:
+            coef = pricer.coefficients(srcs, dsts, grad)
+            if coef is not None:
+                return pricer.seconds(coef, nbytes)
         lat = np.zeros((len(srcs), len(dsts)))
         per_byte = np.zeros((len(srcs), len(dsts)))
         knees = []
@@ -638,6 +645,16 @@ class Problem:
                 t += extra * max(0.0, frac * nbytes - knee)
             m[a, b] = t
         return m
+
+    def _edge_pricer(self) -> Any:
+        """The problem's :class:`~autopar.strategies.edge_pricing.EdgePricer` (made on first
+        use; it keeps the layouts' codes and the edges' coefficients)."""
+        pricer = self.__dict__.get("_pricer")
+        if pricer is None:
+            from autopar.strategies.edge_pricing import EdgePricer
+
+            pricer = self._pricer = EdgePricer(self.mesh, self.cm, self.enable_alltoall)
+        return pricer
 
     def choice_index(self, i: int, splits: tuple[int, ...]) -> int:
         """Index of an operator choice with these splits; added to the vertex if missing

@@ -1,0 +1,137 @@
+"""The search's vectorised redistribution pricing equals the planner's, bit for bit.
+
+``strategies/edge_pricing.py`` plans every layout pair of an edge at once (numpy) and prices
+the steps as it goes, without building them. Its latency, per-byte and knee coefficients
+must be exactly those of ``plan_steps`` + ``CostModel.coefficients`` (the plans of the search
+must not move), on random pairs of random layouts (8 / 64 / 512 devices and meshes with
+axes of size 3, gradients or not, all_to_all or not, clusters with and without measured
+knees) and on the edges of real search problems.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import autopar as ap
+from autopar.errors import AutoParallelError
+from autopar.models import tfm_stack, transformer
+from autopar.strategies.cost import CLUSTERS, Cluster, CollectiveFit, CostModel
+from autopar.strategies.edge_pricing import EdgePricer
+from autopar.strategies.layout import DeviceMesh, Layout
+from autopar.strategies.problem import Problem
+from autopar.strategies.redistribution import plan_steps
+
+
+def _kneed() -> Cluster:
+    """A measured cluster whose collectives have knees a few bytes in: knee terms in most
+    pairs (and fits at other group sizes scaled to the asked one)."""
+    fits = tuple(CollectiveFit(kind=k, group=g, intra=intra, alpha=1e-5 * g, beta=1e-10 * g,
+                               residual=0.1, samples=5, knee=64.0 * g, beta_large=3e-10 * g)
+                 for k in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+                 for g in (2, 4) for intra in (True, False))
+    base = CLUSTERS["accelerator-8x"].model_dump()
+    base.update(name="kneed", collectives=fits)
+    return Cluster.model_validate(base)
+
+
+_CLUSTERS = {**CLUSTERS, "kneed": _kneed()}
+
+
+@st.composite
+def edges(draw):
+    """A mesh and an edge's lists of sources and targets (repeats allowed): any axes on any
+    dims in any order; sources with partial sums, targets keeping some of those every
+    source has (sometimes one only some have: the planner refuses those pairs)."""
+    mesh = DeviceMesh.for_devices(draw(st.sampled_from([8, 8, 12, 24, 64, 64, 512, 512])))
+    rank = draw(st.integers(0, 4))
+
+    def one(partial_from: tuple[str, ...] | None) -> Layout:
+        dims: list[list[str]] = [[] for _ in range(rank)]
+        partial = []
+        for a in draw(st.permutations(mesh.names)):
+            keep = partial_from is None or a in partial_from
+            where = draw(st.integers(-2 if keep else -1, rank - 1))
+            if where >= 0:
+                dims[where].append(a)
+            elif where == -2:
+                partial.append(a)
+        return Layout(tuple(tuple(d) for d in dims), tuple(partial))
+
+    pool = [one(None) for _ in range(draw(st.integers(1, 5)))]
+    common = tuple(a for a in pool[0].partial if all(a in s.partial for s in pool))
+    allowed = pool[0].partial if draw(st.integers(0, 9)) == 0 else common
+    dsts = [one(allowed) for _ in range(draw(st.integers(1, 5)))]
+    dsts += draw(st.lists(st.sampled_from(pool), max_size=2))  # a source as a target
+    srcs = draw(st.lists(st.sampled_from(pool), min_size=1, max_size=7))
+    return mesh, srcs, dsts
+
+
+def _terms(coef, i: int, j: int, nd: int) -> tuple:
+    """The knee terms of entry (i, j) of :meth:`EdgePricer.coefficients`, in order."""
+    at = i * nd + j
+    return tuple((float(frac[k]), float(knee[k]), float(extra[k]))
+                 for idx, frac, knee, extra in coef[2]
+                 for k in np.flatnonzero(idx == at))
+
+
+@settings(max_examples=400, deadline=None)
+@given(edges(), st.sampled_from(sorted(_CLUSTERS)), st.booleans(), st.booleans())
+def test_edge_coefficients_equal_the_planners(case, cluster, grad, alltoall):
+    mesh, srcs, dsts = case
+    cm = CostModel(_CLUSTERS[cluster])
+    want = {}
+    for s in srcs:
+        for t in dsts:
+            try:
+                want[s, t] = cm.coefficients(plan_steps(s, t, mesh, alltoall), mesh,
+                                             backward=grad)
+            except AutoParallelError:
+                want[s, t] = None
+    coef = EdgePricer(mesh, cm, alltoall).coefficients(srcs, dsts, grad)
+    if coef is None:  # only when some pair cannot be planned: priced pair by pair
+        assert None in want.values()
+        return
+    lat, per_byte, _ = coef
+    nbytes = 3 * 2**20 + 7
+    seconds = EdgePricer.seconds(coef, nbytes)
+    for i, s in enumerate(srcs):
+        for j, t in enumerate(dsts):
+            got = (float(lat[i, j]), float(per_byte[i, j]), _terms(coef, i, j, len(dsts)))
+            assert got == want[s, t], (str(s), str(t))
+            assert seconds[i, j] == CostModel.steps_seconds(want[s, t], nbytes)
+
+
+def test_layouts_the_planner_does_not_take_are_priced_pair_by_pair():
+    mesh = DeviceMesh.for_devices(8)
+    pricer = EdgePricer(mesh, CostModel(CLUSTERS["accelerator-8x"]), False)
+    twice = Layout((("a0",), ("a0",)))
+    fine = Layout((("a0",), ()))
+    assert pricer.coefficients([twice, fine], [fine], True) is None
+    creates = Layout(((), ()), ("a1",))  # a target cannot create a partial sum
+    assert pricer.coefficients([fine], [creates], False) is None
+    assert pricer.coefficients([fine], [fine, Layout(((), ("a1",)))], False) is not None
+
+
+@pytest.mark.parametrize("model,devices,alltoall", [
+    ("tfm_stack", 8, False), ("tfm_stack", 8, True), ("transformer", 64, False)])
+def test_search_matrices_equal_pair_by_pair(model, devices, alltoall):
+    """Every edge matrix the search builds equals its entries priced one by one."""
+    m = (tfm_stack(blocks=1, batch=4, seq=16, hidden=64, heads=4) if model == "tfm_stack"
+         else transformer(layers=1, hidden=64, heads=4, seq=16, vocab=128, batch=8))
+    g = ap.trace(m.loss, *jax.eval_shape(m.example_args, jax.random.key(0)))
+    mesh = DeviceMesh.for_devices(devices)
+    problem = Problem(g, mesh, CostModel(CLUSTERS["accelerator-8x"]),
+                      enable_alltoall=alltoall)
+    batched = 0
+    for e in problem.edges:
+        cu, cv = problem.vertices[e.u].choices, problem.vertices[e.v].choices
+        batched += len(cu) * len(cv) >= EdgePricer.MIN_PAIRS
+        one_by_one = np.array([[problem.edge_cost(e.value, a.out_layouts[e.out_index],
+                                                  b.in_layouts[e.in_index]) for b in cv]
+                               for a in cu]).reshape(len(cu), len(cv))
+        assert np.array_equal(e.matrix, one_by_one), e.value
+    assert batched
