@@ -232,7 +232,7 @@ def short_repr(value: Any, limit: int = 60) -> str:
 
 #: Every key of set_auto_parallel_context (``auto_parallel_search_mode`` is a view of
 #: ``search_mode``, read through it: reading the alias itself warns).
-CONTEXT_KEYS = (*ap.config.AutoParallelConfig.model_fields, "all_reduce_fusion_config")
+CONTEXT_KEYS = tuple(k for k in ap.config.KEYS if k != "auto_parallel_search_mode")
 ALL_KEYS = (*CONTEXT_KEYS, "auto_parallel_search_mode")
 BASE_CONTEXT: dict[str, Any] = {
     "device_num": 8, "global_rank": 1, "parallel_mode": "semi_auto_parallel",
@@ -433,13 +433,15 @@ def _special(kind: str, name: str) -> Callable[[Path], None]:
 
 
 INT_RANGES = {"device_num": (1, 4096), "global_rank": (0, 4095), "pipeline_stages": (1, 4096),
-              "grad_accumulation_step": (1, 2**31 - 1)}
+              "grad_accumulation_step": (1, 2**31 - 1), "pipeline_segments": (1, 4096)}
 BOOL_KEYS = ("gradients_mean", "gradient_fp32_sync", "loss_repeated_mean", "parameter_broadcast",
              "full_batch", "enable_parallel_optimizer", "enable_alltoall", "auto_pipeline",
              "force_fp32_communication", "pipeline_result_broadcast", "dump_local_norm",
-             "dump_device_local_norm")
+             "dump_device_local_norm", "optimizer_weight_shard_aggregated_save",
+             "sharding_propagation")
 CHOICES = {"parallel_mode": "auto_parallel", "search_mode": "dynamic_programming",
-           "auto_parallel_search_mode": "dynamic_programming"}
+           "auto_parallel_search_mode": "dynamic_programming",
+           "communi_parallel_mode": "all_group_parallel"}
 PATH_KEYS = ("strategy_ckpt_load_file", "strategy_ckpt_save_file", "group_ckpt_save_file",
              "dump_local_norm_path")
 STRATEGY_CKPT_BAD = [None, [], "x.json", {"load_file": 1}, {"save_file": None},
@@ -454,7 +456,13 @@ OPTIMIZER_BAD = [None, [], "x", {"gradient_accumulation_shard": 1},
                  {"gradient_accumulation_shard": "yes"}, {"parallel_optimizer_threshold": -1},
                  {"parallel_optimizer_threshold": 1.5}, {"parallel_optimizer_threshold": True},
                  {"parallel_optimizer_threshold": "64"}, {"bogus": 1},
-                 {"Parallel_optimizer_threshold": 4}, {1: 2}]
+                 {"Parallel_optimizer_threshold": 4}, {1: 2},
+                 {"optimizer_weight_shard_size": 0}, {"optimizer_weight_shard_size": -2},
+                 {"optimizer_weight_shard_size": 4097}, {"optimizer_weight_shard_size": "2"},
+                 {"optimizer_level": "level4"}, {"optimizer_level": 2},
+                 {"optimizer_level": "level1", "gradient_accumulation_shard": True}]
+#: (sizes <= 1 are warned about and not applied, as MindSpore does: not errors)
+SHARD_SIZE_BAD = [4097, 2**64, "2", 2.0, True, None, [2], np.float64(2)]
 
 
 def _fusion(kind: str, mode: Any, *config: Any) -> dict[str, Any]:
@@ -489,7 +497,8 @@ def bad_values() -> dict[str, list[Any]]:
         out[key] = [None, 1, b"f.json", Path("f.json"), ["f.json"], True]
     out.update(dataset_strategy=DATASET_BAD, parallel_optimizer_config=OPTIMIZER_BAD,
                comm_fusion=FUSION_BAD, all_reduce_fusion_config=FUSION_INDEX_BAD,
-               strategy_ckpt_config=STRATEGY_CKPT_BAD, pipeline_config=PIPELINE_BAD)
+               strategy_ckpt_config=STRATEGY_CKPT_BAD, pipeline_config=PIPELINE_BAD,
+               optimizer_weight_shard_size=SHARD_SIZE_BAD)
     missing = set(ALL_KEYS) - set(out)
     if missing:  # a new key: give it bad values here
         raise SystemExit(f"bench_reliability: no hostile values for keys {sorted(missing)}")
