@@ -104,20 +104,72 @@ def _moves(problem: Problem, i: int, cur: Splits) -> list[Splits]:
     return out
 
 
-def _round_cost(problem: Problem, node, splits: tuple[int, ...]) -> float:
-    """Operator cost of a candidate, plus what the parameters it reads cost in the layout it
-    wants (parameters follow their consumers): their optimizer update, and their memory when
-    memory is priced."""
-    c = problem.op_choice(node, splits)
-    compute, comm, sync, mem = problem.op_costs(node, c)
-    g = problem.graph
-    params = [(v, lay) for v, lay in zip(node.inputs, c.in_layouts)
-              if g.values[v].kind == "param"]
-    compute += sum(problem.param_update(v, lay) for v, lay in params)
-    if problem.memory_weight:
-        mem += sum(problem.param_memory(v, lay) for v, lay in params)
-    return compute + comm + sync + problem.memory_weight * mem
+class _Cut:
+    """:func:`dynamic_programming.eliminate <autopar.strategies.dynamic_programming.eliminate>`
+    compiled for one :class:`Order` (the structure every round shares): the vertex pairs
+    get slots and each step its operands' slots, whether each is read transposed and
+    whether the edge it adds to exists yet -- all of which depend on the structure only --
+    so a round replays the steps with no dictionary of pairs and no tests. The arithmetic is
+    the :class:`Memo`'s and the replay backwards reads each choice from the argmin as a
+    list (one ``tolist`` per distinct array): the same picks as ``eliminate``."""
 
+    def __init__(self, order: Order) -> None:
+        self.order = order
+        slot: dict[tuple[int, int], int] = {}
+        self.singles = [(slot.setdefault(key, len(slot)), k) for key, k in order.singles]
+        self.multi = [(slot.setdefault(key, len(slot)), members)
+                      for key, members in order.multi]
+        self.n_init = len(slot)
+        steps = []
+        for x, y, z in order.steps:
+            sa = slot[min(x, y), max(x, y)]
+            if z < 0:
+                steps.append((x, y, -1, sa, x > y, -1, False, -1, False))
+                continue
+            sb = slot[min(x, z), max(x, z)]
+            old = (y, z) in slot
+            syz = slot.setdefault((y, z), len(slot))
+            steps.append((x, y, z, sa, x > y, sb, x > z, syz, old))
+        self.steps = steps
+        self.n_slots = len(slot)
+        self.survivors = [i for i in range(order.n) if i not in order.eliminated]
+        self.lists: dict[int, list] = {}  # id(argmin array) -> its tolist()
+
+    def solve(self, costs: list[np.ndarray], mats: list[np.ndarray], memo: Memo) -> list[int]:
+        """One choice per vertex, exactly ``eliminate(order, costs, mats, memo)``."""
+        if not self.order.reduces:
+            return eliminate(self.order, costs, mats, memo)
+        t, add, leaf, middle = memo.t, memo.add, memo.leaf, memo.middle
+        pair: list = [None] * self.n_slots
+        for sl, k in self.singles:
+            pair[sl] = mats[k]
+        for sl, members in self.multi:
+            acc = None
+            for k, flip in members:
+                m = t(mats[k]) if flip else mats[k]
+                acc = m if acc is None else add(acc, m)
+            pair[sl] = acc
+        cost = list(costs)
+        args = []
+        for x, y, z, sa, fa, sb, fb, syz, old in self.steps:
+            a = t(pair[sa]) if fa else pair[sa]
+            if z < 0:
+                best, arg = leaf(a, cost[x])
+                cost[y] = add(cost[y], best)
+            else:
+                best, arg = middle(a, cost[x], t(pair[sb]) if fb else pair[sb])
+                pair[syz] = add(pair[syz], best) if old else best
+            args.append(arg)
+        picks = [-1] * self.order.n
+        for i in self.survivors:
+            picks[i] = int(np.argmin(cost[i]))
+        lists = self.lists
+        for (x, y, z, *_), arg in zip(reversed(self.steps), reversed(args)):
+            lst = lists.get(id(arg))
+            if lst is None:
+                lst = lists[id(arg)] = arg.tolist()
+            picks[x] = lst[picks[y]] if z < 0 else lst[picks[y]][picks[z]]
+        return picks
 
 
 class _Rounds:
@@ -125,7 +177,7 @@ class _Rounds:
     consumed value; parameters follow at the end) and their elimination order, shared by
     every round. An operator's state is (signature, splits, fixed): operators in one state
     have the same candidates, costs and edge matrices in every round, so those are built
-    once per state (costs are cached by signature)."""
+    once per state (costs are cached by signature and splits)."""
 
     _WIDE = 1 << 20  # link kinds and candidate-list ids stay far below this
 
@@ -136,8 +188,8 @@ class _Rounds:
         self.data = [i for i, v in enumerate(verts) if v.kind == "data"]
         self.local = {i: k for k, i in enumerate(self.ops + self.data)}
         self.links = [e for e in problem.edges if verts[e.u].kind != "param"]
-        self.cut = Order(len(self.local), [(self.local[e.u], self.local[e.v])
-                                           for e in self.links])
+        self.cut = _Cut(Order(len(self.local), [(self.local[e.u], self.local[e.v])
+                                                for e in self.links]))
         self.state_keys: list[tuple] = []
         self.state_id: dict[tuple, int] = {}
         self.rep: dict[int, int] = {}  # state -> one operator in it
@@ -146,8 +198,11 @@ class _Rounds:
         self.memo = Memo()
         self.no_cost = np.zeros(1)
         self.interned: dict[tuple, int] = {}   # candidate lists -> small ints
-        self.cost_cache: dict[tuple, np.ndarray] = {}
-        self.cache: dict[object, np.ndarray] = {}
+        self.cands_of: dict[tuple, tuple[list[Splits], int]] = {}  # (state, round) -> cands
+        self.cost_cache: dict[tuple, np.ndarray] = {}  # (signature, candidate list) -> costs
+        self.split_cost: dict[tuple, float] = {}  # (signature, splits) -> round cost
+        self.cache: dict[object, np.ndarray] = {}  # link matrices
+        self.layout_cache: dict[tuple, list[Layout]] = {}
 
     def intern(self, key: tuple) -> int:
         k = self.state_id.get(key)
@@ -185,31 +240,68 @@ class _Rounds:
         self.lk, self.lu, self.lv, self.lcode = (
             np.array([x[c] for x in op_links], dtype=np.int64) for c in range(4))
 
-    def _candidate_costs(self, candidates: Callable[[int, Splits], list[Splits]]
-                         ) -> tuple[dict[int, list[Splits]], np.ndarray, list[np.ndarray]]:
+    def _round_cost(self, node, splits: Splits) -> float:
+        """Operator cost of a candidate, plus what the parameters it reads cost in the layout
+        it wants (parameters follow their consumers): their optimizer update, and their
+        memory when memory is priced (memoised per signature and splits)."""
+        problem = self.problem
+        key = (problem._sig[node.name], splits)
+        hit = self.split_cost.get(key)
+        if hit is not None:
+            return hit
+        compute, comm, sync, mem = problem.split_costs(node.name, splits)
+        pricer = problem._op_pricer
+        recipe = pricer.recipe(key[0], node, problem.specs[node.name])
+        compute += pricer.update(recipe, splits)
+        if problem.memory_weight:
+            lays = problem.op_choice(node, splits).in_layouts
+            mem += sum([problem.param_memory(v, lays[j]) for j, v, _, _ in recipe.params])
+        hit = self.split_cost[key] = compute + comm + sync + problem.memory_weight * mem
+        return hit
+
+    def _candidate_costs(self, candidates: Callable[[int, Splits], list[Splits]],
+                         rkey: object) -> tuple[dict[int, list[Splits]], np.ndarray,
+                                                list[np.ndarray]]:
         """Per state its candidates and their id; per cut vertex its cost vector."""
-        problem, verts = self.problem, self.problem.vertices
+        verts = self.problem.vertices
         cands: dict[int, list[Splits]] = {}
         cid_of = np.zeros(len(self.state_keys), dtype=np.int64)
-        cost_of: dict[int, np.ndarray] = {}
+        cost_of = np.empty(len(self.state_keys), dtype=object)
         for st in np.unique(self.op_state).tolist():
             s, cur, is_fixed = self.state_keys[st]
-            i = self.rep[st]
-            cs = [cur] if is_fixed else candidates(i, cur)
-            c = self.interned.setdefault(tuple(cs), len(self.interned))
+            got = self.cands_of.get((st, rkey))
+            if got is None:
+                cs = [cur] if is_fixed else candidates(self.rep[st], cur)
+                got = self.cands_of[st, rkey] = (
+                    cs, self.interned.setdefault(tuple(cs), len(self.interned)))
+            cs, c = got
             cost = self.cost_cache.get((s, c))
             if cost is None:
-                cost = np.array([_round_cost(problem, verts[i].node, x) for x in cs])
-                self.cost_cache[s, c] = cost
+                node = verts[self.rep[st]].node
+                cost = self.cost_cache[s, c] = np.array([self._round_cost(node, x)
+                                                         for x in cs])
             cands[st], cid_of[st], cost_of[st] = cs, c, cost
-        sub_cost = [cost_of[st] for st in self.op_state.tolist()] + \
-            [self.no_cost] * len(self.data)
+        sub_cost = cost_of[self.op_state].tolist() + [self.no_cost] * len(self.data)
         return cands, cid_of, sub_cost
+
+    def _layouts(self, i: int, cands: list[Splits], cid: int, index: int,
+                 out: bool) -> list[Layout]:
+        """Operator ``i``'s layouts of output (or input) ``index`` over its candidates."""
+        problem = self.problem
+        node = problem.vertices[i].node
+        key = (problem._sig[node.name], cid, index, out)  # type: ignore[union-attr]
+        hit = self.layout_cache.get(key)
+        if hit is None:
+            choice = problem.op_choice
+            hit = self.layout_cache[key] = [
+                (choice(node, x).out_layouts if out else choice(node, x).in_layouts)[index]
+                for x in cands]
+        return hit
 
     def _op_matrices(self, mats: np.ndarray, cands: dict[int, list[Splits]],
                      cid_of: np.ndarray, states: list[int]) -> None:
         """The op -> op links' matrices, one per (link kind, candidate lists)."""
-        problem, verts, wide = self.problem, self.problem.vertices, self._WIDE
+        problem, wide = self.problem, self._WIDE
         lk, lu, lv = self.lk, self.lu, self.lv
         cid = cid_of[self.op_state]
         codes = (self.lcode * wide + cid[lu]) * wide + cid[lv]
@@ -219,12 +311,10 @@ class _Rounds:
             m = self.cache.get(code)
             if m is None:
                 e = self.links[int(lk[f])]
-                cu = [problem.op_choice(verts[e.u].node, x).out_layouts[e.out_index]
-                      for x in cands[states[int(lu[f])]]]
-                cv = [problem.op_choice(verts[e.v].node, x).in_layouts[e.in_index]
-                      for x in cands[states[int(lv[f])]]]
-                m = self.cache[code] = np.array([[problem.edge_cost(e.value, a, b)
-                                                  for b in cv] for a in cu])
+                su, sv = states[int(lu[f])], states[int(lv[f])]
+                m = self.cache[code] = problem._edge_costs(
+                    e.value, self._layouts(e.u, cands[su], int(cid_of[su]), e.out_index, True),
+                    self._layouts(e.v, cands[sv], int(cid_of[sv]), e.in_index, False))
             umats[n] = m
         mats[lk] = umats[inverse.reshape(-1)]
 
@@ -242,10 +332,9 @@ class _Rounds:
                    int(cid_of[st]))
             m = self.cache.get(key)
             if m is None:
-                cv = [problem.op_choice(verts[e.v].node, x).in_layouts[e.in_index]
-                      for x in cands[st]]
-                m = self.cache[key] = np.array([[problem.edge_cost(e.value, data_layout[e.u],
-                                                                   b) for b in cv]])
+                m = self.cache[key] = problem._edge_costs(
+                    e.value, [data_layout[e.u]],
+                    self._layouts(e.v, cands[st], int(cid_of[st]), e.in_index, False))
             mats[k] = m
         return mats.tolist()
 
@@ -262,20 +351,30 @@ class _Rounds:
             self.rep.setdefault(nxt[-1], self.rep[st])
         return np.array(nxt, dtype=np.int64)[inverse.reshape(-1)]
 
+    def _scores(self, sub_cost: list[np.ndarray], mats: list[np.ndarray],
+                picks: list[int]) -> tuple[float, float]:
+        """The cut's objective at candidate 0 of every vertex and at the picks: the very
+        sums (same terms, same order) of each vertex's cost and each link's entry, the
+        entries gathered by numpy from the distinct arrays."""
+        before_v, after_v = _gather(sub_cost, [(0,)] * len(sub_cost),
+                                    [(x,) for x in picks])
+        links = self.cut.order.links
+        before_m, after_m = _gather(mats, [(0, 0)] * len(mats),
+                                    [(picks[u], picks[v]) for u, v in links])
+        return sum(before_v) + sum(before_m), sum(after_v) + sum(after_m)
+
     def cut_once(self, candidates: Callable[[int, Splits], list[Splits]],
                  data_layout: dict[int, Layout], dkey: object,
                  score: bool = False) -> tuple[np.ndarray, float, float]:
         """Solve one cut exactly: every operator picks one of ``candidates(op, splits)``.
         Returns the operators' next states and, with ``score``, the cut's objective at
         candidate 0 of every operator (its current splits, for a re-cut) and at the picks."""
-        cands, cid_of, sub_cost = self._candidate_costs(candidates)
+        cands, cid_of, sub_cost = self._candidate_costs(candidates, dkey)
         mats = self._matrices(cands, cid_of, data_layout, dkey)
-        picks = eliminate(self.cut, sub_cost, mats, self.memo)
+        picks = self.cut.solve(sub_cost, mats, self.memo)
         before = after = 0.0
         if score:
-            before = sum(float(c[0]) for c in sub_cost) + sum(float(m[0, 0]) for m in mats)
-            after = sum(float(c[x]) for c, x in zip(sub_cost, picks)) + \
-                sum(float(m[picks[u], picks[v]]) for (u, v), m in zip(self.cut.links, mats))
+            before, after = self._scores(sub_cost, mats, picks)
         return self._next_states(cands, picks), before, after
 
     def rounds(self) -> None:
@@ -306,6 +405,31 @@ class _Rounds:
 
     def splits(self) -> dict[int, Splits]:
         return {i: self.state_keys[st][1] for i, st in zip(self.ops, self.op_state.tolist())}
+
+
+def _gather(arrays: list[np.ndarray], *wheres: list[tuple[int, ...]]) -> list[list[float]]:
+    """``[float(a[w]) for a, w in zip(arrays, where)]`` for each of ``wheres``, with one numpy
+    gather over the distinct arrays (the blocks share them) instead of one index per entry."""
+    ids = {}
+    uniq: list[np.ndarray] = []
+    which = []
+    for a in arrays:
+        k = ids.get(id(a))
+        if k is None:
+            k = ids[id(a)] = len(uniq)
+            uniq.append(a)
+        which.append(k)
+    sizes = [a.size for a in uniq]
+    offset = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    cols = np.array([a.shape[-1] for a in uniq], dtype=np.int64)
+    flat = np.concatenate([a.ravel() for a in uniq])
+    w = np.array(which, dtype=np.int64)
+    out = []
+    for where in wheres:
+        at = np.array(where, dtype=np.int64)
+        pos = at[:, -1] + (at[:, 0] * cols[w] if at.shape[1] == 2 else 0)
+        out.append(flat[offset[w] + pos].tolist())
+    return out
 
 
 def _widen_parameters(problem: Problem) -> None:

@@ -30,7 +30,7 @@ from autopar.strategies.cost import Cluster, CostModel
 from autopar.strategies.layout import DeviceMesh
 from autopar.strategies.modes import SOLVERS
 from autopar.strategies.plan import Plan
-from autopar.strategies.problem import Problem
+from autopar.strategies.problem import Problem, paused_gc
 
 __all__ = ["SearchSettings", "data_parallel_splits", "search_plan"]
 
@@ -105,9 +105,10 @@ def search_plan(graph: Graph, *, mode: str, device_num: int, cluster: Cluster,
     mesh, cm, fixed_map = DeviceMesh.for_devices(device_num), CostModel(cluster), dict(fixed or {})
     t0 = time.perf_counter()
     for weight in _MEMORY_WEIGHTS:
-        problem, picks, follows = _solve(graph, mesh, cm, fixed_map, settings, weight, solver,
-                                         cluster.memory_bytes)
-        plan = Plan.from_picks(problem, picks, label, time.perf_counter() - t0)
+        with paused_gc():  # no cycles are made: the collections a traced heap owes wait
+            problem, picks, follows = _solve(graph, mesh, cm, fixed_map, settings, weight,
+                                             solver, cluster.memory_bytes)
+            plan = Plan.from_picks(problem, picks, label, time.perf_counter() - t0)
         if follows:
             plan.notes.append("elementwise_op_strategy_follow: elementwise operators take the "
                               "split counts of the value they read")
