@@ -215,8 +215,8 @@ def load_model(spec: str, options: dict[str, Any], *, concrete: bool = True
         model = get_model(spec, **options)
     except AutoparError as e:
         raise CLIError(f"--model {spec}: {e}") from None
-    key = jax.random.key(0)
-    args = model.example_args(key) if concrete else jax.eval_shape(model.example_args, key)
+    # shapes only: nothing drawn, no device started (model.example_shapes)
+    args = model.example_args(jax.random.key(0)) if concrete else model.example_shapes()
     desc = f"{spec}({', '.join(f'{k}={v!r}' for k, v in sorted(model.config.items()))})"
     return model.loss, tuple(args), desc
 

@@ -20,6 +20,7 @@ the user's source line.
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any, Callable, Iterable, Mapping
 
 import jax
@@ -34,8 +35,26 @@ from autopar.graph.ops import INLINED, KINDS, UNSUPPORTED_HINTS, flops
 __all__ = ["trace"]
 
 
+#: dtype -> (its name, bytes per element): ``str(np.dtype(...))`` is slow and a graph has
+#: few dtypes, so each is named once per process
+_DTYPES: dict[Any, tuple[str, int]] = {}
+
+
+def _dtype(dtype: Any) -> tuple[str, int]:
+    hit = _DTYPES.get(dtype)
+    if hit is None:
+        dt = np.dtype(dtype)
+        hit = _DTYPES[dtype] = (str(dt), dt.itemsize)
+    return hit
+
+
 def _spec(aval: Any) -> TensorSpec:
-    return TensorSpec(tuple(int(d) for d in aval.shape), str(np.dtype(aval.dtype)))
+    return TensorSpec(tuple(map(int, aval.shape)), _dtype(aval.dtype)[0])
+
+
+def _nbytes(spec: TensorSpec) -> int:
+    """``spec.nbytes`` with the itemsize looked up once per dtype."""
+    return math.prod(spec.shape) * _dtype(spec.dtype)[1]
 
 
 def _source(eqn: Any, fallback: str = "<unknown>") -> str:
@@ -82,6 +101,8 @@ class _Builder:
         self.pending: dict[int, Strategy] = {}  # annotation id -> strategy, not yet attached
         self.done: set[int] = set()
         self.plans: set[int] = set()  # shard(parameter_plan=...) ids seen while tracing
+        # (outer scope, name stack) -> (readable scope, annotation markers, plan ids)
+        self.scopes: dict[tuple[tuple[str, ...], Any], tuple[str, list, list[int]]] = {}
 
     def add_value(self, name: str, value: Value) -> str:
         base, k = name, 1
@@ -136,24 +157,35 @@ class _Builder:
         for outer, var in zip(eqn.outvars, inner.outvars):
             env[outer] = self.read(inner_env, var)
 
+    def scope(self, stack: list[str]) -> tuple[str, list]:
+        """The readable scope of a name stack and its annotation markers (innermost last);
+        parameter plans met on the way are recorded. Parsed once per distinct stack."""
+        key = tuple(stack)
+        hit = self.scopes.get(key)
+        if hit is None:
+            readable, markers, plans = [], [], []
+            for entry in stack:
+                parsed = parse_scope(entry)
+                plan = parse_plan_scope(entry)
+                if plan is not None:
+                    plans.append(plan)
+                elif parsed is None:
+                    readable.append(entry)
+                else:
+                    markers.append(parsed)
+            hit = self.scopes[key] = ("/".join(readable), markers, plans)
+        self.plans.update(hit[2])
+        return hit[0], hit[1]
+
     def emit(self, eqn: Any, env: dict[Any, str], stack: list[str], source: str) -> None:
         prim = eqn.primitive.name
-        readable, markers = [], []
-        for entry in stack:
-            parsed = parse_scope(entry)
-            plan = parse_plan_scope(entry)
-            if plan is not None:
-                self.plans.add(plan)
-            elif parsed is None:
-                readable.append(entry)
-            else:
-                markers.append(parsed)
-        scope = "/".join(readable)
+        scope, markers = self.scope(stack)
         idx = self.counters.get((scope, prim), 0)
         self.counters[(scope, prim)] = idx + 1
         name = f"{scope}/{prim}_{idx}" if scope else f"{prim}_{idx}"
         inputs = tuple(self.read(env, v) for v in eqn.invars)
-        in_specs = [self.values[v].spec for v in inputs]
+        in_values = [self.values[v] for v in inputs]
+        in_specs = [v.spec for v in in_values]
         out_specs = [_spec(v.aval) for v in eqn.outvars]
         annotation = None
         for ident, strategy in reversed(markers):  # innermost annotation first
@@ -176,9 +208,8 @@ class _Builder:
             name=name, op=prim, kind=kind, inputs=inputs, outputs=tuple(outputs),
             params=dict(eqn.params), scope=scope, source=source,
             flops=flops(kind, in_specs, out_specs, eqn.params),
-            bytes_read=sum(self.values[v].spec.nbytes for v in inputs
-                           if self.values[v].kind != "literal"),
-            bytes_written=sum(s.nbytes for s in out_specs),
+            bytes_read=sum(_nbytes(v.spec) for v in in_values if v.kind != "literal"),
+            bytes_written=sum(_nbytes(s) for s in out_specs),
             primitive=eqn.primitive, annotation=annotation))
 
 

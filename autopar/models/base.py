@@ -41,6 +41,7 @@ __all__ = [
     "key_names",
     "Init",
     "init_params",
+    "param_shapes",
     "normal",
     "gelu",
     "softmax",
@@ -73,6 +74,9 @@ class Model:
         loss: ``loss(params, *batch)`` -> scalar; differentiable in ``params`` with ``jax.grad``.
         example_batch: PRNG key -> tuple of batch arrays of the configured sizes.
         config: the builder's arguments, JSON-serialisable (dtype as its name, tuples as lists).
+        param_shapes: ``() ->`` the params as ``jax.ShapeDtypeStruct`` s, read off the
+            builder's initialiser spec (:func:`param_shapes`), or None (then
+            :meth:`example_shapes` traces ``init``).
 
     Equality and hashing are by identity (the fields hold closures and a dict).
 
@@ -90,6 +94,7 @@ class Model:
     loss: Callable[..., jax.Array]
     example_batch: Callable[[jax.Array], tuple[jax.Array, ...]]
     config: dict[str, Any]
+    param_shapes: Callable[[], Params] | None = None
 
     def example_args(self, key: jax.Array) -> tuple[Any, ...]:
         """Return ``(params, *batch)`` from one PRNG key (split once: params, batch).
@@ -102,6 +107,22 @@ class Model:
         """
         k_params, k_batch = jax.random.split(key)
         return (self.init(k_params), *self.example_batch(k_batch))
+
+    def example_shapes(self) -> tuple[Any, ...]:
+        """``(params, *batch)`` as ``jax.ShapeDtypeStruct`` s: what
+        ``jax.eval_shape(self.example_args, key)`` gives, but with nothing run, compiled or
+        traced beyond ``example_batch`` (no PRNG key is made on a device, so the backend is not
+        started): enough to trace the model for a search.
+
+        >>> from autopar.models import mlp
+        >>> params, x = mlp(widths=(4, 2), batch=3).example_shapes()
+        >>> params["layer0"]["w"].shape, x.shape
+        ((4, 2), (3, 2))
+        """
+        batch = jax.eval_shape(lambda: self.example_batch(jax.random.key(0)))
+        params = (self.param_shapes() if self.param_shapes is not None
+                  else jax.eval_shape(lambda: self.init(jax.random.key(0))))
+        return (params, *batch)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -286,6 +307,18 @@ def init_params(key: jax.Array, spec: dict[str, Any], dtype: str) -> Params:
         return {k: next(it) if isinstance(v, Init) else build(v) for k, v in node.items()}
 
     return build(spec)
+
+
+def param_shapes(spec: dict[str, Any], dtype: str) -> Params:
+    """The params :func:`init_params` would make from ``spec``, as ``jax.ShapeDtypeStruct`` s
+    (keys sorted, as ``jax.eval_shape`` returns a dict), without drawing them.
+
+    >>> p = param_shapes({"b": Init.zeros((2,)), "a": Init.normal((3, 2), 1.0)}, "float32")
+    >>> list(p), p["a"]
+    (['a', 'b'], ShapeDtypeStruct(shape=(3, 2), dtype=float32))
+    """
+    dt = jnp.dtype(dtype)
+    return jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, dt), spec)
 
 
 def normal(key: jax.Array, shape: tuple[int, ...], std: float, dtype: str) -> jax.Array:

@@ -32,6 +32,7 @@ from autopar.models.base import (
     check_widths,
     gelu,
     init_params,
+    param_shapes,
     key_names,
     normal,
 )
@@ -135,4 +136,5 @@ def mlp(widths: Sequence[int] = (64, 256, 64), batch: int = 32, activation: str 
                     normal(ky, (batch, widths_t[-1]), 1.0, dtype_name))
 
     return Model(name="mlp", init=init, apply=apply, loss=loss_fn,
-                 example_batch=example_batch, config=config)
+                 example_batch=example_batch, config=config,
+                 param_shapes=lambda: param_shapes(spec, dtype_name))

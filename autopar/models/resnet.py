@@ -42,6 +42,7 @@ from autopar.models.base import (
     check_int,
     cross_entropy,
     init_params,
+    param_shapes,
     key_names,
     normal,
 )
@@ -180,4 +181,5 @@ def resnet50(num_classes: int = 1000, batch: int = 2, image_size: int = 224,
         return (images, labels)
 
     return Model(name="resnet50", init=init, apply=apply, loss=loss,
-                 example_batch=example_batch, config=config)
+                 example_batch=example_batch, config=config,
+                 param_shapes=lambda: param_shapes(spec, dtype_name))
