@@ -7,7 +7,9 @@ tuples and its pipeline stage (``parallel_strategy_item``), per parameter the te
 (``parallel_layout_item``: device matrix, tensor map, tensor shape, slice shape) — plus what
 autopar needs to rebuild the plan exactly: the graph fingerprint, device_num and mesh, each
 operator's split per loop dimension, the data inputs' layouts, the cluster the plan was priced
-on, ``enable_alltoall`` and the memory weight of the objective.
+on, ``enable_alltoall``, the memory weight of the objective and the parallel optimizer's
+threshold (``parallel_optimizer_kb``) and, only when it is not -1 (so files of the default stay
+as they were), its shard group size (``optimizer_weight_shard_size``).
 
 Writes are atomic (a temporary file in the same directory, then ``os.replace``), and the same
 plan always gives the same bytes (sorted keys, ``repr`` floats, no timings). Loading checks
@@ -36,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError, FileFieldError
 from autopar.files import (read_json_document, validation_failure, write_bytes_atomic,
@@ -128,11 +130,21 @@ class StrategyFile(BaseModel):
     enable_alltoall: bool
     memory_weight: float = Field(ge=0)
     parallel_optimizer_kb: int | None = Field(default=None, ge=0)
+    # written only when not -1 (the whole data-parallel group): default files keep their bytes
+    optimizer_weight_shard_size: int = Field(default=-1, ge=-1, le=MAX_DEVICES)
     current_stage: int = Field(ge=0)
     parallel_strategy_item: dict[str, OperatorEntry]
     parallel_layout_item: dict[str, LayoutEntry]
     data_layout_item: dict[str, LayoutEntry]
     predicted: Predicted
+
+    @field_validator("optimizer_weight_shard_size")
+    @classmethod
+    def _shard_size(cls, v: int) -> int:
+        if v in (0, 1):
+            raise ValueError("optimizer_weight_shard_size is -1 (the whole data-parallel "
+                             f"group) or in [2, {MAX_DEVICES}]")
+        return v
 
 
 # ---------------------------------------------------------------------------- layouts
@@ -219,6 +231,8 @@ def strategy_document(plan: Plan, graph: Graph) -> dict[str, Any]:
                       "gradient_sync": float(c.gradient_sync),
                       "memory_bytes": float(c.memory_bytes), "objective": float(plan.objective)},
     }
+    if plan.optimizer_weight_shard_size != -1:  # absent from files of the default
+        doc["optimizer_weight_shard_size"] = int(plan.optimizer_weight_shard_size)
     return doc
 
 
@@ -325,6 +339,12 @@ def load_plan(path: str | os.PathLike[str], graph: Graph, *, device_num: int,
         raise StrategyFileError(p, "parallel_optimizer_kb", f"{po_kb} (the context's parallel "
                                 "optimizer threshold; plans are priced with it)",
                                 f.parallel_optimizer_kb)
+    shard = settings.optimizer_weight_shard_size
+    if f.optimizer_weight_shard_size != shard:
+        raise StrategyFileError(p, "optimizer_weight_shard_size", f"{shard} (the context's "
+                                "optimizer_weight_shard_size under enable_parallel_optimizer, "
+                                "-1 when absent; plans are priced with it)",
+                                f.optimizer_weight_shard_size)
     if f.mode not in _known_modes():
         raise StrategyFileError(p, "mode", f"one of {sorted(_known_modes())}", f.mode)
     if f.current_stage >= stages:
@@ -334,7 +354,8 @@ def load_plan(path: str | os.PathLike[str], graph: Graph, *, device_num: int,
     splits = _check_operators(f, graph, mesh, p, stages)
     problem = Problem(graph, mesh, CostModel(clus), enable_alltoall=alltoall,
                       dataset_strategy=dataset, memory_weight=f.memory_weight,
-                      fixed_splits=splits, parallel_optimizer_kb=f.parallel_optimizer_kb)
+                      fixed_splits=splits, parallel_optimizer_kb=f.parallel_optimizer_kb,
+                      optimizer_weight_shard_size=f.optimizer_weight_shard_size)
     picks = _pick_inputs(f, graph, problem, p)
     plan = Plan.from_picks(problem, picks, f.mode, time.perf_counter() - t0)
     if cluster is None:  # priced on the file's own cluster: the file's prediction must hold

@@ -367,7 +367,11 @@ class AutoParallelConfig(BaseModel):
                                 "optimizer_level", "with enable_parallel_optimizer",
                                 jax="the threshold chooses the parameters the parallel "
                                 "optimizer splits; optimizer_weight_shard_size the devices "
-                                "each is split over; optimizer_level sets "
+                                "each is split over (its innermost data-parallel axes: "
+                                "gradient reduce-scattered there and the shards all-reduced "
+                                "across the groups; a size that does not divide the group "
+                                "falls back to it, warned; the pipelined step refuses it); "
+                                "optimizer_level sets "
                                 "gradient_accumulation_shard (" + _warned(
                                     "parallel_optimizer_config.optimizer_level",
                                     "level3") + ")"))

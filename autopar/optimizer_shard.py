@@ -11,33 +11,54 @@ gradient is all-reduced as usual; :class:`ShardDecision` records why):
 - it is replicated over some mesh axes (its *sync axes*, where its gradient would be
   all-reduced: the data-parallel group); a parameter split over every axis has nothing to
   shard over;
-- dim 0 of its local block divides by the size of that group (MindSpore shards dim 0 too).
+- dim 0 of its local block divides by the size of its shard group (MindSpore shards dim 0
+  too).
+
+**The shard group** (``optimizer_weight_shard_size``, MindSpore's key: the top-level one or
+``parallel_optimizer_config["optimizer_weight_shard_size"]``, one setting). ``-1`` (default):
+the whole data-parallel group, every sync axis. ``N``: the parameter and its optimizer state
+are split over a group of ``N`` devices only (:func:`shard_group`): the sync axes whose sizes
+multiply to ``N``, taken **innermost first** (walking the sync axes from the last mesh axis
+outward, an axis is taken while its size divides what is left of ``N``; MindSpore's shard
+groups are likewise runs of consecutive ranks of the data-parallel group). The other sync axes
+(``ShardDecision.replicas``) hold copies of each shard: the ``dp / N`` groups are replicas of
+one another. autopar's meshes are made of prime-size axes, so such a group exists exactly when
+``N`` divides the data-parallel group size. When it does not (or ``N`` exceeds the group), the
+parameter falls back to its whole group as MindSpore does, the decision's reason says so and
+the step warns once (``AutoParallelWarning`` naming the key, the value and the group size,
+:func:`warn_fallbacks`). ``N`` equal to the group size is the default.
 
 A sharded parameter is **stored** split along dim 0 over its layout's dim-0 axes followed by its
-sync axes (:func:`storage_spec`): between steps each device holds ``1 / dp`` of it and of its
-optimizer state (optax's state leaves mirror the parameter tree; :func:`state_shardings` maps the
-storage layout onto them with ``optax.tree_map_params``). One step:
+shard-group axes (:func:`storage_spec`): between steps each device holds ``1 / N`` of it and of
+its optimizer state (``N = dp`` by default; optax's state leaves mirror the parameter tree;
+:func:`state_shardings` maps the storage layout onto them with ``optax.tree_map_params``). One
+step:
 
-1. **all-gather** the sharded parameters over their sync axes at the start of the step (in
+1. **all-gather** the sharded parameters over their shard group at the start of the step (in
    forward order, bucketed by ``comm_fusion["allgather"]``);
 2. forward and backward on the whole parameters;
-3. **reduce-scatter** their gradients over the sync axes (in backward order, bucketed by
-   ``comm_fusion["reducescatter"]``) instead of all-reducing them; the rest are all-reduced in
-   the ``comm_fusion["allreduce"]`` buckets;
+3. **reduce-scatter** their gradients over the shard group (in backward order, bucketed by
+   ``comm_fusion["reducescatter"]``) instead of all-reducing them, then, with a shard size
+   below the group, **all-reduce the shards across the groups** (over the replica axes, in the
+   same buckets); the rest are all-reduced in the ``comm_fusion["allreduce"]`` buckets;
 4. the optax update runs on the stored shards (outside the ``shard_map``, so optimizers with
    global reductions such as ``clip_by_global_norm`` stay exact: XLA adds the scalar
    all-reduce), and the new parameters stay sharded.
 
 ``gradient_accumulation_shard`` (with ``grad_accumulation_step > 1``): True (default) reduce-
 scatters each micro-step's gradients and accumulates the shards (less memory, one
-reduce-scatter per micro-step); False accumulates whole local gradients and reduce-scatters
-once after the last micro-step.
+reduce-scatter per micro-step; the all-reduce across groups runs once, after the last
+micro-step); False accumulates whole local gradients and reduce-scatters once after the last
+micro-step.
 
-``optimizer_weight_shard_size`` (a later MindSpore key) is not in seed 002 and not accepted by
-autopar's context: the shard group is always the parameter's whole data-parallel group.
+The search prices the same rule (:meth:`autopar.strategies.problem.Problem.param_memory`:
+stored copy and state ``1 / N``), plans record the size (``Plan.optimizer_weight_shard_size``;
+a strategy file carries it only when it is not ``-1``). The pipelined step
+(:mod:`autopar.pipeline.step`) shards over the whole group only and refuses another size.
 
 Reusable API (a pipelined step calls it inside its ``shard_map``)::
 
+    shard_group(sync_axes, axis_sizes, size) -> tuple[str, ...] | None
     gather_parameters(shards, axes, buckets, *, chain=False) -> list[Array]
     scatter_gradients(grads, axes, buckets, *, chain=False, fp32=False) -> list[Array]
 """
@@ -45,6 +66,7 @@ Reusable API (a pipelined step calls it inside its ``shard_map``)::
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -53,29 +75,65 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from autopar.errors import AutoParallelWarning
 from autopar.grad_sync import bucketed_collective, fp32_collective
 
-__all__ = ["ShardDecision", "decide_sharding", "storage_spec", "gather_parameters",
-           "scatter_gradients", "state_shardings", "device_bytes"]
+__all__ = ["ShardDecision", "shard_group", "decide_sharding", "warn_fallbacks", "storage_spec",
+           "gather_parameters", "scatter_gradients", "state_shardings", "device_bytes"]
 
 KB = 1024
 
 
 @dataclass(frozen=True, slots=True)
 class ShardDecision:
-    """Whether one parameter is sharded by the parallel optimizer, over which axes, and why."""
+    """Whether one parameter is sharded by the parallel optimizer, over which axes, and why.
+
+    ``axes``: sharded, the shard group's axes (reduce-scatter, all-gather, storage); not
+    sharded, the parameter's sync axes. ``replicas``: sharded, the sync axes outside the shard
+    group (the shard's gradient is all-reduced over them; empty under the default shard size).
+    ``fallback``: the note when ``optimizer_weight_shard_size`` could not be applied and the
+    whole data-parallel group was used (empty otherwise)."""
 
     name: str
     sharded: bool
     axes: tuple[str, ...]
     nbytes: int
     reason: str
+    replicas: tuple[str, ...] = ()
+    fallback: str = ""
+
+
+def shard_group(sync_axes: Sequence[str], axis_sizes: dict[str, int],
+                size: int) -> tuple[str, ...] | None:
+    """The axes of a shard group of ``size`` devices among ``sync_axes`` (mesh order), taken
+    innermost first: from the last sync axis outward, an axis is taken while its size divides
+    what is left of ``size``. ``-1``: every sync axis. ``None`` when the taken sizes do not
+    multiply to ``size`` (with prime-size axes: exactly when ``size`` does not divide the
+    group size). Returned in mesh order.
+
+    >>> sizes = {"a0": 2, "a1": 2, "a2": 2}
+    >>> shard_group(("a0", "a1", "a2"), sizes, 4), shard_group(("a0", "a2"), sizes, 2)
+    (('a1', 'a2'), ('a2',))
+    >>> shard_group(("a0", "a1"), sizes, 8) is None, shard_group(("a0",), sizes, -1)
+    (True, ('a0',))
+    """
+    axes = tuple(sync_axes)
+    if size == -1:
+        return axes
+    left, taken = size, set()
+    for a in reversed(axes):
+        n = axis_sizes[a]
+        if n > 1 and left % n == 0:
+            taken.add(a)
+            left //= n
+    return tuple(a for a in axes if a in taken) if left == 1 else None
 
 
 def decide_sharding(name: str, shape: Sequence[int], local_shape: Sequence[int], itemsize: int,
                     sync_axes: Sequence[str], axis_sizes: dict[str, int], *, enabled: bool,
-                    threshold_kb: int) -> ShardDecision:
-    """The parallel optimizer's decision for one parameter (rules in the module docstring).
+                    threshold_kb: int, shard_size: int = -1) -> ShardDecision:
+    """The parallel optimizer's decision for one parameter (rules in the module docstring);
+    ``shard_size``: ``optimizer_weight_shard_size`` (-1: the whole data-parallel group).
 
     >>> decide_sharding("w", (64, 512), (64, 512), 4, ("a0",), {"a0": 8}, enabled=True,
     ...                 threshold_kb=64).sharded
@@ -83,6 +141,10 @@ def decide_sharding(name: str, shape: Sequence[int], local_shape: Sequence[int],
     >>> decide_sharding("b", (512,), (512,), 4, ("a0",), {"a0": 8}, enabled=True,
     ...                 threshold_kb=64).reason
     'smaller than parallel_optimizer_threshold (2 KB < 64 KB)'
+    >>> d = decide_sharding("w", (64, 512), (64, 512), 4, ("a0", "a1"), {"a0": 2, "a1": 4},
+    ...                     enabled=True, threshold_kb=0, shard_size=4)
+    >>> d.axes, d.replicas
+    (('a1',), ('a0',))
     """
     nbytes = math.prod(shape) * itemsize
     axes = tuple(sync_axes)
@@ -96,11 +158,44 @@ def decide_sharding(name: str, shape: Sequence[int], local_shape: Sequence[int],
         return ShardDecision(name, False, axes, nbytes, "split over every mesh axis: no "
                              "data-parallel group to shard over")
     group = math.prod(axis_sizes[a] for a in axes)
-    if not local_shape or local_shape[0] % group:
+    shard, note = axes, ""
+    if shard_size not in (-1, group):
+        found = shard_group(axes, axis_sizes, shard_size) if group % shard_size == 0 else None
+        if found is None:
+            why = (f"is not a product of the sizes of its sync axes {axes}"
+                   if group % shard_size == 0 else "does not divide its data-parallel group "
+                   f"size {group}")
+            note = (f"optimizer_weight_shard_size={shard_size} {why}: sharded over the whole "
+                    f"group ({group} devices) instead")
+        else:
+            shard = found
+    ways = math.prod(axis_sizes[a] for a in shard)
+    replicas = tuple(a for a in axes if a not in shard)
+    suffix = f"; {note}" if note else ""
+    if not local_shape or local_shape[0] % ways:
+        what = "shard group" if replicas else "data-parallel group"
         return ShardDecision(name, False, axes, nbytes, f"dim 0 of its local block "
                              f"({local_shape[0] if local_shape else 'scalar'}) does not divide "
-                             f"by the data-parallel group size {group}")
-    return ShardDecision(name, True, axes, nbytes, f"sharded {group} ways over {axes}")
+                             f"by the {what} size {ways}{suffix}", fallback=note)
+    copies = f", {group // ways} copies over {replicas}" if replicas else ""
+    return ShardDecision(name, True, shard, nbytes, f"sharded {ways} ways over {shard}"
+                         f"{copies}{suffix}", replicas, note)
+
+
+def warn_fallbacks(decisions: Sequence[ShardDecision], *, stacklevel: int) -> None:
+    """One ``AutoParallelWarning`` per distinct fallback note of ``decisions`` (an
+    ``optimizer_weight_shard_size`` that could not be applied: the key, the value, the group
+    size and the parameters it concerns)."""
+    notes: dict[str, list[str]] = {}
+    for d in decisions:
+        if d.fallback:
+            notes.setdefault(d.fallback, []).append(d.name)
+    for note, names in notes.items():
+        shown = ", ".join(names[:4]) + (f", ... ({len(names)} in all)" if len(names) > 4 else "")
+        warnings.warn(f"{note}, as MindSpore does, for parameter(s) {shown}. Set "
+                      "optimizer_weight_shard_size to a divisor of the data-parallel group "
+                      "size (or -1) to silence this.", AutoParallelWarning,
+                      stacklevel=stacklevel + 1)
 
 
 def storage_spec(spec: PartitionSpec, axes: Sequence[str], ndim: int) -> PartitionSpec:

@@ -83,7 +83,8 @@ from autopar.kernel_rules import FusedKernels, check_fused_kernels
 from autopar.lower import final_psum, replicated_tails, run_body
 from autopar.inspection import ProgramInspection
 from autopar.optimizer_shard import (ShardDecision, decide_sharding, gather_parameters,
-                                     scatter_gradients, state_shardings, storage_spec)
+                                     scatter_gradients, state_shardings, storage_spec,
+                                     warn_fallbacks)
 from autopar.parallel_graph import ParallelGraph
 from autopar.parallel_function import parallel_function
 from autopar.pipeline.step import PipelineTrainStep
@@ -163,6 +164,7 @@ class TrainStep(ProgramInspection):
         po = cfg.parallel_optimizer_config
         self.accumulation_shard = bool(po.gradient_accumulation_shard)
         self._threshold_kb = po.parallel_optimizer_threshold
+        self._shard_size = int(po.optimizer_weight_shard_size)
 
     def _setup_inputs(self, params: Any) -> None:
         """Parameters and batch inputs: dtypes, the data-parallel degree and the gradient
@@ -192,7 +194,8 @@ class TrainStep(ProgramInspection):
     # ------------------------------------------------------------------ gradient sync set-up
 
     def _setup_sync(self, threshold_kb: int) -> None:
-        """Sync axes, parallel-optimizer decisions and the buckets of all three kinds."""
+        """Sync axes, parallel-optimizer decisions (an optimizer_weight_shard_size that does
+        not fit a parameter's group is warned about) and the buckets of all three kinds."""
         pg, n_p = self.parallel_graph, self._n_params
         names = list(pg.inputs[:n_p])
         sizes = pg.mesh.sizes
@@ -204,7 +207,9 @@ class TrainStep(ProgramInspection):
             self.sync_axes.append(axes)
             self.sharding.append(decide_sharding(
                 v, val.spec.shape, val.local_shape, np.dtype(val.spec.dtype).itemsize, axes,
-                sizes, enabled=self.parallel_optimizer, threshold_kb=threshold_kb))
+                sizes, enabled=self.parallel_optimizer, threshold_kb=threshold_kb,
+                shard_size=self._shard_size))
+        warn_fallbacks(self.sharding, stacklevel=4)  # _setup_sync, __init__, train_step, user
         self._sharded = [d.sharded for d in self.sharding]
         self.storage_shardings = [
             NamedSharding(self.mesh, storage_spec(s.spec, d.axes, len(pg.values[v].spec.shape)))
@@ -230,14 +235,20 @@ class TrainStep(ProgramInspection):
                             for k, b in self.buckets.items()}
         ar_b = self.buckets["allreduce"]
         self._chain = {"allreduce": ar_b is not None and ar_b.mode != "none"}
-        # each gradient's axes for its all-reduce (unsharded) / reduce-scatter (sharded)
+        # each gradient's axes for its all-reduce (unsharded) / reduce-scatter (sharded, over
+        # its shard group) / all-reduce of its shard across the groups (optimizer_weight_
+        # shard_size below the group: over the replica axes)
         self._ar_axes = [a if not s else () for a, s in zip(self.sync_axes, self._sharded)]
-        self._rs_axes = [a if s else () for a, s in zip(self.sync_axes, self._sharded)]
+        self._rs_axes = [d.axes if d.sharded else () for d in self.sharding]
+        self._xr_axes = [d.replicas if d.sharded else () for d in self.sharding]
         self.sync_groups = sync_groups(self._ar_axes, self._bucket_idx["allreduce"]
                                        + [[i] for i in range(n_p) if self._sharded[i]])
 
-    def _sync(self, g: list[Any], *, scatter: bool = True, reduce: bool = True) -> list[Any]:
-        """All-reduce (non-sharded) and reduce-scatter (sharded) the local gradients."""
+    def _sync(self, g: list[Any], *, scatter: bool = True, reduce: bool = True,
+              across: bool = True) -> list[Any]:
+        """All-reduce (non-sharded, ``reduce``) and reduce-scatter (sharded, ``scatter``) the
+        local gradients; then (``across``) all-reduce the sharded ones' shards across their
+        shard groups (only under an optimizer_weight_shard_size below the group)."""
         n_p, sh = self._n_params, self._sharded
         out = list(g)
         if reduce:
@@ -247,6 +258,10 @@ class TrainStep(ProgramInspection):
         if scatter and any(sh):
             idx = self._bucket_idx["reducescatter"] + [[i] for i in range(n_p) if not sh[i]]
             out = scatter_gradients(out, self._rs_axes, idx, fp32=self._cast)
+        if across and any(self._xr_axes):  # in the reduce-scatter buckets
+            idx = self._bucket_idx["reducescatter"] + [[i] for i in range(n_p) if not sh[i]]
+            out = sync_gradients(out, self._xr_axes, idx, method=self.sync_method,
+                                 chain=False, fp32=self._cast)
         return out
 
     # ------------------------------------------------------------------ shard_map path
@@ -335,8 +350,8 @@ class TrainStep(ProgramInspection):
 
         def one(carry: list[Any], mb: list[Any]) -> tuple[list[Any], Any]:
             loss, g = local_grads(p, mb)
-            if shard_acc:  # gradient_accumulation_shard: keep sharded sums
-                g = self._sync(g, reduce=False)
+            if shard_acc:  # gradient_accumulation_shard: keep sharded sums (summed across
+                g = self._sync(g, reduce=False, across=False)  # the groups once, at the end)
             return [c + x for c, x in zip(carry, g)], loss
 
         zeros = [jnp.zeros(_acc_shape(x.shape, sh[i] and shard_acc, gather_axes[i], sizes),

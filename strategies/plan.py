@@ -43,6 +43,7 @@ class Plan:
     enable_alltoall: bool = False           # the redistribution table the plan was priced with
     memory_weight: float = 0.0              # seconds per byte of memory in the objective
     parallel_optimizer_kb: int | None = None  # parallel optimizer threshold priced (None: off)
+    optimizer_weight_shard_size: int = -1   # its shard group size priced (-1: the whole group)
     inputs: tuple[str, ...] = ()            # the graph's inputs (parameters and data), in order
     in_tree: Any = field(default=None, repr=False, compare=False)  # pytree of the arguments
     cluster_config: Any = field(default=None, repr=False, compare=False)  # the priced Cluster
@@ -76,7 +77,9 @@ class Plan:
                     problem.objective(picks), seconds, parameters=g.parameters(),
                     enable_alltoall=problem.enable_alltoall,
                     memory_weight=problem.memory_weight,
-                    parallel_optimizer_kb=problem.parallel_optimizer_kb, inputs=g.inputs, in_tree=g.in_tree,
+                    parallel_optimizer_kb=problem.parallel_optimizer_kb,
+                    optimizer_weight_shard_size=problem.optimizer_weight_shard_size,
+                    inputs=g.inputs, in_tree=g.in_tree,
                     cluster_config=problem.cm.cluster)
 
     def layout(self, name: str) -> Layout:

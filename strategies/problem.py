@@ -271,13 +271,15 @@ class Problem:
                  memory_weight: float = 0.0, full_use: bool = True,
                  fixed: Mapping[str, Any] | None = None,
                  fixed_splits: Mapping[str, tuple[int, ...]] | None = None,
-                 lazy: bool = False, parallel_optimizer_kb: int | None = None) -> None:
+                 lazy: bool = False, parallel_optimizer_kb: int | None = None,
+                 optimizer_weight_shard_size: int = -1) -> None:
         self.graph, self.mesh, self.cm = graph, mesh, cost_model
         self.enable_alltoall = enable_alltoall
         self.memory_weight = memory_weight
         # enable_parallel_optimizer's threshold (KB), None when it is off: parameters it shards
         # cost 1/dp of their stored copy and optimizer state per device (param_memory)
         self.parallel_optimizer_kb = parallel_optimizer_kb
+        self.optimizer_weight_shard_size = optimizer_weight_shard_size  # its shard group size
         self.full_use = full_use
         self.lazy = lazy  # operators' choice lists left empty until settle() (for solvers that
         # build their own candidates, like recursive_programming)
@@ -359,19 +361,23 @@ class Problem:
 
     def param_memory(self, value: str, layout: Layout) -> float:
         """Training bytes per device of parameter ``value`` stored in ``layout``: its copy,
-        gradient and optimizer state (:meth:`CostModel.parameter_memory`), sharded over its
-        data-parallel group when the parallel optimizer takes it (the rule of
+        gradient and optimizer state (:meth:`CostModel.parameter_memory`), the copy and the
+        state split over its shard group when the parallel optimizer takes it (the rule of
         :func:`autopar.optimizer_shard.decide_sharding`: at least the threshold, some axis to
-        shard over, local dim 0 divisible by the group)."""
+        shard over, local dim 0 divisible by the group). The shard group is
+        ``optimizer_weight_shard_size`` devices when that divides the data-parallel group
+        (the mesh's axes are prime, so such a group of axes exists), else the whole group."""
         spec = self.graph.spec(value)
         local = layout.local_shape(spec.shape, self.mesh)
         nbytes = math.prod(local) * spec.itemsize
         used = layout.used_axes()
         group = math.prod(s for a, s in self.mesh.axes if a not in used)
+        n = self.optimizer_weight_shard_size
+        ways = n if 1 < n < group and group % n == 0 else group
         kb = self.parallel_optimizer_kb
         sharded = (kb is not None and spec.nbytes >= kb * 1024 and group > 1
-                   and bool(local) and local[0] % group == 0)
-        return self.cm.parameter_memory(nbytes, group, sharded=sharded)
+                   and bool(local) and local[0] % ways == 0)
+        return self.cm.parameter_memory(nbytes, ways, sharded=sharded)
 
     def param_update(self, value: str, layout: Layout) -> float:
         """Seconds of the optimizer update of a trained parameter's block (0 if untrained)."""

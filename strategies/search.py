@@ -51,6 +51,9 @@ class SearchSettings:
     # MindSpore's algorithm parameter: under auto_parallel every elementwise operator takes
     # the split counts of the value it reads (see _follow_elementwise)
     elementwise_op_strategy_follow: bool = False
+    # the parallel optimizer's shard group size (optimizer_weight_shard_size; -1: the whole
+    # data-parallel group, and whenever the parallel optimizer is off)
+    optimizer_weight_shard_size: int = -1
 
     @classmethod
     def from_config(cls, cfg: Any, *, parallel_mode: str | None = None,
@@ -58,11 +61,12 @@ class SearchSettings:
                     elementwise_op_strategy_follow: bool = False) -> "SearchSettings":
         """The settings of a (resolved) auto-parallel configuration (and, given by the entry
         point, of the algorithm parameters)."""
-        po_kb = (int(cfg.parallel_optimizer_config.parallel_optimizer_threshold)
-                 if cfg.enable_parallel_optimizer else None)
+        po = cfg.parallel_optimizer_config
+        po_kb = int(po.parallel_optimizer_threshold) if cfg.enable_parallel_optimizer else None
+        shard = int(po.optimizer_weight_shard_size) if cfg.enable_parallel_optimizer else -1
         return cls(cfg.parallel_mode if parallel_mode is None else parallel_mode,
                    cfg.enable_alltoall, cfg.dataset_strategy, po_kb, fully_use_devices,
-                   elementwise_op_strategy_follow)
+                   elementwise_op_strategy_follow, optimizer_weight_shard_size=shard)
 
 
 def data_parallel_splits(problem_specs: Mapping[str, Any], graph: Graph,
@@ -134,7 +138,8 @@ def _problem(graph: Graph, mesh: DeviceMesh, cm: CostModel, fixed: dict, setting
     common = dict(enable_alltoall=settings.enable_alltoall,
                   dataset_strategy=settings.dataset_strategy, memory_weight=weight,
                   full_use=settings.fully_use_devices,
-                  parallel_optimizer_kb=settings.parallel_optimizer_kb)
+                  parallel_optimizer_kb=settings.parallel_optimizer_kb,
+                  optimizer_weight_shard_size=settings.optimizer_weight_shard_size)
     # (a derived mode only needs this first problem's loop nests and checked fixed strategies,
     # so it is built lazily: no choice lists)
     problem = Problem(graph, mesh, cm, fixed=fixed, fixed_splits=follow, lazy=derived or lazy,

@@ -3,6 +3,10 @@ one device, ~1/dp of the memory, bucketed by comm_fusion allgather / reducescatt
 
 from __future__ import annotations
 
+import json
+import math
+import re
+
 import jax
 import numpy as np
 import optax
@@ -10,7 +14,7 @@ import pytest
 
 import autopar as ap
 from autopar.models import mlp
-from autopar.optimizer_shard import decide_sharding, device_bytes, storage_spec
+from autopar.optimizer_shard import decide_sharding, device_bytes, shard_group, storage_spec
 from jax.sharding import PartitionSpec as P
 
 import numerics
@@ -25,10 +29,10 @@ def _model():
     return m, params, x
 
 
-def _step(m, params, x, opt=OPT, mode="semi_auto_parallel", **ctx):
+def _step(m, params, x, opt=OPT, mode="semi_auto_parallel", fixed=None, **ctx):
     with ap.auto_parallel_context(device_num=8, parallel_mode=mode, gradients_mean=True,
                                   **ctx):
-        return ap.train_step(m.loss, params, (x,), opt)
+        return ap.train_step(m.loss, params, (x,), opt, fixed=fixed)
 
 
 _REFS: dict[tuple, numerics.Reference] = {}
@@ -147,6 +151,21 @@ def test_sharding_decisions():
                                                 enabled=True, threshold_kb=0).reason
     assert not decide_sharding("w", (64, 64), (64, 64), 4, ("a0",), sizes, enabled=False,
                                threshold_kb=0).sharded
+    # optimizer_weight_shard_size: a group of that many devices, innermost sync axes first
+    d = decide_sharding("w", (64, 256), (64, 256), 4, ("a0", "a1"), sizes, enabled=True,
+                        threshold_kb=0, shard_size=2)
+    assert (d.sharded, d.axes, d.replicas, d.fallback) == (True, ("a1",), ("a0",), "")
+    d = decide_sharding("w", (64, 256), (64, 256), 4, ("a0", "a1"), sizes, enabled=True,
+                        threshold_kb=0, shard_size=8)  # the whole group: the default
+    assert (d.axes, d.replicas, d.reason) == (("a0", "a1"), (), "sharded 8 ways over "
+                                              "('a0', 'a1')")
+    d = decide_sharding("w", (64, 256), (64, 256), 4, ("a0", "a1"), sizes, enabled=True,
+                        threshold_kb=0, shard_size=16)  # exceeds the group: falls back
+    assert d.sharded and d.axes == ("a0", "a1") and d.replicas == ()
+    assert "optimizer_weight_shard_size=16 does not divide" in d.reason and "8" in d.fallback
+    assert shard_group(("a0", "a1", "a2"), {"a0": 2, "a1": 3, "a2": 2}, 6) == ("a1", "a2")
+    assert shard_group(("a0", "a1", "a2"), {"a0": 2, "a1": 3, "a2": 2}, 4) == ("a0", "a2")
+    assert shard_group(("a0", "a1"), {"a0": 4, "a1": 4}, 2) is None  # no axis of size 2
     assert storage_spec(P(), ("a0", "a1"), 2) == P(("a0", "a1"), None)
     assert storage_spec(P("a1"), ("a0",), 1) == P(("a1", "a0"))
 
@@ -158,9 +177,9 @@ def test_parallel_optimizer_config_is_validated():
     with pytest.raises(TypeError):
         ap.set_auto_parallel_context(parallel_optimizer_config={
             "gradient_accumulation_shard": 1})
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError):  # accepted: -1 or an int in [2, 4096]
         ap.set_auto_parallel_context(parallel_optimizer_config={
-            "optimizer_weight_shard_size": 2})
+            "optimizer_weight_shard_size": 5000})
 
 
 def test_adafactor_factored_state_is_replicated_not_sharded():
@@ -203,3 +222,122 @@ def test_scatter_gradients_checks_fp32_flags_length():
 
     with pytest.raises(AutoParallelError, match="fp32"):
         scatter_gradients([np.ones(4, np.float32)] * 2, [("d",)] * 2, [[0, 1]], fp32=[True])
+
+
+# ---------------------------------------------------------------- optimizer_weight_shard_size
+
+# the 256 x 256 weight (leaf 3) split 2 ways on dim 1 over a2: its data-parallel group is a0 x a1
+_TP = {"layer1/dot_general_0": ((4, 1), (1, 2))}
+
+
+def _collectives(text):
+    """``(kind, replica groups, line, function)`` of every all-reduce / reduce-scatter /
+    all-gather in a lowered program (function: the ``func.func`` it is in)."""
+    out, func = [], ""
+    for ln in text.split("\n"):
+        f = re.search(r"func\.func \w+ @(\w+)", ln)
+        func = f.group(1) if f else func
+        m = re.search(r'"stablehlo\.(all_reduce|reduce_scatter|all_gather)".*replica_groups = '
+                      r'dense<(\[.*?\])>', ln)
+        if m:
+            out.append((m.group(1), json.loads(m.group(2)), ln, func))
+    return out
+
+
+@pytest.mark.parametrize("mode,fixed,size,acc", [
+    ("data_parallel", None, 2, 1), ("data_parallel", None, 4, 1),
+    ("semi_auto_parallel", None, 2, 2),  # gradient accumulation (data-parallel plan)
+    ("semi_auto_parallel", _TP, 2, 1), ("semi_auto_parallel", _TP, 4, 1)])
+def test_optimizer_weight_shard_size_shards_over_a_smaller_group(mode, fixed, size, acc):
+    """The weight and its momentum are stored 1/size along dim 0; its gradient is
+    reduce-scattered in groups of ``size`` (innermost axes: consecutive ranks), the shards
+    all-reduced across the groups, the weight all-gathered in its group: equal to one device."""
+    m, params, x = _model()
+    with ap.auto_parallel_context(device_num=8, parallel_mode=mode, gradients_mean=True,
+                                  enable_parallel_optimizer=True, grad_accumulation_step=acc,
+                                  optimizer_weight_shard_size=size):
+        step = ap.train_step(m.loss, params, (x,), OPT, fixed=fixed)
+    group = 8 if fixed is None else 4          # the weight's data-parallel group
+    local = (256, 256) if fixed is None else (256, 128)
+    d = step.sharding[3]
+    assert [s.sharded for s in step.sharding] == [False, False, False, True, False, False]
+    assert math.prod(step.mesh.shape[a] for a in d.axes) == size
+    assert math.prod(step.mesh.shape[a] for a in d.replicas) == group // size
+    p, s = _run(step, params, x, 2)
+    shard = (local[0] // size, local[1])
+    assert jax.tree.leaves(p)[3].addressable_shards[0].data.shape == shard
+    assert jax.tree.leaves(s[0].trace)[3].addressable_shards[0].data.shape == shard
+    numerics.check(p, _reference(m, params, x, OPT, 2))
+    ops = _collectives(step.as_text(params, step.init(params), x))
+    rs = [(g, f) for k, g, ln, f in ops if k == "reduce_scatter" and
+          "scatter_dimension = 0" in ln]
+    ag = [g for k, g, ln, _ in ops if k == "all_gather" and
+          f"tensor<{shard[0]}x{shard[1]}xf32>)" in ln]
+    across = [(g, f) for k, g, _, f in ops if k == "all_reduce" and len(g[0]) == group // size]
+    assert len(rs) == 1 and len(ag) == 1
+    assert all(len(grp) == size for g in [rs[0][0]] + ag for grp in g)
+    assert len(across) == (1 if size < group else 0)
+    if acc > 1:  # a reduce-scatter in the micro-step loop, the shards' all-reduce once after
+        assert rs[0][1] != across[0][1] == "main"
+    rs, across = [g for g, _ in rs], [g for g, _ in across]
+    if fixed is None:  # the shard groups are runs of consecutive ranks
+        assert rs[0] == [list(range(k, k + size)) for k in range(0, 8, size)] == ag[0]
+        assert across[0] == [list(range(k, 8, size)) for k in range(size)]
+    for a in (across[0] if across else []):  # a shard's copies: one in each shard group
+        assert all(len(set(a) & set(r)) <= 1 for r in rs[0])
+
+
+@pytest.mark.parametrize("size,group,fixed", [(3, 8, None), (8, 4, _TP)])
+def test_optimizer_weight_shard_size_that_does_not_divide_the_group_falls_back(size, group,
+                                                                                fixed):
+    m, params, x = _model()
+    with pytest.warns(ap.AutoParallelWarning, match=rf"optimizer_weight_shard_size={size} "
+                      rf"does not divide its data-parallel group size {group}.*layer1/w"):
+        step = _step(m, params, x, enable_parallel_optimizer=True, fixed=fixed,
+                     optimizer_weight_shard_size=size)
+    d = step.sharding[3]
+    assert d.sharded and d.replicas == () and math.prod(2 for _ in d.axes) == group
+    assert f"sharded {group} ways" in d.reason and "whole group" in d.reason and d.fallback
+    shard = step.storage_shardings[3].shard_shape((256, 256))
+    assert shard[0] == 256 // group
+
+
+def test_optimizer_weight_shard_size_is_priced_and_recorded(tmp_path):
+    """The search prices the stored copy and state 1/size; the plan and its strategy file
+    carry the size (a file of the default has no such field); loading checks it."""
+    from autopar.checkpoint import StrategyFileError
+
+    m, params, x = _model()
+    g = ap.trace(m.loss, params, x)
+    state = ap.CLUSTERS["accelerator-8x"].optimizer_state_factor
+    plans = {}
+    for size in (-1, 2, 3):
+        path = tmp_path / f"s{size}.json"
+        ctx = dict(device_num=8, parallel_mode="semi_auto_parallel",
+                   enable_parallel_optimizer=True, optimizer_weight_shard_size=size,
+                   strategy_ckpt_save_file=str(path))
+        with ap.auto_parallel_context(**ctx):
+            plans[size] = ap.search(g)
+        assert ('"optimizer_weight_shard_size"' in path.read_text()) == (size != -1)
+    assert plans[2].optimizer_weight_shard_size == 2
+    w = 256 * 256 * 4  # the only weight over the 64 KB threshold
+    more = w * (1 + state) * (1 / 2 - 1 / 8)
+    assert plans[2].cost.memory_bytes - plans[-1].cost.memory_bytes == pytest.approx(more)
+    assert plans[3].cost.memory_bytes == plans[-1].cost.memory_bytes  # 3 falls back to 8
+    with ap.auto_parallel_context(device_num=8, parallel_mode="semi_auto_parallel",
+                                  enable_parallel_optimizer=True, optimizer_weight_shard_size=2):
+        loaded = ap.load_strategy(tmp_path / "s2.json", g)
+        assert loaded.cost.memory_bytes == plans[2].cost.memory_bytes
+        with pytest.raises(StrategyFileError) as e:
+            ap.load_strategy(tmp_path / "s-1.json", g)
+    assert e.value.field == "optimizer_weight_shard_size"
+
+
+def test_pipelined_step_refuses_another_shard_size():
+    m = mlp(widths=(8, 16, 16, 8), batch=8)
+    params, x = m.example_args(KEY)
+    with ap.auto_parallel_context(device_num=8, parallel_mode="semi_auto_parallel",
+                                  pipeline_stages=2, enable_parallel_optimizer=True,
+                                  optimizer_weight_shard_size=2):
+        with pytest.raises(ap.AutoParallelError, match="optimizer_weight_shard_size"):
+            ap.train_step(m.loss, params, (x,))

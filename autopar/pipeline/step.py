@@ -35,6 +35,11 @@ mean over batch rows (mean of the micro-batch means), as in MindSpore; the resul
 one device on the whole batch (``gradients_mean=True``; ``False`` multiplies by the stage's
 data-parallel degree as :func:`autopar.train_step` does).
 
+**Parallel optimizer.** With ``enable_parallel_optimizer`` a stage's large parameters are
+stored sharded over their whole intra-stage data-parallel group (segments of the packed
+buffers, reduce-scattered and all-gathered there, :mod:`autopar.optimizer_shard`'s rule);
+``optimizer_weight_shard_size`` other than -1 is refused (``AutoParallelError``).
+
 >>> import jax, autopar as ap
 >>> from autopar.models import mlp
 >>> m = mlp(widths=(8, 16, 16, 8), batch=8)
@@ -152,6 +157,13 @@ class PipelineTrainStep(ProgramInspection):
         self.alltoall = bool(cfg.enable_alltoall)
         self.parameter_broadcast = bool(cfg.parameter_broadcast)
         self._fp32 = fp32_sync_active(cfg.gradient_fp32_sync, cfg.parallel_mode)
+        shard_size = cfg.parallel_optimizer_config.optimizer_weight_shard_size
+        if cfg.enable_parallel_optimizer and shard_size != -1:
+            raise AutoParallelError("optimizer_weight_shard_size", shard_size, "a pipelined "
+                                    "step (pipeline_stages > 1) shards a parameter over its "
+                                    "whole data-parallel group in its stage only",
+                                    "Leave optimizer_weight_shard_size at -1 (the default) "
+                                    "with pipeline_stages > 1")
 
     def _micro_batches(self, batch: tuple[Any, ...]) -> list[jax.ShapeDtypeStruct]:
         """The example batch's leaves as ``g * m`` micro-batches of ``B / (g m)`` rows."""
