@@ -30,24 +30,33 @@ from autopar.strategies.problem import Problem
 __all__ = ["solve", "Order", "Memo", "eliminate"]
 
 _CHUNK = 2_000_000  # floats per temporary in node elimination
+_SMALL = 16_384     # node eliminations of at most this many sums: one temporary, as laid out
 
 
 def _eliminate_middle(a: np.ndarray, cx: np.ndarray, b: np.ndarray) -> tuple[np.ndarray,
                                                                               np.ndarray]:
-    """min / argmin over t of a[s, t] + cx[t] + b[t, u]; chunked over s to bound memory."""
+    """min / argmin over t of a[s, t] + cx[t] + b[t, u]; chunked over s to bound memory.
+
+    Past a few thousand sums they are laid out [s, u, t], t contiguous: numpy's argmin
+    along the contiguous last axis is several times faster than along the middle one (which
+    copies), and the minimum is read at the argmin. The sums are the same floats
+    (``a[s, t] + (cx[t] + b[t, u])``) and argmin gives the first minimal t either way, so the
+    results are the same."""
     sy, sx = a.shape
     sz = b.shape[1]
-    if sy * sx * sz <= _CHUNK:
+    if sy * sx * sz <= _SMALL:
         t = a[:, :, None] + (cx[:, None] + b)[None, :, :]
         return t.min(axis=1), t.argmin(axis=1)
+    a = np.ascontiguousarray(a)
+    bc = np.ascontiguousarray((cx[:, None] + b).T)  # [S_u, S_t]
     best = np.empty((sy, sz))
-    arg = np.empty((sy, sz), dtype=np.int32)
+    arg = np.empty((sy, sz), dtype=np.int64)
     step = max(1, _CHUNK // max(1, sx * sz))
-    bc = cx[:, None] + b
     for lo in range(0, sy, step):
-        t = a[lo:lo + step, :, None] + bc[None, :, :]
-        arg[lo:lo + step] = t.argmin(axis=1)
-        best[lo:lo + step] = np.take_along_axis(t, arg[lo:lo + step, None, :], axis=1)[:, 0, :]
+        t = a[lo:lo + step, None, :] + bc[None, :, :]
+        k = t.argmin(axis=2)
+        arg[lo:lo + step] = k
+        best[lo:lo + step] = np.take_along_axis(t, k[:, :, None], axis=2)[:, :, 0]
     return best, arg
 
 

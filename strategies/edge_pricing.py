@@ -125,6 +125,7 @@ class EdgePricer:
             low = (m & -m).bit_length() - 1
             prods[m] = prods[m & (m - 1)] * sizes[low]
         self.fraction = np.array([1.0 / n for n in prods])  # as the planner: 1.0 / n
+        self.count = np.array([bin(m).count("1") for m in range(1 << k)], dtype=np.int64)
         self.low = np.array([(1 << (_BITS * j)) - 1 for j in range(k + 2)], dtype=np.int64)
         self.digit_bit = np.array([0] + [1 << i for i in range((1 << _BITS) - 1)],
                                   dtype=np.int64)
@@ -306,7 +307,7 @@ class _Run:
     def add(self, d: int, sel: np.ndarray, mask: np.ndarray) -> None:
         """Split dim ``d`` of the pairs of ``sel`` further over want[d]'s next axes
         ``mask`` (the dim stays on its way to the target)."""
-        ln = self.len[d] + np.where(sel, _popcount(mask), 0)
+        ln = self.len[d] + self.p.count[np.where(sel, mask, 0)]
         self.c[d] = np.where(sel, self.w[d] & self.p.low[ln], self.c[d])
         self.len[d] = ln
         self.m[d] = self.m[d] | np.where(sel, mask, 0)
@@ -373,15 +374,18 @@ class _Run:
             done = np.ones(len(self.idx), dtype=bool)
             for d in range(self.rank):
                 done &= self.c[d] == self.w[d]
-            if done.any():
+            if done.all():
                 self.finish(done)
-            if not len(self.idx):
                 return True
+            if np.count_nonzero(done) * 8 >= len(done):
+                self.finish(done)
             self.move()
         return False
 
     def finish(self, done: np.ndarray) -> None:
-        """Pairs at their targets: flush their slices, store their sums, drop them."""
+        """Pairs at their targets: flush their slices, store their sums, drop them. (Pairs
+        at their targets may also stay a few rounds: no action of the planner applies to
+        them, so they take no step.)"""
         self.flush(done)
         at = self.idx[done]
         self.lat[at], self.per_byte[at] = self.a[done], self.b[done]
@@ -523,11 +527,3 @@ def _or(masks: Sequence[np.ndarray], n: int) -> np.ndarray:
     for m in masks:
         out = out | m
     return out
-
-
-def _popcount(x: np.ndarray) -> np.ndarray:
-    """Set bits per entry (masks of at most 15 axes)."""
-    x = x - ((x >> 1) & 0x5555)
-    x = (x & 0x3333) + ((x >> 2) & 0x3333)
-    x = (x + (x >> 4)) & 0x0F0F
-    return (x + (x >> 8)) & 0x1F
