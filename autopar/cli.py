@@ -16,6 +16,7 @@ after the API functions they call: autopar.search, autopar.simulation.simulate, 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
@@ -26,9 +27,11 @@ from typing import Any, Sequence
 from autopar.files import write_text_atomic
 from autopar.cli_util import (CLIError, Progress, compare_with_reference, drop_gloo_lines,
                               load_model, non_negative_float, one_device_steps, parse_options,
-                              positive_int, setup_devices, table)
-from autopar.strategies.modes import PARALLEL_MODES
-from autopar.strategies.modes import SEARCH_MODES as MODES
+                              paused_gc, positive_int, setup_devices, table)
+
+with paused_gc():  # the planning modules bring JAX, NumPy and SciPy: most of the start-up
+    from autopar.strategies.modes import PARALLEL_MODES
+    from autopar.strategies.modes import SEARCH_MODES as MODES
 
 __all__ = ["main", "build_parser"]
 
@@ -97,13 +100,14 @@ def cmd_search(args: argparse.Namespace) -> int:
     import autopar as ap
 
     _check_plan_files(args)
-    _, _, graph, desc = _graph(args)
     save = str(args.save) if args.save else None
     load = str(args.load) if args.load else None
-    with _context(args, strategy_ckpt_save_file=save, strategy_ckpt_load_file=load):
-        with Progress("search", 1) as bar:
-            plan = ap.search(graph, mode=args.mode, cluster=_cluster(args))
-            bar.advance(plan.mode)
+    with paused_gc():  # a one-shot command: its imports and graph are long-lived
+        _, _, graph, desc = _graph(args)
+        with _context(args, strategy_ckpt_save_file=save, strategy_ckpt_load_file=load):
+            with Progress("search", 1) as bar:
+                plan = ap.search(graph, mode=args.mode, cluster=_cluster(args))
+                bar.advance(plan.mode)
     _out(f"{desc}: {len(graph.nodes)} operators, {len(graph.parameters())} parameters, "
          f"fingerprint {graph.fingerprint()[:12]}")
     _out(plan.summary())
@@ -491,6 +495,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit status."""
     from autopar.errors import AutoparError
 
+    if argv is None:  # the command's own process: what it imported lives until it exits
+        gc.freeze()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # the subcommand's own usage line and name, as for its other errors
