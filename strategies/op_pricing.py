@@ -47,19 +47,23 @@ Splits = tuple[int, ...]
 class Block:
     """One tensor of an operator: its global shape, the loop dim each of its dims follows
     (None: never split) and its item size; :meth:`local_bytes` is the bytes of one device's
-    block under split counts (``Layout.local_shape``'s arithmetic)."""
+    block under split counts (``Layout.local_shape``'s arithmetic: each dim's size over its
+    split, floored; integers, so the product's order does not matter)."""
 
-    __slots__ = ("shape", "dims", "itemsize", "refs")
+    __slots__ = ("shape", "dims", "itemsize", "refs", "whole", "split", "key")
 
     def __init__(self, shape: tuple[int, ...], dims: Sequence[int | None], itemsize: int):
         self.shape, self.dims, self.itemsize = shape, tuple(dims), itemsize
         self.refs = frozenset(d for d in self.dims if d is not None)
+        self.whole = itemsize * math.prod(n for n, d in zip(shape, self.dims) if d is None)
+        self.split = tuple((n, d) for n, d in zip(shape, self.dims) if d is not None)
+        self.key = (shape, self.dims, itemsize)
 
     def local_bytes(self, splits: Splits) -> int:
-        n = 1
-        for size, d in zip(self.shape, self.dims):
-            n *= size if d is None else size // splits[d]
-        return n * self.itemsize
+        n = self.whole
+        for size, d in self.split:
+            n *= size // splits[d]
+        return n
 
 
 class OpRecipe:
@@ -69,7 +73,8 @@ class OpRecipe:
     gradient is reduced (with whether each is a parameter), its outputs, and its
     parameter inputs (input position, value, block, whether trained)."""
 
-    __slots__ = ("flops", "factor", "launch", "moved", "grads", "outs", "params")
+    __slots__ = ("flops", "factor", "launch", "moved", "grads", "outs", "params", "key",
+                 "klass")
 
     def __init__(self, graph: Graph, node: Node, spec: OpSpec,
                  requires_grad: Mapping[str, bool], fused: frozenset[str]) -> None:
@@ -93,6 +98,12 @@ class OpRecipe:
         self.params = tuple((j, v, b, requires_grad.get(v, False))
                             for j, (v, b, k) in enumerate(zip(node.inputs, ins, kinds))
                             if k == "param")
+        # what the price depends on: operators of different signatures (an add and a mul
+        # of one shape) with equal keys have equal prices
+        self.key = (self.flops, self.factor, self.launch, tuple(b.key for b in self.moved),
+                    tuple((b.key, p) for b, p in self.grads), tuple(b.key for b in self.outs),
+                    tuple((b.key, t) for _, _, b, t in self.params))
+        self.klass = -1  # the pricer's small int for ``key``
 
 
 class OpPricer:
@@ -105,6 +116,9 @@ class OpPricer:
         self.requires_grad, self.fused = requires_grad, fused
         self._recipes: dict[object, OpRecipe] = {}
         self._missing: dict[tuple, tuple[str, ...]] = {}
+        self._classes: dict[tuple, int] = {}  # recipe key -> small int
+        self._costs: dict[tuple, tuple[float, float, float, float]] = {}
+        self._reduce: dict[tuple, float] = {}
 
     def recipe(self, sig: object, node: Node, spec: OpSpec | None = None) -> OpRecipe:
         r = self._recipes.get(sig)
@@ -112,6 +126,7 @@ class OpPricer:
             r = self._recipes[sig] = OpRecipe(self.graph, node,
                                               spec or op_spec(node, self.graph),
                                               self.requires_grad, self.fused)
+            r.klass = self._classes.setdefault(r.key, len(self._classes))
         return r
 
     def missing(self, axes: tuple[tuple[str, ...], ...], refs: frozenset[int]
@@ -128,11 +143,22 @@ class OpPricer:
         return hit
 
     def costs(self, r: OpRecipe, splits: Splits) -> tuple[float, float, float, float]:
-        """(compute, comm, grad_sync, memory) of one split vector (legal on the mesh)."""
+        """(compute, comm, grad_sync, memory) of one split vector (legal on the mesh);
+        memoised per recipe key and splits."""
+        key = (r.klass, splits)
+        hit = self._costs.get(key)
+        if hit is None:
+            hit = self._costs[key] = self._price(r, splits)
+        return hit
+
+    def _price(self, r: OpRecipe, splits: Splits) -> tuple[float, float, float, float]:
         cm, mesh = self.cm, self.mesh
         nbytes = 0
         for b in r.moved:
-            nbytes += b.local_bytes(splits)
+            n = b.whole
+            for size, d in b.split:
+                n *= size // splits[d]
+            nbytes += n
         compute = cm.compute_time(r.flops / math.prod(splits), nbytes,
                                   launch=r.launch) * r.factor
         comm = sync = 0.0
@@ -142,13 +168,21 @@ class OpPricer:
                 missing = self.missing(axes, b.refs)  # type: ignore[arg-type]
                 if not missing:
                     continue
-                t = cm.all_reduce_time(b.local_bytes(splits), missing, mesh)
+                t = self.all_reduce(b.local_bytes(splits), missing)
                 if is_param:
                     sync += t
                 else:
                     comm += t
         memory = float(sum([b.local_bytes(splits) for b in r.outs]))
         return compute, comm, sync, memory
+
+    def all_reduce(self, nbytes: int, axes: tuple[str, ...]) -> float:
+        """``CostModel.all_reduce_time`` (memoised: blocks of one size recur)."""
+        key = (nbytes, axes)
+        hit = self._reduce.get(key)
+        if hit is None:
+            hit = self._reduce[key] = self.cm.all_reduce_time(nbytes, axes, self.mesh)
+        return hit
 
     def update(self, r: OpRecipe, splits: Splits) -> float:
         """The optimizer update of the parameters the operator reads, each in the block it

@@ -530,9 +530,11 @@ class Problem:
                     out_index = 0
                 self.edges.append(Edge(ui, vi, v, j, out_index, self))
 
-    def settle(self, splits: Mapping[int, tuple[int, ...]]) -> list[int]:
-        """Give every operator vertex exactly the choice of its splits and every parameter the
-        layouts its consumers now want; returns the operators' picks (all 0)."""
+    def settle(self, splits: Mapping[int, tuple[int, ...]], *, params: bool = True
+               ) -> list[int]:
+        """Give every operator vertex exactly the choice of its splits and (``params``) every
+        parameter the layouts its consumers now want; returns the operators' picks (all 0).
+        A solver that gives the parameters their choices itself passes ``params=False``."""
         made: dict[tuple, dict[str, np.ndarray]] = {}  # per (signature, splits), shared
         for i, s in splits.items():
             vert = self.vertices[i]
@@ -546,7 +548,8 @@ class Problem:
                 setattr(vert, name, arr)
         for e in self.edges:
             e._matrix = None
-        self._add_param_vertices(replace_existing=True)
+        if params:
+            self._add_param_vertices(replace_existing=True)
         return [0] * len(self.vertices)
 
     def _fixed_params(self) -> dict[str, Layout]:

@@ -70,6 +70,8 @@ def _candidates(problem: Problem, i: int, cur: Splits, p: int) -> list[Splits]:
 
 
 _MAX_RECUTS = 16  # re-cut passes at most (each lowers the objective; a few suffice)
+_MIN = np.minimum.reduce  # what ndarray.min computes, without its Python wrapper
+_SMALL_SUMS = 16_384      # node eliminations past this many sums: dynamic_programming's own
 
 
 def _moves(problem: Problem, i: int, cur: Splits) -> list[Splits]:
@@ -109,9 +111,17 @@ class _Cut:
     compiled for one :class:`Order` (the structure every round shares): the vertex pairs
     get slots and each step its operands' slots, whether each is read transposed and
     whether the edge it adds to exists yet -- all of which depend on the structure only --
-    so a round replays the steps with no dictionary of pairs and no tests. The arithmetic is
-    the :class:`Memo`'s and the replay backwards reads each choice from the argmin as a
-    list (one ``tolist`` per distinct array): the same picks as ``eliminate``."""
+    so a round replays the steps with no dictionary of pairs and no tests.
+
+    The arithmetic is :class:`Memo`'s (``a^T + cost[x]``; ``a^T + (cost[x] + b)``, minimum
+    and first argmin over x), memoised here on the identity of the operands as stored (the
+    transposition a flag of the key: no transposed view is made unless the step is
+    computed), the operands kept alive with the result, for as long as the cut lives (across
+    rounds); ``cost[x] + b`` is kept too (the pristine matrices of a deep network's blocks
+    recur) and the minimum is numpy's ``minimum.reduce`` itself (what ``ndarray.min`` calls
+    through a Python wrapper). The replay backwards reads each choice from the argmin as a
+    list (one ``tolist`` per distinct array). The same operations on the same values as
+    ``eliminate``: the same picks."""
 
     def __init__(self, order: Order) -> None:
         self.order = order
@@ -119,7 +129,6 @@ class _Cut:
         self.singles = [(slot.setdefault(key, len(slot)), k) for key, k in order.singles]
         self.multi = [(slot.setdefault(key, len(slot)), members)
                       for key, members in order.multi]
-        self.n_init = len(slot)
         steps = []
         for x, y, z in order.steps:
             sa = slot[min(x, y), max(x, y)]
@@ -133,33 +142,90 @@ class _Cut:
         self.steps = steps
         self.n_slots = len(slot)
         self.survivors = [i for i in range(order.n) if i not in order.eliminated]
-        self.lists: dict[int, list] = {}  # id(argmin array) -> its tolist()
+        self.arith = Memo(on=False)
+        self.leaves: dict[tuple, tuple] = {}    # (p, flip, cost) -> (best, arg, operands)
+        self.middles: dict[tuple, tuple] = {}   # (p, flip, cost, q, flip) -> (best, arg, ...)
+        self.sums: dict[tuple, tuple] = {}      # (a, b) -> (a + b, a, b)
+        self.trans: dict[int, tuple] = {}       # id(m) -> (m.T, m)
+        self.bcs: dict[tuple, tuple] = {}       # (cost, q, flip) -> (cost[:, None] + b, ...)
+        self.lists: dict[int, list] = {}        # id(argmin array) -> its tolist()
 
-    def solve(self, costs: list[np.ndarray], mats: list[np.ndarray], memo: Memo) -> list[int]:
-        """One choice per vertex, exactly ``eliminate(order, costs, mats, memo)``."""
-        if not self.order.reduces:
-            return eliminate(self.order, costs, mats, memo)
-        t, add, leaf, middle = memo.t, memo.add, memo.leaf, memo.middle
+    def _pairs(self, mats: list[np.ndarray]) -> list:
+        """Slot -> [S_lo, S_hi] of its links (parallel links summed in link order)."""
         pair: list = [None] * self.n_slots
         for sl, k in self.singles:
             pair[sl] = mats[k]
         for sl, members in self.multi:
             acc = None
             for k, flip in members:
-                m = t(mats[k]) if flip else mats[k]
-                acc = m if acc is None else add(acc, m)
+                m = self._t(mats[k]) if flip else mats[k]
+                acc = m if acc is None else self._add(acc, m)
             pair[sl] = acc
+        return pair
+
+    def _t(self, m: np.ndarray) -> np.ndarray:
+        """The transpose of ``m``, one object per array (so what is computed from it is
+        memoised across rounds)."""
+        hit = self.trans.get(id(m))
+        if hit is None:
+            hit = self.trans[id(m)] = (m.T, m)
+        return hit[0]
+
+    def _add(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        key = (id(a), id(b))
+        hit = self.sums.get(key)
+        if hit is None:
+            hit = self.sums[key] = (self.arith.add(a, b), a, b)
+        return hit[0]
+
+    def _leaf(self, p: np.ndarray, fa: bool, cx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """min / argmin over x of a^T + cx, a = [S_x, S_y] stored as ``p`` (``fa``: as p^T)."""
+        s = (p if fa else p.T) + cx[None, :]
+        return _MIN(s, axis=1), s.argmin(axis=1)
+
+    def _middle(self, p: np.ndarray, fa: bool, cx: np.ndarray, q: np.ndarray,
+                fb: bool) -> tuple[np.ndarray, np.ndarray]:
+        """min / argmin over x of a^T[s, x] + (cx[x] + b[x, u]), a = [S_x, S_y] stored as
+        ``p`` and b = [S_x, S_z] as ``q`` (each transposed when flagged)."""
+        a = p if fa else p.T
+        if a.shape[0] * q.size > _SMALL_SUMS:  # large: dynamic_programming's own layout
+            return self.arith.middle(a.T, cx, q.T if fb else q)
+        key = (id(cx), id(q), fb)
+        bc = self.bcs.get(key)
+        if bc is None:
+            bc = self.bcs[key] = (cx[:, None] + (q.T if fb else q), cx, q)
+        t = a[:, :, None] + bc[0][None, :, :]
+        return _MIN(t, axis=1), t.argmin(axis=1)
+
+    def solve(self, costs: list[np.ndarray], mats: list[np.ndarray], memo: Memo) -> list[int]:
+        """One choice per vertex, exactly ``eliminate(order, costs, mats, memo)``."""
+        if not self.order.reduces:
+            return eliminate(self.order, costs, mats, memo)
+        leaves, middles, add = self.leaves, self.middles, self._add
+        pair = self._pairs(mats)
         cost = list(costs)
         args = []
         for x, y, z, sa, fa, sb, fb, syz, old in self.steps:
-            a = t(pair[sa]) if fa else pair[sa]
-            if z < 0:
-                best, arg = leaf(a, cost[x])
-                cost[y] = add(cost[y], best)
-            else:
-                best, arg = middle(a, cost[x], t(pair[sb]) if fb else pair[sb])
-                pair[syz] = add(pair[syz], best) if old else best
-            args.append(arg)
+            p, cx = pair[sa], cost[x]
+            if z < 0:  # leaf: cost[y] += min over x of (a^T + cost[x]), a = [S_x, S_y]
+                key = (id(p), fa, id(cx))
+                hit = leaves.get(key)
+                if hit is None:
+                    hit = leaves[key] = (*self._leaf(p, fa, cx), p, cx)
+                cost[y] = add(cost[y], hit[0])
+            else:      # middle: edge y-z += min over x of (a^T + cost[x] + b)
+                q = pair[sb]
+                key = (id(p), fa, id(cx), id(q), fb)
+                hit = middles.get(key)
+                if hit is None:
+                    hit = middles[key] = (*self._middle(p, fa, cx, q, fb), p, cx, q)
+                pair[syz] = add(pair[syz], hit[0]) if old else hit[0]
+            args.append(hit[1])
+        return self._replay(cost, args)
+
+    def _replay(self, cost: list[np.ndarray], args: list[np.ndarray]) -> list[int]:
+        """The survivors at their cheapest, then each eliminated vertex at its argmin given
+        its neighbours' picks, backwards."""
         picks = [-1] * self.order.n
         for i in self.survivors:
             picks[i] = int(np.argmin(cost[i]))
@@ -202,7 +268,11 @@ class _Rounds:
         self.cost_cache: dict[tuple, np.ndarray] = {}  # (signature, candidate list) -> costs
         self.split_cost: dict[tuple, float] = {}  # (signature, splits) -> round cost
         self.cache: dict[object, np.ndarray] = {}  # link matrices
-        self.layout_cache: dict[tuple, list[Layout]] = {}
+        self.layout_cache: dict[tuple, int] = {}  # (map, summed, candidates) -> list id
+        self.layout_ids: dict[tuple[Layout, ...], int] = {}
+        self.layout_lists: list[list[Layout]] = []
+        self.by_layouts: dict[tuple, np.ndarray] = {}  # (bytes, grad, lists) -> matrix
+        self.link_ends: np.ndarray | None = None  # [links, 2] cut vertices, for scores
 
     def intern(self, key: tuple) -> int:
         k = self.state_id.get(key)
@@ -284,24 +354,47 @@ class _Rounds:
         sub_cost = cost_of[self.op_state].tolist() + [self.no_cost] * len(self.data)
         return cands, cid_of, sub_cost
 
-    def _layouts(self, i: int, cands: list[Splits], cid: int, index: int,
-                 out: bool) -> list[Layout]:
-        """Operator ``i``'s layouts of output (or input) ``index`` over its candidates."""
-        problem = self.problem
-        node = problem.vertices[i].node
-        key = (problem._sig[node.name], cid, index, out)  # type: ignore[union-attr]
+    def _layouts(self, i: int, cands: list[Splits], cid: int, index: int, out: bool) -> int:
+        """Operator ``i``'s layouts of output (or input) ``index`` over its candidates, as
+        the small int of that list: built from the tensor's map and the canonical axes
+        (``Problem.op_choice``'s layouts, without its Choice), kept per map, partial-sum
+        dims and candidate list (operators of many signatures share them)."""
+        spec = self.problem.specs[self.problem.vertices[i].name]
+        mp = spec.out_maps[index] if out else spec.in_maps[index]
+        key = (mp, spec.summed if out else None, cid)
         hit = self.layout_cache.get(key)
         if hit is None:
-            choice = problem.op_choice
-            hit = self.layout_cache[key] = [
-                (choice(node, x).out_layouts if out else choice(node, x).in_layouts)[index]
-                for x in cands]
+            assign, summed = self.problem.mesh.assign, sorted(spec.summed) if out else ()
+            lays = []
+            for x in cands:
+                axes = assign(x)
+                lays.append(Layout(tuple(axes[m] if m is not None else () for m in mp),
+                                   tuple(a for d in summed for a in axes[d])))
+            hit = self.layout_cache[key] = self._layout_list(tuple(lays))
         return hit
+
+    def _layout_list(self, lays: tuple[Layout, ...]) -> int:
+        lid = self.layout_ids.setdefault(lays, len(self.layout_lists))
+        if lid == len(self.layout_lists):
+            self.layout_lists.append(list(lays))
+        return lid
+
+    def _matrix(self, value: str, src: int, dst: int) -> np.ndarray:
+        """The redistribution costs of ``value`` between two layout lists: a function of
+        its size, whether it carries a gradient and the layouts only, so links of
+        different kinds (an elementwise chain's) share it."""
+        problem = self.problem
+        key = (problem._nbytes[value], problem.requires_grad[value], src, dst)
+        m = self.by_layouts.get(key)
+        if m is None:
+            m = self.by_layouts[key] = problem._edge_costs(value, self.layout_lists[src],
+                                                           self.layout_lists[dst])
+        return m
 
     def _op_matrices(self, mats: np.ndarray, cands: dict[int, list[Splits]],
                      cid_of: np.ndarray, states: list[int]) -> None:
         """The op -> op links' matrices, one per (link kind, candidate lists)."""
-        problem, wide = self.problem, self._WIDE
+        wide = self._WIDE
         lk, lu, lv = self.lk, self.lu, self.lv
         cid = cid_of[self.op_state]
         codes = (self.lcode * wide + cid[lu]) * wide + cid[lv]
@@ -312,7 +405,7 @@ class _Rounds:
             if m is None:
                 e = self.links[int(lk[f])]
                 su, sv = states[int(lu[f])], states[int(lv[f])]
-                m = self.cache[code] = problem._edge_costs(
+                m = self.cache[code] = self._matrix(
                     e.value, self._layouts(e.u, cands[su], int(cid_of[su]), e.out_index, True),
                     self._layouts(e.v, cands[sv], int(cid_of[sv]), e.in_index, False))
             umats[n] = m
@@ -321,7 +414,7 @@ class _Rounds:
     def _matrices(self, cands: dict[int, list[Splits]], cid_of: np.ndarray,
                   data_layout: dict[int, Layout], dkey: object) -> list[np.ndarray]:
         """One matrix per link: op -> op links, then data inputs (in ``data_layout``)."""
-        problem, verts, sig = self.problem, self.problem.vertices, self.problem._sig
+        verts, sig = self.problem.vertices, self.problem._sig
         states = self.op_state.tolist()
         mats = np.empty(len(self.links), dtype=object)
         if len(self.lk):
@@ -332,8 +425,8 @@ class _Rounds:
                    int(cid_of[st]))
             m = self.cache.get(key)
             if m is None:
-                m = self.cache[key] = problem._edge_costs(
-                    e.value, [data_layout[e.u]],
+                m = self.cache[key] = self._matrix(
+                    e.value, self._layout_list((data_layout[e.u],)),
                     self._layouts(e.v, cands[st], int(cid_of[st]), e.in_index, False))
             mats[k] = m
         return mats.tolist()
@@ -356,11 +449,15 @@ class _Rounds:
         """The cut's objective at candidate 0 of every vertex and at the picks: the very
         sums (same terms, same order) of each vertex's cost and each link's entry, the
         entries gathered by numpy from the distinct arrays."""
-        before_v, after_v = _gather(sub_cost, [(0,)] * len(sub_cost),
-                                    [(x,) for x in picks])
-        links = self.cut.order.links
-        before_m, after_m = _gather(mats, [(0, 0)] * len(mats),
-                                    [(picks[u], picks[v]) for u, v in links])
+        at = np.array(picks, dtype=np.int64)
+        flat, off, cols, w = _flatten(sub_cost)
+        before_v, after_v = flat[off[w]].tolist(), flat[off[w] + at].tolist()
+        if self.link_ends is None:
+            self.link_ends = np.array(self.cut.order.links, dtype=np.int64).reshape(-1, 2)
+        u, v = self.link_ends[:, 0], self.link_ends[:, 1]
+        flat, off, cols, w = _flatten(mats)
+        before_m = flat[off[w]].tolist()
+        after_m = flat[off[w] + at[u] * cols[w] + at[v]].tolist()
         return sum(before_v) + sum(before_m), sum(after_v) + sum(after_m)
 
     def cut_once(self, candidates: Callable[[int, Splits], list[Splits]],
@@ -407,11 +504,13 @@ class _Rounds:
         return {i: self.state_keys[st][1] for i, st in zip(self.ops, self.op_state.tolist())}
 
 
-def _gather(arrays: list[np.ndarray], *wheres: list[tuple[int, ...]]) -> list[list[float]]:
-    """``[float(a[w]) for a, w in zip(arrays, where)]`` for each of ``wheres``, with one numpy
-    gather over the distinct arrays (the blocks share them) instead of one index per entry."""
-    ids = {}
-    uniq: list[np.ndarray] = []
+def _flatten(arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                 np.ndarray]:
+    """The distinct arrays of ``arrays`` (the blocks share them) raveled into one: (flat
+    values, offset and columns of each distinct array, which distinct array each item is),
+    so entries of every item are gathered at once."""
+    ids: dict[int, int] = {}
+    uniq: list[np.ndarray] = [np.zeros(0)]  # (one empty array: a cut may have no links)
     which = []
     for a in arrays:
         k = ids.get(id(a))
@@ -419,17 +518,12 @@ def _gather(arrays: list[np.ndarray], *wheres: list[tuple[int, ...]]) -> list[li
             k = ids[id(a)] = len(uniq)
             uniq.append(a)
         which.append(k)
-    sizes = [a.size for a in uniq]
-    offset = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    sizes = np.array([a.size for a in uniq], dtype=np.int64)
+    off = np.zeros(len(uniq), dtype=np.int64)
+    np.cumsum(sizes[:-1], out=off[1:])
     cols = np.array([a.shape[-1] for a in uniq], dtype=np.int64)
-    flat = np.concatenate([a.ravel() for a in uniq])
-    w = np.array(which, dtype=np.int64)
-    out = []
-    for where in wheres:
-        at = np.array(where, dtype=np.int64)
-        pos = at[:, -1] + (at[:, 0] * cols[w] if at.shape[1] == 2 else 0)
-        out.append(flat[offset[w] + pos].tolist())
-    return out
+    return (np.concatenate([a.ravel() for a in uniq]), off, cols,
+            np.array(which, dtype=np.int64))
 
 
 def _widen_parameters(problem: Problem) -> None:
@@ -439,35 +533,34 @@ def _widen_parameters(problem: Problem) -> None:
     reads it (gathered before use, its gradient reduce-scattered) when memory is priced —
     without this the last step only saw the consumers' settled layouts, and when the memory
     budget binds the plan kept whole copies that other modes shard (issue #4's 96 layers /
-    8 devices case)."""
-    g, mesh, verts = problem.graph, problem.mesh, problem.vertices
+    8 devices case). The settled layouts: a settled lazy problem's consumers' own (its
+    parameters keep no choices of their own: the choices are a sorted set, so these are
+    simply added), else the parameter's current choices."""
+    g, verts = problem.graph, problem.vertices
     wanted: dict[tuple, tuple[Layout, ...]] = {}   # (consumer signature, input) -> layouts
     made: dict[tuple, tuple[list[Choice], dict]] = {}
     for v in g.parameters():
         spec = g.spec(v)
-        keys = []
+        vert = verts[problem.index[f"<param>{v}"]]
+        keys, settled = [], {}
         for cname in g.consumers(v):
-            node = verts[problem.index[cname]].node
-            for j, inp in enumerate(node.inputs):  # type: ignore[union-attr]
+            cv = verts[problem.index[cname]]
+            for j, inp in enumerate(cv.node.inputs):  # type: ignore[union-attr]
                 if inp != v:
                     continue
+                if problem.lazy:
+                    settled[cv.choices[0].in_layouts[j]] = None
                 key = (problem._sig[cname], j, cname in problem.fixed and cname)
                 if key not in wanted:
-                    if cname in problem.fixed:
-                        all_splits = [problem.fixed[cname]]
-                    else:
-                        all_splits = enumerate_splits(problem.specs[cname], mesh.device_num,
-                                                      not problem.may_repeat(node))
-                    wanted[key] = tuple(dict.fromkeys(problem.op_choice(node, s).in_layouts[j]
-                                                      for s in all_splits))
+                    wanted[key] = _read_layouts(problem, cv, j)
                 keys.append(key)
-        vert = verts[problem.index[f"<param>{v}"]]
-        settled = tuple(c.out_layouts[0] for c in vert.choices)
+        if not problem.lazy:
+            settled = dict.fromkeys(c.out_layouts[0] for c in vert.choices)
         vkey = (spec.shape, spec.dtype, problem.requires_grad.get(v, False), tuple(keys),
-                settled, problem.fixed_params.get(v))
+                tuple(settled), problem.fixed_params.get(v))
         if vkey not in made:
-            made[vkey] = problem.param_choice_set(v, settled + tuple(
-                lay for key in keys for lay in wanted[key]))
+            made[vkey] = problem.param_choice_set(v, (*settled, *(
+                lay for key in keys for lay in wanted[key])))
         choices, arrays = made[vkey]
         vert.choices = list(choices)
         for name, arr in arrays.items():
@@ -477,11 +570,28 @@ def _widen_parameters(problem: Problem) -> None:
             e._matrix = None
 
 
+def _read_layouts(problem: Problem, consumer, j: int) -> tuple[Layout, ...]:
+    """The layouts operator ``consumer`` reads its input ``j`` in over its whole strategy
+    space (or its fixed strategy), first-seen order: ``op_choice(node, s).in_layouts[j]``
+    for each, built from the input's map and the canonical axes alone."""
+    name = consumer.name
+    if name in problem.fixed:
+        all_splits = [problem.fixed[name]]
+    else:
+        all_splits = enumerate_splits(problem.specs[name], problem.mesh.device_num,
+                                      not problem.may_repeat(consumer.node))
+    mp, assign = problem.specs[name].in_maps[j], problem.mesh.assign
+    out: dict[Layout, None] = {}
+    for s in all_splits:
+        axes = assign(s)
+        out[Layout(tuple(axes[m] if m is not None else () for m in mp))] = None
+    return tuple(out)
+
 
 def _settle(problem: Problem, splits: dict[int, Splits]) -> list[int]:
     """Picks with every operator at its splits (a lazy problem gets exactly those choices)."""
-    if problem.lazy:
-        return problem.settle(splits)
+    if problem.lazy:  # (the parameters' choices are _widen_parameters')
+        return problem.settle(splits, params=False)
     picks = [0] * len(problem.vertices)
     for i, s in splits.items():
         picks[i] = problem.choice_index(i, s)
@@ -490,19 +600,28 @@ def _settle(problem: Problem, splits: dict[int, Splits]) -> list[int]:
 
 def _pick_parameters(problem: Problem, picks: list[int]) -> None:
     """Each parameter takes the layout cheapest for its consumers as picked (a parameter
-    only ever produces)."""
+    only ever produces): its cost vector plus, per edge in order, the redistribution from
+    each of its layouts to the one its consumer reads (parameters of one choice set --
+    one cost array -- share these columns)."""
     verts, edges = problem.vertices, problem.edges
     reads: dict[int, list[int]] = {}
     for k, e in enumerate(edges):
         if verts[e.u].kind == "param":
             reads.setdefault(e.u, []).append(k)
+    columns: dict[tuple, np.ndarray] = {}
     for i, v in enumerate(verts):
         if v.kind != "param":
             continue
         total = v.cost.copy()
         for k in reads.get(i, ()):
             e = edges[k]
-            total = total + e.vector(at="u", other=picks[e.v])
+            dst = verts[e.v].choices[picks[e.v]].in_layouts[e.in_index]
+            key = (id(v.cost), problem._nbytes[e.value], problem.requires_grad[e.value], dst)
+            col = columns.get(key)
+            if col is None:
+                col = columns[key] = problem._edge_costs(
+                    e.value, [c.out_layouts[0] for c in v.choices], [dst])[:, 0]
+            total = total + col
         picks[i] = int(np.argmin(total))
 
 

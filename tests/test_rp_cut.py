@@ -1,0 +1,91 @@
+"""recursive_programming's compiled cut (_Cut) replays dynamic_programming's elimination:
+the same picks as ``eliminate`` on random cut problems (chains, extra, parallel and reversed
+links, many exact ties, arrays shared between vertices and links so the memo hits), round
+after round through one cut, and on large node eliminations."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from autopar.strategies import dynamic_programming
+from autopar.strategies.recursive_programming import _Cut, _flatten
+
+
+def _random_cut(rng: random.Random, n: int, big: bool = False
+                ) -> tuple[list[np.ndarray], list[tuple]]:
+    sizes = [rng.randint(1, 4) if not big else rng.choice((1, 30, 40)) for _ in range(n)]
+    pool_v: dict[int, list[np.ndarray]] = {}
+    pool_e: dict[tuple[int, int], list[np.ndarray]] = {}
+
+    def vec(s: int) -> np.ndarray:
+        arrs = pool_v.setdefault(s, [])
+        if len(arrs) < 3 or rng.random() < 0.3:
+            arrs.append(np.array([float(rng.randint(0, 3)) for _ in range(s)]))
+        return rng.choice(arrs)
+
+    def mat(a: int, b: int) -> np.ndarray:
+        arrs = pool_e.setdefault((a, b), [])
+        if len(arrs) < 3 or rng.random() < 0.3:
+            arrs.append(np.array([[rng.choice((0.0, 1.0, 2.5, 1e-3, 0.1 + 0.2))
+                                   for _ in range(b)] for _ in range(a)]))
+        return rng.choice(arrs)
+
+    pairs = [(i, i + 1) for i in range(n - 1)]
+    for _ in range(rng.randint(0, n // 2)):
+        u = rng.randrange(n - 1)
+        pairs.append((u, rng.randrange(u + 1, min(n, u + 4))))
+    pairs += [rng.choice(pairs) for _ in range(rng.randint(0, 3))]        # parallel links
+    pairs = [(v, u) if rng.random() < 0.2 else (u, v) for u, v in pairs]  # some reversed
+    return [vec(s) for s in sizes], [(u, v, mat(sizes[u], sizes[v])) for u, v in pairs]
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_compiled_cut_equals_eliminate(seed):
+    rng = random.Random(seed)
+    costs, links = _random_cut(rng, rng.randint(2, 16))
+    order = dynamic_programming.Order(len(costs), [(u, v) for u, v, _ in links])
+    mats = [m for _, _, m in links]
+    cut = _Cut(order)
+    want = dynamic_programming.eliminate(order, costs, mats)
+    assert cut.solve(costs, mats, dynamic_programming.Memo()) == want
+    # again through the same cut (every step a memo hit), then with other arrays
+    assert cut.solve(costs, mats, dynamic_programming.Memo()) == want
+    other = random.Random(seed + 1000)
+    costs2 = [c + other.choice((0.0, 1.0)) for c in costs]
+    mats2 = [m[::-1] * 2 if m.shape[0] == 1 else m * other.choice((1.0, 0.5)) for m in mats]
+    assert cut.solve(costs2, mats2, dynamic_programming.Memo()) == \
+        dynamic_programming.eliminate(order, costs2, mats2)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_compiled_cut_equals_eliminate_on_large_eliminations(seed):
+    rng = random.Random(seed)
+    costs, links = _random_cut(rng, 6, big=True)
+    order = dynamic_programming.Order(len(costs), [(u, v) for u, v, _ in links])
+    mats = [m for _, _, m in links]
+    assert _Cut(order).solve(costs, mats, dynamic_programming.Memo()) == \
+        dynamic_programming.eliminate(order, costs, mats)
+
+
+def test_irreducible_cut_uses_the_general_solver():
+    rng = random.Random(7)
+    costs = [np.array([float(rng.randint(0, 5)) for _ in range(3)]) for _ in range(4)]
+    links = [(u, v, np.array([[float(rng.randint(0, 5)) for _ in range(3)] for _ in range(3)]))
+             for u in range(4) for v in range(u + 1, 4)]
+    order = dynamic_programming.Order(4, [(u, v) for u, v, _ in links])
+    assert not order.reduces
+    mats = [m for _, _, m in links]
+    assert _Cut(order).solve(costs, mats, dynamic_programming.Memo()) == \
+        dynamic_programming.eliminate(order, costs, mats)
+
+
+def test_flatten_gathers_entries_of_shared_arrays():
+    a, b = np.array([[1.0, 2.0], [3.0, 4.0]]), np.array([[5.0, 6.0, 7.0]])
+    flat, off, cols, w = _flatten([a, b, a])
+    rows, cs = np.array([1, 0, 0]), np.array([0, 2, 1])
+    assert flat[off[w] + rows * cols[w] + cs].tolist() == [3.0, 7.0, 2.0]
+    flat, off, cols, w = _flatten([])
+    assert len(w) == 0
