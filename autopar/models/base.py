@@ -117,7 +117,7 @@ class Model:
         >>> from autopar.models import mlp
         >>> params, x = mlp(widths=(4, 2), batch=3).example_shapes()
         >>> params["layer0"]["w"].shape, x.shape
-        ((4, 2), (3, 2))
+        ((4, 2), (3, 4))
         """
         batch = jax.eval_shape(lambda: self.example_batch(jax.random.key(0)))
         params = (self.param_shapes() if self.param_shapes is not None
