@@ -13,8 +13,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
 from autopar.errors import AutoParallelError
 from autopar.strategies.problem import Problem
@@ -26,6 +24,11 @@ def milp_picks(costs: Sequence[np.ndarray], edges: Sequence[tuple[int, int, np.n
                memory: Sequence[np.ndarray] | None = None, limit: float | None = None,
                time_limit: float | None = None) -> list[int]:
     """Exact choice per vertex for cost vectors and pairwise edge matrices."""
+    # SciPy (0.3 s to import) only when an integer program is solved: every autopar command
+    # imports the solver registry, few solve with the exact mode
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
     offs, n = [], 0
     for c in costs:
         offs.append(n)
