@@ -32,7 +32,7 @@ round, and Layout objects were most of that.
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from autopar.graph.ir import Graph, Node
 from autopar.strategies.cost import BACKWARD_FACTOR, CostModel
@@ -111,8 +111,10 @@ class OpPricer:
     docstring); recipes are kept per signature (any hashable key)."""
 
     def __init__(self, graph: Graph, mesh: DeviceMesh, cm: CostModel,
-                 requires_grad: Mapping[str, bool], fused: frozenset[str]) -> None:
+                 requires_grad: Mapping[str, bool], fused: frozenset[str],
+                 assign: Callable[[Splits], tuple | None] | None = None) -> None:
         self.graph, self.mesh, self.cm = graph, mesh, cm
+        self.assign = mesh.assign if assign is None else assign  # the canonical axes
         self.requires_grad, self.fused = requires_grad, fused
         self._recipes: dict[object, OpRecipe] = {}
         self._missing: dict[tuple, tuple[str, ...]] = {}
@@ -152,7 +154,7 @@ class OpPricer:
         return hit
 
     def _price(self, r: OpRecipe, splits: Splits) -> tuple[float, float, float, float]:
-        cm, mesh = self.cm, self.mesh
+        cm = self.cm
         nbytes = 0
         for b in r.moved:
             n = b.whole
@@ -163,7 +165,7 @@ class OpPricer:
                                   launch=r.launch) * r.factor
         comm = sync = 0.0
         if r.grads:
-            axes = mesh.assign(splits)
+            axes = self.assign(splits)
             for b, is_param in r.grads:
                 missing = self.missing(axes, b.refs)  # type: ignore[arg-type]
                 if not missing:

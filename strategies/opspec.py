@@ -19,7 +19,7 @@ divides ``device_num`` and canonical axes exist for them).
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from autopar.graph.ops import OpSpec, op_spec
 from autopar.strategies.layout import DeviceMesh
@@ -28,13 +28,15 @@ __all__ = ["OpSpec", "op_spec", "legal_splits", "tensor_spec"]
 
 
 def legal_splits(spec: OpSpec, splits: Sequence[int], mesh: DeviceMesh,
-                 dims: Iterable[int] | None = None) -> bool:
+                 dims: Iterable[int] | None = None,
+                 assign: Callable[[tuple[int, ...]], object] | None = None) -> bool:
     """Whether ``splits`` (one count per iteration dim) is a strategy of ``spec`` on
     ``mesh`` (see the module docstring). ``dims``: check only these iteration dims (the
-    others are known to allow their counts); the mesh is always checked."""
+    others are known to allow their counts); the mesh is always checked, by ``assign``
+    when given (``mesh.assign`` kept by the caller, e.g. ``Problem.axes_of``: tuples)."""
     check = range(len(splits)) if dims is None else dims
     return all(spec.allows(d, splits[d]) for d in check) and \
-        mesh.assign(splits) is not None
+        (mesh.assign(splits) if assign is None else assign(tuple(splits))) is not None
 
 
 def tensor_spec(shape: Sequence[int]) -> OpSpec:

@@ -253,13 +253,22 @@ def paused_gc() -> Iterator[None]:
 
 
 def requires_grad(graph: Graph) -> dict[str, bool]:
-    req = {v: graph.values[v].kind == "param" for v in graph.values}
+    """Per value, whether it carries a gradient: parameters do, and the floating outputs of
+    an operator that passes gradients (not in ``NO_GRADIENT``) from an input that does."""
+    values = graph.values
+    req = {v: val.kind == "param" for v, val in values.items()}
+    floating: dict[str, bool] = {}  # per dtype name
     for n in graph.nodes:
         flows = n.op not in NO_GRADIENT and any(req[v] for v in n.inputs)
         for v in n.outputs:
-            dt = graph.spec(v).dtype
-            req[v] = flows and (dt.startswith("float") or dt.startswith("bfloat") or
-                                dt.startswith("complex"))
+            if not flows:
+                req[v] = False
+                continue
+            dt = values[v].spec.dtype
+            f = floating.get(dt)
+            if f is None:
+                f = floating[dt] = dt.startswith(("float", "bfloat", "complex"))
+            req[v] = f
     return req
 
 
@@ -293,10 +302,13 @@ class Problem:
         self._pair_cache: dict[tuple, tuple] = {}
         self._cost_cache: dict[tuple, tuple[float, float, float, float]] = {}
         self._vector_cache: dict[tuple, np.ndarray] = {}
+        self._axes: dict[tuple[int, ...], Any] = {}
+        self._reprs: dict[int, tuple[Any, str]] = {}
         with paused_gc():
             self.requires_grad = requires_grad(graph)
             self.fused = fused_values(graph)
-            self._op_pricer = OpPricer(graph, mesh, cost_model, self.requires_grad, self.fused)
+            self._op_pricer = OpPricer(graph, mesh, cost_model, self.requires_grad, self.fused,
+                                       self.axes_of)
             self._nbytes = {v: val.spec.nbytes for v, val in graph.values.items()}
             self._build(dataset_strategy, dict(fixed or {}), dict(fixed_splits or {}))
 
@@ -311,7 +323,7 @@ class Problem:
         if hit is not None:
             return hit
         spec = self.specs[name]
-        axes = self.mesh.assign(splits)
+        axes = self.axes_of(splits)
         if axes is None:
             raise AutoParallelError("strategy", splits, f"split counts do not fit the mesh "
                                     f"{self.mesh} of operator {name!r}")
@@ -324,6 +336,14 @@ class Problem:
         c = Choice(splits, ins, outs, frozenset(a for ax in axes for a in ax))
         self._choice_cache[key] = c
         return c
+
+    def axes_of(self, splits: tuple[int, ...]) -> tuple[tuple[str, ...], ...] | None:
+        """``mesh.assign(splits)``, kept per problem (the mesh's own cache hashes the mesh at
+        every call; the searches ask for the same split counts again and again)."""
+        hit = self._axes.get(splits, False)
+        if hit is False:
+            hit = self._axes[splits] = self.mesh.assign(splits)
+        return hit  # type: ignore[return-value]
 
     def may_repeat(self, node: Node) -> bool:
         """Whether the operator may leave devices repeating its work (product of splits below
@@ -347,8 +367,23 @@ class Problem:
             if d is None:
                 d = described[v] = self._describe(v)
             outs.append(d[:2] + d[4:])
-        return (node.op, repr(sorted((k, v) for k, v in node.params.items())), tuple(ins),
-                tuple(outs))
+        return (node.op, self._params_key(node.params), tuple(ins), tuple(outs))
+
+    _PLAIN = (tuple, int, str, bool, float, type(None))
+
+    def _params_key(self, params: Mapping[str, Any]) -> tuple:
+        """The primitive's parameters by name and repr (the reprs of other objects than
+        plain values -- dtypes, enums -- kept by identity: the same objects recur)."""
+        reprs, plain, out = self._reprs, self._PLAIN, []
+        for k, v in sorted(params.items()):
+            if isinstance(v, plain):
+                out.append((k, repr(v)))
+                continue
+            hit = reprs.get(id(v))
+            if hit is None:
+                hit = reprs[id(v)] = (v, repr(v))  # (v kept: its id is not reused)
+            out.append((k, hit[1]))
+        return tuple(out)
 
     def _describe(self, v: str) -> tuple:
         val = self.graph.values[v]
@@ -458,17 +493,7 @@ class Problem:
                given_splits: dict[str, tuple[int, ...]]) -> None:
         g, mesh = self.graph, self.mesh
         self._choice_cache: dict[tuple, Choice] = {}
-        interned: dict[tuple, int] = {}
-        described: dict[str, tuple] = {}
-        spec_of: list[OpSpec] = []
-        for node in g.nodes:
-            # signatures are interned to small ints: cheap to hash in every cache key; the
-            # loop nest depends on the signature only, so it is derived once per signature
-            sig = interned.setdefault(self._signature(node, described), len(interned))
-            if sig == len(spec_of):
-                spec_of.append(op_spec(node, g))
-            self._sig[node.name] = sig
-            self.specs[node.name] = spec_of[sig]
+        self._intern_signatures()
         for name in fixed:
             g.node(name)  # unknown names fail here, with suggestions
         for node in g.nodes:
@@ -488,47 +513,77 @@ class Problem:
                                     [Choice(lay.split_counts(mesh), (), (lay,),
                                             lay.used_axes())],
                                     **self._vertex_arrays([(0.0, 0.0, 0.0, mem)]), value=v))
-        # operators
-        no_arrays = self._vertex_arrays([])
+        self._op_vertices()
+        # parameters: the layouts their consumers want, plus replicated
+        self._add_param_vertices()
+        self._add_edges()
+
+    def _intern_signatures(self) -> None:
+        """Each operator's signature as a small int (cheap to hash in every cache key) and
+        its loop nest, derived once per signature (it depends on the signature only)."""
+        g, sig_of, specs = self.graph, self._sig, self.specs
+        interned: dict[tuple, int] = {}
+        described: dict[str, tuple] = {}
+        spec_of: list[OpSpec] = []
         for node in g.nodes:
-            if node.name in fixed_splits:
-                c = self._op_choice(node.name, fixed_splits[node.name])
-                self._add_vertex(Vertex(node.name, "op", [c], node=node,
+            sig = interned.setdefault(self._signature(node, described), len(interned))
+            if sig == len(spec_of):
+                spec_of.append(op_spec(node, g))
+            sig_of[node.name] = sig
+            specs[node.name] = spec_of[sig]
+
+    def _op_vertices(self) -> None:
+        """One vertex per operator: its fixed choice, no choices yet (``lazy``), or every
+        strategy of its signature (built once per signature)."""
+        fixed_splits, mesh = self.fixed, self.mesh
+        none = self._vertex_arrays([])  # (empty arrays, shared: never written in place)
+        empty = (none["cost"], none["compute"], none["comm"], none["grad_sync"],
+                 none["memory"])
+        index, vertices = self.index, self.vertices
+        for node in self.graph.nodes:
+            name = node.name
+            if name in fixed_splits:
+                c = self._op_choice(name, fixed_splits[name])
+                self._add_vertex(Vertex(name, "op", [c], node=node,
                                         **self._vertex_arrays([self.op_costs(node, c)])))
                 continue
-            if self.lazy:  # (empty arrays, shared: never written in place)
-                self._add_vertex(Vertex(node.name, "op", [], node=node, **no_arrays))
+            if self.lazy:
+                index[name] = len(vertices)
+                vertices.append(Vertex(name, "op", [], *empty, node))
                 continue
-            key = self._sig[node.name]
+            key = self._sig[name]
             cached = self._node_cache.get(key)
             if cached is None:
                 # small operators (biases, norms' scales, masks, losses) may also repeat
                 # their work on some axes, so they can match any neighbour cheaply
-                splits = enumerate_splits(self.specs[node.name], mesh.device_num,
+                splits = enumerate_splits(self.specs[name], mesh.device_num,
                                           not self.may_repeat(node))
-                choices = [self._op_choice(node.name, s) for s in splits]
+                choices = [self._op_choice(name, s) for s in splits]
                 arrays = self._vertex_arrays([self.op_costs(node, c) for c in choices])
                 cached = (choices, arrays)
                 self._node_cache[key] = cached
             choices, arrays = cached
-            self._add_vertex(Vertex(node.name, "op", list(choices), node=node,
+            self._add_vertex(Vertex(name, "op", list(choices), node=node,
                                     **{k: a for k, a in arrays.items()}))
-        # parameters: the layouts their consumers want, plus replicated
-        self._add_param_vertices()
-        # edges: producer (op or input vertex) -> consumer op, one per consumed value
-        for node in g.nodes:
-            vi = self.index[node.name]
+
+    def _add_edges(self) -> None:
+        """Producer (op or input vertex) -> consumer op, one edge per consumed value."""
+        values, index, vertices, edges = self.graph.values, self.index, self.vertices, \
+            self.edges
+        for node in self.graph.nodes:
+            vi = index[node.name]
             for j, v in enumerate(node.inputs):
-                val = g.values[v]
-                if val.kind in ("literal", "const"):
+                val = values[v]
+                kind = val.kind
+                if kind == "literal" or kind == "const":
                     continue
-                if val.kind == "activation" and val.producer is not None:
-                    ui = self.index[val.producer]
-                    out_index = self.vertices[ui].node.outputs.index(v)  # type: ignore
+                if kind == "activation" and val.producer is not None:
+                    ui = index[val.producer]
+                    out_index = vertices[ui].node.outputs.index(v)  # type: ignore
                 else:
-                    ui = self.index[("<param>" if val.kind == "param" else "<data>") + v]
+                    ui = index[("<param>" if kind == "param" else "<data>") + v]
                     out_index = 0
-                self.edges.append(Edge(ui, vi, v, j, out_index, self))
+                edges.append(Edge(ui, vi, v, j, out_index, self))
 
     def settle(self, splits: Mapping[int, tuple[int, ...]], *, params: bool = True
                ) -> list[int]:

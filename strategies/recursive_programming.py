@@ -62,7 +62,7 @@ def _candidates(problem: Problem, i: int, cur: Splits, p: int) -> list[Splits]:
     out = []
     for d in range(len(cur)):
         new = cur[:d] + (cur[d] * p,) + cur[d + 1:]
-        if legal_splits(spec, new, problem.mesh, (d,)):
+        if legal_splits(spec, new, problem.mesh, (d,), problem.axes_of):
             out.append(new)
     if not out or problem.may_repeat(problem.vertices[i].node):
         out.append(cur)  # not cutting: the operator repeats its work on this axis
@@ -72,6 +72,7 @@ def _candidates(problem: Problem, i: int, cur: Splits, p: int) -> list[Splits]:
 _MAX_RECUTS = 16  # re-cut passes at most (each lowers the objective; a few suffice)
 _MIN = np.minimum.reduce  # what ndarray.min computes, without its Python wrapper
 _SMALL_SUMS = 16_384      # node eliminations past this many sums: dynamic_programming's own
+_BATCH_PAIRS = 64         # cut matrices of this many layout pairs are priced at once
 
 
 def _moves(problem: Problem, i: int, cur: Splits) -> list[Splits]:
@@ -86,7 +87,7 @@ def _moves(problem: Problem, i: int, cur: Splits) -> list[Splits]:
     out = [cur]
 
     def offer(t: Splits, changed: tuple[int, ...]) -> None:
-        if t not in out and legal_splits(spec, t, mesh, changed):
+        if t not in out and legal_splits(spec, t, mesh, changed, problem.axes_of):
             out.append(t)
 
     for a in range(len(cur)):
@@ -119,9 +120,8 @@ class _Cut:
     computed), the operands kept alive with the result, for as long as the cut lives (across
     rounds); ``cost[x] + b`` is kept too (the pristine matrices of a deep network's blocks
     recur) and the minimum is numpy's ``minimum.reduce`` itself (what ``ndarray.min`` calls
-    through a Python wrapper). The replay backwards reads each choice from the argmin as a
-    list (one ``tolist`` per distinct array). The same operations on the same values as
-    ``eliminate``: the same picks."""
+    through a Python wrapper). The replay backwards reads each choice from its argmin. The same
+    operations on the same values as ``eliminate``: the same picks."""
 
     def __init__(self, order: Order) -> None:
         self.order = order
@@ -140,6 +140,7 @@ class _Cut:
             syz = slot.setdefault((y, z), len(slot))
             steps.append((x, y, z, sa, x > y, sb, x > z, syz, old))
         self.steps = steps
+        self.back = [(x, y, z) for x, y, z in reversed(order.steps)]
         self.n_slots = len(slot)
         self.survivors = [i for i in range(order.n) if i not in order.eliminated]
         self.arith = Memo(on=False)
@@ -148,7 +149,6 @@ class _Cut:
         self.sums: dict[tuple, tuple] = {}      # (a, b) -> (a + b, a, b)
         self.trans: dict[int, tuple] = {}       # id(m) -> (m.T, m)
         self.bcs: dict[tuple, tuple] = {}       # (cost, q, flip) -> (cost[:, None] + b, ...)
-        self.lists: dict[int, list] = {}        # id(argmin array) -> its tolist()
 
     def _pairs(self, mats: list[np.ndarray]) -> list:
         """Slot -> [S_lo, S_hi] of its links (parallel links summed in link order)."""
@@ -229,12 +229,8 @@ class _Cut:
         picks = [-1] * self.order.n
         for i in self.survivors:
             picks[i] = int(np.argmin(cost[i]))
-        lists = self.lists
-        for (x, y, z, *_), arg in zip(reversed(self.steps), reversed(args)):
-            lst = lists.get(id(arg))
-            if lst is None:
-                lst = lists[id(arg)] = arg.tolist()
-            picks[x] = lst[picks[y]] if z < 0 else lst[picks[y]][picks[z]]
+        for (x, y, z), arg in zip(self.back, reversed(args)):
+            picks[x] = arg.item(picks[y]) if z < 0 else arg.item(picks[y], picks[z])
         return picks
 
 
@@ -364,7 +360,7 @@ class _Rounds:
         key = (mp, spec.summed if out else None, cid)
         hit = self.layout_cache.get(key)
         if hit is None:
-            assign, summed = self.problem.mesh.assign, sorted(spec.summed) if out else ()
+            assign, summed = self.problem.axes_of, sorted(spec.summed) if out else ()
             lays = []
             for x in cands:
                 axes = assign(x)
@@ -387,8 +383,8 @@ class _Rounds:
         key = (problem._nbytes[value], problem.requires_grad[value], src, dst)
         m = self.by_layouts.get(key)
         if m is None:
-            m = self.by_layouts[key] = problem._edge_costs(value, self.layout_lists[src],
-                                                           self.layout_lists[dst])
+            m = self.by_layouts[key] = _edge_costs(problem, value, self.layout_lists[src],
+                                                   self.layout_lists[dst])
         return m
 
     def _op_matrices(self, mats: np.ndarray, cands: dict[int, list[Splits]],
@@ -504,6 +500,16 @@ class _Rounds:
         return {i: self.state_keys[st][1] for i, st in zip(self.ops, self.op_state.tolist())}
 
 
+def _edge_costs(problem: Problem, value: str, srcs: list[Layout],
+                dsts: list[Layout]) -> np.ndarray:
+    """[len(srcs), len(dsts)] ``Problem.edge_cost`` of ``value``: at once (numpy) for many
+    pairs, entry by entry for a few (the batch pricer costs more to set up than it saves)."""
+    if len(srcs) * len(dsts) >= _BATCH_PAIRS:
+        return problem._edge_costs(value, srcs, dsts)
+    cost = problem.edge_cost
+    return np.array([[cost(value, a, b) for b in dsts] for a in srcs])
+
+
 def _flatten(arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray,
                                                  np.ndarray]:
     """The distinct arrays of ``arrays`` (the blocks share them) raveled into one: (flat
@@ -580,7 +586,7 @@ def _read_layouts(problem: Problem, consumer, j: int) -> tuple[Layout, ...]:
     else:
         all_splits = enumerate_splits(problem.specs[name], problem.mesh.device_num,
                                       not problem.may_repeat(consumer.node))
-    mp, assign = problem.specs[name].in_maps[j], problem.mesh.assign
+    mp, assign = problem.specs[name].in_maps[j], problem.axes_of
     out: dict[Layout, None] = {}
     for s in all_splits:
         axes = assign(s)
@@ -619,8 +625,8 @@ def _pick_parameters(problem: Problem, picks: list[int]) -> None:
             key = (id(v.cost), problem._nbytes[e.value], problem.requires_grad[e.value], dst)
             col = columns.get(key)
             if col is None:
-                col = columns[key] = problem._edge_costs(
-                    e.value, [c.out_layouts[0] for c in v.choices], [dst])[:, 0]
+                col = columns[key] = _edge_costs(
+                    problem, e.value, [c.out_layouts[0] for c in v.choices], [dst])[:, 0]
             total = total + col
         picks[i] = int(np.argmin(total))
 
