@@ -26,29 +26,31 @@ measures how far from optimal it lands.
 
 Speed: every round's cut problem has the same structure (operators and data inputs, one link
 per consumed value), so the elimination order is found once (:class:`dynamic_programming.Order
-<autopar.strategies.dynamic_programming.Order>`); a round replays it with
-dynamic_programming's own :func:`eliminate <autopar.strategies.dynamic_programming.eliminate>`,
-the arithmetic of each elimination memoised on the identity of its input arrays
-(:class:`~autopar.strategies.dynamic_programming.Memo`) — the identical blocks of a deep
-network share their cost vectors and edge matrices, so most eliminations are computed once per
-round rather than once per block. The picks are exactly dynamic_programming's (the same
-operations on the same values, same ties).
-Operators are handled per state (signature, splits): candidates, costs and edge matrices are
-built once per distinct state, not per operator.
+<autopar.strategies.dynamic_programming.Order>`) and compiled (:class:`~autopar.strategies.
+cut_solver.CutSolver`); a round replays it with dynamic_programming's arithmetic, memoised on
+the identity of its operands — the identical blocks of a deep network share their cost vectors
+and edge matrices, so most eliminations are computed once, not once per block. The picks are
+exactly dynamic_programming's (the same operations on the same values, same ties).
+Operators are handled per state (signature, splits): candidates, cost vectors and link
+matrices are built once per distinct state, not per operator; an operator's price comes from
+its split counts (:mod:`~autopar.strategies.op_pricing`, kept per signature recipe and
+splits), a matrix from the two layout lists at its ends (links of different kinds share it),
+layouts from the tensor's map and the canonical axes. The cyclic garbage collector is paused
+(the search makes no cycles).
 """
 
 from __future__ import annotations
 
-import gc
 import math
 from typing import Callable
 
 import numpy as np
 
-from autopar.strategies.dynamic_programming import Memo, Order, eliminate
+from autopar.strategies.cut_solver import CutSolver
+from autopar.strategies.dynamic_programming import Memo, Order
 from autopar.strategies.layout import Layout, prime_factors
 from autopar.strategies.opspec import legal_splits
-from autopar.strategies.problem import Choice, Problem, enumerate_splits
+from autopar.strategies.problem import Choice, Problem, enumerate_splits, paused_gc
 
 __all__ = ["solve"]
 
@@ -70,8 +72,6 @@ def _candidates(problem: Problem, i: int, cur: Splits, p: int) -> list[Splits]:
 
 
 _MAX_RECUTS = 16  # re-cut passes at most (each lowers the objective; a few suffice)
-_MIN = np.minimum.reduce  # what ndarray.min computes, without its Python wrapper
-_SMALL_SUMS = 16_384      # node eliminations past this many sums: dynamic_programming's own
 _BATCH_PAIRS = 64         # cut matrices of this many layout pairs are priced at once
 
 
@@ -107,133 +107,6 @@ def _moves(problem: Problem, i: int, cur: Splits) -> list[Splits]:
     return out
 
 
-class _Cut:
-    """:func:`dynamic_programming.eliminate <autopar.strategies.dynamic_programming.eliminate>`
-    compiled for one :class:`Order` (the structure every round shares): the vertex pairs
-    get slots and each step its operands' slots, whether each is read transposed and
-    whether the edge it adds to exists yet -- all of which depend on the structure only --
-    so a round replays the steps with no dictionary of pairs and no tests.
-
-    The arithmetic is :class:`Memo`'s (``a^T + cost[x]``; ``a^T + (cost[x] + b)``, minimum
-    and first argmin over x), memoised here on the identity of the operands as stored (the
-    transposition a flag of the key: no transposed view is made unless the step is
-    computed), the operands kept alive with the result, for as long as the cut lives (across
-    rounds); ``cost[x] + b`` is kept too (the pristine matrices of a deep network's blocks
-    recur) and the minimum is numpy's ``minimum.reduce`` itself (what ``ndarray.min`` calls
-    through a Python wrapper). The replay backwards reads each choice from its argmin. The same
-    operations on the same values as ``eliminate``: the same picks."""
-
-    def __init__(self, order: Order) -> None:
-        self.order = order
-        slot: dict[tuple[int, int], int] = {}
-        self.singles = [(slot.setdefault(key, len(slot)), k) for key, k in order.singles]
-        self.multi = [(slot.setdefault(key, len(slot)), members)
-                      for key, members in order.multi]
-        steps = []
-        for x, y, z in order.steps:
-            sa = slot[min(x, y), max(x, y)]
-            if z < 0:
-                steps.append((x, y, -1, sa, x > y, -1, False, -1, False))
-                continue
-            sb = slot[min(x, z), max(x, z)]
-            old = (y, z) in slot
-            syz = slot.setdefault((y, z), len(slot))
-            steps.append((x, y, z, sa, x > y, sb, x > z, syz, old))
-        self.steps = steps
-        self.back = [(x, y, z) for x, y, z in reversed(order.steps)]
-        self.n_slots = len(slot)
-        self.survivors = [i for i in range(order.n) if i not in order.eliminated]
-        self.arith = Memo(on=False)
-        self.leaves: dict[tuple, tuple] = {}    # (p, flip, cost) -> (best, arg, operands)
-        self.middles: dict[tuple, tuple] = {}   # (p, flip, cost, q, flip) -> (best, arg, ...)
-        self.sums: dict[tuple, tuple] = {}      # (a, b) -> (a + b, a, b)
-        self.trans: dict[int, tuple] = {}       # id(m) -> (m.T, m)
-        self.bcs: dict[tuple, tuple] = {}       # (cost, q, flip) -> (cost[:, None] + b, ...)
-
-    def _pairs(self, mats: list[np.ndarray]) -> list:
-        """Slot -> [S_lo, S_hi] of its links (parallel links summed in link order)."""
-        pair: list = [None] * self.n_slots
-        for sl, k in self.singles:
-            pair[sl] = mats[k]
-        for sl, members in self.multi:
-            acc = None
-            for k, flip in members:
-                m = self._t(mats[k]) if flip else mats[k]
-                acc = m if acc is None else self._add(acc, m)
-            pair[sl] = acc
-        return pair
-
-    def _t(self, m: np.ndarray) -> np.ndarray:
-        """The transpose of ``m``, one object per array (so what is computed from it is
-        memoised across rounds)."""
-        hit = self.trans.get(id(m))
-        if hit is None:
-            hit = self.trans[id(m)] = (m.T, m)
-        return hit[0]
-
-    def _add(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        key = (id(a), id(b))
-        hit = self.sums.get(key)
-        if hit is None:
-            hit = self.sums[key] = (self.arith.add(a, b), a, b)
-        return hit[0]
-
-    def _leaf(self, p: np.ndarray, fa: bool, cx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """min / argmin over x of a^T + cx, a = [S_x, S_y] stored as ``p`` (``fa``: as p^T)."""
-        s = (p if fa else p.T) + cx[None, :]
-        return _MIN(s, axis=1), s.argmin(axis=1)
-
-    def _middle(self, p: np.ndarray, fa: bool, cx: np.ndarray, q: np.ndarray,
-                fb: bool) -> tuple[np.ndarray, np.ndarray]:
-        """min / argmin over x of a^T[s, x] + (cx[x] + b[x, u]), a = [S_x, S_y] stored as
-        ``p`` and b = [S_x, S_z] as ``q`` (each transposed when flagged)."""
-        a = p if fa else p.T
-        if a.shape[0] * q.size > _SMALL_SUMS:  # large: dynamic_programming's own layout
-            return self.arith.middle(a.T, cx, q.T if fb else q)
-        key = (id(cx), id(q), fb)
-        bc = self.bcs.get(key)
-        if bc is None:
-            bc = self.bcs[key] = (cx[:, None] + (q.T if fb else q), cx, q)
-        t = a[:, :, None] + bc[0][None, :, :]
-        return _MIN(t, axis=1), t.argmin(axis=1)
-
-    def solve(self, costs: list[np.ndarray], mats: list[np.ndarray], memo: Memo) -> list[int]:
-        """One choice per vertex, exactly ``eliminate(order, costs, mats, memo)``."""
-        if not self.order.reduces:
-            return eliminate(self.order, costs, mats, memo)
-        leaves, middles, add = self.leaves, self.middles, self._add
-        pair = self._pairs(mats)
-        cost = list(costs)
-        args = []
-        for x, y, z, sa, fa, sb, fb, syz, old in self.steps:
-            p, cx = pair[sa], cost[x]
-            if z < 0:  # leaf: cost[y] += min over x of (a^T + cost[x]), a = [S_x, S_y]
-                key = (id(p), fa, id(cx))
-                hit = leaves.get(key)
-                if hit is None:
-                    hit = leaves[key] = (*self._leaf(p, fa, cx), p, cx)
-                cost[y] = add(cost[y], hit[0])
-            else:      # middle: edge y-z += min over x of (a^T + cost[x] + b)
-                q = pair[sb]
-                key = (id(p), fa, id(cx), id(q), fb)
-                hit = middles.get(key)
-                if hit is None:
-                    hit = middles[key] = (*self._middle(p, fa, cx, q, fb), p, cx, q)
-                pair[syz] = add(pair[syz], hit[0]) if old else hit[0]
-            args.append(hit[1])
-        return self._replay(cost, args)
-
-    def _replay(self, cost: list[np.ndarray], args: list[np.ndarray]) -> list[int]:
-        """The survivors at their cheapest, then each eliminated vertex at its argmin given
-        its neighbours' picks, backwards."""
-        picks = [-1] * self.order.n
-        for i in self.survivors:
-            picks[i] = int(np.argmin(cost[i]))
-        for (x, y, z), arg in zip(self.back, reversed(args)):
-            picks[x] = arg.item(picks[y]) if z < 0 else arg.item(picks[y], picks[z])
-        return picks
-
-
 class _Rounds:
     """The cut problems of one solve: vertices (operators, then data inputs), links (one per
     consumed value; parameters follow at the end) and their elimination order, shared by
@@ -250,7 +123,7 @@ class _Rounds:
         self.data = [i for i, v in enumerate(verts) if v.kind == "data"]
         self.local = {i: k for k, i in enumerate(self.ops + self.data)}
         self.links = [e for e in problem.edges if verts[e.u].kind != "param"]
-        self.cut = _Cut(Order(len(self.local), [(self.local[e.u], self.local[e.v])
+        self.cut = CutSolver(Order(len(self.local), [(self.local[e.u], self.local[e.v])
                                                 for e in self.links]))
         self.state_keys: list[tuple] = []
         self.state_id: dict[tuple, int] = {}
@@ -636,13 +509,8 @@ def solve(problem: Problem) -> list[int]:
 
     The cyclic garbage collector is paused meanwhile: the search allocates many small
     objects and no cycles, and full collections over a traced graph cost more than the cut."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with paused_gc():
         return _solve(problem)
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _solve(problem: Problem) -> list[int]:

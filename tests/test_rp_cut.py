@@ -1,4 +1,4 @@
-"""recursive_programming's compiled cut (_Cut) replays dynamic_programming's elimination:
+"""recursive_programming's compiled cut (cut_solver.CutSolver) replays dynamic_programming's elimination:
 the same picks as ``eliminate`` on random cut problems (chains, extra, parallel and reversed
 links, many exact ties, arrays shared between vertices and links so the memo hits), round
 after round through one cut, and on large node eliminations."""
@@ -11,12 +11,14 @@ import numpy as np
 import pytest
 
 from autopar.strategies import dynamic_programming
-from autopar.strategies.recursive_programming import _Cut, _flatten
+from autopar.strategies.cut_solver import CutSolver
+from autopar.strategies.recursive_programming import _flatten
 
 
-def _random_cut(rng: random.Random, n: int, big: bool = False
+def _random_cut(rng: random.Random, n: int, big: bool = False, mixed: bool = False
                 ) -> tuple[list[np.ndarray], list[tuple]]:
-    sizes = [rng.randint(1, 4) if not big else rng.choice((1, 30, 40)) for _ in range(n)]
+    sizes = [rng.choice((1, 30, 40)) if big else rng.choice((2, 3, 6)) if mixed else
+             rng.randint(1, 4) for _ in range(n)]
     pool_v: dict[int, list[np.ndarray]] = {}
     pool_e: dict[tuple[int, int], list[np.ndarray]] = {}
 
@@ -48,7 +50,7 @@ def test_compiled_cut_equals_eliminate(seed):
     costs, links = _random_cut(rng, rng.randint(2, 16))
     order = dynamic_programming.Order(len(costs), [(u, v) for u, v, _ in links])
     mats = [m for _, _, m in links]
-    cut = _Cut(order)
+    cut = CutSolver(order)
     want = dynamic_programming.eliminate(order, costs, mats)
     assert cut.solve(costs, mats, dynamic_programming.Memo()) == want
     # again through the same cut (every step a memo hit), then with other arrays
@@ -66,8 +68,20 @@ def test_compiled_cut_equals_eliminate_on_large_eliminations(seed):
     costs, links = _random_cut(rng, 6, big=True)
     order = dynamic_programming.Order(len(costs), [(u, v) for u, v, _ in links])
     mats = [m for _, _, m in links]
-    assert _Cut(order).solve(costs, mats, dynamic_programming.Memo()) == \
+    assert CutSolver(order).solve(costs, mats, dynamic_programming.Memo()) == \
         dynamic_programming.eliminate(order, costs, mats)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_compiled_cut_equals_eliminate_with_mixed_sizes(seed):
+    rng = random.Random(seed)
+    costs, links = _random_cut(rng, rng.randint(3, 14), mixed=True)
+    order = dynamic_programming.Order(len(costs), [(u, v) for u, v, _ in links])
+    mats = [m for _, _, m in links]
+    cut = CutSolver(order)
+    want = dynamic_programming.eliminate(order, costs, mats)
+    assert cut.solve(costs, mats) == want
+    assert cut.solve(costs, mats) == want
 
 
 def test_irreducible_cut_uses_the_general_solver():
@@ -78,7 +92,7 @@ def test_irreducible_cut_uses_the_general_solver():
     order = dynamic_programming.Order(4, [(u, v) for u, v, _ in links])
     assert not order.reduces
     mats = [m for _, _, m in links]
-    assert _Cut(order).solve(costs, mats, dynamic_programming.Memo()) == \
+    assert CutSolver(order).solve(costs, mats, dynamic_programming.Memo()) == \
         dynamic_programming.eliminate(order, costs, mats)
 
 
