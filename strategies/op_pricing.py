@@ -31,8 +31,11 @@ round, and Layout objects were most of that.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Mapping, Sequence
+
+import numpy as np
 
 from autopar.graph.ir import Graph, Node
 from autopar.strategies.cost import BACKWARD_FACTOR, CostModel
@@ -42,6 +45,12 @@ from autopar.strategies.opspec import OpSpec, op_spec
 __all__ = ["Block", "OpRecipe", "OpPricer"]
 
 Splits = tuple[int, ...]
+
+
+@functools.lru_cache(maxsize=None)
+def _itemsize(dtype: str) -> int:
+    """``TensorSpec.itemsize`` per dtype name (numpy's dtype lookup is slow to repeat)."""
+    return np.dtype(dtype).itemsize
 
 
 class Block:
@@ -79,8 +88,8 @@ class OpRecipe:
     def __init__(self, graph: Graph, node: Node, spec: OpSpec,
                  requires_grad: Mapping[str, bool], fused: frozenset[str]) -> None:
         def block(v: str, dims: Sequence[int | None]) -> Block:
-            s = graph.spec(v)
-            return Block(s.shape, dims, s.itemsize)
+            s = graph.values[v].spec
+            return Block(s.shape, dims, _itemsize(s.dtype))
 
         ins = [block(v, mp) for v, mp in zip(node.inputs, spec.in_maps)]
         outs = [block(v, mp) for v, mp in zip(node.outputs, spec.out_maps)]

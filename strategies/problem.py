@@ -41,10 +41,17 @@ class Choice:
     in_layouts: tuple[Layout, ...]
     out_layouts: tuple[Layout, ...]
     used_axes: frozenset[str]
+    # (mesh, strategy) of the last strategy() (a choice is shared by the operators of one
+    # signature and splits: a plan asks once per operator)
+    _strategy: Any = field(default=None, compare=False, hash=False, repr=False)
 
     def strategy(self, mesh: DeviceMesh) -> tuple[tuple[int, ...], ...]:
         """MindSpore tuples: one per input, split count per dim."""
-        return tuple(lay.split_counts(mesh) for lay in self.in_layouts)
+        hit = self._strategy
+        if hit is None or hit[0] != mesh:
+            hit = (mesh, tuple(lay.split_counts(mesh) for lay in self.in_layouts))
+            object.__setattr__(self, "_strategy", hit)
+        return hit[1]
 
 
 @dataclass
@@ -309,7 +316,11 @@ class Problem:
             self.fused = fused_values(graph)
             self._op_pricer = OpPricer(graph, mesh, cost_model, self.requires_grad, self.fused,
                                        self.axes_of)
-            self._nbytes = {v: val.spec.nbytes for v, val in graph.values.items()}
+            itemsize: dict[str, int] = {}  # per dtype name (numpy's lookup is slow)
+            self._nbytes = {v: math.prod(val.spec.shape) * (
+                itemsize.get(val.spec.dtype) or itemsize.setdefault(val.spec.dtype,
+                                                                    val.spec.itemsize))
+                for v, val in graph.values.items()}
             self._build(dataset_strategy, dict(fixed or {}), dict(fixed_splits or {}))
 
     # ------------------------------------------------------------------ choices
@@ -348,8 +359,8 @@ class Problem:
     def may_repeat(self, node: Node) -> bool:
         """Whether the operator may leave devices repeating its work (product of splits below
         device_num): always without ``full_use``; otherwise only small operators."""
-        return not self.full_use or max(self.graph.spec(v).nbytes
-                                        for v in node.outputs) <= SMALL_OP_BYTES
+        return not self.full_use or max(self._nbytes[v] for v in node.outputs) <= \
+            SMALL_OP_BYTES
 
     def _signature(self, node: Node, described: dict[str, tuple] | None = None) -> tuple:
         """What an operator's strategies, costs and matrices depend on: kind, parameters,
@@ -786,24 +797,24 @@ class Problem:
     def evaluate(self, picks: Sequence[int]) -> Breakdown:
         """The cost breakdown of one choice index per vertex."""
         b = Breakdown(compute=self.cm.cluster.step_overhead)  # the step's launch
-        for vert, k in zip(self.vertices, picks):
-            b.compute += float(vert.compute[k])
-            b.communication += float(vert.comm[k])
-            b.gradient_sync += float(vert.grad_sync[k])
-            b.memory_bytes += float(vert.memory[k])
+        for vert, k in zip(self.vertices, picks):  # (item: the entry as a Python float)
+            b.compute += vert.compute.item(k)
+            b.communication += vert.comm.item(k)
+            b.gradient_sync += vert.grad_sync.item(k)
+            b.memory_bytes += vert.memory.item(k)
         b.redistribution = sum(self.pair_cost(e, picks[e.u], picks[e.v]) for e in self.edges)
         return b
 
     def pair_cost(self, e: Edge, a: int, b: int) -> float:
         """One entry of an edge's matrix, without building the matrix."""
         if e._matrix is not None:
-            return float(e._matrix[a, b])
+            return e._matrix.item(a, b)
         src = self.vertices[e.u].choices[a].out_layouts[e.out_index]
         dst = self.vertices[e.v].choices[b].in_layouts[e.in_index]
         return self.edge_cost(e.value, src, dst)
 
     def objective(self, picks: Sequence[int]) -> float:
-        total = sum(float(vert.cost[k]) for vert, k in zip(self.vertices, picks))
+        total = sum(vert.cost.item(k) for vert, k in zip(self.vertices, picks))
         return total + sum(self.pair_cost(e, picks[e.u], picks[e.v]) for e in self.edges)
 
     def iter_ops(self) -> Iterator[tuple[int, Vertex]]:

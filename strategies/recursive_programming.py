@@ -135,7 +135,7 @@ class _Rounds:
         self.interned: dict[tuple, int] = {}   # candidate lists -> small ints
         self.cands_of: dict[tuple, tuple[list[Splits], int]] = {}  # (state, round) -> cands
         self.cost_cache: dict[tuple, np.ndarray] = {}  # (signature, candidate list) -> costs
-        self.split_cost: dict[tuple, float] = {}  # (signature, splits) -> round cost
+        self.split_cost: dict[tuple, float] = {}  # (price recipe, splits) -> round cost
         self.cache: dict[object, np.ndarray] = {}  # link matrices
         self.layout_cache: dict[tuple, int] = {}  # (map, summed, candidates) -> list id
         self.layout_ids: dict[tuple[Layout, ...], int] = {}
@@ -179,24 +179,27 @@ class _Rounds:
         self.lk, self.lu, self.lv, self.lcode = (
             np.array([x[c] for x in op_links], dtype=np.int64) for c in range(4))
 
-    def _round_cost(self, node, splits: Splits) -> float:
-        """Operator cost of a candidate, plus what the parameters it reads cost in the layout
-        it wants (parameters follow their consumers): their optimizer update, and their
-        memory when memory is priced (memoised per signature and splits)."""
+    def _round_costs(self, node, cands: list[Splits]) -> np.ndarray:
+        """Per candidate: the operator's cost plus what the parameters it reads cost in the
+        layout it wants (parameters follow their consumers): their optimizer update, and
+        their memory when memory is priced (memoised per price recipe and splits)."""
         problem = self.problem
-        key = (problem._sig[node.name], splits)
-        hit = self.split_cost.get(key)
-        if hit is not None:
-            return hit
-        compute, comm, sync, mem = problem.split_costs(node.name, splits)
-        pricer = problem._op_pricer
-        recipe = pricer.recipe(key[0], node, problem.specs[node.name])
-        compute += pricer.update(recipe, splits)
-        if problem.memory_weight:
-            lays = problem.op_choice(node, splits).in_layouts
-            mem += sum([problem.param_memory(v, lays[j]) for j, v, _, _ in recipe.params])
-        hit = self.split_cost[key] = compute + comm + sync + problem.memory_weight * mem
-        return hit
+        pricer, weight = problem._op_pricer, problem.memory_weight
+        recipe = pricer.recipe(problem._sig[node.name], node, problem.specs[node.name])
+        done, out = self.split_cost, []
+        for splits in cands:
+            key = (recipe.klass, splits)
+            hit = done.get(key)
+            if hit is None:
+                compute, comm, sync, mem = pricer.costs(recipe, splits)
+                compute += pricer.update(recipe, splits)
+                if weight:
+                    lays = problem.op_choice(node, splits).in_layouts
+                    mem += sum([problem.param_memory(v, lays[j])
+                                for j, v, _, _ in recipe.params])
+                hit = done[key] = compute + comm + sync + weight * mem
+            out.append(hit)
+        return np.array(out)
 
     def _candidate_costs(self, candidates: Callable[[int, Splits], list[Splits]],
                          rkey: object) -> tuple[dict[int, list[Splits]], np.ndarray,
@@ -216,9 +219,7 @@ class _Rounds:
             cs, c = got
             cost = self.cost_cache.get((s, c))
             if cost is None:
-                node = verts[self.rep[st]].node
-                cost = self.cost_cache[s, c] = np.array([self._round_cost(node, x)
-                                                         for x in cs])
+                cost = self.cost_cache[s, c] = self._round_costs(verts[self.rep[st]].node, cs)
             cands[st], cid_of[st], cost_of[st] = cs, c, cost
         sub_cost = cost_of[self.op_state].tolist() + [self.no_cost] * len(self.data)
         return cands, cid_of, sub_cost
