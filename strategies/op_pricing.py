@@ -140,15 +140,16 @@ class OpPricer:
             r.klass = self._classes.setdefault(r.key, len(self._classes))
         return r
 
-    def missing(self, axes: tuple[tuple[str, ...], ...], refs: frozenset[int]
-                ) -> tuple[str, ...]:
-        """The axes an operator with ``axes`` per loop dim is split over that a tensor
-        following loop dims ``refs`` is not (in mesh order): where it is replicated."""
-        key = (axes, refs)
+    def missing(self, splits: Splits, refs: frozenset[int]) -> tuple[str, ...]:
+        """The axes an operator split ``splits`` is split over (canonical axes) that a
+        tensor following loop dims ``refs`` is not (in mesh order): where it is
+        replicated."""
+        key = (splits, refs)
         hit = self._missing.get(key)
         if hit is None:
-            have = {a for d in refs for a in axes[d]}
-            used = {a for ax in axes for a in ax}
+            axes = self.assign(splits)
+            have = {a for d in refs for a in axes[d]}  # type: ignore[index]
+            used = {a for ax in axes for a in ax}  # type: ignore[union-attr]
             hit = self._missing[key] = tuple(a for a in self.mesh.names
                                              if a in used and a not in have)
         return hit
@@ -174,9 +175,8 @@ class OpPricer:
                                   launch=r.launch) * r.factor
         comm = sync = 0.0
         if r.grads:
-            axes = self.assign(splits)
             for b, is_param in r.grads:
-                missing = self.missing(axes, b.refs)  # type: ignore[arg-type]
+                missing = self.missing(splits, b.refs)
                 if not missing:
                     continue
                 t = self.all_reduce(b.local_bytes(splits), missing)

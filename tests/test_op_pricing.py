@@ -82,6 +82,7 @@ def test_missing_axes_follow_the_mesh_order():
     g = _graph("mlp")
     problem = Problem(g, DeviceMesh.for_devices(8), CostModel(CLUSTERS["accelerator-8x"]),
                       lazy=True)
-    axes = (("a2",), ("a0", "a1"), ())
-    assert problem._op_pricer.missing(axes, frozenset({0})) == ("a0", "a1")
-    assert problem._op_pricer.missing(axes, frozenset({1})) == ("a2",)
+    splits = (2, 4, 1)  # canonical axes (("a0",), ("a1", "a2"), ())
+    assert problem._op_pricer.missing(splits, frozenset({0})) == ("a1", "a2")
+    assert problem._op_pricer.missing(splits, frozenset({1})) == ("a0",)
+    assert problem._op_pricer.missing(splits, frozenset({0, 1})) == ()
