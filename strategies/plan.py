@@ -8,13 +8,65 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from autopar.errors import AutoParallelError
 from autopar.strategies.layout import DeviceMesh, Layout
 from autopar.strategies.problem import Breakdown, Problem
 
-__all__ = ["NodeStrategy", "Plan"]
+if TYPE_CHECKING:
+    from autopar.graph.ir import Graph
+
+__all__ = ["Fingerprint", "NodeStrategy", "Plan"]
+
+
+class Fingerprint:
+    """The fingerprint of the graph a plan was searched on, hashed when first read.
+
+    Why lazy: hashing a graph's canonical structure costs ~3 / 10 / 30 ms at 4 / 16 / 48
+    tfm_stack blocks, a large share of a small search, while only strategy files and the
+    "searched on this graph?" checks read it. It holds the graph (a Graph never changes and
+    caches its own fingerprint, so the string is the one hashing at search time gave) or a
+    known string. Equal when both name the same graph object or their strings are equal (so a
+    plan's equality still includes its graph's fingerprint). Immutable: copies share it, and a
+    deep copy (``dataclasses.asdict`` of a holder) does not copy the graph.
+    """
+
+    __slots__ = ("_graph", "_value")
+
+    def __init__(self, source: "str | Graph") -> None:
+        self._graph = None if isinstance(source, str) else source
+        self._value = source if isinstance(source, str) else None
+
+    @property
+    def value(self) -> str:
+        """The 32 hex characters of ``Graph.fingerprint()`` (hashed now if not yet)."""
+        if self._value is None:
+            self._value = self._graph.fingerprint()
+        return self._value
+
+    def of(self, graph: "Graph") -> bool:
+        """Whether ``graph`` is the graph fingerprinted: the same object needs no hashing."""
+        return (self._graph is not None and self._graph is graph) or \
+            self.value == graph.fingerprint()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Fingerprint):
+            return NotImplemented
+        return (self._graph is not None and self._graph is other._graph) or \
+            self.value == other.value
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    def __copy__(self) -> "Fingerprint":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "Fingerprint":
+        return self
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,10 +81,15 @@ class NodeStrategy:
 
 @dataclass
 class Plan:
+    """A searched (or loaded) plan. ``fingerprint`` is its graph's, hashed only when read (see
+    :class:`Fingerprint`); construct with the graph or the string in that position. Plans are
+    equal when every compared field is, the graph fingerprint included (the same graph object
+    is equal without hashing); ``in_tree`` and ``cluster_config`` are not compared."""
+
     mode: str
     mesh: DeviceMesh
     cluster: str
-    fingerprint: str
+    graph_fingerprint: Fingerprint          # a str or Graph given here is wrapped
     nodes: dict[str, NodeStrategy]
     layouts: dict[str, Layout]              # every value: producer's (or input's) layout
     cost: Breakdown
@@ -49,6 +106,20 @@ class Plan:
     cluster_config: Any = field(default=None, repr=False, compare=False)  # the priced Cluster
     stages: dict[str, int] = field(default_factory=dict)  # pipeline stage per operator; absent = 0
     source: str = ""                        # the strategy file a loaded plan came from
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.graph_fingerprint, Fingerprint):
+            self.graph_fingerprint = Fingerprint(self.graph_fingerprint)
+
+    @property
+    def fingerprint(self) -> str:
+        """The searched graph's ``Graph.fingerprint()`` (the graph is hashed on first read)."""
+        return self.graph_fingerprint.value
+
+    def searched_on(self, graph: "Graph") -> bool:
+        """Whether this plan was searched on ``graph`` (by fingerprint; no hashing when it is
+        the very graph object searched)."""
+        return self.graph_fingerprint.of(graph)
 
     @property
     def device_num(self) -> int:
@@ -72,7 +143,7 @@ class Plan:
         for v, val in g.values.items():
             if v not in layouts:
                 layouts[v] = Layout.replicated(val.spec.rank)
-        return Plan(mode, mesh, problem.cm.cluster.name, g.fingerprint(), nodes,
+        return Plan(mode, mesh, problem.cm.cluster.name, Fingerprint(g), nodes,
                     dict(sorted(layouts.items())), problem.evaluate(picks),
                     problem.objective(picks), seconds, parameters=g.parameters(),
                     enable_alltoall=problem.enable_alltoall,
