@@ -28,6 +28,12 @@ leaves a non-negative float unchanged), so the coefficients are bit for bit thos
 vectorised planner does not take (an invalid layout, a partial sum the target would
 create, more than 15 mesh axes) return None and are priced one by one as before, which also
 raises the planner's errors.
+
+Small edges (recursive_programming's: a few to a few dozen pairs) are priced pair by pair by
+:class:`_Pair`, the same planner on the same codes with Python ints (:meth:`EdgePricer.pair`,
+:meth:`EdgePricer.small`): numpy's fixed cost per call is more than a whole plan of a few
+pairs, and planning ``Step`` objects and hashing them to price them cost twice as much per
+cold pair. It adds the same terms in the same order too (tests/test_edge_pricing.py).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ import numpy as np
 
 from autopar.strategies.cost import CostModel
 from autopar.strategies.layout import DeviceMesh, Layout
-from autopar.strategies.redistribution import STEP_KINDS, Step, transpose_step
+from autopar.strategies.redistribution import STEP_KINDS, Step, plan_steps, transpose_step
 
 __all__ = ["EdgePricer"]
 
@@ -110,9 +116,10 @@ class EdgePricer:
     for every pair of a list of sources and one of targets, computed together (see the
     module docstring); one per (mesh, cost model, enable_alltoall)."""
 
-    #: Edges with fewer pairs are priced pair by pair (numpy's fixed cost per call is more
-    #: than the planner's on a handful of pairs).
-    MIN_PAIRS = 64
+    #: Edges with fewer pairs are priced pair by pair (:meth:`small`): numpy's fixed cost
+    #: per call is more than :class:`_Pair` costs on a few hundred pairs (64 devices, cold
+    #: pairs: 16 pairs 2.5 ms at once against 0.7 ms one by one, 256 pairs 5.3 against 4.7).
+    MIN_PAIRS = 256
 
     def __init__(self, mesh: DeviceMesh, cm: CostModel, enable_alltoall: bool) -> None:
         self.mesh, self.cm, self.enable_alltoall = mesh, cm, enable_alltoall
@@ -132,6 +139,14 @@ class EdgePricer:
         self._codes: dict[Layout, tuple | None] = {}
         self._tables: dict[bool, _Tables] = {}
         self._grids: dict[tuple, Coefficients | None] = {}
+        # the one-pair path (:meth:`pair`): the same fractions and digit masks as Python
+        # numbers, each (kind, axes mask)'s collective terms per backward (made when met)
+        self._frac, self._low = self.fraction.tolist(), self.low.tolist()
+        self._rounds = 4 * k + 4
+        self._parts: tuple[dict, dict] = ({}, {})
+        self._ids: dict[Layout, int] = {}        # layout -> its number (from 1)
+        self._pairs: tuple[dict, dict] = ({}, {})  # per grad: (numbers) -> coefficients
+        self._scalars: dict[Layout, tuple | None] = {}
 
     def tables(self, backward: bool) -> _Tables:
         hit = self._tables.get(backward)
@@ -210,6 +225,101 @@ class EdgePricer:
             return None  # did not converge: plan_steps raises
         return (run.lat.reshape(len(srcs), len(dsts)),
                 run.per_byte.reshape(len(srcs), len(dsts)), run.knees)
+
+    def small(self, srcs: Sequence[Layout], dsts: Sequence[Layout], grad: bool,
+              nbytes: float) -> np.ndarray:
+        """The [S, D] seconds of a small edge, entry by entry as :meth:`Problem.edge_cost
+        <autopar.strategies.problem.Problem.edge_cost>` computes them (0 for equal layouts,
+        else :meth:`CostModel.steps_seconds` of :meth:`coef`). The layouts are numbered once
+        per edge and the pairs kept by number: hashing two layouts per entry was most of the
+        cost of an entry already priced."""
+        ids = self._ids
+        si = [ids.get(x) or self._number(x) for x in srcs]
+        di = [ids.get(x) or self._number(x) for x in dsts]
+        cache, rows = self._pairs[grad], []
+        for i, src in zip(si, srcs):
+            row = []
+            for j, dst in zip(di, dsts):
+                if i == j:
+                    row.append(0.0)
+                    continue
+                coef = cache.get((i, j))
+                if coef is None:
+                    coef = cache[i, j] = self._coef(src, dst, grad)
+                a, b, terms = coef
+                t = a + b * nbytes
+                for frac, knee, extra in terms:
+                    t += extra * max(0.0, frac * nbytes - knee)
+                row.append(t)
+            rows.append(row)
+        return np.array(rows, dtype=np.float64).reshape(len(srcs), len(dsts))
+
+    def coef(self, src: Layout, dst: Layout, grad: bool) -> tuple:
+        """:meth:`CostModel.coefficients` of ``plan_steps(src, dst, ...)`` (kept)."""
+        ids = self._ids
+        key = (ids.get(src) or self._number(src), ids.get(dst) or self._number(dst))
+        coef = self._pairs[grad].get(key)
+        if coef is None:
+            coef = self._pairs[grad][key] = self._coef(src, dst, grad)
+        return coef
+
+    def _number(self, lay: Layout) -> int:
+        """A new layout's number (from 1) and its codes for :class:`_Pair`."""
+        n = self._ids[lay] = len(self._ids) + 1
+        return n
+
+    def _coef(self, src: Layout, dst: Layout, grad: bool) -> tuple:
+        """:meth:`pair`, or the planner's steps priced by the cost model where it does not
+        take the pair (which also raises the planner's errors)."""
+        coef = self.pair(src, dst, grad)
+        if coef is None:
+            coef = self.cm.coefficients(plan_steps(src, dst, self.mesh, self.enable_alltoall),
+                                        self.mesh, backward=grad)
+        return coef
+
+    def pair(self, src: Layout, dst: Layout, grad: bool
+             ) -> tuple[float, float, tuple[tuple[float, float, float], ...]] | None:
+        """:meth:`CostModel.coefficients` of ``plan_steps(src, dst, ...)`` for one pair, bit
+        for bit, planned by :class:`_Pair` (no Step built, no numpy), or None: a pair the
+        planner raises on or the codes do not take (then ask the planner)."""
+        es, ed = self._scalar(src), self._scalar(dst)
+        if es is None or ed is None or len(es[0]) != len(ed[0]):
+            return None
+        plan = _Pair(self, es, ed)
+        if not plan.plan(es[3], ed[3], self.enable_alltoall, self._rounds):
+            return None
+        parts_of = self._parts[grad]
+        a = b = 0.0
+        terms = []
+        for kind, mask, frac, _ in plan.steps:  # CostModel.coefficients' sums, in its order
+            parts = parts_of.get((kind, mask))
+            if parts is None:
+                axes = tuple(n for i, n in enumerate(self.mesh.names) if mask >> i & 1)
+                parts = parts_of[kind, mask] = self.cm._step_parts(
+                    Step(kind, axes, 0, src_dim=1), self.mesh, grad)
+            for ka, kb, knee, extra in parts:
+                a += ka
+                b += kb * frac
+                if extra:
+                    terms.append((frac, knee, extra))
+        return a, b, tuple(terms)
+
+    def _scalar(self, lay: Layout) -> tuple | None:
+        """(per dim codes, lengths, masks; partial mask; used mask) of :meth:`encode`, or
+        None; never modified (:class:`_Pair` copies a source's)."""
+        hit = self._scalars.get(lay, False)
+        if hit is False:
+            e = self.encode(lay) if self.ok else None
+            if e is not None:
+                used = 0
+                for x in e[0]:
+                    used |= x[2]
+                hit = ([x[0] for x in e[0]], [x[1] for x in e[0]], [x[2] for x in e[0]],
+                       e[1], used)  # (lists: a target's are compared with the state's)
+            else:
+                hit = None
+            self._scalars[lay] = hit
+        return hit
 
     @staticmethod
     def seconds(coef: Coefficients, nbytes: float) -> np.ndarray:
@@ -527,3 +637,156 @@ def _or(masks: Sequence[np.ndarray], n: int) -> np.ndarray:
     for m in masks:
         out = out | m
     return out
+
+
+class _Pair:
+    """The planner on one pair, with Python ints: :class:`_Run`'s state (per dim the code,
+    length and axis mask of the current and target axes) for a single pair, the steps kept
+    as (kind, axes mask, fraction, dim) and priced at the end. For the few pairs of a small
+    edge numpy's fixed cost per call is more than the whole plan, and building
+    :class:`~autopar.strategies.redistribution.Step` objects and hashing them to price them
+    (:meth:`CostModel.coefficients`) was most of a pair's cold cost."""
+
+    __slots__ = ("c", "ln", "m", "w", "wl", "wm", "ok", "used", "wanted", "steps", "frac",
+                 "low")
+
+    def __init__(self, pricer: EdgePricer, es: tuple, ed: tuple) -> None:
+        self.frac, low = pricer._frac, pricer._low
+        self.low = low
+        self.c, self.ln, self.m = list(es[0]), list(es[1]), list(es[2])
+        w, wl = ed[0], ed[1]
+        self.w, self.wl, self.wm = w, wl, ed[2]
+        self.ok = [n <= wl[d] and w[d] & low[n] == c for d, (c, n) in
+                   enumerate(zip(es[0], es[1]))]
+        self.used, self.wanted = es[4], ed[4]
+        self.steps: list[tuple[str, int, float, int]] = []
+
+    def plan(self, src_partial: int, dst_partial: int, alltoall: bool, rounds: int) -> bool:
+        """The planner's ``plan_steps``; False where it raises (the caller then asks it)."""
+        if dst_partial & ~src_partial:
+            return False
+        if src_partial:
+            self.resolve_partials(src_partial & ~dst_partial)
+        c, w, ok = self.c, self.w, self.ok
+        early_done = False
+        for _ in range(rounds):
+            if c == w:
+                return True
+            if alltoall and self.all_to_all():
+                continue
+            if False in ok:
+                if not early_done:
+                    early_done = True
+                    if self.early_slices():
+                        continue
+                self.gather(ok.index(False))
+                continue
+            for d in range(len(c)):
+                if self.ln[d] < self.wl[d]:
+                    self.slice(d, self.wm[d] & ~self.m[d])
+        return False
+
+    def next_run(self, d: int, allowed: int) -> int:
+        """The mask of the longest run of want[d]'s next axes all in ``allowed``."""
+        w, take = self.w[d], 0
+        for j in range(self.ln[d], self.wl[d]):
+            bit = 1 << (((w >> (_BITS * j)) & 15) - 1)
+            if not allowed & bit:
+                break
+            take |= bit
+        return take
+
+    def add(self, d: int, mask: int) -> None:
+        """Split dim ``d`` further over want[d]'s next axes ``mask`` (it stays on its way)."""
+        n = self.ln[d] = self.ln[d] + mask.bit_count()
+        self.c[d] = self.w[d] & self.low[n]
+        self.m[d] |= mask
+        self.used |= mask
+
+    def pop(self, d: int) -> int:
+        """Take cur[d]'s innermost axis off; its digit."""
+        n = self.ln[d] - 1
+        digit = (self.c[d] >> (_BITS * n)) & 15
+        bit = 1 << (digit - 1)
+        c = self.c[d] = self.c[d] & self.low[n]
+        self.ln[d] = n
+        self.m[d] &= ~bit
+        self.used &= ~bit
+        self.ok[d] = n <= self.wl[d] and self.w[d] & self.low[n] == c
+        return digit
+
+    def wants_next(self, d: int, digit: int) -> bool:
+        n = self.ln[d]
+        return self.ok[d] and n < self.wl[d] and (self.w[d] >> (_BITS * n)) & 15 == digit
+
+    def slice(self, d: int, mask: int) -> None:
+        """Split ``d`` locally; merged into a slice of the same dim just before it (which
+        keeps its own fraction)."""
+        steps = self.steps
+        if steps and steps[-1][0] == "slice" and steps[-1][3] == d:
+            last = steps[-1]
+            steps[-1] = ("slice", last[1] | mask, last[2], d)
+        else:
+            steps.append(("slice", mask, self.frac[self.used], d))
+        self.add(d, mask)
+
+    def resolve_partials(self, pending: int) -> None:
+        allowed, takes = pending & ~self.used, []
+        for d in range(len(self.c)):
+            take = self.next_run(d, allowed) if self.ok[d] else 0
+            if take:
+                takes.append((d, take))
+                pending &= ~take
+        if pending:
+            self.steps.append(("all_reduce", pending, self.frac[self.used], -1))
+        for d, take in takes:
+            before = self.frac[self.used]
+            self.add(d, take)
+            self.steps.append(("reduce_scatter", take, before, d))
+
+    def all_to_all(self) -> bool:
+        for d1 in range(len(self.c)):
+            if not self.ln[d1] or self.ok[d1]:
+                continue
+            digit = (self.c[d1] >> (_BITS * (self.ln[d1] - 1))) & 15
+            for d2 in range(len(self.c)):
+                if d2 != d1 and self.wants_next(d2, digit):
+                    before = self.frac[self.used]
+                    self.pop(d1)
+                    bit = 1 << (digit - 1)
+                    self.add(d2, bit)
+                    self.steps.append(("all_to_all", bit, before, d2))
+                    return True
+        return False
+
+    def early_slices(self) -> bool:
+        moved = False
+        for d in range(len(self.c)):
+            if self.ok[d]:
+                add = self.next_run(d, ~self.used)
+                if add:
+                    self.slice(d, add)
+                    moved = True
+        return moved
+
+    def gather(self, d: int) -> None:
+        c, w = self.c[d], self.w[d]
+        diff = c ^ w
+        k = ((diff & -diff).bit_length() - 1) // _BITS
+        gone = self.m[d]
+        for j in range(k):
+            gone &= ~(1 << (((c >> (_BITS * j)) & 15) - 1))
+        if not gone & self.wanted:
+            self.c[d], self.ln[d], self.ok[d] = c & self.low[k], k, True
+            self.m[d] &= ~gone
+            self.used &= ~gone
+            self.steps.append(("all_gather", gone, self.frac[self.used], d))
+            return
+        digit = self.pop(d)
+        self.steps.append(("all_gather", 1 << (digit - 1), self.frac[self.used], d))
+        if False not in self.ok:
+            return
+        for d2 in range(len(self.c)):
+            if d2 != d and self.wants_next(d2, digit):
+                self.slice(d2, 1 << (digit - 1))
+                return

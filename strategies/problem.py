@@ -25,10 +25,10 @@ from autopar.errors import AutoParallelError
 from autopar.graph.ir import Graph, Node
 from autopar.graph.ops import FUSED_PRODUCERS, FUSING_READERS, KINDS, NO_GRADIENT
 from autopar.strategies.cost import CostModel
+from autopar.strategies.edge_pricing import EdgePricer
 from autopar.strategies.layout import DeviceMesh, Layout
 from autopar.strategies.op_pricing import OpPricer
 from autopar.strategies.opspec import OpSpec, legal_splits, op_spec, tensor_spec
-from autopar.strategies.redistribution import plan_steps
 
 __all__ = ["Choice", "Vertex", "Edge", "Problem", "Breakdown"]
 
@@ -458,10 +458,12 @@ class Problem:
         return CostModel.steps_seconds(coef, self._nbytes[value])
 
     def _pair_coefficients(self, src: Layout, dst: Layout, grad: bool) -> tuple:
-        """:meth:`CostModel.coefficients` of the steps from ``src`` to ``dst`` (kept)."""
-        steps = plan_steps(src, dst, self.mesh, self.enable_alltoall)
-        coef = self._pair_cache[(src, dst, grad)] = self.cm.coefficients(
-            steps, self.mesh, backward=grad)
+        """:meth:`CostModel.coefficients` of the steps from ``src`` to ``dst`` (kept): from
+        :meth:`EdgePricer.pair <autopar.strategies.edge_pricing.EdgePricer.pair>` (the same
+        planner on bit masks, bit for bit the same numbers at half the cold cost: a search
+        prices about a thousand distinct pairs per process), else (layouts it does not
+        take) from the planner's steps, which also raises its errors."""
+        coef = self._pair_cache[(src, dst, grad)] = self._edge_pricer().coef(src, dst, grad)
         return coef
 
     # ------------------------------------------------------------------ build
@@ -714,46 +716,25 @@ class Problem:
         return m
 
     def _edge_costs(self, value: str, srcs: list[Layout], dsts: list[Layout]) -> np.ndarray:
-        """[len(srcs), len(dsts)] :meth:`edge_cost` of ``value``, entry by entry the same
-        arithmetic: ``a + b * nbytes`` over the arrays of the pairs' coefficients, then the
-        knee terms of the few pairs that have some. The coefficients of a large edge come
-        from :meth:`_edge_pricer` (every pair planned at once, bit for bit the same), of a
-        small one (or of layouts it does not take) pair by pair."""
-        grad, nbytes, cache = self.requires_grad[value], self._nbytes[value], self._pair_cache
+        """[len(srcs), len(dsts)] :meth:`edge_cost` of ``value``, bit for bit. A large edge's
+        coefficients come from :meth:`_edge_pricer` all at once (numpy: ``a + b * nbytes``
+        over the arrays, then the knee terms of the few pairs that have some); a small one's
+        (or one of layouts the batch does not take) pair by pair from the same pricer's
+        :meth:`~autopar.strategies.edge_pricing.EdgePricer.small` (numpy's fixed cost per
+        call is more than a handful of pairs cost)."""
+        grad, nbytes = self.requires_grad[value], self._nbytes[value]
         pricer = self._edge_pricer()
         if len(srcs) * len(dsts) >= pricer.MIN_PAIRS:
             coef = pricer.coefficients(srcs, dsts, grad)
             if coef is not None:
                 return pricer.seconds(coef, nbytes)
-        lat = np.zeros((len(srcs), len(dsts)))
-        per_byte = np.zeros((len(srcs), len(dsts)))
-        knees = []
-        for a, src in enumerate(srcs):
-            lat_row, byte_row = lat[a], per_byte[a]
-            for b, dst in enumerate(dsts):
-                if src == dst:
-                    continue
-                coef = cache.get((src, dst, grad))
-                if coef is None:
-                    coef = self._pair_coefficients(src, dst, grad)
-                lat_row[b], byte_row[b], terms = coef
-                if terms:
-                    knees.append((a, b, terms))
-        m = lat + per_byte * nbytes
-        for a, b, terms in knees:
-            t = m[a, b]
-            for frac, knee, extra in terms:
-                t += extra * max(0.0, frac * nbytes - knee)
-            m[a, b] = t
-        return m
+        return pricer.small(srcs, dsts, grad, nbytes)
 
     def _edge_pricer(self) -> Any:
         """The problem's :class:`~autopar.strategies.edge_pricing.EdgePricer` (made on first
         use; it keeps the layouts' codes and the edges' coefficients)."""
         pricer = self.__dict__.get("_pricer")
         if pricer is None:
-            from autopar.strategies.edge_pricing import EdgePricer
-
             pricer = self._pricer = EdgePricer(self.mesh, self.cm, self.enable_alltoall)
         return pricer
 

@@ -72,7 +72,6 @@ def _candidates(problem: Problem, i: int, cur: Splits, p: int) -> list[Splits]:
 
 
 _MAX_RECUTS = 16  # re-cut passes at most (each lowers the objective; a few suffice)
-_BATCH_PAIRS = 64         # cut matrices of this many layout pairs are priced at once
 
 
 def _moves(problem: Problem, i: int, cur: Splits) -> list[Splits]:
@@ -376,12 +375,9 @@ class _Rounds:
 
 def _edge_costs(problem: Problem, value: str, srcs: list[Layout],
                 dsts: list[Layout]) -> np.ndarray:
-    """[len(srcs), len(dsts)] ``Problem.edge_cost`` of ``value``: at once (numpy) for many
-    pairs, entry by entry for a few (the batch pricer costs more to set up than it saves)."""
-    if len(srcs) * len(dsts) >= _BATCH_PAIRS:
-        return problem._edge_costs(value, srcs, dsts)
-    cost = problem.edge_cost
-    return np.array([[cost(value, a, b) for b in dsts] for a in srcs])
+    """[len(srcs), len(dsts)] ``Problem.edge_cost`` of ``value`` (``Problem._edge_costs``:
+    at once (numpy) for many pairs, pair by pair for a few)."""
+    return problem._edge_costs(value, srcs, dsts)
 
 
 def _flatten(arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray,

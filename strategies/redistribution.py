@@ -17,9 +17,10 @@ transposes) and the lowering (whether it communicates) read the record; the ``ja
 of each kind lives in :mod:`autopar.lower` (execution stays above planning), keyed by the same
 kind. A new kind is a record here, the code of :func:`plan_steps` that emits it, and its
 lowering rule (tests/test_registry.py checks both tables cover the same kinds). The search
-prices layout pairs with a vectorised twin of the planner,
-:mod:`autopar.strategies.edge_pricing`: a change to the planner is made there too
-(tests/test_edge_pricing.py compares the two on random pairs, bit for bit).
+prices layout pairs with twins of the planner in :mod:`autopar.strategies.edge_pricing`
+(a vectorised one for large edges, one on Python ints for small ones): a change to the planner
+is made in both too (tests/test_edge_pricing.py compares them with it on random pairs, bit
+for bit).
 
 With ``enable_alltoall=False`` a move is all_gather + slice, as MindSpore does.
 ``nbytes`` is the per-device byte count the collective formula uses: the gathered (output)

@@ -135,3 +135,49 @@ def test_search_matrices_equal_pair_by_pair(model, devices, alltoall):
                                for a in cu]).reshape(len(cu), len(cv))
         assert np.array_equal(e.matrix, one_by_one), e.value
     assert batched
+
+
+@settings(max_examples=400, deadline=None)
+@given(edges(), st.sampled_from(sorted(_CLUSTERS)), st.booleans(), st.booleans())
+def test_one_pair_coefficients_equal_the_planners(case, cluster, grad, alltoall):
+    """The one-pair path (:meth:`EdgePricer.pair`, the planner on Python ints, which prices
+    small edges) gives the planner's coefficients bit for bit, and None exactly where the
+    planner raises; :meth:`EdgePricer.small` gives ``Problem.edge_cost``'s seconds."""
+    mesh, srcs, dsts = case
+    cm = CostModel(_CLUSTERS[cluster])
+    pricer = EdgePricer(mesh, cm, alltoall)
+    want = {}
+    for s in srcs:
+        for t in dsts:
+            try:
+                want[s, t] = cm.coefficients(plan_steps(s, t, mesh, alltoall), mesh,
+                                             backward=grad)
+            except AutoParallelError:
+                want[s, t] = None
+            assert pricer.pair(s, t, grad) == want[s, t], (str(s), str(t))
+    nbytes = 3 * 2**20 + 7
+    if None in [want[s, t] for s in srcs for t in dsts if s != t]:
+        with pytest.raises(AutoParallelError):
+            pricer.small(srcs, dsts, grad, nbytes)
+        return
+    seconds = pricer.small(srcs, dsts, grad, nbytes)
+    assert seconds.shape == (len(srcs), len(dsts))
+    for i, s in enumerate(srcs):
+        for j, t in enumerate(dsts):
+            assert seconds[i, j] == (0.0 if s == t else
+                                     CostModel.steps_seconds(want[s, t], nbytes))
+
+
+def test_layouts_the_codes_do_not_take_are_planned_one_by_one():
+    """A layout using an axis twice has no code: its pairs are the planner's (kept)."""
+    mesh = DeviceMesh.for_devices(8)
+    cm = CostModel(CLUSTERS["accelerator-8x"])
+    pricer = EdgePricer(mesh, cm, False)
+    twice, fine = Layout((("a0",), ("a0",))), Layout((("a0",), ()))
+    assert pricer.pair(twice, fine, True) is None
+    want = cm.coefficients(plan_steps(twice, fine, mesh, False), mesh, backward=True)
+    assert pricer.coef(twice, fine, True) == want
+    assert pricer.small([twice, fine], [fine], True, 1e6)[0, 0] == CostModel.steps_seconds(
+        want, 1e6)
+    with pytest.raises(AutoParallelError):  # a target creating a partial sum
+        pricer.small([fine], [Layout(((), ()), ("a1",))], False, 1e6)
