@@ -147,6 +147,8 @@ class EdgePricer:
         self._ids: dict[Layout, int] = {}        # layout -> its number (from 1)
         self._pairs: tuple[dict, dict] = ({}, {})  # per grad: (numbers) -> coefficients
         self._scalars: dict[Layout, tuple | None] = {}
+        self._enc: list[tuple | None] = [None]  # per layout number: its _scalar codes
+        self._shapes: tuple[dict, dict] = ({}, {})  # per grad: pair's split dims -> coef
 
     def tables(self, backward: bool) -> _Tables:
         hit = self._tables.get(backward)
@@ -245,7 +247,7 @@ class EdgePricer:
                     continue
                 coef = cache.get((i, j))
                 if coef is None:
-                    coef = cache[i, j] = self._coef(src, dst, grad)
+                    coef = cache[i, j] = self._coef(i, j, src, dst, grad)
                 a, b, terms = coef
                 t = a + b * nbytes
                 for frac, knee, extra in terms:
@@ -257,21 +259,22 @@ class EdgePricer:
     def coef(self, src: Layout, dst: Layout, grad: bool) -> tuple:
         """:meth:`CostModel.coefficients` of ``plan_steps(src, dst, ...)`` (kept)."""
         ids = self._ids
-        key = (ids.get(src) or self._number(src), ids.get(dst) or self._number(dst))
-        coef = self._pairs[grad].get(key)
+        i, j = ids.get(src) or self._number(src), ids.get(dst) or self._number(dst)
+        coef = self._pairs[grad].get((i, j))
         if coef is None:
-            coef = self._pairs[grad][key] = self._coef(src, dst, grad)
+            coef = self._pairs[grad][i, j] = self._coef(i, j, src, dst, grad)
         return coef
 
     def _number(self, lay: Layout) -> int:
-        """A new layout's number (from 1) and its codes for :class:`_Pair`."""
+        """A new layout's number (from 1), its :meth:`_scalar` codes kept by number."""
         n = self._ids[lay] = len(self._ids) + 1
+        self._enc.append(self._scalar(lay))
         return n
 
-    def _coef(self, src: Layout, dst: Layout, grad: bool) -> tuple:
-        """:meth:`pair`, or the planner's steps priced by the cost model where it does not
-        take the pair (which also raises the planner's errors)."""
-        coef = self.pair(src, dst, grad)
+    def _coef(self, i: int, j: int, src: Layout, dst: Layout, grad: bool) -> tuple:
+        """:meth:`pair` of layouts numbered ``i`` and ``j``, or the planner's steps priced by
+        the cost model where it does not take the pair (which also raises its errors)."""
+        coef = self._pair(self._enc[i], self._enc[j], grad)
         if coef is None:
             coef = self.cm.coefficients(plan_steps(src, dst, self.mesh, self.enable_alltoall),
                                         self.mesh, backward=grad)
@@ -282,9 +285,25 @@ class EdgePricer:
         """:meth:`CostModel.coefficients` of ``plan_steps(src, dst, ...)`` for one pair, bit
         for bit, planned by :class:`_Pair` (no Step built, no numpy), or None: a pair the
         planner raises on or the codes do not take (then ask the planner)."""
-        es, ed = self._scalar(src), self._scalar(dst)
+        return self._pair(self._scalar(src), self._scalar(dst), grad)
+
+    def _pair(self, es: tuple | None, ed: tuple | None, grad: bool) -> tuple | None:
+        """:meth:`pair` of two layouts' :meth:`_scalar` codes, kept per the pair's dims that
+        are split on either side (codes, in order) and partial masks: a dim replicated on
+        both sides takes no step and holds no axis, so it changes nothing (the prices do
+        not depend on which dim a step acts on), and pairs of tensors of other ranks often
+        plan alike (a third to a half of the pairs of a search)."""
         if es is None or ed is None or len(es[0]) != len(ed[0]):
             return None
+        key = (tuple([x for x in zip(es[0], ed[0]) if x[0] or x[1]]), es[3], ed[3])
+        shapes = self._shapes[grad]
+        coef = shapes.get(key, False)
+        if coef is False:
+            coef = shapes[key] = self._plan_pair(es, ed, grad)
+        return coef
+
+    def _plan_pair(self, es: tuple, ed: tuple, grad: bool) -> tuple | None:
+        """:meth:`pair` of two layouts' :meth:`_scalar` codes, planned."""
         plan = _Pair(self, es, ed)
         if not plan.plan(es[3], ed[3], self.enable_alltoall, self._rounds):
             return None
