@@ -735,6 +735,7 @@ class _Pair:
         return digit
 
     def wants_next(self, d: int, digit: int) -> bool:
+        """Whether dim ``d`` is on its way to the target and takes axis ``digit`` next."""
         n = self.ln[d]
         return self.ok[d] and n < self.wl[d] and (self.w[d] >> (_BITS * n)) & 15 == digit
 
@@ -750,6 +751,8 @@ class _Pair:
         self.add(d, mask)
 
     def resolve_partials(self, pending: int) -> None:
+        """The planner's ``resolve_partials``: a reduce_scatter into each dim on its way
+        whose next axes are pending partial axes no dim uses, an all_reduce of the rest."""
         allowed, takes = pending & ~self.used, []
         for d in range(len(self.c)):
             take = self.next_run(d, allowed) if self.ok[d] else 0
@@ -764,6 +767,8 @@ class _Pair:
             self.steps.append(("reduce_scatter", take, before, d))
 
     def all_to_all(self) -> bool:
+        """The planner's ``all_to_all``: the first dim off its target moves its innermost
+        axis to a dim that takes it next; whether one moved."""
         for d1 in range(len(self.c)):
             if not self.ln[d1] or self.ok[d1]:
                 continue
@@ -779,6 +784,8 @@ class _Pair:
         return False
 
     def early_slices(self) -> bool:
+        """The planner's ``early_slices``: each dim on its way slices its next axes no dim
+        uses; whether one did."""
         moved = False
         for d in range(len(self.c)):
             if self.ok[d]:
@@ -789,6 +796,9 @@ class _Pair:
         return moved
 
     def gather(self, d: int) -> None:
+        """The planner's ``gather`` of dim ``d``: one all_gather of its axes past the
+        agreement with the target when the target wants none of them, else of its innermost
+        axis, sliced at once into the dim that takes it next (unless all are on their way)."""
         c, w = self.c[d], self.w[d]
         diff = c ^ w
         k = ((diff & -diff).bit_length() - 1) // _BITS
