@@ -27,7 +27,8 @@ from typing import Any, Sequence
 from autopar.files import write_text_atomic
 from autopar.cli_util import (CLIError, Progress, compare_with_reference, drop_gloo_lines,
                               load_model, non_negative_float, one_device_steps, parse_options,
-                              paused_gc, positive_int, setup_devices, table)
+                              positive_int, setup_devices, table)
+from autopar.gc_pause import paused_gc
 
 with paused_gc():  # the planning modules bring JAX, NumPy and SciPy: most of the start-up
     from autopar.strategies.modes import PARALLEL_MODES

@@ -14,39 +14,19 @@ from __future__ import annotations
 import argparse
 import ast
 import atexit
-import contextlib
-import gc
 import importlib
 import os
 import re
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 from autopar.limits import MAX_DEVICES
 
 __all__ = ["CLIError", "Progress", "table", "parse_options", "positive_int",
            "non_negative_float", "load_model", "setup_devices", "one_device_steps",
-           "compare_with_reference", "drop_gloo_lines", "paused_gc"]
-
-
-@contextlib.contextmanager
-def paused_gc() -> Iterator[None]:
-    """Python's cyclic garbage collector paused inside (its state restored after).
-
-    Importing JAX, NumPy and SciPy, then tracing a graph, builds a heap of long-lived objects
-    that the collector would walk again and again while it grows (about 0.1 s of the 2 s
-    ``autopar search`` of issue 18); reference counting still frees everything else, and what
-    the pause leaves for the collector is collected once it is back on.
-    """
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
+           "compare_with_reference", "drop_gloo_lines"]
 
 
 class CLIError(Exception):

@@ -13,15 +13,14 @@ identical blocks of a transformer cost one block's work.
 
 from __future__ import annotations
 
-import gc
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from autopar.errors import AutoParallelError
+from autopar.gc_pause import paused_gc
 from autopar.graph.ir import Graph, Node
 from autopar.graph.ops import FUSED_PRODUCERS, FUSING_READERS, KINDS, NO_GRADIENT
 from autopar.strategies.cost import CostModel
@@ -242,21 +241,6 @@ def operator_time(cm: CostModel, graph: Graph, node: Node, splits: Sequence[int]
                   if v not in fused)
     return cm.compute_time(node.flops / math.prod(splits), nbytes,
                            launch=not all(v in fused for v in node.outputs))
-
-
-@contextmanager
-def paused_gc() -> Iterator[None]:
-    """The cyclic garbage collector paused meanwhile (restored as it was): building and
-    solving a problem allocates many small objects and no cycles, and the full collections
-    that a traced graph's heap (JAX's objects included) triggers meanwhile cost more than
-    a small search (0.06 s in a 0.1 s search of 16 blocks)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def requires_grad(graph: Graph) -> dict[str, bool]:

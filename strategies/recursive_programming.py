@@ -50,7 +50,8 @@ from autopar.strategies.cut_solver import CutSolver
 from autopar.strategies.dynamic_programming import Memo, Order
 from autopar.strategies.layout import Layout, prime_factors
 from autopar.strategies.opspec import legal_splits
-from autopar.strategies.problem import Choice, Problem, enumerate_splits, paused_gc
+from autopar.gc_pause import paused_gc
+from autopar.strategies.problem import Choice, Problem, enumerate_splits
 
 __all__ = ["solve"]
 

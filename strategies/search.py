@@ -30,7 +30,8 @@ from autopar.strategies.cost import Cluster, CostModel
 from autopar.strategies.layout import DeviceMesh
 from autopar.strategies.modes import SOLVERS
 from autopar.strategies.plan import Plan
-from autopar.strategies.problem import Problem, paused_gc
+from autopar.gc_pause import paused_gc
+from autopar.strategies.problem import Problem
 
 __all__ = ["SearchSettings", "data_parallel_splits", "search_plan"]
 
