@@ -24,6 +24,7 @@ from autopar.strategies.edge_pricing import EdgePricer
 from autopar.strategies.layout import DeviceMesh, Layout
 from autopar.strategies.problem import Problem
 from autopar.strategies.redistribution import plan_steps
+from layouts import draw_layout
 
 
 def _kneed() -> Cluster:
@@ -50,16 +51,7 @@ def edges(draw):
     rank = draw(st.integers(0, 4))
 
     def one(partial_from: tuple[str, ...] | None) -> Layout:
-        dims: list[list[str]] = [[] for _ in range(rank)]
-        partial = []
-        for a in draw(st.permutations(mesh.names)):
-            keep = partial_from is None or a in partial_from
-            where = draw(st.integers(-2 if keep else -1, rank - 1))
-            if where >= 0:
-                dims[where].append(a)
-            elif where == -2:
-                partial.append(a)
-        return Layout(tuple(tuple(d) for d in dims), tuple(partial))
+        return draw_layout(draw, mesh, rank, partial_from)
 
     pool = [one(None) for _ in range(draw(st.integers(1, 5)))]
     common = tuple(a for a in pool[0].partial if all(a in s.partial for s in pool))
@@ -68,6 +60,15 @@ def edges(draw):
     dsts += draw(st.lists(st.sampled_from(pool), max_size=2))  # a source as a target
     srcs = draw(st.lists(st.sampled_from(pool), min_size=1, max_size=7))
     return mesh, srcs, dsts
+
+
+def _planned(cm: CostModel, src: Layout, dst: Layout, mesh: DeviceMesh, alltoall: bool,
+             grad: bool) -> tuple | None:
+    """The planner's coefficients of one pair (None where it refuses the pair)."""
+    try:
+        return cm.coefficients(plan_steps(src, dst, mesh, alltoall), mesh, backward=grad)
+    except AutoParallelError:
+        return None
 
 
 def _terms(coef, i: int, j: int, nd: int) -> tuple:
@@ -83,14 +84,7 @@ def _terms(coef, i: int, j: int, nd: int) -> tuple:
 def test_edge_coefficients_equal_the_planners(case, cluster, grad, alltoall):
     mesh, srcs, dsts = case
     cm = CostModel(_CLUSTERS[cluster])
-    want = {}
-    for s in srcs:
-        for t in dsts:
-            try:
-                want[s, t] = cm.coefficients(plan_steps(s, t, mesh, alltoall), mesh,
-                                             backward=grad)
-            except AutoParallelError:
-                want[s, t] = None
+    want = {(s, t): _planned(cm, s, t, mesh, alltoall, grad) for s in srcs for t in dsts}
     coef = EdgePricer(mesh, cm, alltoall).coefficients(srcs, dsts, grad)
     if coef is None:  # only when some pair cannot be planned: priced pair by pair
         assert None in want.values()
@@ -149,11 +143,7 @@ def test_one_pair_coefficients_equal_the_planners(case, cluster, grad, alltoall)
     want = {}
     for s in srcs:
         for t in dsts:
-            try:
-                want[s, t] = cm.coefficients(plan_steps(s, t, mesh, alltoall), mesh,
-                                             backward=grad)
-            except AutoParallelError:
-                want[s, t] = None
+            want[s, t] = _planned(cm, s, t, mesh, alltoall, grad)
             assert pricer.pair(s, t, grad) == want[s, t], (str(s), str(t))
     nbytes = 3 * 2**20 + 7
     if None in [want[s, t] for s in srcs for t in dsts if s != t]:

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec
 from autopar.strategies import CLUSTERS, CostModel, DeviceMesh, Layout, redistribute
 from autopar.strategies.redistribution import transpose_step
 
+from layouts import draw_layout
 from shards import apply, shard
 
 
@@ -55,18 +56,9 @@ def layout_pairs(draw):
     n = draw(st.sampled_from([4, 8, 12]))
     mesh = DeviceMesh.for_devices(n)
     rank = draw(st.integers(1, 3))
-    axes = list(mesh.names)
 
     def one(allow_partial: bool) -> Layout:
-        dims: list[list[str]] = [[] for _ in range(rank)]
-        partial = []
-        for a in draw(st.permutations(axes)):
-            where = draw(st.integers(-2 if allow_partial else -1, rank - 1))
-            if where >= 0:
-                dims[where].append(a)
-            elif where == -2:
-                partial.append(a)
-        return Layout(tuple(tuple(d) for d in dims), tuple(partial))
+        return draw_layout(draw, mesh, rank, None if allow_partial else ())
 
     src, dst = one(True), one(False)
     # shape: each dim divisible by everything that may split it

@@ -18,6 +18,7 @@ from autopar.strategies import dynamic_programming, recursive_programming
 from autopar.strategies.cost import CLUSTERS, CostModel
 from autopar.strategies.layout import DeviceMesh, Layout
 from autopar.strategies.problem import Problem
+from cuts import random_cut
 
 _GRAPHS: dict[str, ap.Graph] = {}
 
@@ -33,33 +34,9 @@ def _graph(name: str) -> ap.Graph:
 
 
 def _random_cut(rng: random.Random, n: int) -> tuple[list[np.ndarray], list[tuple]]:
-    """A random cut problem: a chain plus random extra and parallel links, 1-4 choices per
-    vertex, small integer costs (many exact ties) and arrays shared between vertices and
-    links (so the memo hits, as in a network of identical blocks)."""
+    """A random cut problem (tests/cuts.py): 1-4 choices per vertex, small integer costs."""
     sizes = [rng.randint(1, 4) for _ in range(n)]
-    pool_v: dict[int, list[np.ndarray]] = {}
-    pool_e: dict[tuple[int, int], list[np.ndarray]] = {}
-
-    def vec(s: int) -> np.ndarray:
-        arrs = pool_v.setdefault(s, [])
-        if len(arrs) < 3 or rng.random() < 0.3:
-            arrs.append(np.array([float(rng.randint(0, 3)) for _ in range(s)]))
-        return rng.choice(arrs)
-
-    def mat(a: int, b: int) -> np.ndarray:
-        arrs = pool_e.setdefault((a, b), [])
-        if len(arrs) < 3 or rng.random() < 0.3:
-            arrs.append(np.array([[float(rng.randint(0, 3)) for _ in range(b)]
-                                  for _ in range(a)]))
-        return rng.choice(arrs)
-
-    pairs = [(i, i + 1) for i in range(n - 1)]
-    for _ in range(rng.randint(0, n // 2)):
-        u = rng.randrange(n - 1)
-        pairs.append((u, rng.randrange(u + 1, min(n, u + 4))))
-    pairs += [rng.choice(pairs) for _ in range(rng.randint(0, 3))]   # parallel links
-    pairs = [(v, u) if rng.random() < 0.2 else (u, v) for u, v in pairs]  # some reversed
-    return [vec(s) for s in sizes], [(u, v, mat(sizes[u], sizes[v])) for u, v in pairs]
+    return random_cut(rng, sizes, lambda: float(rng.randint(0, 3)))
 
 
 @pytest.mark.parametrize("seed", range(40))

@@ -18,6 +18,7 @@ from autopar.errors import AutoParallelError
 from autopar.strategies.cost import CostModel
 from autopar.strategies.layout import DeviceMesh, Layout
 from autopar.strategies.redistribution import STEP_KINDS, Step, plan_steps, transpose_step
+from layouts import draw_layout
 
 
 def _reference_plan_steps(src: Layout, dst: Layout, mesh: DeviceMesh,
@@ -55,16 +56,7 @@ def layout_pairs(draw):
     rank = draw(st.integers(0, 4))
 
     def one(partial_from: tuple[str, ...] | None) -> Layout:
-        dims: list[list[str]] = [[] for _ in range(rank)]
-        partial = []
-        for a in draw(st.permutations(mesh.names)):
-            keep = partial_from is None or a in partial_from
-            where = draw(st.integers(-2 if keep else -1, rank - 1))
-            if where >= 0:
-                dims[where].append(a)
-            elif where == -2:
-                partial.append(a)
-        return Layout(tuple(tuple(d) for d in dims), tuple(partial))
+        return draw_layout(draw, mesh, rank, partial_from)
 
     src = one(None)
     dst = one(src.partial)

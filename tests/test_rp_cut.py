@@ -13,35 +13,14 @@ import pytest
 from autopar.strategies import dynamic_programming
 from autopar.strategies.cut_solver import CutSolver
 from autopar.strategies.recursive_programming import _flatten
+from cuts import random_cut
 
 
 def _random_cut(rng: random.Random, n: int, big: bool = False, mixed: bool = False
                 ) -> tuple[list[np.ndarray], list[tuple]]:
     sizes = [rng.choice((1, 30, 40)) if big else rng.choice((2, 3, 6)) if mixed else
              rng.randint(1, 4) for _ in range(n)]
-    pool_v: dict[int, list[np.ndarray]] = {}
-    pool_e: dict[tuple[int, int], list[np.ndarray]] = {}
-
-    def vec(s: int) -> np.ndarray:
-        arrs = pool_v.setdefault(s, [])
-        if len(arrs) < 3 or rng.random() < 0.3:
-            arrs.append(np.array([float(rng.randint(0, 3)) for _ in range(s)]))
-        return rng.choice(arrs)
-
-    def mat(a: int, b: int) -> np.ndarray:
-        arrs = pool_e.setdefault((a, b), [])
-        if len(arrs) < 3 or rng.random() < 0.3:
-            arrs.append(np.array([[rng.choice((0.0, 1.0, 2.5, 1e-3, 0.1 + 0.2))
-                                   for _ in range(b)] for _ in range(a)]))
-        return rng.choice(arrs)
-
-    pairs = [(i, i + 1) for i in range(n - 1)]
-    for _ in range(rng.randint(0, n // 2)):
-        u = rng.randrange(n - 1)
-        pairs.append((u, rng.randrange(u + 1, min(n, u + 4))))
-    pairs += [rng.choice(pairs) for _ in range(rng.randint(0, 3))]        # parallel links
-    pairs = [(v, u) if rng.random() < 0.2 else (u, v) for u, v in pairs]  # some reversed
-    return [vec(s) for s in sizes], [(u, v, mat(sizes[u], sizes[v])) for u, v in pairs]
+    return random_cut(rng, sizes, lambda: rng.choice((0.0, 1.0, 2.5, 1e-3, 0.1 + 0.2)))
 
 
 @pytest.mark.parametrize("seed", range(60))
