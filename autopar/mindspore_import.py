@@ -501,8 +501,8 @@ def _unexpanded(stored: list[int] | None, shape: tuple[int, ...]) -> list[int] |
     orientation or (rank 2) transposed; None when neither fits (the shape decides nothing)."""
     if stored is None or len(stored) == len(shape):
         return stored
-    fits = [g for g in (_grouped(stored, shape), _grouped(stored, shape[::-1])) if g]
-    return fits[0] if len(fits) == 1 or (fits and fits[0] == fits[-1]) else None
+    fits = {tuple(g) for g in (_grouped(stored, shape), _grouped(stored, shape[::-1])) if g}
+    return list(fits.pop()) if len(fits) == 1 else None
 
 
 def _stored_order(shape: tuple[int, ...], stored: list[int] | None) -> tuple[int, ...]:

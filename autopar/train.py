@@ -255,12 +255,11 @@ class TrainStep(ProgramInspection):
             idx = self._bucket_idx["allreduce"] + [[i] for i in range(n_p) if sh[i]]
             out = sync_gradients(out, self._ar_axes, idx, method=self.sync_method,
                                  chain=self._chain["allreduce"], fp32=self._cast)
+        rs_idx = self._bucket_idx["reducescatter"] + [[i] for i in range(n_p) if not sh[i]]
         if scatter and any(sh):
-            idx = self._bucket_idx["reducescatter"] + [[i] for i in range(n_p) if not sh[i]]
-            out = scatter_gradients(out, self._rs_axes, idx, fp32=self._cast)
+            out = scatter_gradients(out, self._rs_axes, rs_idx, fp32=self._cast)
         if across and any(self._xr_axes):  # in the reduce-scatter buckets
-            idx = self._bucket_idx["reducescatter"] + [[i] for i in range(n_p) if not sh[i]]
-            out = sync_gradients(out, self._xr_axes, idx, method=self.sync_method,
+            out = sync_gradients(out, self._xr_axes, rs_idx, method=self.sync_method,
                                  chain=False, fp32=self._cast)
         return out
 
