@@ -72,7 +72,7 @@ class DeviceMesh:
             raise AutoParallelError("device_num", device_num, f"must be in [1, {MAX_DEVICES}]")
         return DeviceMesh(tuple((f"a{i}", p) for i, p in enumerate(prime_factors(device_num))))
 
-    @property
+    @cached_property
     def names(self) -> tuple[str, ...]:
         return tuple(n for n, _ in self.axes)
 
@@ -80,7 +80,7 @@ class DeviceMesh:
     def sizes(self) -> dict[str, int]:
         return dict(self.axes)
 
-    @property
+    @cached_property
     def device_num(self) -> int:
         return math.prod(s for _, s in self.axes)
 
@@ -156,7 +156,6 @@ class Layout:
 
     dims: tuple[tuple[str, ...], ...]
     partial: tuple[str, ...] = ()
-
     @staticmethod
     def replicated(rank: int) -> "Layout":
         return Layout(tuple(() for _ in range(rank)))

@@ -143,9 +143,9 @@ class Plan:
         for v, val in g.values.items():
             if v not in layouts:
                 layouts[v] = Layout.replicated(val.spec.rank)
+        cost, objective = problem.evaluate(picks)
         return Plan(mode, mesh, problem.cm.cluster.name, Fingerprint(g), nodes,
-                    dict(sorted(layouts.items())), problem.evaluate(picks),
-                    problem.objective(picks), seconds, parameters=g.parameters(),
+                    dict(sorted(layouts.items())), cost, objective, seconds, parameters=g.parameters(),
                     enable_alltoall=problem.enable_alltoall,
                     memory_weight=problem.memory_weight,
                     parallel_optimizer_kb=problem.parallel_optimizer_kb,

@@ -759,16 +759,20 @@ class Problem:
             adj[e.v].append(k)
         return adj
 
-    def evaluate(self, picks: Sequence[int]) -> Breakdown:
-        """The cost breakdown of one choice index per vertex."""
+    def evaluate(self, picks: Sequence[int]) -> tuple[Breakdown, float]:
+        """The cost breakdown of one choice index per vertex, and the search's objective
+        (every vertex's cost, then every edge's entry: the same sums, in the same order, as
+        the searches add them). Each edge's entry is looked up once for both."""
         b = Breakdown(compute=self.cm.cluster.step_overhead)  # the step's launch
         for vert, k in zip(self.vertices, picks):  # (item: the entry as a Python float)
             b.compute += vert.compute.item(k)
             b.communication += vert.comm.item(k)
             b.gradient_sync += vert.grad_sync.item(k)
             b.memory_bytes += vert.memory.item(k)
-        b.redistribution = sum(self.pair_cost(e, picks[e.u], picks[e.v]) for e in self.edges)
-        return b
+        entries = [self.pair_cost(e, picks[e.u], picks[e.v]) for e in self.edges]
+        b.redistribution = sum(entries)
+        total = sum(vert.cost.item(k) for vert, k in zip(self.vertices, picks))
+        return b, total + sum(entries)
 
     def pair_cost(self, e: Edge, a: int, b: int) -> float:
         """One entry of an edge's matrix, without building the matrix."""
@@ -777,10 +781,6 @@ class Problem:
         src = self.vertices[e.u].choices[a].out_layouts[e.out_index]
         dst = self.vertices[e.v].choices[b].in_layouts[e.in_index]
         return self.edge_cost(e.value, src, dst)
-
-    def objective(self, picks: Sequence[int]) -> float:
-        total = sum(vert.cost.item(k) for vert, k in zip(self.vertices, picks))
-        return total + sum(self.pair_cost(e, picks[e.u], picks[e.v]) for e in self.edges)
 
     def iter_ops(self) -> Iterator[tuple[int, Vertex]]:
         for i, v in enumerate(self.vertices):

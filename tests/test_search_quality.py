@@ -67,7 +67,7 @@ def test_recuts_lower_the_objective_and_are_deterministic(monkeypatch):
         monkeypatch.setattr(recursive_programming, "_MAX_RECUTS", recuts)
         problem = Problem(g, mesh, cm, lazy=True)
         picks = recursive_programming.solve(problem)
-        return picks, problem.evaluate(picks).total
+        return picks, problem.evaluate(picks)[0].total
 
     rounds_only = solve(0)[1]
     picks, total = solve(16)
