@@ -41,8 +41,7 @@ MODES = ("recursive_programming", "sharding_propagation", "dynamic_programming")
 SEARCH_COLUMNS = ["model", "layers", "devices", "mode", "search_s", "step_ms", "ratio_to_exact",
                   "status"]
 ANCHOR_COLUMNS = ["blocks", "devices", "mode", "operators", "autopar_search_s",
-                  "mindspore_search_s", "mindspore/autopar", "autopar_us_per_operator", "step_ms",
-                  "status"]
+                  "mindspore_search_s", "mindspore/autopar", "step_ms", "status"]
 WIDE_MLP_COLUMNS = ["mode", "w1 splits", "w2 splits", "megatron", "step_ms"]
 _DOC_SEARCH_COLUMNS = ["layers", "devices", "mode", "search_s", "step_ms", "ratio_to_exact",
                        "ratio_to_dp", "status"]
@@ -222,8 +221,6 @@ def main(quick: bool = False) -> None:
                 rows.append({"blocks": blocks, "devices": devices, "mode": mode,
                              "operators": ops, "autopar_search_s": r.get("search_s", ""),
                              "mindspore_search_s": ms, "mindspore/autopar": speedup,
-                             "autopar_us_per_operator": r["search_s"] / ops * 1e6
-                             if r.get("status") == "ok" else "",
                              "step_ms": r.get("step_ms", ""), "status": r["status"]})
     write_results("search_anchors", rows, ANCHOR_COLUMNS,
                   meta={"note": "MindSpore 2.10.0 figures from ANCHORS.md (search seconds)",

@@ -19,9 +19,13 @@ split or began a hidden split of the residual stream on a 0.2% difference of the
 objective; the hidden split ended 14% dearer on the whole mesh). After the last round each
 operator may move one prime factor of its split from one loop dimension to another — one
 earlier round's cut placed elsewhere, on the same devices (operators that may repeat their
-work may also drop a factor or take one more) — priced on the whole mesh, and that cut is
-again solved exactly, over all operators at once; repeated while it lowers the objective (a
-few passes; 12-96 layers at 64 devices: within 0.02% of dynamic_programming). Approximate still (one factor moves per pass); the exact referee
+work may also drop a factor or take one more), or take the splits another operator of its
+signature holds (the rounds' ties can leave the identical blocks of a network apart: at 8
+and 16 blocks on 64 devices a few blocks' attention ended on a cheaper layout than the
+others', 0.25 % above dynamic_programming; now every block takes it) — priced on the whole
+mesh, and that cut is again solved exactly, over all operators at once; repeated while it
+lowers the objective (a few passes; 12-96 layers at 64 devices: within 0.02% of
+dynamic_programming). Approximate still (one factor moves per pass); the exact referee
 measures how far from optimal it lands.
 
 Speed: every round's cut problem has the same structure (operators and data inputs, one link
@@ -75,13 +79,16 @@ def _candidates(problem: Problem, i: int, cur: Splits, p: int) -> list[Splits]:
 _MAX_RECUTS = 16  # re-cut passes at most (each lowers the objective; a few suffice)
 
 
-def _moves(problem: Problem, i: int, cur: Splits) -> list[Splits]:
+def _moves(problem: Problem, i: int, cur: Splits, peers: tuple[Splits, ...] = ()
+           ) -> list[Splits]:
     """``cur`` first, then every split that moves one prime factor of ``cur`` from one loop
     dimension to another (the same devices, one round's cut placed elsewhere); an operator
     that may repeat its work (as a round lets it keep its split) may also drop one factor or
     take one more. For example the (8, 1, 8) residual add of a transformer (batch 8, sequence,
     hidden) on 64 devices may become (4, 2, 8), (4, 1, 16), (8, 2, 4) or (8, 1, 8) again —
-    never (16, 1, 4): its batch has 8 rows."""
+    never (16, 1, 4): its batch has 8 rows. Last, ``peers``: the splits other operators of
+    its signature hold (legal for it), so the blocks of a deep network that ended apart can
+    all take the cheaper one."""
     spec = problem.specs[problem.vertices[i].node.name]
     mesh = problem.mesh
     out = [cur]
@@ -104,6 +111,7 @@ def _moves(problem: Problem, i: int, cur: Splits) -> list[Splits]:
                 offer(cur[:a] + (cur[a] // p,) + cur[a + 1:], ())
             for p in sorted(set(prime_factors(mesh.device_num // math.prod(cur)))):
                 offer(cur[:a] + (cur[a] * p,) + cur[a + 1:], (a,))
+    out += [t for t in peers if t not in out]
     return out
 
 
@@ -202,19 +210,21 @@ class _Rounds:
         return np.array(out)
 
     def _candidate_costs(self, candidates: Callable[[int, Splits], list[Splits]],
-                         rkey: object) -> tuple[dict[int, list[Splits]], np.ndarray,
-                                                list[np.ndarray]]:
-        """Per state its candidates and their id; per cut vertex its cost vector."""
+                         rkey: object, peers: dict[int, tuple[Splits, ...]]
+                         ) -> tuple[dict[int, list[Splits]], np.ndarray, list[np.ndarray]]:
+        """Per state its candidates and their id; per cut vertex its cost vector (the
+        candidates kept per state, round and the peers of its signature)."""
         verts = self.problem.vertices
         cands: dict[int, list[Splits]] = {}
         cid_of = np.zeros(len(self.state_keys), dtype=np.int64)
         cost_of = np.empty(len(self.state_keys), dtype=object)
         for st in np.unique(self.op_state).tolist():
             s, cur, is_fixed = self.state_keys[st]
-            got = self.cands_of.get((st, rkey))
+            ckey = (st, rkey, peers.get(s))
+            got = self.cands_of.get(ckey)
             if got is None:
                 cs = [cur] if is_fixed else candidates(self.rep[st], cur)
-                got = self.cands_of[st, rkey] = (
+                got = self.cands_of[ckey] = (
                     cs, self.interned.setdefault(tuple(cs), len(self.interned)))
             cs, c = got
             cost = self.cost_cache.get((s, c))
@@ -331,12 +341,14 @@ class _Rounds:
         return sum(before_v) + sum(before_m), sum(after_v) + sum(after_m)
 
     def cut_once(self, candidates: Callable[[int, Splits], list[Splits]],
-                 data_layout: dict[int, Layout], dkey: object,
-                 score: bool = False) -> tuple[np.ndarray, float, float]:
-        """Solve one cut exactly: every operator picks one of ``candidates(op, splits)``.
-        Returns the operators' next states and, with ``score``, the cut's objective at
-        candidate 0 of every operator (its current splits, for a re-cut) and at the picks."""
-        cands, cid_of, sub_cost = self._candidate_costs(candidates, dkey)
+                 data_layout: dict[int, Layout], dkey: object, score: bool = False,
+                 peers: dict[int, tuple[Splits, ...]] | None = None
+                 ) -> tuple[np.ndarray, float, float]:
+        """Solve one cut exactly: every operator picks one of ``candidates(op, splits)``
+        (which may depend on ``peers``, per signature). Returns the operators' next states
+        and, with ``score``, the cut's objective at candidate 0 of every operator (its
+        current splits, for a re-cut) and at the picks."""
+        cands, cid_of, sub_cost = self._candidate_costs(candidates, dkey, peers or {})
         mats = self._matrices(cands, cid_of, data_layout, dkey)
         picks = self.cut.solve(sub_cost, mats, self.memo)
         before = after = 0.0
@@ -360,15 +372,28 @@ class _Rounds:
 
     def recuts(self) -> None:
         """Re-cuts: where each operator's factors went, revisited with the whole mesh known,
-        while that lowers the objective."""
-        problem, verts = self.problem, self.problem.vertices
+        while that lowers the objective; an operator may also take the splits another of its
+        signature holds (:meth:`peers`)."""
+        problem, verts, sig = self.problem, self.problem.vertices, self.problem._sig
         final_data = {i: verts[i].choices[0].out_layouts[0] for i in self.data}
         for _ in range(_MAX_RECUTS):
-            nxt, before, after = self.cut_once(lambda i, cur: _moves(problem, i, cur),
-                                               final_data, "final", score=True)
+            peers = self.peers()
+            nxt, before, after = self.cut_once(
+                lambda i, cur: _moves(problem, i, cur, peers.get(sig[verts[i].name], ())),
+                final_data, "final", score=True, peers=peers)
             if not after < before - 1e-9 * abs(before):
                 break
             self.op_state = nxt
+
+    def peers(self) -> dict[int, tuple[Splits, ...]]:
+        """Per signature held at more than one split vector, those split vectors (in state
+        order): the rounds' ties can leave identical blocks of a network apart (at 16 blocks
+        on 64 devices five blocks' attention ended on a cheaper layout than the others')."""
+        held: dict[int, list[Splits]] = {}
+        for st in np.unique(self.op_state).tolist():
+            s, cur, _ = self.state_keys[st]
+            held.setdefault(s, []).append(cur)
+        return {s: tuple(v) for s, v in held.items() if len(v) > 1}
 
     def splits(self) -> dict[int, Splits]:
         return {i: self.state_keys[st][1] for i, st in zip(self.ops, self.op_state.tolist())}
