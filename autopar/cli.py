@@ -83,8 +83,12 @@ def _cluster(args: argparse.Namespace) -> Any:
 
 
 def _check_plan_files(args: argparse.Namespace) -> None:
-    """--save / --load only where the search reads them; --mode does not apply to a load."""
+    """--save / --load only where the search reads them; --mode only where a search mode is
+    used (auto_parallel, the default) and not with a load."""
     pmode = args.parallel_mode
+    if args.mode and pmode not in (None, "auto_parallel"):
+        raise CLIError(f"--mode applies to --parallel-mode auto_parallel only (under {pmode} "
+                       "the strategies are not searched by a mode; drop --mode)")
     for flag in ("save", "load"):
         if getattr(args, flag, None) and pmode not in ("semi_auto_parallel", "auto_parallel"):
             raise CLIError(f"--{flag} needs --parallel-mode auto_parallel or "

@@ -152,6 +152,15 @@ class CommFusion(BaseModel):
 OPTIMIZER_LEVELS: dict[str, bool] = {"level1": False, "level2": True, "level3": False}
 
 
+def shard_size_rule(v: int) -> str | None:
+    """Why the int ``v`` is not a parallel-optimizer shard size (None when it is one), for
+    the dict entry and the top-level key alike."""
+    if v != -1 and not 1 < v <= MAX_DEVICES:
+        return (f"optimizer_weight_shard_size must be -1 (the whole data-parallel group) or "
+                f"an int in [2, {MAX_DEVICES}]")
+    return None
+
+
 class ParallelOptimizerConfig(BaseModel):
     model_config = _STRICT
 
@@ -172,9 +181,9 @@ class ParallelOptimizerConfig(BaseModel):
     @field_validator("optimizer_weight_shard_size")
     @classmethod
     def _shard_size(cls, v: int) -> int:
-        if v != -1 and not 1 < v <= MAX_DEVICES:
-            raise ValueError(f"optimizer_weight_shard_size must be -1 (the whole data-parallel "
-                             f"group) or an int in [2, {MAX_DEVICES}]")
+        why = shard_size_rule(v)
+        if why:
+            raise ValueError(why)
         return v
 
     @field_validator("optimizer_level")

@@ -39,6 +39,7 @@ from autopar.config import (
     AutoParallelConfig,
     _check_indices,
     no_effect_messages,
+    shard_size_rule,
     unknown_key_error,
     validate_config,
 )
@@ -119,6 +120,11 @@ def _merge_dict(key: str, value: Any, current: BaseModel) -> dict[str, Any]:
     return merged
 
 
+#: warnings a call gives (message, category), issued only once it is valid: a refused call
+#: warns of nothing
+_Warnings = list[tuple[str, type[Warning]]]
+
+
 def _apply(state: _State, kwargs: dict[str, Any], where: str = _WHERE) -> _State:
     """Pure: the state after setting kwargs, or an error (nothing is changed either way)."""
     _check_key_names(list(kwargs), where)
@@ -136,7 +142,8 @@ def _apply(state: _State, kwargs: dict[str, Any], where: str = _WHERE) -> _State
         explicit.discard("auto_parallel_search_mode")
         explicit.add("search_mode")
 
-    _sharding_propagation(kw, explicit)
+    later: _Warnings = []  # warned once the call is valid
+    _sharding_propagation(kw, explicit, later)
     cur = state.config
     data: dict[str, Any] = {name: getattr(cur, name) for name in AutoParallelConfig.model_fields}
 
@@ -164,7 +171,7 @@ def _apply(state: _State, kwargs: dict[str, Any], where: str = _WHERE) -> _State
     if "pipeline_config" in kw:
         data["pipeline_config"] = _merge_dict("pipeline_config", kw.pop("pipeline_config"),
                                               cur.pipeline_config)
-    _parallel_optimizer(kw, data, cur, explicit)
+    _parallel_optimizer(kw, data, cur, explicit, later)
 
     # full_batch and dataset_strategy describe one thing; keep them consistent.
     if "full_batch" in kw and "dataset_strategy" not in kw:
@@ -187,14 +194,15 @@ def _apply(state: _State, kwargs: dict[str, Any], where: str = _WHERE) -> _State
                           "It is the deprecated alias of search_mode") from None
         raise
     if deprecated:
-        warnings.warn("auto_parallel_search_mode is deprecated and will be removed; use "
-                      "search_mode (same values)", DeprecationWarning, stacklevel=3)
-    for message in no_effect_messages(config, kwargs):
-        warnings.warn(message, AutoParallelWarning, stacklevel=3)
+        later.insert(0, ("auto_parallel_search_mode is deprecated and will be removed; use "
+                         "search_mode (same values)", DeprecationWarning))
+    later += [(message, AutoParallelWarning) for message in no_effect_messages(config, kwargs)]
+    for message, category in later:
+        warnings.warn(message, category, stacklevel=3)
     return _State(config, state.explicit | frozenset(explicit))
 
 
-def _sharding_propagation(kw: dict[str, Any], explicit: set[str]) -> None:
+def _sharding_propagation(kw: dict[str, Any], explicit: set[str], later: _Warnings) -> None:
     """MindSpore's deprecated ``sharding_propagation`` bool: True is
     search_mode='sharding_propagation' (False changes nothing: MindSpore ORs the two)."""
     if "sharding_propagation" not in kw:
@@ -211,12 +219,12 @@ def _sharding_propagation(kw: dict[str, Any], explicit: set[str]) -> None:
                 "Set only search_mode")
         kw["search_mode"] = "sharding_propagation"
         explicit.add("search_mode")
-    warnings.warn("sharding_propagation is deprecated (as in MindSpore); use "
-                  "search_mode='sharding_propagation'", DeprecationWarning, stacklevel=4)
+    later.append(("sharding_propagation is deprecated (as in MindSpore); use "
+                  "search_mode='sharding_propagation'", DeprecationWarning))
 
 
 def _parallel_optimizer(kw: dict[str, Any], data: dict[str, Any], cur: AutoParallelConfig,
-                        explicit: set[str]) -> None:
+                        explicit: set[str], later: _Warnings) -> None:
     """parallel_optimizer_config merged into the current one, with MindSpore's rules: the
     top-level optimizer_weight_shard_size is the same setting; a shard size <= 1 (1 in the
     dict) is warned about and not applied; optimizer_level sets gradient_accumulation_shard
@@ -225,11 +233,19 @@ def _parallel_optimizer(kw: dict[str, Any], data: dict[str, Any], cur: AutoParal
         return
     given = kw.pop("parallel_optimizer_config", {})
     merged = _merge_dict("parallel_optimizer_config", given, cur.parallel_optimizer_config)
+    for key, kind in (("optimizer_weight_shard_size", int), ("gradient_accumulation_shard",
+                                                               bool)):  # before the rules
+        if key in given and type(given[key]) is not kind:  # (True == 1 == 1.0 in Python)
+            raise AutoParallelTypeError(f"parallel_optimizer_config.{key}", given[key],
+                                        f"must be {'an int' if kind is int else 'a bool'}")
     if "optimizer_weight_shard_size" in kw:
         size = kw.pop("optimizer_weight_shard_size")
         explicit.discard("optimizer_weight_shard_size")
-        if not isinstance(size, int) or isinstance(size, bool):
+        if type(size) is not int:
             raise AutoParallelTypeError("optimizer_weight_shard_size", size, "must be an int")
+        why = shard_size_rule(size) if size > 1 else None
+        if why:
+            raise AutoParallelError("optimizer_weight_shard_size", size, why)
         if given.get("optimizer_weight_shard_size", size) != size:
             raise AutoParallelError(
                 "optimizer_weight_shard_size", size, "it is the same setting as "
@@ -239,9 +255,11 @@ def _parallel_optimizer(kw: dict[str, Any], data: dict[str, Any], cur: AutoParal
         if size > 1 or size == -1:  # (-1: the whole group, the default)
             merged["optimizer_weight_shard_size"] = size
         else:
-            _not_applied("optimizer_weight_shard_size", size)
+            later.append((_not_applied("optimizer_weight_shard_size", size),
+                          AutoParallelWarning))
     if given.get("optimizer_weight_shard_size") == 1:
-        _not_applied("parallel_optimizer_config['optimizer_weight_shard_size']", 1)
+        later.append((_not_applied("parallel_optimizer_config['optimizer_weight_shard_size']",
+                                   1), AutoParallelWarning))
         merged["optimizer_weight_shard_size"] = cur.parallel_optimizer_config \
             .optimizer_weight_shard_size
     level = given.get("optimizer_level")
@@ -258,10 +276,9 @@ def _parallel_optimizer(kw: dict[str, Any], data: dict[str, Any], cur: AutoParal
     explicit.add("parallel_optimizer_config")
 
 
-def _not_applied(key: str, value: int) -> None:
-    warnings.warn(f"{key}={value!r} is not applied (as in MindSpore, which takes only an int "
-                  "> 1, or -1 for the whole group): the parallel optimizer keeps its shard size", AutoParallelWarning,
-                  stacklevel=5)
+def _not_applied(key: str, value: int) -> str:
+    return (f"{key}={value!r} is not applied (as in MindSpore, which takes only an int > 1, "
+            "or -1 for the whole group): the parallel optimizer keeps its shard size")
 
 
 _FILE_KEYS = (("strategy_ckpt_load_file", "load_file"), ("strategy_ckpt_save_file", "save_file"))

@@ -78,6 +78,10 @@ def plan_graph(graph: Graph, cfg: Any, *, mode: str | None = None,
     used = pmode not in ("stand_alone", "data_parallel")  # Layouts: the product is device_num
     fixed_map = {name: to_strategy(strategy, f"fixed node {name!r}", n if used else None)
                  for name, strategy in (fixed or {}).items()}
+    for name, count in graph.layout_devices.items() if used else ():
+        if count != n:  # (shard / parameter_plan / annotate Layouts: as fixed= above)
+            raise AutoParallelError(f"Layout of {name!r}", count, f"its device matrix has "
+                                    f"{count} devices; it must have device_num={n}")
     if fixed_map and not used:
         warnings.warn(f"fixed strategies are not used under parallel_mode={pmode!r} (every "
                       "operator is data parallel there); use semi_auto_parallel or "

@@ -374,4 +374,6 @@ def stage_graph(graph: Graph, part: StagePartition, s: int) -> Graph:
     recv.sort(key=pos.__getitem__)
     later = set(part.crossing[s]) if s < part.stages - 1 else set(graph.outputs)
     outputs = [v for v in order if v in later and v in produced]
-    return Graph(nodes, values, params + data + recv, outputs, name=f"{graph.name}/stage{s}")
+    names = {n.name for n in nodes} | set(params)
+    return Graph(nodes, values, params + data + recv, outputs, name=f"{graph.name}/stage{s}",
+                 layout_devices={k: d for k, d in graph.layout_devices.items() if k in names})

@@ -283,6 +283,14 @@ def test_save_and_load_outside_auto_modes_are_refused(tmp_path, capsys):
     assert not f.exists()
 
 
+@pytest.mark.parametrize("pmode", ["semi_auto_parallel", "data_parallel", "stand_alone"])
+def test_mode_outside_auto_parallel_is_refused(pmode, capsys):
+    # (the search mode is used under auto_parallel only: it was silently ignored)
+    assert main(["search", *SMALL_MLP, "--parallel-mode", pmode, "--mode", "exact"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--mode" in err and pmode in err and "Traceback" not in err
+
+
 def test_unwritable_outputs_are_clean_errors(tmp_path, capsys):
     existing = tmp_path / "afile"
     existing.write_text("x")

@@ -179,6 +179,39 @@ def test_optimizer_weight_shard_size_is_one_setting_under_two_names():
     assert ap.get_auto_parallel_context("optimizer_weight_shard_size") == -1
 
 
+@pytest.mark.parametrize("kwargs, key, error", [
+    ({"parallel_optimizer_config": {"optimizer_weight_shard_size": True}},
+     "parallel_optimizer_config.optimizer_weight_shard_size", ap.AutoParallelTypeError),
+    ({"parallel_optimizer_config": {"optimizer_weight_shard_size": 1.0}},
+     "parallel_optimizer_config.optimizer_weight_shard_size", ap.AutoParallelTypeError),
+    ({"optimizer_weight_shard_size": 1,  # (True == 1: not a contradiction to pass over)
+      "parallel_optimizer_config": {"optimizer_weight_shard_size": True}},
+     "parallel_optimizer_config.optimizer_weight_shard_size", ap.AutoParallelTypeError),
+    ({"optimizer_weight_shard_size": 5000}, "optimizer_weight_shard_size", ap.AutoParallelError),
+    ({"parallel_optimizer_config": {"optimizer_level": "level2",
+                                    "gradient_accumulation_shard": 1}},
+     "parallel_optimizer_config.gradient_accumulation_shard", ap.AutoParallelTypeError),
+])
+def test_parallel_optimizer_bad_values_name_the_key_given_and_change_nothing(kwargs, key, error):
+    before = public_dict()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with pytest.raises(error) as e:
+            ap.set_auto_parallel_context(**kwargs)
+    assert e.value.key == key
+    assert public_dict() == before
+    assert not seen  # a refused call warns of nothing ("not applied", deprecations)
+
+
+def test_a_refused_call_warns_of_nothing():
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with pytest.raises(ap.AutoParallelError):
+            ap.set_auto_parallel_context(optimizer_weight_shard_size=0, sharding_propagation=True,
+                                         device_num=0)
+    assert not seen
+
+
 def test_optimizer_level_sets_gradient_accumulation_shard():
     for level, shard in (("level2", True), ("level1", False), ("level2", True)):
         ap.set_auto_parallel_context(parallel_optimizer_config={"optimizer_level": level})

@@ -159,6 +159,39 @@ def test_layout_in_fixed_and_device_matrix_checked_against_device_num():
                   fixed={"dot_general_0": (small("dp", "None"), small("None", "mp"))})
 
 
+def test_layouts_given_to_shard_and_annotate_are_checked_against_device_num():
+    # (a 4-device Layout in shard() or annotate() was planned as 2-way splits on 8 devices)
+    params, x = _args()
+    small = ap.Layout((2, 2), ("dp", "mp"))
+
+    def loss(p, x):
+        h = ap.shard(jnp.matmul, in_strategy=(small("dp", "None"), small("None", "mp")),
+                     parameter_plan={"w2": small("mp", "None")})(x, p["w1"])
+        return jnp.mean((jnp.tanh(h) @ p["w2"]) ** 2)
+
+    g = ap.trace(loss, params, x)
+    assert g.layout_devices == {"dot_general_0": 4, "p/w2": 4}
+    annotated = ap.trace(_loss, params, x).annotate(
+        {"dot_general_0": (small("dp", "None"), small("None", "mp"))})
+    for graph in (g, annotated):
+        with pytest.raises(AutoParallelError, match="4 devices; it must have device_num=8"):
+            ap.search(graph, device_num=8, parallel_mode="semi_auto_parallel")
+        plan = ap.search(graph, device_num=4, parallel_mode="semi_auto_parallel")
+        assert plan.strategy("dot_general_0") == ((2, 1), (1, 2))
+    with pytest.raises(AutoParallelError, match="different device counts"):
+        ap.shard(jnp.matmul, in_strategy=(small("dp", "None"),
+                                          ap.Layout((2, 4), ("dp", "mp"))("None", "mp")))
+
+
+def test_a_parameter_plan_registered_again_is_not_kept_again():
+    from autopar.graph import annotate
+    ap.shard(jnp.matmul, ((1, 1), (1, 1)), parameter_plan={"w": (2, 1)})
+    kept = len(annotate._PLANS)
+    for _ in range(50):  # (a shard inside the traced function runs at every trace)
+        ap.shard(jnp.matmul, ((1, 1), (1, 1)), parameter_plan={"w": (2, 1)})
+    assert len(annotate._PLANS) == kept
+
+
 # ------------------------------------------------------------------ parameter_plan
 
 

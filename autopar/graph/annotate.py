@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError, AutoParallelWarning
 from autopar.graph.ir import Graph, Strategy, check_strategy_shape
-from autopar.graph.ms_layout import Layout
+from autopar.graph.ms_layout import Layout, layout_devices
 
 __all__ = ["shard", "matmul", "parse_scope", "parse_plan_scope", "apply_parameter_plans",
            "PREFIX", "PLAN_PREFIX"]
@@ -36,7 +36,10 @@ __all__ = ["shard", "matmul", "parse_scope", "parse_plan_scope", "apply_paramete
 PREFIX = "ap.shard#"
 PLAN_PREFIX = "ap.plan#"
 _ids = itertools.count()
-_PLANS: dict[int, dict[str, tuple[int, ...]]] = {}  # shard(parameter_plan=...) by scope id
+#: shard(parameter_plan=...) by scope id: (plan, the device count its Layouts assume); one id
+#: per distinct plan (a shard called at every trace registers nothing new)
+_PLANS: dict[int, tuple[dict[str, tuple[int, ...]], int | None]] = {}
+_PLAN_IDS: dict[tuple, int] = {}
 
 
 def shard(fn: Callable[..., Any], in_strategy: Any, out_strategy: Any = None,
@@ -47,7 +50,8 @@ def shard(fn: Callable[..., Any], in_strategy: Any, out_strategy: Any = None,
     parameter_plan=None, device="Ascend", level=0)``.
 
     ``in_strategy`` has one entry per operator input: a tuple of split counts (scalars: ``()``)
-    or a :class:`~autopar.graph.ms_layout.Layout` called with its aliases. ``out_strategy``
+    or a :class:`~autopar.graph.ms_layout.Layout` called with its aliases (its device matrix
+    must have device_num devices: the search checks it, as for ``fixed=``). ``out_strategy``
     is checked and, as in MindSpore's ``ms.shard`` ("not in use right now"), not enforced:
     autopar warns (an operator's output follows its inputs' splits; the search redistributes
     it for the consumers). ``parameter_plan``: ``{parameter name: strategy}``: the parameter is
@@ -64,8 +68,11 @@ def shard(fn: Callable[..., Any], in_strategy: Any, out_strategy: Any = None,
                                     "or 'CPU')")
     if not isinstance(level, int) or isinstance(level, bool):
         raise AutoParallelTypeError("level", level, "must be an int (unused)")
-    plan_id = _register_plan(parameter_plan)
-    text = repr(checked)
+    plan_values = list(parameter_plan.values()) if isinstance(parameter_plan, Mapping) else []
+    devices = layout_devices([*in_strategy, *plan_values] if isinstance(
+        in_strategy, (tuple, list)) else plan_values, "in_strategy and parameter_plan")
+    plan_id = _register_plan(parameter_plan, devices)
+    text = repr(checked) if devices is None else f"{checked!r}@{devices}"
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -101,7 +108,7 @@ def _check_out_strategy(out_strategy: Any) -> None:
                   AutoParallelWarning, stacklevel=3)
 
 
-def _register_plan(parameter_plan: Any) -> int | None:
+def _register_plan(parameter_plan: Any, devices: int | None) -> int | None:
     if parameter_plan is None:
         return None
     if not isinstance(parameter_plan, Mapping):
@@ -114,8 +121,11 @@ def _register_plan(parameter_plan: Any) -> int | None:
         if isinstance(entry, Layout):
             entry = entry.split_counts()
         plan[name] = check_strategy_shape((entry,), None, f"parameter_plan[{name!r}]")[0]
-    ident = next(_ids)
-    _PLANS[ident] = plan
+    key = (tuple(plan.items()), devices)
+    ident = _PLAN_IDS.get(key)
+    if ident is None:
+        ident = _PLAN_IDS[key] = next(_ids)
+        _PLANS[ident] = (plan, devices)
     return ident
 
 
@@ -141,8 +151,10 @@ def apply_parameter_plans(graph: Graph, plan_ids: list[int]) -> Graph:
     redistribution. Two plans giving one parameter different layouts are refused. Unknown
     names are warned about and ignored, as MindSpore does."""
     fixed: dict[str, tuple[int, ...]] = {}
+    devices: dict[str, int] = {}
     for ident in plan_ids:
-        for key, entry in _PLANS[ident].items():
+        plan, count = _PLANS[ident]
+        for key, entry in plan.items():
             found_params = [p for p in graph.parameters() if _param_matches(p, key)]
             if not found_params:
                 warnings.warn(f"parameter_plan: no parameter {key!r} in the graph (its "
@@ -155,7 +167,9 @@ def apply_parameter_plans(graph: Graph, plan_ids: list[int]) -> Graph:
             for p in found_params:
                 _check_plan(graph, p, entry, fixed.get(p))
                 fixed[p] = entry
-    return graph.fix_parameters(fixed) if fixed else graph
+                if count is not None:
+                    devices[p] = count
+    return graph.fix_parameters(fixed, devices) if fixed else graph
 
 
 def _check_plan(graph: Graph, p: str, entry: tuple[int, ...],
@@ -176,9 +190,13 @@ def matmul(a: Any, b: Any, strategy: Any = None) -> Any:
     return shard(jnp.matmul, strategy)(a, b)
 
 
-def parse_scope(entry: str) -> tuple[int, Strategy] | None:
-    """``'ap.shard#3[((2, 1), (1, 4))]'`` -> ``(3, ((2, 1), (1, 4)))``; other scopes -> None."""
+def parse_scope(entry: str) -> tuple[int, Strategy, int | None] | None:
+    """``'ap.shard#3[((2, 1), (1, 4))]'`` -> ``(3, ((2, 1), (1, 4)), None)``, and with the
+    device count its Layouts assume, ``'ap.shard#3[((2, 1), (1, 4))@8]'`` -> ``(..., 8)``;
+    other scopes -> None."""
     if not entry.startswith(PREFIX) or not entry.endswith("]"):
         return None
     ident, _, rest = entry[len(PREFIX):].partition("[")
-    return int(ident), tuple(tuple(e) for e in ast.literal_eval(rest[:-1]))
+    text, _, devices = rest[:-1].partition("@")
+    return (int(ident), tuple(tuple(e) for e in ast.literal_eval(text)),
+            int(devices) if devices else None)

@@ -27,7 +27,7 @@ from typing import Any, Iterable, Literal, Mapping
 import numpy as np
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError, found
-from autopar.graph.ms_layout import to_strategy
+from autopar.graph.ms_layout import layout_devices, to_strategy
 
 __all__ = ["TensorSpec", "Value", "Node", "Graph", "Strategy", "check_strategy_shape"]
 
@@ -151,8 +151,13 @@ class Graph:
 
     def __init__(self, nodes: Iterable[Node], values: Mapping[str, Value],
                  inputs: Iterable[str], outputs: Iterable[str], *, in_tree: Any = None,
-                 out_tree: Any = None, name: str = "fn") -> None:
+                 out_tree: Any = None, name: str = "fn",
+                 layout_devices: Mapping[str, int] | None = None) -> None:
         self.nodes: tuple[Node, ...] = tuple(nodes)
+        #: node or parameter -> the device count of the MindSpore Layouts its strategy was
+        #: given with (``shard``, ``parameter_plan``, ``annotate``): a search checks it equals
+        #: device_num, as for ``fixed=`` Layouts
+        self.layout_devices: dict[str, int] = dict(layout_devices or {})
         self.values: dict[str, Value] = dict(values)
         self.inputs: tuple[str, ...] = tuple(inputs)
         self.outputs: tuple[str, ...] = tuple(outputs)
@@ -228,28 +233,35 @@ class Graph:
         if not isinstance(strategies, Mapping):
             raise AutoParallelTypeError("strategies", strategies,
                                         "a mapping of node name -> strategy tuple")
-        new = {}
+        new, devices = {}, dict(self.layout_devices)
         for name, strategy in strategies.items():
             if not isinstance(name, str):
                 raise AutoParallelTypeError("node", name, "node names are str")
             node = self.node(name)
             ranks = [self.values[v].spec.rank for v in node.inputs]
+            count = layout_devices(strategy, f"strategy for node {name!r}")
             new[name] = check_strategy_shape(strategy, ranks, f"node {name!r}")
+            devices.pop(name, None)
+            if count is not None:
+                devices[name] = count
         nodes = [replace(n, annotation=new[n.name]) if n.name in new else n for n in self.nodes]
         return Graph(nodes, self.values, self.inputs, self.outputs, in_tree=self.in_tree,
-                     out_tree=self.out_tree, name=self.name)
+                     out_tree=self.out_tree, name=self.name, layout_devices=devices)
 
     def annotations(self) -> dict[str, Strategy]:
         return {n.name: n.annotation for n in self.nodes if n.annotation is not None}
 
-    def fix_parameters(self, layouts: Mapping[str, tuple[int, ...]]) -> "Graph":
+    def fix_parameters(self, layouts: Mapping[str, tuple[int, ...]],
+                       devices: Mapping[str, int] | None = None) -> "Graph":
         """A copy whose parameters ``layouts`` names are stored at those split counts
-        (checked by the caller: one count per dim, each dividing its size)."""
+        (checked by the caller: one count per dim, each dividing its size); ``devices``: the
+        device count of the Layouts some were given as (:attr:`layout_devices`)."""
         values = dict(self.values)
         for v, splits in layouts.items():
             values[v] = replace(values[v], layout=tuple(splits))
         return Graph(self.nodes, values, self.inputs, self.outputs, in_tree=self.in_tree,
-                     out_tree=self.out_tree, name=self.name)
+                     out_tree=self.out_tree, name=self.name,
+                     layout_devices={**self.layout_devices, **(devices or {})})
 
     def parameter_layouts(self) -> dict[str, tuple[int, ...]]:
         """The parameters fixed by :meth:`fix_parameters`, with their split counts."""

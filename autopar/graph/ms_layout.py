@@ -21,7 +21,7 @@ from typing import Any
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError, found
 
-__all__ = ["Layout", "to_strategy", "has_layout", "INTERLEAVED"]
+__all__ = ["Layout", "to_strategy", "has_layout", "layout_devices", "INTERLEAVED"]
 
 INTERLEAVED = "interleaved_parallel"
 _NONE = "None"
@@ -143,6 +143,23 @@ class Layout:
 def has_layout(strategy: Any) -> bool:
     """Whether a strategy (a tuple with one entry per input) holds any :class:`Layout`."""
     return isinstance(strategy, (tuple, list)) and any(isinstance(e, Layout) for e in strategy)
+
+
+def layout_devices(entries: Any, where: str) -> int | None:
+    """The device count the :class:`Layout` entries among ``entries`` assume (their device
+    matrices' product: one stage's devices, checked against device_num when a search knows
+    it), or None when there are none. Layouts of one call must agree.
+
+    >>> layout_devices((Layout((2, 4), ("dp", "mp"))("dp", "None"), (1, 4)), "matmul")
+    8
+    """
+    counts = sorted({e.device_num for e in entries if isinstance(e, Layout)}) \
+        if isinstance(entries, (tuple, list)) else []
+    if len(counts) > 1:
+        raise AutoParallelError(where, counts, "its Layouts' device matrices have different "
+                                "device counts; every device matrix has the devices of the "
+                                "stage (device_num)")
+    return counts[0] if counts else None
 
 
 def to_strategy(strategy: Any, where: str, device_num: int | None = None) -> Any:

@@ -101,6 +101,7 @@ class _Builder:
         self.pending: dict[int, Strategy] = {}  # annotation id -> strategy, not yet attached
         self.done: set[int] = set()
         self.plans: set[int] = set()  # shard(parameter_plan=...) ids seen while tracing
+        self.devices: dict[str, int] = {}  # annotated node -> the devices its Layouts assume
         # (outer scope, name stack) -> (readable scope, annotation markers, plan ids)
         self.scopes: dict[tuple[tuple[str, ...], Any], tuple[str, list, list[int]]] = {}
 
@@ -188,13 +189,15 @@ class _Builder:
         in_specs = [v.spec for v in in_values]
         out_specs = [_spec(v.aval) for v in eqn.outvars]
         annotation = None
-        for ident, strategy in reversed(markers):  # innermost annotation first
+        for ident, strategy, devices in reversed(markers):  # innermost annotation first
             if ident in self.done:
                 continue
             self.pending.setdefault(ident, strategy)
             if [len(e) for e in strategy] == [s.rank for s in in_specs]:
                 annotation = strategy
                 self.done.add(ident)
+                if devices is not None:
+                    self.devices[name] = devices
             break
         outputs = []
         for i, (var, spec) in enumerate(zip(eqn.outvars, out_specs)):
@@ -263,7 +266,7 @@ def trace(fn: Callable[..., Any], *example_args: Any, param_argnums: Iterable[in
     outputs = [b.read(env, v) for v in closed.jaxpr.outvars]
     graph = Graph(b.nodes, b.values, inputs, outputs, in_tree=in_tree,
                   out_tree=jax.tree_util.tree_structure(out_shape),
-                  name=name or getattr(fn, "__name__", "fn"))
+                  name=name or getattr(fn, "__name__", "fn"), layout_devices=b.devices)
     if b.plans:
         graph = apply_parameter_plans(graph, sorted(b.plans))
     return graph.annotate(annotations) if annotations else graph
