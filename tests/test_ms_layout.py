@@ -159,17 +159,20 @@ def test_layout_in_fixed_and_device_matrix_checked_against_device_num():
                   fixed={"dot_general_0": (small("dp", "None"), small("None", "mp"))})
 
 
+def _laid_out_loss(lay):
+    """The loss with its first matmul sharded by Layout ``lay`` and w2 planned by it."""
+    def loss(p, x):
+        h = ap.shard(jnp.matmul, in_strategy=(lay("dp", "None"), lay("None", "mp")),
+                     parameter_plan={"w2": lay("mp", "None")})(x, p["w1"])
+        return jnp.mean((jnp.tanh(h) @ p["w2"]) ** 2)
+    return loss
+
+
 def test_layouts_given_to_shard_and_annotate_are_checked_against_device_num():
     # (a 4-device Layout in shard() or annotate() was planned as 2-way splits on 8 devices)
     params, x = _args()
     small = ap.Layout((2, 2), ("dp", "mp"))
-
-    def loss(p, x):
-        h = ap.shard(jnp.matmul, in_strategy=(small("dp", "None"), small("None", "mp")),
-                     parameter_plan={"w2": small("mp", "None")})(x, p["w1"])
-        return jnp.mean((jnp.tanh(h) @ p["w2"]) ** 2)
-
-    g = ap.trace(loss, params, x)
+    g = ap.trace(_laid_out_loss(small), params, x)
     assert g.layout_devices == {"dot_general_0": 4, "p/w2": 4}
     annotated = ap.trace(_loss, params, x).annotate(
         {"dot_general_0": (small("dp", "None"), small("None", "mp"))})
@@ -294,13 +297,7 @@ def test_parameter_plan_trains_a_parameter_stored_apart_from_its_reader():
 def test_parameter_plan_numerics_against_float64():
     params, x = _args()
     ap.set_auto_parallel_context(device_num=8, parallel_mode="semi_auto_parallel")
-    lay = ap.Layout((2, 4), ("dp", "mp"))
-
-    def loss(p, x):
-        h = ap.shard(jnp.matmul, in_strategy=(lay("dp", "None"), lay("None", "mp")),
-                     parameter_plan={"w2": lay("mp", "None")})(x, p["w1"])
-        return jnp.mean((jnp.tanh(h) @ p["w2"]) ** 2)
-
+    loss = _laid_out_loss(ap.Layout((2, 4), ("dp", "mp")))
     f = ap.parallelize(loss, params, x)
     assert f.plan.split_counts("p/w1") == (1, 4)
     assert f.plan.split_counts("p/w2") == (4, 1)
