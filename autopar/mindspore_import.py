@@ -13,7 +13,9 @@ MindSpore 2.6's operator-strategy file (``set_op_strategy_config`` /
 ``save_operator_strategy_file``, sharding propagation) may instead hold Layouts,
 ``parallel_layout_value_item: {"Default/network-Net/MatMul-op0": {"0": {"dev_matrix": [2, 4],
 "tensor_map": [[1], [-1]], "alias_name": [...], "interleaved_parallel": false}, "1": ...}}``:
-each is read as the strategy of its split counts. An entry MindSpore saved empty
+each is read as the strategy of its split counts (the inputs keyed ``"0"`` to ``"n-1"``, a
+device-matrix axis on one dim at most, ``interleaved_parallel`` a bool: else
+:class:`StrategyFileError`). An entry MindSpore saved empty
 (``"parallel_strategy": []``: the script shards that operator with a Layout, which the strategy
 checkpoint does not record) is skipped with that reason, and a parameter's ``tensor_shape``
 written expanded (a dim split over several axes becomes several dims) is grouped back.
@@ -42,9 +44,10 @@ orientation fits, else from how the JAX program stores the input (a weight used 
 ``x @ w.T`` is stored transposed); for the other types by broadcasting (right-aligned, a
 parameter through its path). The result is checked with the search's own rules for the node
 (one entry per input, matched dims split alike, splits divide dims, the product fits the
-devices: ``device_num=``, else the file's ``dev_matrix``). What cannot be mapped or does not
-fit goes to :attr:`MindSporeImport.skipped` with the reason (or raises with ``strict=True``),
-never into ``fixed``. Use the result as ``autopar.search(graph, fixed=imported.fixed)`` under
+devices: ``device_num=``, else the file's ``dev_matrix``, of its parameters' layouts and its
+operators' Layouts). What cannot be mapped or does not fit goes to
+:attr:`MindSporeImport.skipped` with the reason (or raises with ``strict=True``), never into
+``fixed``. Use the result as ``autopar.search(graph, fixed=imported.fixed)`` under
 ``semi_auto_parallel`` or ``auto_parallel``.
 """
 
@@ -60,6 +63,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from autopar.checkpoint import StrategyFileError
 from autopar.errors import AutoParallelError, AutoParallelTypeError
+from autopar.errors import found as _found
 from autopar.graph.ir import Graph, Node, Strategy, check_strategy_shape
 from autopar.limits import MAX_DEVICES
 from autopar.strategies.layout import DeviceMesh
@@ -121,7 +125,8 @@ MS_OPS: dict[str, MsOp] = {
 #: MindSpore operator type -> the JAX primitive counted for it (``<Type>-op<N>`` keys).
 MS_TO_JAX: dict[str, str] = {t: op.order_prim for t, op in MS_OPS.items()}
 
-_OP_RE = re.compile(r"([A-Za-z0-9_]+)-op(\d+)$")
+_OP_RE = re.compile(r"([A-Za-z0-9_]+)-op([0-9]+)$")
+_DIGITS = re.compile(r"[0-9]+")  # ASCII only: str.isdigit() takes "²", int() not
 _PARAM_RE = re.compile(r"([A-Z][A-Za-z0-9]*)_(.+)$")
 _FLAGS = ("transpose_a", "transpose_b")
 _PASS = frozenset({"transpose", "convert_element_type", "copy", "copy_p", "reduce_precision",
@@ -168,84 +173,128 @@ class _Mapped:
 
 # ----------------------------------------------------------------------------- the file
 
+_ITEMS = "an object of node name -> {stage, parallel_strategy}"
+#: marks an entry made from parallel_layout_value_item (no JSON value is this object), whose
+#: empty strategy means an interleaved Layout
+_INTERLEAVED = object()
 
-def _read(path: str | os.PathLike[str]) -> dict[str, Any]:
+
+def _load(path: Any) -> Any:
+    """The JSON the file at ``path`` holds."""
+    what = "the path of MindSpore's JSON strategy file (a str or os.PathLike)"
+    if not isinstance(path, (str, os.PathLike)):
+        raise AutoParallelTypeError("path", path, what)
     try:
         raw = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
+    except TypeError:  # an os.PathLike giving bytes
+        raise AutoParallelTypeError("path", path, what) from None
+    except (OSError, ValueError) as e:  # ValueError: undecodable, or a NUL in the path
         raise StrategyFileError(path, "<file>", "a readable UTF-8 file", str(e)) from None
     try:
-        data = json.loads(raw)
-    except ValueError as e:
-        raise StrategyFileError(path, "<json>", "MindSpore's JSON strategy file", str(e)) \
-            from None
-    if isinstance(data, dict) and "parallel_layout_value_item" in data:
-        data = {**data, "parallel_strategy_item": {
-            **(data.get("parallel_strategy_item") or {}), **_layout_values(path, data)}}
-    if not isinstance(data, dict) or not isinstance(data.get("parallel_strategy_item"), dict):
-        raise StrategyFileError(path, "parallel_strategy_item", "an object of node name -> "
-                                "{stage, parallel_strategy}", type(data).__name__ if not
-                                isinstance(data, dict) else data.get("parallel_strategy_item",
-                                                                     "<missing>"))
-    for name, item in data["parallel_strategy_item"].items():
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
+        raise StrategyFileError(path, "<json>", "MindSpore's JSON strategy file",
+                                str(e) or type(e).__name__) from None
+
+
+def _section(path: Any, data: dict[str, Any], key: str, expected: str,
+             optional: bool) -> dict[str, Any]:
+    """``data[key]``, an object (``optional``: {} when absent or null)."""
+    value = data.get(key)
+    if value is None and optional:
+        return {}
+    if not isinstance(value, dict):
+        raise StrategyFileError(path, key, expected, value if key in data else "<missing>")
+    return value
+
+
+def _read(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The file's JSON, its sections checked (each an object), the Layouts of
+    ``parallel_layout_value_item`` merged into ``parallel_strategy_item`` as strategies."""
+    data = _load(path)
+    if not isinstance(data, dict):
+        raise StrategyFileError(path, "parallel_strategy_item", _ITEMS, type(data).__name__)
+    values = "parallel_layout_value_item" in data
+    items = _section(path, data, "parallel_strategy_item", _ITEMS, optional=values)
+    for name, item in items.items():
         if not isinstance(item, dict) or "parallel_strategy" not in item:
             raise StrategyFileError(path, f"parallel_strategy_item.{name}",
                                     "{stage, parallel_strategy}", item)
-    layouts = data.get("parallel_layout_item") or {}
-    if not isinstance(layouts, dict):
-        raise StrategyFileError(path, "parallel_layout_item", "an object of parameter name -> "
-                                "layout", layouts)
+    if values:
+        items = {**items, **_layout_values(path, _section(
+            path, data, "parallel_layout_value_item", "an object of node name -> {input "
+            "index: layout}", optional=False))}
+    layouts = _section(path, data, "parallel_layout_item", "an object of parameter name -> "
+                       "layout", optional=True)
     for name, lay in layouts.items():
         _check_layout(path, name, lay)
-    return data
+    return {**data, "parallel_strategy_item": items, "parallel_layout_item": layouts}
 
 
-def _layout_values(path: Any, data: dict[str, Any]) -> dict[str, Any]:
+def _layout_values(path: Any, section: Mapping[str, Any]) -> dict[str, Any]:
     """MindSpore 2.6's operator-strategy file (``set_op_strategy_config`` /
     ``save_operator_strategy_file``) stores an operator sharded with a Layout as
     ``parallel_layout_value_item: {node: {"0": layout, "1": layout, ...}}``, one layout per
-    input (``dev_matrix``, ``tensor_map`` nested per dim, ``alias_name``,
-    ``interleaved_parallel``). Each becomes a strategy entry: per dim the product of the
-    sizes of the device-matrix dims it is mapped to (counted from the right, -1 whole).
-    An interleaved layout has no autopar counterpart: its entry is left empty, so it is
-    skipped with the reason."""
-    section = data["parallel_layout_value_item"]
-    if not isinstance(section, dict):
-        raise StrategyFileError(path, "parallel_layout_value_item", "an object of node name "
-                                "-> {input index: layout}", section)
+    input, keyed ``"0"`` to ``"n-1"`` (``dev_matrix``, ``tensor_map`` nested per dim,
+    ``alias_name``, ``interleaved_parallel``). Each becomes a strategy entry: per dim the
+    product of the sizes of the device-matrix dims it is mapped to (counted from the right,
+    -1 whole). An interleaved layout has no autopar counterpart: its entry is left empty, so
+    it is skipped with the reason."""
     out: dict[str, Any] = {}
     for name, per_input in section.items():
         where = f"parallel_layout_value_item.{name}"
-        if not isinstance(per_input, dict) or not all(k.isdigit() for k in per_input):
-            raise StrategyFileError(path, where, "an object of input index (\"0\", \"1\", "
-                                    "...) -> layout", per_input)
-        entries = [_layout_splits(path, f"{where}.{k}", per_input[k])
-                   for k in sorted(per_input, key=int)]
-        out[name] = {"stage": 0, "layout": True,
+        n = len(per_input) if isinstance(per_input, dict) else 0
+        if not n or set(per_input) != {str(i) for i in range(n)}:
+            raise StrategyFileError(path, where, "an object of input index -> layout, one "
+                                    "per input, keyed \"0\", \"1\", ... \"n-1\"", per_input)
+        entries = [_layout_splits(path, f"{where}.{i}", per_input[str(i)]) for i in range(n)]
+        out[name] = {"stage": 0, "layout": _INTERLEAVED,
                      "parallel_strategy": [] if None in entries else entries}
     return out
 
 
 def _layout_splits(path: Any, where: str, lay: Any) -> list[int] | None:
-    """One input's split counts from a MindSpore layout dict (None: interleaved)."""
+    """One input's split counts from a MindSpore layout dict (None: interleaved). A
+    device-matrix dim shards at most one tensor dim, once (as :class:`autopar.Layout`)."""
     if not isinstance(lay, dict) or not isinstance(lay.get("tensor_map"), list):
         raise StrategyFileError(path, where, "an object with dev_matrix and tensor_map", lay)
+    interleaved = lay.get("interleaved_parallel", False)
+    if not isinstance(interleaved, bool):
+        raise StrategyFileError(path, f"{where}.interleaved_parallel", "true or false",
+                                repr(interleaved))
     dev = lay.get("dev_matrix")
-    if not isinstance(dev, list) or not dev or not all(
-            isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in dev):
-        raise StrategyFileError(path, f"{where}.dev_matrix", "a list of ints >= 1", dev)
-    if lay.get("interleaved_parallel", False) is not False:
+    if not isinstance(dev, list) or not dev:
+        raise StrategyFileError(path, f"{where}.dev_matrix", "a non-empty list of ints >= 1",
+                                dev)
+    _check_sizes(path, f"{where}.dev_matrix", dev, devices=not interleaved)
+    if interleaved:  # its dev_matrix holds the virtual interleaving axis too
         return None
-    splits = []
-    for dim in lay["tensor_map"]:
-        axes = dim if isinstance(dim, list) else [dim]
-        if not all(isinstance(a, int) and not isinstance(a, bool) and -1 <= a < len(dev)
-                   for a in axes):
-            raise StrategyFileError(path, f"{where}.tensor_map", f"per dim a device-matrix "
-                                    f"index in [-1, {len(dev) - 1}] or a list of them",
-                                    lay["tensor_map"])
-        splits.append(math.prod(dev[len(dev) - 1 - a] for a in axes if a != -1))
-    return splits
+    axes = [dim if isinstance(dim, list) else [dim] for dim in lay["tensor_map"]]
+    used = [a for dim in axes for a in dim]
+    if not all(isinstance(a, int) and not isinstance(a, bool) and -1 <= a < len(dev)
+               for a in used):
+        raise StrategyFileError(path, f"{where}.tensor_map", f"per dim a device-matrix "
+                                f"index in [-1, {len(dev) - 1}] or a list of them",
+                                lay["tensor_map"])
+    used = [a for a in used if a != -1]
+    if len(used) != len(set(used)):
+        raise StrategyFileError(path, f"{where}.tensor_map", "each device-matrix index at "
+                                "most once (an axis shards one dim)", lay["tensor_map"])
+    return [math.prod(dev[len(dev) - 1 - a] for a in dim if a != -1) for dim in axes]
+
+
+def _check_sizes(path: Any, where: str, sizes: Any, devices: bool = False) -> None:
+    """``sizes`` is a list of ints >= 1; ``devices``: a device matrix, whose product (the
+    devices it names) is at most ``MAX_DEVICES``."""
+    if not isinstance(sizes, list) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes):
+        raise StrategyFileError(path, where, "a list of ints >= 1", sizes)
+    total = 1
+    for n in sizes if devices else ():
+        total *= n  # stops early: a long list of sizes makes a huge product
+        if total > MAX_DEVICES:
+            raise StrategyFileError(path, where, f"a device matrix of at most {MAX_DEVICES} "
+                                    "devices (the product of its sizes)", sizes)
 
 
 def _check_layout(path: Any, name: str, lay: Any) -> None:
@@ -253,16 +302,18 @@ def _check_layout(path: Any, name: str, lay: Any) -> None:
         raise StrategyFileError(path, f"parallel_layout_item.{name}", "an object with "
                                 "dev_matrix, tensor_map, tensor_shape", lay)
     for key in ("dev_matrix", "tensor_shape"):
-        v = lay.get(key)
-        if v is not None and (not isinstance(v, list) or not all(
-                isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in v)):
-            raise StrategyFileError(path, f"parallel_layout_item.{name}.{key}",
-                                    "a list of ints >= 1", v)
+        if lay.get(key) is not None:
+            _check_sizes(path, f"parallel_layout_item.{name}.{key}", lay[key],
+                         devices=key == "dev_matrix")
 
 
-def _file_devices(layouts: Mapping[str, Any]) -> int | None:
-    """The device count the file's layouts name (their device matrix), if any."""
-    counts = [math.prod(lay["dev_matrix"]) for lay in layouts.values() if lay.get("dev_matrix")]
+def _file_devices(data: Mapping[str, Any]) -> int | None:
+    """The device count the file's layouts name (their device matrix: parameters' layouts,
+    operators' non-interleaved Layouts), if any."""
+    mats = [lay.get("dev_matrix") for lay in data["parallel_layout_item"].values()]
+    mats += [lay["dev_matrix"] for per in (data.get("parallel_layout_value_item") or {}).values()
+             for lay in per.values() if not lay.get("interleaved_parallel")]
+    counts = [math.prod(m) for m in mats if m]
     return max(counts) if counts else None
 
 
@@ -270,7 +321,11 @@ def _check_args(path: Any, items: Mapping[str, Any], name_map: Any, attrs: Any) 
     if name_map is not None and not isinstance(name_map, Mapping):
         raise AutoParallelTypeError("name_map", name_map, "a mapping of MindSpore name -> "
                                     "autopar node name")
-    for ms in name_map or {}:
+    for ms, node in (name_map or {}).items():
+        if not isinstance(ms, str) or not isinstance(node, str):
+            raise AutoParallelTypeError("name_map", name_map, (
+                f"MindSpore names must be str, {_found(ms)}" if not isinstance(ms, str) else
+                f"autopar node names must be str, {_found(node, f'[{ms!r}]')}"))
         if ms not in items:
             raise AutoParallelError("name_map", ms, f"not an operator of {str(path)!r}")
     if attrs is not None and not isinstance(attrs, Mapping):
@@ -291,12 +346,12 @@ def _check_args(path: Any, items: Mapping[str, Any], name_map: Any, attrs: Any) 
 def _tokens(name: str) -> tuple[str, ...]:
     """Words and indices of a name; separators, case and a plural before an index ignored:
     ``blocks.0.w1``, ``blocks/0/w1`` and ``block0/w1`` all give ``(block, 0, w, 1)``."""
-    runs = [r if not r.isdigit() else str(int(r))
-            for part in re.split(r"[./]", name) for r in re.findall(r"\d+|\D+", part)]
+    runs = [(r.lstrip("0") or "0") if _DIGITS.fullmatch(r) else r  # an index: 007 is 7
+            for part in re.split(r"[./]", name) for r in re.findall(r"[0-9]+|[^0-9]+", part)]
     toks = [r.strip("_-").lower() for r in runs]
     toks = [t for t in toks if t]
     return tuple(t[:-1] if len(t) > 1 and t.endswith("s") and i + 1 < len(toks)
-                 and toks[i + 1].isdigit() else t for i, t in enumerate(toks))
+                 and _DIGITS.fullmatch(toks[i + 1]) else t for i, t in enumerate(toks))
 
 
 def _common_suffix(a: tuple[str, ...], b: tuple[str, ...]) -> int:
@@ -629,7 +684,7 @@ def _map_onto(graph: Graph, node: Node, op: MsOp, st: Strategy, given: Mapping[s
 
 
 def _strategy_of(items: Mapping[str, Any], ms: str) -> Strategy:
-    if items[ms]["parallel_strategy"] == [] and items[ms].get("layout"):
+    if items[ms]["parallel_strategy"] == [] and items[ms].get("layout") is _INTERLEAVED:
         raise _Skip("its Layout uses interleaved_parallel, which autopar refuses (a device "
                     "computes its block of an operator in one piece)")
     if items[ms]["parallel_strategy"] == []:
@@ -691,11 +746,18 @@ def _map_by_parameter(graph: Graph, items: Mapping[str, Any], layouts: Mapping[s
             skipped[ms] = str(e)
 
 
+def _op_index(digits: str) -> tuple[int, str]:
+    """The N of an ``-op<N>`` key as a sort key, by value however many digits it has (no
+    int(): Python refuses to convert more than 4300)."""
+    n = digits.lstrip("0") or "0"
+    return len(n), n
+
+
 def _map_by_order(graph: Graph, items: Mapping[str, Any],
                   attrs: Mapping[str, Mapping[str, bool]], mesh: DeviceMesh | None,
                   found: dict[str, _Mapped], skipped: dict[str, str]) -> None:
     """``.../<OpType>-op<N>`` entries: the k-th of a primitive onto the k-th node of it."""
-    groups: dict[str, list[tuple[int, str]]] = {}
+    groups: dict[str, list[tuple[tuple[int, str], str]]] = {}
     for ms in items:
         if ms in found or ms in skipped:
             continue
@@ -704,7 +766,7 @@ def _map_by_order(graph: Graph, items: Mapping[str, Any],
             skipped[ms] = ("no autopar node of this name and no known MindSpore operator "
                            "type at its end; pass name_map")
             continue
-        groups.setdefault(MS_TO_JAX[m.group(1)], []).append((int(m.group(2)), ms))
+        groups.setdefault(MS_TO_JAX[m.group(1)], []).append((_op_index(m.group(2)), ms))
     taken = {n for f in found.values() for n in (f.node, *f.via)}
     for prim, entries in sorted(groups.items()):
         names = [ms for _, ms in sorted(entries)]
@@ -758,11 +820,13 @@ def import_mindspore_strategy(path: str | os.PathLike[str], graph: Graph, *,
     entry that does not map, instead of listing it in ``skipped``."""
     if not isinstance(graph, Graph):
         raise AutoParallelTypeError("graph", graph, "the Graph returned by autopar.trace")
+    if not isinstance(strict, bool):
+        raise AutoParallelTypeError("strict", strict, "must be a bool")
     data = _read(path)
     items: dict[str, Any] = data["parallel_strategy_item"]
-    layouts: dict[str, Any] = data.get("parallel_layout_item") or {}
+    layouts: dict[str, Any] = data["parallel_layout_item"]
     _check_args(path, items, name_map, attrs)
-    n = device_num if device_num is not None else _file_devices(layouts)
+    n = device_num if device_num is not None else _file_devices(data)
     mesh = None if n is None else DeviceMesh.for_devices(n)
     out = MindSporeImport(parameters=tuple(sorted(layouts)))
     found: dict[str, _Mapped] = {}

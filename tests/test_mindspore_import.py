@@ -508,3 +508,167 @@ def test_bad_files(tmp_path, graph):
     with pytest.raises(ap.AutoParallelTypeError, match="device_num"):
         import_mindspore_strategy(p, graph, device_num="8")
     assert "not a MindSpore strategy" in import_mindspore_strategy(p, graph).skipped["MatMul_v"]
+
+
+def _two_matmuls() -> ap.Graph:
+    """``tanh(x @ w1) @ w2``: two dot_generals, w1 [64, 128], w2 [128, 64]."""
+    w1, w2, x = (jax.ShapeDtypeStruct(s, jnp.float32) for s in ((64, 128), (128, 64), (16, 64)))
+    return ap.trace(lambda p, x: jnp.mean(jnp.tanh(x @ p["w1"]) @ p["w2"]),
+                    {"w1": w1, "w2": w2}, x)
+
+
+def _doc_file(tmp_path, doc) -> Path:
+    p = tmp_path / "doc.json"
+    p.write_text(json.dumps(doc))
+    return p
+
+
+GOOD = {"parallel_strategy_item": {"MatMul_w1": {"parallel_strategy": [[1, 1], [1, 4]]}}}
+
+
+@pytest.mark.parametrize("doc, field", [
+    ({"parallel_strategy_item": [1], "parallel_layout_value_item": {}}, "parallel_strategy_item"),
+    ({"parallel_strategy_item": [], "parallel_layout_value_item": {}}, "parallel_strategy_item"),
+    ({"parallel_strategy_item": {}, "parallel_layout_value_item": [1]},
+     "parallel_layout_value_item"),
+    ({**GOOD, "parallel_layout_item": []}, "parallel_layout_item"),
+])
+def test_sections_of_the_wrong_type_are_refused(tmp_path, doc, field):
+    with pytest.raises(StrategyFileError, match=f"field '{field}'"):
+        import_mindspore_strategy(_doc_file(tmp_path, doc), _two_matmuls())
+
+
+def test_only_ascii_digits_are_indices(tmp_path):
+    """``str.isdigit()`` takes "²", ``int()`` does not: an input index must be "0".."n-1", a
+    "²" in a parameter name is a word, and ``-op²`` is no operator index."""
+    g = _two_matmuls()
+    bad = {"parallel_layout_value_item": {"Default/MatMul-op0": {"²": {
+        "dev_matrix": [2, 4], "tensor_map": [1, -1]}}}}
+    with pytest.raises(StrategyFileError, match="parallel_layout_value_item.Default/MatMul-op0"):
+        import_mindspore_strategy(_doc_file(tmp_path, bad), g)
+    st = {"parallel_strategy": [[1, 1], [1, 4]]}
+    imp = import_mindspore_strategy(_doc_file(tmp_path, {"parallel_strategy_item": {
+        "MatMul_blocks.².w1": st, "MatMul_w²": st, f"{NET}/MatMul-op²": st}}), g)
+    assert imp.mapped == {"MatMul_blocks.².w1": "dot_general_0"}  # its words end "w1"
+    assert "no parameter" in imp.skipped["MatMul_w²"]
+    assert "no known MindSpore operator type" in imp.skipped[f"{NET}/MatMul-op²"]
+    w = jnp.ones((8, 8))
+    g = ap.trace(lambda p, x: x @ p["blocks"][0]["w1"] @ p["blocks"][1]["w1"],
+                 {"blocks": [{"w1": w}, {"w1": w}]}, jnp.ones((2, 8)))
+    with pytest.raises(ap.AutoParallelError, match="no parameter"):  # "²" is no index
+        match_parameter(g, "blocks.².w1")
+    assert match_parameter(g, "blocks.001.w1") == "p/blocks/1/w1"
+
+
+def test_operator_indices_of_any_length_order_by_value(tmp_path):
+    g = _two_matmuls()
+    huge, small = "9" * 5000, "0" * 4400 + "7"  # past int()'s 4300 digits; 7 < 10
+    doc = {"parallel_strategy_item": {
+        f"{NET}/MatMul-op{huge}": {"parallel_strategy": [[1, 4], [4, 1]]},
+        f"{NET}/MatMul-op{small}": {"parallel_strategy": [[1, 1], [1, 4]]},
+        f"{NET}/Tanh-op10": {"parallel_strategy": [[2, 4]]}}}
+    imp = import_mindspore_strategy(_doc_file(tmp_path, doc), g)
+    assert imp.skipped == {}
+    assert imp.mapped[f"{NET}/MatMul-op{small}"] == "dot_general_0"
+    assert imp.mapped[f"{NET}/MatMul-op{huge}"] == "dot_general_1"
+
+
+def test_json_nested_too_deep_is_a_file_error(tmp_path):
+    p = tmp_path / "deep.json"
+    p.write_text("[" * 200000 + "]" * 200000)
+    with pytest.raises(StrategyFileError, match="<json>"):
+        import_mindspore_strategy(p, _two_matmuls())
+
+
+@pytest.mark.parametrize("path, error, match", [
+    ("/tmp/a\x00b.json", StrategyFileError, "null byte"),
+    (3, ap.AutoParallelTypeError, "path=3"),
+    (b"/tmp/x.json", ap.AutoParallelTypeError, "path="),
+    (None, ap.AutoParallelTypeError, "path=None"),
+])
+def test_bad_paths(path, error, match):
+    with pytest.raises(error, match=match):
+        import_mindspore_strategy(path, _two_matmuls())
+
+
+@pytest.mark.parametrize("name_map, match", [
+    ({"MatMul_w1": 3}, r"found 3 \(int\) at \['MatMul_w1'\]"),
+    ({3: "dot_general_0"}, r"MindSpore names must be str, found 3 \(int\)"),
+    ({"MatMul_w1": None}, "found None"),
+])
+def test_name_map_needs_str_names(tmp_path, name_map, match):
+    with pytest.raises(ap.AutoParallelTypeError, match=f"name_map=.*{match}"):
+        import_mindspore_strategy(_doc_file(tmp_path, GOOD), _two_matmuls(), name_map=name_map)
+
+
+def _op_layouts(**per_op):
+    return {"parallel_layout_value_item": {f"{NET}/{k}": v for k, v in per_op.items()}}
+
+
+def _lay(dev, tensor_map, **more):
+    return {"dev_matrix": dev, "tensor_map": tensor_map, **more}
+
+
+@pytest.mark.parametrize("doc, field", [
+    ({**GOOD, "parallel_layout_item": {"w1": {"dev_matrix": [4097]}}},
+     "parallel_layout_item.w1.dev_matrix"),
+    ({**GOOD, "parallel_layout_item": {"w1": {"dev_matrix": [10 ** 30, 2]}}},
+     "parallel_layout_item.w1.dev_matrix"),
+    ({**GOOD, "parallel_layout_item": {"w1": {"dev_matrix": [2] * 13}}},
+     "parallel_layout_item.w1.dev_matrix"),
+    (_op_layouts(**{"MatMul-op0": {"0": _lay([8192], [0, -1]), "1": _lay([8192], [-1, -1])}}),
+     f"parallel_layout_value_item.{NET}/MatMul-op0.0.dev_matrix"),
+])
+def test_a_device_matrix_names_at_most_4096_devices(tmp_path, doc, field):
+    """Not blamed on ``device_num``, which the user did not pass."""
+    with pytest.raises(StrategyFileError, match=f"field '{field}'.*at most 4096 devices"):
+        import_mindspore_strategy(_doc_file(tmp_path, doc), _two_matmuls())
+
+
+def test_a_layout_uses_a_device_axis_once_and_names_the_devices(tmp_path):
+    """A device-matrix axis on two dims is no Layout (``ap.Layout`` refuses it): it never
+    becomes a strategy. The Layouts' device matrix gives the devices the file's strategies
+    must fit (an interleaved one's holds its virtual axis too: not counted)."""
+    g = _two_matmuls()
+    reused = _op_layouts(**{"MatMul-op0": {"0": _lay([2, 4], [0, 0]),
+                                           "1": _lay([2, 4], [[1, 0], -1])}})
+    with pytest.raises(StrategyFileError, match=r"MatMul-op0.0.tensor_map'.*once"):
+        import_mindspore_strategy(_doc_file(tmp_path, reused), g)
+    reused = _op_layouts(**{"MatMul-op0": {"0": _lay([2, 4], [-1, -1]),
+                                           "1": _lay([2, 4], [[1, 1], -1])}})
+    with pytest.raises(StrategyFileError, match=r"MatMul-op0.1.tensor_map'.*once"):
+        import_mindspore_strategy(_doc_file(tmp_path, reused), g)
+    doc = _op_layouts(**{"MatMul-op0": {"0": _lay([2, 4], [1, -1]), "1": _lay([2, 4], [-1, 0])},
+                         "MatMul-op1": {"0": _lay([2, 4], [1, 0]), "1": _lay([2, 4], [0, -1])},
+                         "Exp-op2": {"0": _lay([4096, 2], [1, 0], interleaved_parallel=True)}})
+    doc["parallel_strategy_item"] = {"Tanh-op9": {"parallel_strategy": [[4, 4]]}}
+    imp = import_mindspore_strategy(_doc_file(tmp_path, doc), g)
+    assert imp.fixed == {"dot_general_0": ((2, 1), (1, 4)), "dot_general_1": ((2, 4), (4, 1))}
+    assert "device_num=8" in imp.skipped["Tanh-op9"]  # 16 ways: more than the Layouts' 8
+
+
+@pytest.mark.parametrize("per_input, field", [
+    ({}, "MatMul-op0"),
+    ({"0": _lay([2, 4], [1, -1]), "2": _lay([2, 4], [-1, 0])}, "MatMul-op0"),
+    ({"0": _lay([2, 4], [1, -1]), "00": _lay([2, 4], [-1, 0])}, "MatMul-op0"),
+    ({"1": _lay([2, 4], [-1, 0])}, "MatMul-op0"),
+    ({"0": _lay([2, 4], [1, -1], interleaved_parallel=None)}, "MatMul-op0.0.interleaved_parallel"),
+    ({"0": _lay([2, 4], [1, -1], interleaved_parallel=0)}, "MatMul-op0.0.interleaved_parallel"),
+    ({"0": _lay([2, 4], [1, -1], interleaved_parallel="false")},
+     "MatMul-op0.0.interleaved_parallel"),
+])
+def test_layout_inputs_are_keyed_0_to_n_and_interleaving_is_a_bool(tmp_path, per_input, field):
+    doc = _op_layouts(**{"MatMul-op0": per_input})
+    where = f"parallel_layout_value_item.{NET}/{field}"
+    with pytest.raises(StrategyFileError, match=f"field '{where}'"):
+        import_mindspore_strategy(_doc_file(tmp_path, doc), _two_matmuls())
+
+
+def test_strict_is_a_bool_and_a_file_entry_cannot_pose_as_an_interleaved_layout(tmp_path):
+    with pytest.raises(ap.AutoParallelTypeError, match="strict='no'"):
+        import_mindspore_strategy(_doc_file(tmp_path, GOOD), _two_matmuls(), strict="no")
+    # an entry of the file's own with a "layout" key is an empty strategy like any other
+    doc = {"parallel_strategy_item": {"MatMul_w1": {"parallel_strategy": [], "layout": True}}}
+    out = import_mindspore_strategy(_doc_file(tmp_path, doc), _two_matmuls())
+    assert "interleaved" not in out.skipped["MatMul_w1"]
+    assert "MindSpore saved no strategy" in out.skipped["MatMul_w1"]
