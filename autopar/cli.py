@@ -26,8 +26,8 @@ from typing import Any, Sequence
 
 from autopar.files import write_text_atomic
 from autopar.cli_util import (CLIError, Progress, compare_with_reference, drop_gloo_lines,
-                              load_model, non_negative_float, one_device_steps, parse_options,
-                              positive_int, setup_devices, table)
+                              file_path, load_model, non_negative_float, one_device_steps,
+                              parse_options, positive_int, setup_devices, table)
 from autopar.gc_pause import paused_gc
 
 with paused_gc():  # the planning modules bring JAX, NumPy and SciPy: most of the start-up
@@ -429,8 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="search mode (default: the context's search_mode, dynamic_programming)")
     p.add_argument("--parallel-mode", choices=PARALLEL_MODES, default="auto_parallel",
                    help="MindSpore's parallel_mode (default auto_parallel)")
-    p.add_argument("--save", type=Path, help="write the strategy file here")
-    p.add_argument("--load", type=Path, help="load the plan from this strategy file")
+    p.add_argument("--save", type=file_path, help="write the strategy file here")
+    p.add_argument("--load", type=file_path, help="load the plan from this strategy file")
     p.add_argument("--full", action="store_true", help="print every operator's strategy")
     p.add_argument("--limit", type=positive_int, default=20, help="parameter rows (default 20)")
     p.set_defaults(func=cmd_search)
@@ -441,7 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--measure", action="store_true",
                    help="also run each plan's training step on emulated devices")
     p.add_argument("--steps", type=positive_int, default=3, help="timed steps with --measure")
-    p.add_argument("--out", type=Path, default=Path("autopar-compare"),
+    p.add_argument("--out", type=file_path, default=Path("autopar-compare"),
                    help="directory for compare.json / .md / .png (default autopar-compare)")
     p.set_defaults(func=cmd_compare)
 
@@ -454,9 +454,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="compare with one device")
     p.add_argument("--atol", type=non_negative_float, default=1e-4,
                    help="tolerance of --check (a finite number >= 0)")
-    p.add_argument("--save", type=Path, help="write the strategy file here")
-    p.add_argument("--load", type=Path, help="load the plan from this strategy file")
-    p.add_argument("--json", type=Path, help="write losses and parameter sums as JSON")
+    p.add_argument("--save", type=file_path, help="write the strategy file here")
+    p.add_argument("--load", type=file_path, help="load the plan from this strategy file")
+    p.add_argument("--json", type=file_path, help="write losses and parameter sums as JSON")
     p.add_argument("--num-processes", type=positive_int, default=1,
                    help="processes (jax.distributed); devices are split evenly")
     p.add_argument("--process-id", type=int, help="this process's index")
@@ -473,14 +473,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--buckets", choices=("context", "hccl", "none"), default="context",
                    help="gradient buckets: the context's comm_fusion (default), HCCL's split "
                    "strategy, or one per gradient")
-    p.add_argument("--out", type=Path, help="write the Chrome trace JSON here")
-    p.add_argument("--png", type=Path, help="draw the timeline PNG here (plot extra)")
+    p.add_argument("--out", type=file_path, help="write the Chrome trace JSON here")
+    p.add_argument("--png", type=file_path, help="draw the timeline PNG here (plot extra)")
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("calibrate", help="measure these devices and fit the cost model")
     p.add_argument("--devices", type=positive_int, default=8,
                    help="devices to measure (default 8; CPU devices are emulated)")
-    p.add_argument("--out", type=Path, help="also write the calibration file here")
+    p.add_argument("--out", type=file_path, help="also write the calibration file here")
     p.add_argument("--budget", type=float, default=60.0,
                    help="seconds to aim for (default 60)")
     p.add_argument("--fresh", action="store_true",
@@ -490,7 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("show", help="pretty-print a strategy file")
-    p.add_argument("file", type=Path, help="a strategy file (--save, strategy_ckpt_save_file)")
+    p.add_argument("file", type=file_path, help="a strategy file (--save, strategy_ckpt_save_file)")
     p.add_argument("--limit", type=positive_int, default=30, help="rows per table (default 30)")
     p.set_defaults(func=cmd_show)
     return parser

@@ -20,6 +20,7 @@ import re
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from autopar.limits import MAX_DEVICES
@@ -139,6 +140,17 @@ def positive_int(text: str) -> int:
     if not 1 <= n <= MAX_DEVICES:
         raise argparse.ArgumentTypeError(f"must be in [1, {MAX_DEVICES}], got {n}")
     return n
+
+
+def file_path(text: str) -> Path:
+    """An argparse type: a non-empty path (``Path("")`` would be ``.``, the directory).
+
+    >>> file_path("plan.json").name
+    'plan.json'
+    """
+    if not text or "\0" in text:
+        raise argparse.ArgumentTypeError(f"expected a file path, got {text!r}")
+    return Path(text)
 
 
 def non_negative_float(text: str) -> float:

@@ -192,6 +192,13 @@ class ParallelOptimizerConfig(BaseModel):
         return None if v is None else _check_choice("optimizer_level", OPTIMIZER_LEVELS)(v)
 
 
+def _path(v: str) -> str:
+    """A file path setting: refused with a NUL byte when set, not at the first save."""
+    if "\0" in v:
+        raise ValueError("a path cannot hold a NUL byte")
+    return v
+
+
 class StrategyCkptConfig(BaseModel):
     """strategy_ckpt_config: MindSpore 2.x's one dict for the strategy files. ``load_file`` /
     ``save_file`` are the same settings as strategy_ckpt_load_file / strategy_ckpt_save_file
@@ -203,6 +210,11 @@ class StrategyCkptConfig(BaseModel):
     save_file: str = Field(default="", description="save the strategy to this file")
     only_trainable_params: bool = Field(
         default=True, description="only the trainable parameters' layouts are saved / loaded")
+
+    @field_validator("load_file", "save_file")
+    @classmethod
+    def _paths(cls, v: str) -> str:
+        return _path(v)
 
 
 #: MindSpore's pipeline_scheduler names -> autopar's schedule (autopar.pipeline.schedules);
@@ -475,6 +487,11 @@ class AutoParallelConfig(BaseModel):
         "checkpoints.",
         json_schema_extra=_meta("bool", "-", "with enable_parallel_optimizer",
                                 jax=_warned("optimizer_weight_shard_aggregated_save")))
+
+    @field_validator("strategy_ckpt_load_file", "strategy_ckpt_save_file")
+    @classmethod
+    def _paths(cls, v: str) -> str:
+        return _path(v)
 
     @field_validator("parallel_mode")
     @classmethod

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
+import re
 import stat
 import tempfile
 import time
@@ -37,6 +39,7 @@ from typing import Any, Callable
 from autopar.errors import AutoParallelError, AutoParallelTypeError, FileFieldError
 
 __all__ = ["STALE_SECONDS", "read_bytes_capped", "read_json_document", "validation_failure",
+           "writable_target",
            "write_bytes_atomic", "write_text_atomic"]
 
 #: A temporary file of ours this old was left by a writer that died: the next save removes it.
@@ -73,17 +76,33 @@ def _target(path: Any, key: str) -> Path:
     return target
 
 
+def writable_target(path: Any, key: str) -> Path:
+    """The file a write to ``path`` would replace, checked as :func:`write_bytes_atomic`
+    checks it (a non-empty path, no NUL, its directory there, not a directory or special
+    file), without writing: for callers that write several files and must refuse before the
+    first."""
+    return _target(path, key)
+
+
 def _temp_prefix(name: str) -> str:
     """``.<name>.``, the name cut so a temporary file's name fits where ``name`` does."""
     return f".{name[:200]}."
 
 
+#: The random part ``tempfile.mkstemp`` puts between our prefix and ``.tmp``: only names of
+#: exactly this shape are ours to remove (a user's ``.s.json.backup.tmp`` is not)
+_TEMP_TAIL = re.compile(r"[a-z0-9_]{8}\.tmp")
+
+
 def _clean_stale(directory: Path, name: str) -> None:
     """Remove our temporary files of ``name`` older than :data:`STALE_SECONDS` (a killed
-    writer's)."""
+    writer's): ``mkstemp``'s names after our prefix, nothing else."""
     now = time.time()
+    prefix = _temp_prefix(name)
     try:
-        for p in directory.glob(f"{glob.escape(_temp_prefix(name))}*.tmp"):
+        for p in directory.glob(f"{glob.escape(prefix)}*.tmp"):
+            if not _TEMP_TAIL.fullmatch(p.name[len(prefix):]):
+                continue
             try:
                 if p.is_file() and now - p.stat().st_mtime > STALE_SECONDS:
                     p.unlink()
@@ -199,6 +218,15 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _finite_float(text: str) -> float:
+    """A JSON number as a float; one too large for a float (``1e999``) is refused, not read
+    as infinity (which no autopar file holds and no JSON writer accepts back)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} is out of a float's range")
+    return value
+
+
 def read_json_document(path: str | os.PathLike[str], *, fmt: str, version: int, limit: int,
                        error: type[FileFieldError]) -> dict[str, Any]:
     """The JSON object of a versioned autopar file (strategy file, calibration): read with
@@ -209,7 +237,7 @@ def read_json_document(path: str | os.PathLike[str], *, fmt: str, version: int, 
                                                                        expected, found))
     try:
         data = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates,
-                          parse_constant=_reject_constant)
+                          parse_constant=_reject_constant, parse_float=_finite_float)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise error(path, "<json>", "a complete JSON document (truncated or corrupted "
                     "file?)", str(e)[:200]) from None

@@ -37,7 +37,7 @@ from autopar.lower import LoweredFunction, lower
 from autopar.parallel_graph import ParallelGraph
 from autopar.rewrite import rewrite
 from autopar.strategies.plan import Plan
-from autopar.planner import search
+from autopar.planner import saves_on_success, search
 from autopar.uneven import UnevenBatch, UnevenRequest, check_uneven_batch, plan_uneven
 
 __all__ = ["parallelize", "parallel_function", "ParallelFunction"]
@@ -118,10 +118,11 @@ def parallel_function(fn: Callable[..., Any], example_args: tuple[Any, ...],
     context of its own (the search, :func:`autopar.search`, resolves it). ``uneven``: the
     uneven split :func:`autopar.uneven.plan_uneven` asked for, or None."""
     args = example_args if uneven is None else uneven.padded_args
-    graph = trace(fn, *args)  # search() resolves the context (restrictions) once
-    plan = search(graph, mode=mode, fixed=fixed, cluster=cluster)
-    pg = rewrite(graph, plan, fused_kernels=fused_kernels, cluster=cluster)
-    adapter = None if uneven is None else uneven.check(graph, pg)
-    f = ParallelFunction(fn, graph, plan, pg, lower(pg, mesh, adapter=adapter))
+    with saves_on_success():  # the strategy file once the function is built
+        graph = trace(fn, *args)  # search() resolves the context (restrictions) once
+        plan = search(graph, mode=mode, fixed=fixed, cluster=cluster)
+        pg = rewrite(graph, plan, fused_kernels=fused_kernels, cluster=cluster)
+        adapter = None if uneven is None else uneven.check(graph, pg)
+        f = ParallelFunction(fn, graph, plan, pg, lower(pg, mesh, adapter=adapter))
     f.uneven = adapter
     return f

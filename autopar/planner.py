@@ -8,19 +8,23 @@ mode (:mod:`autopar.strategies.modes`), the devices, the cluster that prices the
 ``elementwise_op_strategy_follow``.
 Under ``semi_auto_parallel`` / ``auto_parallel`` the context's ``strategy_ckpt_load_file``
 replaces the search by a checked load of a saved plan, and ``strategy_ckpt_save_file`` saves
-the plan (:mod:`autopar.checkpoint`). The search itself is
+the plan (:mod:`autopar.checkpoint`) -- inside :func:`saves_on_success` (the training steps
+and ``parallelize``) only once the whole entry point has succeeded. The search itself is
 :func:`autopar.strategies.search.search_plan`, which reads no context and writes no file.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Iterator, Mapping, Sequence
 
 from autopar.algo import current_algo_parameters
 from autopar.checkpoint import load_plan, save_strategy
 from autopar.clusters import resolve_cluster
 from autopar.errors import AutoParallelError, AutoParallelTypeError, AutoParallelWarning
+from autopar.files import writable_target
 from autopar.graph.ir import Graph, check_strategy_shape
 from autopar.graph.ms_layout import to_strategy
 from autopar.limits import MAX_DEVICES
@@ -32,7 +36,11 @@ from autopar.strategies.search import SearchSettings, search_plan
 from autopar.strategies.stages import StagePartition
 from autopar.strategies.stages import partition_stages as _partition_stages
 
-__all__ = ["partition_stages", "plan_graph", "search"]
+__all__ = ["partition_stages", "plan_graph", "save_plan", "saves_on_success", "search"]
+
+#: The strategy-file saves waiting for the entry point inside :func:`saves_on_success`.
+_PENDING: ContextVar[list[tuple[Plan, Graph, Any]] | None] = ContextVar("autopar_saves",
+                                                                         default=None)
 
 
 def search(graph: Graph, *, mode: str | None = None, device_num: int | None = None,
@@ -97,8 +105,40 @@ def plan_graph(graph: Graph, cfg: Any, *, mode: str | None = None,
         plan = search_plan(graph, mode=m, device_num=n, cluster=resolve_cluster(cluster),
                            fixed=fixed_map, settings=settings)
     if files and save:
-        save_strategy(plan, graph, save)
+        save_plan(plan, graph, save)
     return plan
+
+
+def save_plan(plan: Plan, graph: Graph, path: Any) -> None:
+    """Save ``plan``'s strategy file now, or when the enclosing :func:`saves_on_success`
+    block succeeds."""
+    pending = _PENDING.get()
+    if pending is None:
+        save_strategy(plan, graph, path)
+    else:
+        writable_target(path, "strategy_ckpt_save_file")  # a bad path fails at once
+        pending.append((plan, graph, path))
+
+
+@contextmanager
+def saves_on_success() -> Iterator[None]:
+    """The strategy files the searches inside save (:func:`save_plan`) are written when the
+    block ends without an error, every target checked before the first is written: an entry
+    point that fails after its search (a later check, a pipeline's next stage) writes no
+    file. Nested blocks leave the writing to the outermost."""
+    if _PENDING.get() is not None:
+        yield
+        return
+    pending: list[tuple[Plan, Graph, Any]] = []
+    token = _PENDING.set(pending)
+    try:
+        yield
+    finally:
+        _PENDING.reset(token)
+    for _, _, path in pending:
+        writable_target(path, "strategy_ckpt_save_file")
+    for plan, graph, path in pending:
+        save_strategy(plan, graph, path)
 
 
 def _check_parallel_mode(pmode: Any) -> str:

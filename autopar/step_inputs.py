@@ -23,24 +23,27 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar.context import current_config
 from autopar.errors import AutoParallelTypeError
+from autopar.graph.tracer import check_arrays
 from autopar.lower import jax_mesh
 from autopar.strategies.layout import DeviceMesh
 
-__all__ = ["DEFAULT_LEARNING_RATE", "broadcast_parameters", "check_arrays", "step_arguments"]
+__all__ = ["DEFAULT_LEARNING_RATE", "broadcast_parameters", "check_arrays", "check_floating",
+           "step_arguments"]
 
 #: The default optimizer of the training steps is ``optax.sgd(DEFAULT_LEARNING_RATE)``.
 DEFAULT_LEARNING_RATE = 0.1
 
 
-def check_arrays(key: str, tree: Any) -> None:
-    """Every leaf of ``tree`` is an array or a number (what JAX can trace); else a typed
-    error naming the leaf's path, e.g. ``batch[0]`` or ``params['w']``."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]:
-        if leaf is None or isinstance(leaf, (str, bytes)) or not (
-                hasattr(leaf, "shape") and hasattr(leaf, "dtype") or
-                isinstance(leaf, (int, float, complex, np.number))):
-            raise AutoParallelTypeError(f"{key}{jax.tree_util.keystr(path)}", leaf,
-                                        "an array or a number")
+def check_floating(key: str, tree: Any) -> None:
+    """Every leaf of ``tree`` (arrays, checked by :func:`check_arrays`) has a floating dtype:
+    parameters are trained by their gradients, which an integer leaf does not have."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        dtype = np.dtype(leaf.dtype) if hasattr(leaf, "dtype") else np.result_type(leaf)
+        if not jax.numpy.issubdtype(dtype, jax.numpy.inexact):
+            raise AutoParallelTypeError(f"{key}{jax.tree_util.keystr(path)}",
+                                        jax.ShapeDtypeStruct(np.shape(leaf), dtype),
+                                        f"a floating-point array (parameters are trained by "
+                                        f"gradients), not {dtype}")
 
 
 def step_arguments(loss_fn: Any, batch: Any, optimizer: Any, loss_rule: str

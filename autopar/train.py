@@ -73,6 +73,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar.config import AutoParallelConfig
 from autopar.context import current_config
+from autopar.planner import saves_on_success
 from autopar.resolve import resolve_context
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.fusion import GradientBuckets, gradient_buckets
@@ -89,7 +90,7 @@ from autopar.parallel_graph import ParallelGraph
 from autopar.parallel_function import parallel_function
 from autopar.pipeline.step import PipelineTrainStep
 from autopar.step_inputs import (DEFAULT_LEARNING_RATE, broadcast_parameters, check_arrays,
-                                 step_arguments)
+                                 check_floating, step_arguments)
 
 #: ``DEFAULT_LEARNING_RATE`` (defined with the other step inputs) stays part of this module's
 #: interface: train_step's default optimizer is ``optax.sgd(DEFAULT_LEARNING_RATE)``.
@@ -522,7 +523,7 @@ class TrainStep(ProgramInspection):
         want_tree, want_shapes = cache[key]
         got_leaves, got_tree = jax.tree_util.tree_flatten(opt_state)
         if got_tree != want_tree or tuple(np.shape(g) for g in got_leaves) != want_shapes:
-            raise AutoParallelTypeError("opt_state", type(opt_state).__name__,
+            raise AutoParallelTypeError("opt_state", opt_state,
                                         "the optimizer state of these parameters, as "
                                         "step.init(params) makes it")
 
@@ -597,21 +598,23 @@ def train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
     batch, optimizer = step_arguments(loss_fn, batch, optimizer,
                                       "train_step needs a callable loss")
     check_arrays("params", params)
+    check_floating("params", params)
     if backend not in BACKENDS:
         raise AutoParallelError("backend", backend, f"must be one of {BACKENDS}")
     if sync_method not in METHODS:
         raise AutoParallelError("sync_method", sync_method, f"must be one of {list(METHODS)}")
     check_fused_kernels(fused_kernels)
     cfg = current_config()  # the context, read once: everything below takes this config
-    if cfg.pipeline_stages > 1:  # the pipelined step (autopar.pipeline), checked once here
-        cfg = resolve_context().config
-        _check_pipelined(cfg.pipeline_stages, backend=backend, mesh=mesh,
+    with saves_on_success():  # strategy files once the step is built and checked
+        if cfg.pipeline_stages > 1:  # the pipelined step (autopar.pipeline), checked here
+            cfg = resolve_context().config
+            _check_pipelined(cfg.pipeline_stages, backend=backend, mesh=mesh,
+                             sync_method=sync_method, fused_kernels=fused_kernels)
+            return PipelineTrainStep(loss_fn, params, batch, optimizer, config=cfg, mode=mode,
+                                     fixed=fixed, cluster=cluster)  # type: ignore[return-value]
+        return TrainStep(loss_fn, params, batch, optimizer, config=cfg, mode=mode,
+                         fixed=fixed, cluster=cluster, backend=backend, mesh=mesh,
                          sync_method=sync_method, fused_kernels=fused_kernels)
-        return PipelineTrainStep(loss_fn, params, batch, optimizer, config=cfg, mode=mode,
-                                 fixed=fixed, cluster=cluster)  # type: ignore[return-value]
-    return TrainStep(loss_fn, params, batch, optimizer, config=cfg, mode=mode, fixed=fixed,
-                     cluster=cluster, backend=backend, mesh=mesh, sync_method=sync_method,
-                     fused_kernels=fused_kernels)
 
 
 def _check_pipelined(stages: int, **given: Any) -> None:

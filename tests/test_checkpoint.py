@@ -159,6 +159,14 @@ def _load_error(path: Path, g: ap.Graph | None = None, **kw) -> StrategyFileErro
     return info.value
 
 
+def test_numbers_out_of_a_floats_range_are_refused(saved):
+    # (1e999 was read as infinity: the plan loaded, then could not be saved again)
+    text = saved.read_text()
+    saved.write_text(text.replace('"memory_weight": 0.0', '"memory_weight": 1e999', 1))
+    assert "1e999" in saved.read_text()
+    assert _load_error(saved).field == "<json>"
+
+
 def test_wrong_fingerprint(saved):
     other = graph("tfm_stack")
     e = _load_error(saved, other)

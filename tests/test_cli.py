@@ -291,6 +291,17 @@ def test_mode_outside_auto_parallel_is_refused(pmode, capsys):
     assert err.count("\n") == 1 and "--mode" in err and pmode in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("argv", [["show", ""], ["search", "--model", "mlp", "--save", ""],
+                                  ["search", "--model", "mlp", "--load", ""]])
+def test_an_empty_path_is_refused_before_any_work(argv, capsys):
+    # (Path("") is ".": refused as a directory only after the whole trace and search)
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "expected a file path, got ''" in err and "Traceback" not in err
+
+
 def test_unwritable_outputs_are_clean_errors(tmp_path, capsys):
     existing = tmp_path / "afile"
     existing.write_text("x")

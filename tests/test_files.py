@@ -56,16 +56,17 @@ def test_a_failed_write_leaves_the_old_file_and_no_litter(tmp_path, monkeypatch)
 
 
 def test_a_killed_writers_temporaries_are_cleaned_by_the_next_save(tmp_path):
-    stale = tmp_path / ".s.json.abc123.tmp"
-    fresh = tmp_path / ".s.json.def456.tmp"  # perhaps a writer still at work: kept
-    other = tmp_path / ".t.json.abc123.tmp"  # another file's: not ours to remove
-    for p in (stale, fresh, other):
+    stale = tmp_path / ".s.json.abc_1234.tmp"  # mkstemp's shape: 8 of [a-z0-9_]
+    fresh = tmp_path / ".s.json.def45678.tmp"  # perhaps a writer still at work: kept
+    other = tmp_path / ".t.json.abc_1234.tmp"  # another file's: not ours to remove
+    users = tmp_path / ".s.json.my backup copy.tmp"  # a user's own file: never ours
+    for p in (stale, fresh, other, users):
         p.write_text("partial")
     old = time.time() - STALE_SECONDS - 5
-    os.utime(stale, (old, old))
-    os.utime(other, (old, old))
+    for p in (stale, other, users):
+        os.utime(p, (old, old))
     write_text_atomic(tmp_path / "s.json", "{}")
-    assert _litter(tmp_path) == sorted([fresh.name, other.name])
+    assert _litter(tmp_path) == sorted([fresh.name, other.name, users.name])
 
 
 def test_reading_refuses_special_files_and_oversize(tmp_path):

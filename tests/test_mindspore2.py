@@ -203,6 +203,15 @@ def test_parallel_optimizer_bad_values_name_the_key_given_and_change_nothing(kwa
     assert not seen  # a refused call warns of nothing ("not applied", deprecations)
 
 
+@pytest.mark.parametrize("kwargs", [{"strategy_ckpt_save_file": "a\0b"},
+                                    {"strategy_ckpt_config": {"load_file": "x\0"}}])
+def test_a_path_with_a_nul_byte_is_refused_when_set(kwargs):
+    before = public_dict()
+    with pytest.raises(ap.AutoParallelError, match="NUL"):
+        ap.set_auto_parallel_context(**kwargs)
+    assert public_dict() == before
+
+
 def test_a_refused_call_warns_of_nothing():
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")

@@ -284,11 +284,30 @@ def test_pmap_backend_syncs_in_the_context_buckets():
             ap.train_step(m.loss, params, tuple(batch), backend="pmap")
 
 
-def test_pmap_backend_needs_data_parallel():
+def test_pmap_backend_needs_data_parallel(tmp_path):
     m, params, x = _mlp()
-    with ap.auto_parallel_context(device_num=8, parallel_mode="semi_auto_parallel"):
+    plan_file = tmp_path / "plan.json"
+    with ap.auto_parallel_context(device_num=8, parallel_mode="semi_auto_parallel",
+                                  strategy_ckpt_save_file=str(plan_file)):
         with pytest.raises(ap.AutoParallelError, match="pmap"):
             ap.train_step(m.loss, params, (x,), backend="pmap")
+        assert not plan_file.exists()  # a step refused after its search saves no plan
+        with pytest.raises(ap.AutoParallelError, match="scalar"):
+            ap.train_step(lambda p, x: x @ p["layer0"]["w"], params, (x,))
+        assert not plan_file.exists()
+        ap.train_step(m.loss, params, (x,))
+        assert plan_file.exists()  # once the step is built
+
+
+def test_non_array_inputs_and_integer_parameters_are_refused_by_name():
+    m, params, x = _mlp()
+    for build in (ap.trace, ap.parallelize):
+        with pytest.raises(ap.AutoParallelTypeError, match=r"args\[1\]='x'"):
+            build(m.loss, params, "x")
+    ints = jax.tree.map(lambda a: a.astype(jnp.int32), params)
+    with pytest.raises(ap.AutoParallelTypeError, match=r"params\['layer0'\]\['b'\].*int32"):
+        ap.train_step(m.loss, ints, (x,))
+    assert len(ap.trace(lambda p, x, none: m.loss(p, x), params, x, None).nodes)  # (a pytree)
 
 
 def test_uneven_batch_matches_reference_or_is_rejected():

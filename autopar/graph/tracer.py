@@ -32,7 +32,7 @@ from autopar.graph.annotate import apply_parameter_plans, parse_plan_scope, pars
 from autopar.graph.ir import Graph, Node, Strategy, TensorSpec, Value
 from autopar.graph.ops import INLINED, KINDS, UNSUPPORTED_HINTS, flops
 
-__all__ = ["trace"]
+__all__ = ["check_arrays", "trace"]
 
 
 #: dtype -> (its name, bytes per element): ``str(np.dtype(...))`` is slow and a graph has
@@ -216,6 +216,20 @@ class _Builder:
             primitive=eqn.primitive, annotation=annotation))
 
 
+def check_arrays(key: str, tree: Any, *, none: bool = False) -> None:
+    """Every leaf of ``tree`` is an array or a number (what JAX can trace; ``none``: None
+    too, JAX's empty pytree); else a typed error naming the leaf's path, e.g. ``batch[0]``
+    or ``params['w']``."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]:
+        if leaf is None and none:
+            continue
+        if leaf is None or isinstance(leaf, (str, bytes)) or not (
+                hasattr(leaf, "shape") and hasattr(leaf, "dtype") or
+                isinstance(leaf, (int, float, complex, np.number))):
+            raise AutoParallelTypeError(f"{key}{jax.tree_util.keystr(path)}", leaf,
+                                        "an array or a number")
+
+
 def trace(fn: Callable[..., Any], *example_args: Any, param_argnums: Iterable[int] | None = None,
           annotations: Mapping[str, Any] | None = None, name: str | None = None) -> Graph:
     """Trace ``fn(*example_args)`` into a Graph.
@@ -226,6 +240,7 @@ def trace(fn: Callable[..., Any], *example_args: Any, param_argnums: Iterable[in
     """
     if not callable(fn):
         raise AutoParallelTypeError("fn", fn, "trace needs a callable JAX function")
+    check_arrays("args", example_args, none=True)
     n = len(example_args)
     if param_argnums is None:
         argnums = {0} if n >= 2 else set()
