@@ -325,8 +325,8 @@ def load_plan(path: str | os.PathLike[str], graph: Graph, *, device_num: int,
                                 f"graph {graph.name!r}: the file was saved for another "
                                 "function or other shapes)", f.fingerprint)
     if f.device_num != n:
-        raise StrategyFileError(p, "device_num", f"{n} (the context's device_num)",
-                                f.device_num)
+        raise StrategyFileError(p, "device_num", f"{n} (the devices the plan is loaded for: "
+                                "device_num, or a pipeline stage's share of it)", f.device_num)
     mesh = DeviceMesh.for_devices(n)
     if [(a.name, a.size) for a in f.mesh] != list(mesh.axes):
         raise StrategyFileError(p, "mesh", str([{"name": a, "size": s} for a, s in mesh.axes]),

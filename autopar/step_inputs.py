@@ -28,7 +28,7 @@ from autopar.lower import jax_mesh
 from autopar.strategies.layout import DeviceMesh
 
 __all__ = ["DEFAULT_LEARNING_RATE", "broadcast_parameters", "check_arrays", "check_floating",
-           "step_arguments"]
+           "check_opt_state", "step_arguments"]
 
 #: The default optimizer of the training steps is ``optax.sgd(DEFAULT_LEARNING_RATE)``.
 DEFAULT_LEARNING_RATE = 0.1
@@ -44,6 +44,25 @@ def check_floating(key: str, tree: Any) -> None:
                                         jax.ShapeDtypeStruct(np.shape(leaf), dtype),
                                         f"a floating-point array (parameters are trained by "
                                         f"gradients), not {dtype}")
+
+
+def check_opt_state(optimizer: optax.GradientTransformation, params: Any, opt_state: Any,
+                    cache: dict) -> None:
+    """``opt_state`` must be what ``optimizer.init(params)`` makes: the same structure and
+    leaf shapes (a state of other parameters would be applied silently otherwise). What
+    ``init`` makes is traced once per parameter structure and kept in ``cache``."""
+    p_leaves, p_tree = jax.tree_util.tree_flatten(params)
+    key = (p_tree, tuple(np.shape(x) for x in p_leaves))
+    if key not in cache:  # init traced, nothing run
+        want = jax.eval_shape(optimizer.init, jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)), params))
+        w_leaves, w_tree = jax.tree_util.tree_flatten(want)
+        cache[key] = (w_tree, tuple(w.shape for w in w_leaves))
+    want_tree, want_shapes = cache[key]
+    got_leaves, got_tree = jax.tree_util.tree_flatten(opt_state)
+    if got_tree != want_tree or tuple(np.shape(g) for g in got_leaves) != want_shapes:
+        raise AutoParallelTypeError("opt_state", opt_state, "the optimizer state of these "
+                                    "parameters, as step.init(params) makes it")
 
 
 def step_arguments(loss_fn: Any, batch: Any, optimizer: Any, loss_rule: str

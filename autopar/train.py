@@ -75,7 +75,7 @@ from autopar.config import AutoParallelConfig
 from autopar.context import current_config
 from autopar.planner import saves_on_success
 from autopar.resolve import resolve_context
-from autopar.errors import AutoParallelError, AutoParallelTypeError
+from autopar.errors import AutoParallelError
 from autopar.fusion import GradientBuckets, gradient_buckets
 from autopar.grad_sync import (LOW_PRECISION, METHODS, data_parallel_degree, fp32_sync_active,
                                gradient_scale, replicated_axes, sync_gradients, sync_groups,
@@ -90,7 +90,7 @@ from autopar.parallel_graph import ParallelGraph
 from autopar.parallel_function import parallel_function
 from autopar.pipeline.step import PipelineTrainStep
 from autopar.step_inputs import (DEFAULT_LEARNING_RATE, broadcast_parameters, check_arrays,
-                                 check_floating, step_arguments)
+                                 check_floating, check_opt_state, step_arguments)
 
 #: ``DEFAULT_LEARNING_RATE`` (defined with the other step inputs) stays part of this module's
 #: interface: train_step's default optimizer is ``optax.sgd(DEFAULT_LEARNING_RATE)``.
@@ -509,23 +509,10 @@ class TrainStep(ProgramInspection):
         return jax.tree_util.tree_unflatten(self._p_tree, new), opt_state, loss
 
     def _check_state(self, params: Any, opt_state: Any) -> None:
-        """``opt_state`` must be what ``init(params)`` makes: the same structure and leaf
-        shapes (a state of other parameters would be applied silently otherwise)."""
+        """``opt_state`` must be what ``init(params)`` makes (:func:`check_opt_state`)."""
         check_arrays("params", params)
-        p_leaves, p_tree = jax.tree_util.tree_flatten(params)
-        key = (p_tree, tuple(np.shape(x) for x in p_leaves))
-        cache = self.__dict__.setdefault("_state_specs", {})
-        if key not in cache:  # once per parameter structure: init traced, nothing run
-            want = jax.eval_shape(self.optimizer.init, jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), params))
-            w_leaves, w_tree = jax.tree_util.tree_flatten(want)
-            cache[key] = (w_tree, tuple(w.shape for w in w_leaves))
-        want_tree, want_shapes = cache[key]
-        got_leaves, got_tree = jax.tree_util.tree_flatten(opt_state)
-        if got_tree != want_tree or tuple(np.shape(g) for g in got_leaves) != want_shapes:
-            raise AutoParallelTypeError("opt_state", opt_state,
-                                        "the optimizer state of these parameters, as "
-                                        "step.init(params) makes it")
+        check_opt_state(self.optimizer, params, opt_state,
+                        self.__dict__.setdefault("_state_specs", {}))
 
     def lower(self, params: Any, opt_state: Any, *batch: Any) -> Any:
         """The ``jax.stages.Lowered`` step (forward, backward, sync, update): ``.as_text()``,

@@ -543,23 +543,92 @@ def test_comm_fusion_warns_and_parameter_broadcast_applies_in_prepare(monkeypatc
     assert len(calls) == 1
 
 
-def test_integer_parameter_is_not_sharded_with_its_own_reason():
-    model = mlp(widths=(8, 16, 16, 8), batch=8)
-    params, x = model.example_args(KEY)
-    params = {**params, "k": jnp.arange(8, dtype=jnp.int32)}
+def tiny_loss(p, x, y):
+    """mean((tanh(x @ w1) @ w2 - y) ** 2), one named scope per layer."""
+    with jax.named_scope("l1"):
+        h = jnp.tanh(x @ p["w1"])
+    with jax.named_scope("l2"):
+        out = h @ p["w2"]
+    with jax.named_scope("loss"):
+        return jnp.mean((out - y) ** 2)
 
-    def loss(p, x):
-        q = {k: v for k, v in p.items() if k != "k"}
-        return model.loss(q, x * p["k"].astype(jnp.float32))
 
-    with ap.auto_parallel_context(pipeline_stages=2, enable_parallel_optimizer=True,
-                                  parallel_optimizer_config={"parallel_optimizer_threshold": 0},
-                                  **PIPE):
-        step = pipeline_train_step(loss, params, (x,), micro_batches=2)
-    reasons = {d.name: d.reason for d in step.shard_decisions}
-    k = next(name for name in reasons if name.endswith("k"))
-    assert "int32 is not a float" in reasons[k]
-    assert not any("enable_parallel_optimizer is False" in r for r in reasons.values())
+def tiny_args():
+    k = jax.random.split(KEY, 4)
+    params = {"w1": jax.random.normal(k[0], (8, 16)), "w2": jax.random.normal(k[1], (16, 8))}
+    return params, jax.random.normal(k[2], (16, 8)), jax.random.normal(k[3], (16, 8))
+
+
+@pytest.fixture(scope="module")
+def tiny_step():
+    params, x, y = tiny_args()
+    with ap.auto_parallel_context(pipeline_stages=2, **PIPE):
+        step = pipeline_train_step(tiny_loss, params, (x, y), micro_batches=4)
+    return step, params, x, y
+
+
+def test_integer_parameter_is_refused_up_front_naming_the_leaf_and_its_dtype():
+    """Parameters are trained by their gradients: an integer leaf is refused at construction
+    (as train_step refuses it), naming the leaf and its dtype."""
+    params, x, y = tiny_args()
+    params = {**params, "w1": jnp.ones((8, 16), jnp.int32)}
+    with ap.auto_parallel_context(pipeline_stages=2, **PIPE):
+        for build in (pipeline_train_step, ap.train_step):
+            with pytest.raises(AutoParallelTypeError, match=r"params\['w1'\].*int32"):
+                build(tiny_loss, params, (x, y))
+        with pytest.raises(AutoParallelTypeError, match=r"params\['w2'\]"):
+            pipeline_train_step(tiny_loss, {**params, "w2": "w"}, (x, y))
+
+
+def test_a_failing_pipelined_build_replaces_no_stage_strategy_file(tmp_path):
+    """Stage 1's target is a directory: the typed error names it and stage 0's file keeps
+    its old content (every stage is planned and every target checked before any write)."""
+    params, x, y = tiny_args()
+    (tmp_path / "s_stage0.json").write_text("OLD")
+    (tmp_path / "s_stage1.json").mkdir()
+    save = str(tmp_path / "s.json")
+    with ap.auto_parallel_context(pipeline_stages=2, strategy_ckpt_save_file=save, **PIPE):
+        for build in (pipeline_train_step, ap.train_step):
+            with pytest.raises(AutoParallelError, match="s_stage1.json.*directory"):
+                build(tiny_loss, params, (x, y))
+            assert (tmp_path / "s_stage0.json").read_text() == "OLD"
+    (tmp_path / "s_stage1.json").rmdir()
+    with ap.auto_parallel_context(pipeline_stages=2, strategy_ckpt_save_file=save, **PIPE):
+        pipeline_train_step(tiny_loss, params, (x, y))
+    for s in range(2):
+        assert json.loads((tmp_path / f"s_stage{s}.json").read_text())["fingerprint"]
+
+
+@pytest.mark.parametrize("bad,err", [("x", AutoParallelTypeError), (None, AutoParallelTypeError),
+                                     ({"a": 1}, AutoParallelError), (3.0, AutoParallelError)])
+def test_a_bad_batch_input_at_call_time_is_a_typed_error(tiny_step, bad, err):
+    """A leaf that is not an array (batch[0]), another structure or shape: typed errors
+    from the call, grads and lower, never an AttributeError from the dtype check."""
+    step, params, x, y = tiny_step
+    state = step.init(params)
+    for call in (lambda: step(params, state, bad, y), lambda: step.grads(params, bad, y),
+                 lambda: step.lower(params, state, bad, y)):
+        with pytest.raises(err, match="batch"):
+            call()
+    with pytest.raises(AutoParallelTypeError, match=r"params\['w1'\]"):
+        step({**params, "w1": "w"}, state, x, y)
+    with pytest.raises(AutoParallelError, match="parameter"):
+        step({**params, "w1": 1.0}, state, x, y)
+
+
+def test_opt_state_is_checked_as_train_step_checks_it(tiny_step):
+    """opt_state must be what init() makes: None, a state of other parameters or the
+    pytree's state (not the packed buffers') raise the typed error TrainStep raises."""
+    step, params, x, y = tiny_step
+    packed = step.pack(params)
+    for bad in (None, optax.sgd(0.1, momentum=0.9).init(params),
+                optax.adam(0.1).init(packed)):
+        for call in (lambda: step(params, bad, x, y), lambda: step(packed, bad, x, y),
+                     lambda: step.lower(params, bad, x, y)):
+            with pytest.raises(AutoParallelTypeError, match="opt_state"):
+                call()
+    new, state, loss = step(packed, step.init(params), x, y)
+    assert isinstance(new, PackedParams) and np.isfinite(float(loss))
 
 
 def test_the_schedule_comes_from_pipeline_config():

@@ -4,8 +4,9 @@ The loss, traced at micro-batch size, is cut into ``p`` stages
 (:func:`autopar.strategies.stages.partition_stages`: searched, or at the user's boundaries);
 each stage's subgraph is searched for its ``device_num / p`` devices with the ordinary
 :func:`autopar.search` (strategy files one per stage, ``strategy_stage{s}``, as MindSpore
-keeps them) and rewritten without the fused ring kernels. :class:`PipelinePlan` is the
-result a step shows as ``.plan``.
+keeps them, written only once every stage is planned:
+:func:`autopar.planner.saves_on_success`) and rewritten without the fused ring kernels.
+:class:`PipelinePlan` is the result a step shows as ``.plan``.
 
 >>> stage_file("/tmp/strategy.json", 1)
 '/tmp/strategy_stage1.json'
@@ -23,7 +24,7 @@ from autopar.errors import AutoParallelTypeError
 from autopar.graph.ir import Graph
 from autopar.parallel_graph import ParallelGraph
 from autopar.pipeline.schedules import Schedule
-from autopar.planner import plan_graph
+from autopar.planner import plan_graph, saves_on_success
 from autopar.rewrite import rewrite
 from autopar.strategies.plan import Plan
 from autopar.strategies.stages import StagePartition, partition_stages, stage_graph
@@ -103,12 +104,15 @@ def plan_stages(graph: Graph, p: int, *, config: AutoParallelConfig, micro_batch
         graph.node(name)  # unknown names raise, with suggestions
     sgs = [stage_graph(graph, part, s) for s in range(p)]
     plans, pgs = [], []
-    for s, sg in enumerate(sgs):
-        mine = {k: v for k, v in fixed.items() if k in {nd.name for nd in sg.nodes}}
-        # strategy files: one per stage, as MindSpore keeps them (strategy_stage{s}...)
-        plan = plan_graph(sg, config, mode=mode, device_num=n // p, cluster=cluster, fixed=mine,
-                          load_file=stage_file(config.strategy_ckpt_load_file, s),
-                          save_file=stage_file(config.strategy_ckpt_save_file, s))
-        plans.append(plan)
-        pgs.append(_rewrite_unfused(sg, plan))
+    # strategy files: one per stage, as MindSpore keeps them (strategy_stage{s}...); every
+    # stage's target is checked, then all are written, only once every stage is planned
+    with saves_on_success():
+        for s, sg in enumerate(sgs):
+            mine = {k: v for k, v in fixed.items() if k in {nd.name for nd in sg.nodes}}
+            plan = plan_graph(sg, config, mode=mode, device_num=n // p, cluster=cluster,
+                              fixed=mine,
+                              load_file=stage_file(config.strategy_ckpt_load_file, s),
+                              save_file=stage_file(config.strategy_ckpt_save_file, s))
+            plans.append(plan)
+            pgs.append(_rewrite_unfused(sg, plan))
     return StagePlans(part, tuple(sgs), tuple(plans), tuple(pgs))

@@ -76,7 +76,9 @@ from autopar.pipeline.buffers import (BoundaryCodec, PackedParams, StagePacking,
                                       check_elementwise_optimizer)
 from autopar.pipeline.plan import PipelinePlan, plan_stages
 from autopar.pipeline.schedules import FWD, IDLE, schedule as build_schedule
-from autopar.step_inputs import broadcast_parameters, step_arguments
+from autopar.planner import saves_on_success
+from autopar.step_inputs import (broadcast_parameters, check_arrays, check_floating,
+                                 check_opt_state, step_arguments)
 from autopar.strategies.layout import DeviceMesh, Layout, axis_name, jax_mesh
 from autopar.strategies.redistribution import redistribute
 from autopar.strategies.modes import PIPELINE_MODES
@@ -98,6 +100,11 @@ def _is_float(dt: str) -> bool:
     return bool(jnp.issubdtype(np.dtype(dt), jnp.inexact))
 
 
+def _dtype(x: Any) -> str:
+    """The dtype name of an array leaf, or of a number leaf as JAX takes it."""
+    return str(np.dtype(x.dtype)) if hasattr(x, "dtype") else str(jnp.result_type(x))
+
+
 class PipelineTrainStep(ProgramInspection):
     """``step(params, opt_state, *batch) -> (params, opt_state, loss)`` pipelined; ``init``,
     ``grads``, ``pack`` / ``unpack``, ``as_text``, ``collective_counts``, ``plan``."""
@@ -112,10 +119,16 @@ class PipelineTrainStep(ProgramInspection):
         the context once and passes its ``config`` (nothing here reads the context)."""
         self._read_config(config, stages, micro_batches, schedule)
         self.loss_fn, self.optimizer = loss_fn, optimizer
+        with saves_on_success():  # the stages' strategy files once the whole step is built
+            self._construct(params, batch, config, boundaries, mode, fixed, cluster)
+
+    def _construct(self, params: Any, batch: tuple[Any, ...], config: AutoParallelConfig,
+                   boundaries: Sequence[str | int] | None, mode: str | None,
+                   fixed: Mapping[str, Any] | None, cluster: Any) -> None:
+        """Trace, cut into stages and plan them, place the parameters, build the program."""
         micro = self._micro_batches(batch)
-        p_sds = self._check_parameters(params, optimizer, config)
-        self.graph = self._trace(loss_fn, p_sds, micro)
-        # ---- stages and their plans
+        p_sds = self._check_parameters(params, self.optimizer, config)
+        self.graph = self._trace(self.loss_fn, p_sds, micro)
         found = plan_stages(self.graph, self.stages, config=config,
                             micro_batches=self.micro_batches, boundaries=boundaries,
                             mode=mode, fixed=fixed, cluster=cluster)
@@ -169,7 +182,7 @@ class PipelineTrainStep(ProgramInspection):
         """The example batch's leaves as ``g * m`` micro-batches of ``B / (g m)`` rows."""
         b_leaves, self._b_tree = jax.tree_util.tree_flatten(batch)
         self._b_shapes = [tuple(np.shape(x)) for x in b_leaves]
-        self._b_dtypes = [str(np.dtype(x.dtype)) for x in b_leaves]
+        self._b_dtypes = [_dtype(x) for x in b_leaves]
         g, m = self.grad_accumulation_step, self.micro_batches
         parts = g * m
         for shp in self._b_shapes:
@@ -183,10 +196,13 @@ class PipelineTrainStep(ProgramInspection):
 
     def _check_parameters(self, params: Any, optimizer: optax.GradientTransformation,
                           cfg: AutoParallelConfig) -> list[jax.ShapeDtypeStruct]:
-        """The parameters' shapes; the optimizer runs on the packed ``[p, D, N]`` buffers, so
-        a non-elementwise one is refused; ``comm_fusion`` is warned about (not applied)."""
+        """The parameters' shapes; they must be floating-point arrays (trained by their
+        gradients); the optimizer runs on the packed ``[p, D, N]`` buffers, so a
+        non-elementwise one is refused; ``comm_fusion`` is warned about (not applied)."""
+        check_arrays("params", params)
+        check_floating("params", params)
         p_leaves, self._p_tree = jax.tree_util.tree_flatten(params)
-        self._p_dtypes = [str(np.dtype(x.dtype)) for x in p_leaves]
+        self._p_dtypes = [_dtype(x) for x in p_leaves]
         check_elementwise_optimizer(optimizer, len(set(self._p_dtypes)),
                                     (self.stages, self.devices_per_stage))
         fusion = cfg.comm_fusion.as_dict()
@@ -195,7 +211,7 @@ class PipelineTrainStep(ProgramInspection):
                           "set through all_reduce_fusion_config): it issues one collective per "
                           "gradient-sync group of each stage's packed buffer. Unset comm_fusion "
                           "to silence this.", AutoParallelWarning, stacklevel=4)
-        return [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in p_leaves]
+        return [jax.ShapeDtypeStruct(np.shape(x), d) for x, d in zip(p_leaves, self._p_dtypes)]
 
     def _trace(self, loss_fn: Callable[..., Any], p_sds: list[jax.ShapeDtypeStruct],
                micro: list[jax.ShapeDtypeStruct]) -> Any:
@@ -502,14 +518,15 @@ class PipelineTrainStep(ProgramInspection):
         """The parameter pytree as the step's packed, stage-sharded buffers."""
         if isinstance(params, PackedParams):
             return params
+        check_arrays("params", params)
         leaves, tree = jax.tree_util.tree_flatten(params)
         if tree != self._p_tree:
             raise AutoParallelError("params", f"{len(leaves)} leaves", "must have the "
                                     f"structure of the example parameters ({self._p_tree})")
         for v, x, dt in zip(self._param_names, leaves, self._p_dtypes):
             want = self.graph.spec(v).shape
-            if tuple(np.shape(x)) != want or str(np.dtype(x.dtype)) != dt:
-                raise AutoParallelError(f"parameter {v!r}", (tuple(np.shape(x)), str(x.dtype)),
+            if tuple(np.shape(x)) != want or _dtype(x) != dt:
+                raise AutoParallelError(f"parameter {v!r}", (tuple(np.shape(x)), _dtype(x)),
                                         f"must have shape {want} and dtype {dt}, as in the "
                                         "example")
         return self._pack(leaves)
@@ -529,13 +546,16 @@ class PipelineTrainStep(ProgramInspection):
         return jax.tree_util.tree_unflatten(self._p_tree, self._unpack(packed.buffers))
 
     def _batch(self, batch: Sequence[Any]) -> list[Any]:
+        """The call's batch checked against the example's (arrays, structure, shapes and
+        dtypes) and placed replicated on the pipeline mesh."""
+        check_arrays("batch", tuple(batch))
         leaves, tree = jax.tree_util.tree_flatten(tuple(batch))
         if tree != self._b_tree:
             raise AutoParallelError("batch", f"{len(batch)} inputs", f"must have the structure "
                                     f"of the example batch ({self._b_tree})")
         for x, shp, dt in zip(leaves, self._b_shapes, self._b_dtypes):
-            if tuple(np.shape(x)) != shp or str(np.dtype(x.dtype)) != dt:
-                raise AutoParallelError("batch input", (tuple(np.shape(x)), str(x.dtype)),
+            if tuple(np.shape(x)) != shp or _dtype(x) != dt:
+                raise AutoParallelError("batch input", (tuple(np.shape(x)), _dtype(x)),
                                         f"must have shape {shp} and dtype {dt}, as in the "
                                         "example")
         return [jax.device_put(x, self.batch_sharding) for x in leaves]
@@ -552,13 +572,22 @@ class PipelineTrainStep(ProgramInspection):
     def __call__(self, params: Any, opt_state: Any, *batch: Any) -> tuple[Any, Any, Any]:
         """One step. ``params``: the pytree (returned as a pytree) or :class:`PackedParams`
         (returned packed: no repacking, the fast path for training loops)."""
-        packed = isinstance(params, PackedParams)
-        new, opt_state, loss = self._step(self.pack(params), opt_state, self._batch(batch))
-        return (new if packed else self.unpack(new)), opt_state, loss
+        new, opt_state, loss = self._step(*self._step_args(params, opt_state, batch))
+        return (new if isinstance(params, PackedParams) else self.unpack(new)), opt_state, loss
+
+    def _step_args(self, params: Any, opt_state: Any, batch: Sequence[Any]
+                   ) -> tuple[PackedParams, Any, list[Any]]:
+        """``(packed params, opt_state, placed batch)``, each checked; ``opt_state`` must be
+        what :meth:`init` makes (:func:`~autopar.step_inputs.check_opt_state`, the rule of
+        :class:`autopar.train.TrainStep`, over the packed buffers the optimizer runs on)."""
+        packed = self.pack(params)
+        check_opt_state(self.optimizer, packed, opt_state,
+                        self.__dict__.setdefault("_state_specs", {}))
+        return packed, opt_state, self._batch(batch)
 
     def lower(self, params: Any, opt_state: Any, *batch: Any) -> Any:
         """The ``jax.stages.Lowered`` step (``.as_text()``, ``.compile().memory_analysis()``)."""
-        return self._step.lower(self.pack(params), opt_state, self._batch(batch))
+        return self._step.lower(*self._step_args(params, opt_state, batch))
 
     def __repr__(self) -> str:
         return (f"PipelineTrainStep({getattr(self.loss_fn, '__name__', 'fn')!r}, "
