@@ -373,6 +373,9 @@ def select_devices(devices: Any) -> list[Any]:
         return list(every[:devices])
     if not devices or not all(d in every for d in devices):
         raise AutoParallelError("devices", devices, "a non-empty list of jax.devices()")
+    if len(set(devices)) != len(devices):
+        raise AutoParallelError("devices", devices, "each device once (a group of devices "
+                                "measures their collectives)")
     return list(devices)
 
 
@@ -426,12 +429,16 @@ def _cluster(devs: Sequence[Any], comp: dict[str, float], fits: Sequence[Collect
         calibration=cal)
 
 
+_MAX_BUDGET_S = 1e6  # a calibration's time budget (seconds) at most: about eleven days
+
+
 def check_settings(budget_s: Any, progress: Any, max_message_bytes: Any) -> tuple[int, ...]:
     """Check :func:`measure`'s settings (before anything is measured or read from a cache);
     the message sizes to measure."""
     if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or \
-            not math.isfinite(budget_s) or budget_s <= 0:
-        raise AutoParallelError("budget_s", budget_s, "must be a positive number of seconds")
+            not 0 < budget_s <= _MAX_BUDGET_S:  # (compared: isfinite overflows on huge ints)
+        raise AutoParallelError("budget_s", budget_s, f"must be a positive number of seconds, "
+                                f"at most {_MAX_BUDGET_S:g}")
     if not isinstance(progress, bool):
         raise AutoParallelTypeError("progress", progress, "must be a bool")
     sizes = tuple(n for n in MESSAGE_SIZES if n <= max_message_bytes) \

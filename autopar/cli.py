@@ -260,6 +260,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     import autopar as ap
 
     _check_plan_files(args)
+    _outputs_first(("--json", args.json))
     fn, ex, desc = load_model(args.model, parse_options(args.option), concrete=True)
     ex = tuple(jax.tree.map(np.asarray, ex))  # host arrays: identical on every process
     lead = jax.process_index() == 0
@@ -309,9 +310,20 @@ def cmd_run(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------- trace / show
 
 
+def _outputs_first(*named: tuple[str, Any]) -> None:
+    """Every output path given is checked before any work (so none is written when another
+    is refused afterwards, and a bad one fails at once)."""
+    from autopar.files import writable_target
+
+    for flag, path in named:
+        if path is not None:
+            writable_target(path, flag)
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     import autopar as ap
 
+    _outputs_first(("--out", args.out), ("--png", args.png))
     _, _, graph, desc = _graph(args)
     cluster = _cluster(args)
     with _context(args):
@@ -382,6 +394,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     if not (args.budget > 0 and args.budget < 1e6):
         raise CLIError(f"--budget: must be a positive number of seconds, got {args.budget}")
+    _outputs_first(("--out", args.out))  # before the cache is touched or anything measured
     if args.fresh:
         import jax
 

@@ -62,17 +62,21 @@ class ClusterFileError(FileFieldError):
 # ---------------------------------------------------------------------------- files
 
 
+def _check_cluster(cluster: Any) -> None:
+    if not isinstance(cluster, Cluster):
+        raise AutoParallelTypeError("cluster", cluster, "an autopar.Cluster")
+
+
 def dumps_cluster(cluster: Cluster) -> str:
     """Canonical text of a calibration file: the same cluster always gives the same bytes."""
+    _check_cluster(cluster)
     doc = {"format": FORMAT, "version": VERSION, "cluster": cluster.model_dump(mode="json")}
     return json.dumps(doc, sort_keys=True, indent=1, allow_nan=False) + "\n"
 
 
 def save_cluster(cluster: Cluster, path: str | os.PathLike[str]) -> Path:
     """Write ``cluster`` to ``path`` (atomic; refuses a path that is not a regular file)."""
-    if not isinstance(cluster, Cluster):
-        raise AutoParallelTypeError("cluster", cluster, "an autopar.Cluster")
-    return write_text_atomic(path, dumps_cluster(cluster))  # checks the path
+    return write_text_atomic(path, dumps_cluster(cluster))  # checks the cluster and path
 
 
 def load_cluster(path: str | os.PathLike[str]) -> Cluster:
@@ -84,6 +88,8 @@ def load_cluster(path: str | os.PathLike[str]) -> Cluster:
     extra = sorted(set(data) - {"format", "version", "cluster"})
     if extra:
         raise ClusterFileError(path, extra[0], "no such field", data[extra[0]])
+    if "cluster" not in data:
+        raise ClusterFileError(path, "cluster", "the cluster's figures", "<missing>")
     try:
         return Cluster.model_validate_json(json.dumps(data.get("cluster")))
     except ValidationError as e:
@@ -180,6 +186,7 @@ def describe_cluster(cluster: Cluster) -> str:
     >>> print(describe_cluster(CLUSTERS["cpu-emulated"]).splitlines()[0])
     cpu-emulated (preset): 4.00 GFLOP/s, 2.00 GB/s memory, 0.0 us per operator, overlap 0.00
     """
+    _check_cluster(cluster)
     from autopar.cli_util import table
 
     c = cluster
@@ -231,9 +238,13 @@ def resolve_cluster(cluster: Any = None) -> Cluster:
                                     "calibration file path or an autopar.Cluster")
     if cluster is None:
         env = os.environ.get(CLUSTER_ENV, "")
-        if env:
+        if not env:
+            return _default_cluster()
+        try:
             return resolve_cluster(env)
-        return _default_cluster()
+        except AutoParallelError as e:  # name where the value came from
+            why = str(e).split(" is invalid: ", 1)[-1].rstrip(".")
+            raise AutoParallelError(CLUSTER_ENV, env, why) from None
     if cluster in CLUSTERS:
         return get_cluster(cluster)
     if cluster == "calibrated":

@@ -61,6 +61,12 @@ def _formula(kind: str, p: int) -> tuple[float, float]:
     return ring(p)
 
 
+#: Bounds that keep every price finite: rates are at least 1 per second (they divide), and
+#: seconds and bytes at most these (they add up over a step).
+_SECONDS = 1e3
+_BYTES = 1e18
+
+
 class CollectiveFit(BaseModel):
     """A measured collective: ``seconds = alpha + beta * n`` for one kind and group size.
 
@@ -71,15 +77,19 @@ class CollectiveFit(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
     kind: Literal[COLLECTIVE_KINDS]
-    group: int = Field(ge=2, description="devices in the group")
+    group: int = Field(ge=2, le=MAX_DEVICES, description="devices in the group")
     intra: bool = Field(description="every device of the group in one node (process)")
-    alpha: float = Field(ge=0, description="seconds: the fixed cost of one collective")
-    beta: float = Field(ge=0, description="seconds per byte (n as the model counts it)")
+    alpha: float = Field(ge=0, le=_SECONDS, description="seconds: the fixed cost of one "
+                         "collective")
+    beta: float = Field(ge=0, le=_SECONDS, description="seconds per byte (n as the model "
+                        "counts it)")
     residual: float = Field(ge=0, description="largest |fit / measured - 1| over the samples")
     samples: int = Field(ge=2, description="message sizes measured")
-    knee: float = Field(default=0.0, ge=0, description="bytes past which the slope is "
-                        "beta_large (messages that no longer fit the caches); 0: one slope")
-    beta_large: float = Field(default=0.0, ge=0, description="seconds per byte past the knee")
+    knee: float = Field(default=0.0, ge=0, le=_BYTES, description="bytes past which the "
+                        "slope is beta_large (messages that no longer fit the caches); 0: one "
+                        "slope")
+    beta_large: float = Field(default=0.0, ge=0, le=_SECONDS, description="seconds per byte "
+                              "past the knee")
 
 
 class Calibration(BaseModel):
@@ -96,7 +106,8 @@ class Calibration(BaseModel):
     matmul_residual: float = Field(ge=0, description="largest |fit / measured - 1|, matmuls")
     memory_residual: float = Field(ge=0, description="largest |fit / measured - 1|, "
                                    "elementwise")
-    shared_compute: float = Field(gt=0, description="one device alone / every device at "
+    shared_compute: float = Field(ge=1e-3, le=1e6, description="one device alone / every "
+                                  "device at "
                                   "once, matmul throughput per device (1: independent "
                                   "devices; device count / cores: emulated devices)")
     seconds: float = Field(ge=0, description="wall seconds the calibration took")
@@ -107,22 +118,28 @@ class Cluster(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
-    name: str
-    devices_per_node: int = Field(ge=1, description="devices sharing the fast intra-node link")
-    peak_flops: float = Field(gt=0, description="sustained FLOP/s per device")
-    memory_bandwidth: float = Field(gt=0, description="device memory bytes/s")
-    memory_bytes: float = Field(gt=0, description="device memory capacity (the budget)")
-    intra_bandwidth: float = Field(gt=0, description="bytes/s per device inside a node")
-    intra_alpha: float = Field(ge=0, description="seconds of latency per ring step, intra")
-    inter_bandwidth: float = Field(gt=0, description="bytes/s per device across nodes")
-    inter_alpha: float = Field(ge=0, description="seconds of latency per ring step, inter")
+    name: str = Field(pattern=r"^[^\x00-\x1f\x7f]{1,200}$", description="printable, "
+                      "1-200 characters (it is shown in plans and messages)")
+    devices_per_node: int = Field(ge=1, le=MAX_DEVICES, description="devices sharing the fast "
+                                  "intra-node link")
+    peak_flops: float = Field(ge=1, description="sustained FLOP/s per device")
+    memory_bandwidth: float = Field(ge=1, description="device memory bytes/s")
+    memory_bytes: float = Field(ge=1, le=_BYTES, description="device memory capacity (the "
+                                "budget)")
+    intra_bandwidth: float = Field(ge=1, description="bytes/s per device inside a node")
+    intra_alpha: float = Field(ge=0, le=_SECONDS, description="seconds of latency per ring "
+                               "step, intra")
+    inter_bandwidth: float = Field(ge=1, description="bytes/s per device across nodes")
+    inter_alpha: float = Field(ge=0, le=_SECONDS, description="seconds of latency per ring "
+                               "step, inter")
     optimizer_state_factor: float = Field(
-        default=2.0, ge=0, description="optimizer state bytes per parameter byte (Adam: 2)")
-    op_overhead: float = Field(default=0.0, ge=0, description="seconds per operator per "
-                               "device (dispatch, kernel launch)")
-    step_overhead: float = Field(default=0.0, ge=0, description="seconds per program call "
-                                 "(dispatch to every device), once per step")
-    update_passes: float = Field(default=0.0, ge=0, description="memory passes of the "
+        default=2.0, ge=0, le=1e6, description="optimizer state bytes per parameter byte "
+        "(Adam: 2)")
+    op_overhead: float = Field(default=0.0, ge=0, le=_SECONDS, description="seconds per "
+                               "operator per device (dispatch, kernel launch)")
+    step_overhead: float = Field(default=0.0, ge=0, le=_SECONDS, description="seconds per "
+                                 "program call (dispatch to every device), once per step")
+    update_passes: float = Field(default=0.0, ge=0, le=1e6, description="memory passes of the "
                                  "optimizer update over a parameter block (0: 3 + 2 x "
                                  "optimizer_state_factor, reads of the parameter, gradient "
                                  "and state plus writes of the parameter and state)")

@@ -6,6 +6,7 @@ import json
 import math
 import os
 
+import jax
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -129,6 +130,13 @@ def test_calibration_file_round_trips_byte_identically(tmp_path):
     (lambda t: t.replace('"name": "measured"', '"name": "measured", "extra": 1'),
      "cluster.extra"),
     (lambda t: "[" * 100000, "<json>"),
+    # figures that made prices infinite (a search's "inf ms", NaN in traces) or overflowed
+    (lambda t: t.replace('"peak_flops": 4000000000.0', '"peak_flops": 5e-324'),
+     "cluster.peak_flops"),
+    (lambda t: t.replace('"alpha": 0.0001', '"alpha": 1e308'), "cluster.collectives.0.alpha"),
+    (lambda t: t.replace('"group": 8', '"group": 1' + "0" * 400), "cluster.collectives.0.group"),
+    (lambda t: t.replace('"name": "measured"', '"name": "\\u001b[31m"'), "cluster.name"),
+    (lambda t: t.replace('"cluster": {', '"cluster_": {'), "cluster_"),
 ])
 def test_corrupt_calibration_file_names_the_file_and_field(tmp_path, mutate, field):
     path = ap.clusters.save_cluster(_measured(), tmp_path / "c.json")
@@ -136,6 +144,32 @@ def test_corrupt_calibration_file_names_the_file_and_field(tmp_path, mutate, fie
     with pytest.raises(ClusterFileError) as info:
         load_cluster(path)
     assert str(path) in str(info.value) and info.value.field == field
+
+
+def test_a_file_without_the_cluster_says_it_is_missing(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text('{"format": "autopar-cluster", "version": 1}')
+    with pytest.raises(ClusterFileError, match="<missing>") as info:
+        load_cluster(path)
+    assert info.value.field == "cluster"
+
+
+@pytest.mark.parametrize("call, key", [
+    (lambda: ap.calibrate(2, budget_s=10 ** 400, cache=False), "budget_s"),
+    (lambda: ap.calibrate([jax.devices()[0]] * 2, budget_s=1, cache=False), "devices"),
+    (lambda: ap.clusters.describe_cluster("x"), "cluster"),
+    (lambda: ap.clusters.dumps_cluster(None), "cluster"),
+])
+def test_bad_calibration_arguments_are_typed_errors(call, key):
+    with pytest.raises(ap.AutoparError) as info:
+        call()
+    assert info.value.key == key
+
+
+def test_a_bad_cluster_environment_variable_is_named(monkeypatch):
+    monkeypatch.setenv("AUTOPAR_CLUSTER", "bogus")
+    with pytest.raises(ap.AutoParallelError, match="AUTOPAR_CLUSTER='bogus'"):
+        ap.clusters.resolve_cluster()
 
 
 def test_calibration_file_special_and_missing_paths(tmp_path):

@@ -373,6 +373,21 @@ def test_calibrate_command_writes_a_loadable_file(tmp_path, capsys, monkeypatch)
     assert main(["calibrate", "--budget", "-1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--budget" in err
+    # a bad --out is refused before the cache is touched or anything measured
+    cached = sorted((tmp_path / "cache").rglob("*"))
+    stamps = [p.stat().st_mtime_ns for p in cached]
+    assert main(["calibrate", "--devices", "2", "--quick", "--fresh", "--out",
+                 str(tmp_path / "nodir" / "c.json")]) == 2
+    assert "--out" in capsys.readouterr().err
+    assert sorted((tmp_path / "cache").rglob("*")) == cached
+    assert [p.stat().st_mtime_ns for p in cached] == stamps
+
+
+def test_simulate_checks_every_output_before_writing_any(tmp_path, capsys):
+    trace = tmp_path / "t.json"
+    assert main(["simulate", *SMALL_MLP, "--out", str(trace), "--png",
+                 str(tmp_path / "nodir" / "t.png")]) == 2
+    assert "--png" in capsys.readouterr().err and not trace.exists()
 
 
 def test_bad_run_and_demo_options_fail_in_one_line(tmp_path, capsys, monkeypatch):
