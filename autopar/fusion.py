@@ -63,11 +63,13 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Literal, Sequence
 
-from autopar.hccl import MAX_SEGMENTS, WORLD_GROUP, check_percentages, get_split_strategy
+from autopar.hccl import (MAX_SEGMENTS, WORLD_GROUP, _finite, check_percentages,
+                          get_split_strategy)
 from autopar.errors import AutoParallelError, AutoParallelTypeError, found
 
 __all__ = [
     "MB",
+    "MAX_GRADIENT_BYTES",
     "Gradient",
     "Bucket",
     "GradientBuckets",
@@ -86,6 +88,9 @@ MB = 1024 * 1024
 _KINDS = ("allreduce", "allgather", "reducescatter")
 _POLICIES = ("context", "hccl", "none")
 _PCT_TOL = 1e-9
+#: The largest gradient accepted, in bytes (4 EiB): sums and percentages of real gradients stay
+#: far inside a double's range.
+MAX_GRADIENT_BYTES = 2**62
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,27 +190,33 @@ class GradientBuckets:
 # ---------------------------------------------------------------------------- gradients
 
 
+def _gradient(i: int, g: Any) -> Gradient:
+    """Entry ``i`` of a gradient list, checked."""
+    if isinstance(g, Gradient):
+        item = g
+    elif isinstance(g, (list, tuple)) and len(g) == 2:
+        item = Gradient(g[0], g[1])  # type: ignore[arg-type]
+    else:
+        raise AutoParallelTypeError("gradients", g, "each gradient is a (name, nbytes) pair")
+    if not isinstance(item.name, str):
+        raise AutoParallelTypeError("gradients", item.name, "gradient names are str")
+    if isinstance(item.nbytes, bool) or not isinstance(item.nbytes, int):
+        raise AutoParallelTypeError("gradients", item.nbytes,
+                                    f"bytes of gradient {item.name!r} must be an int")
+    if not 0 <= item.nbytes <= MAX_GRADIENT_BYTES:
+        raise AutoParallelError("gradients", item.nbytes, f"bytes of gradient {item.name!r} "
+                                f"at [{i}] must be >= 0 and at most 2**62")
+    return item
+
+
 def _check_gradients(grads: Any) -> tuple[Gradient, ...]:
     if isinstance(grads, (str, bytes)) or not isinstance(grads, (list, tuple)):
         raise AutoParallelTypeError("gradients", grads, "a list of (name, nbytes) pairs or "
                                     "autopar.fusion.Gradient, in backward order")
     out: list[Gradient] = []
     seen: set[str] = set()
-    for g in grads:
-        if isinstance(g, Gradient):
-            item = g
-        elif isinstance(g, (list, tuple)) and len(g) == 2:
-            item = Gradient(g[0], g[1])  # type: ignore[arg-type]
-        else:
-            raise AutoParallelTypeError("gradients", g, "each gradient is a (name, nbytes) pair")
-        if not isinstance(item.name, str):
-            raise AutoParallelTypeError("gradients", item.name, "gradient names are str")
-        if isinstance(item.nbytes, bool) or not isinstance(item.nbytes, int):
-            raise AutoParallelTypeError("gradients", item.nbytes,
-                                        f"bytes of gradient {item.name!r} must be an int")
-        if item.nbytes < 0:
-            raise AutoParallelError("gradients", item.nbytes,
-                                    f"bytes of gradient {item.name!r} must be >= 0")
+    for i, g in enumerate(grads):
+        item = _gradient(i, g)
         if item.name in seen:
             raise AutoParallelError("gradients", item.name, "gradient names must be unique")
         seen.add(item.name)
@@ -297,12 +308,8 @@ def buckets_from_ends(grads: Any, ends: Sequence[int], *, kind: str = "allreduce
     """
     gs = _check_gradients(grads)
     n = len(gs)
-    ends = list(ends)
-    for i, e in enumerate(ends):
-        if isinstance(e, bool) or not isinstance(e, int):
-            raise AutoParallelTypeError("ends", ends,
-                                        f"bucket ends must be ints, {found(e, f'[{i}]')}")
-    if not ends or ends[-1] != n or any(b <= a for a, b in zip([0] + ends, ends)):
+    ends = _int_list("ends", ends, "bucket ends")
+    if ends[-1] != n or ends[0] <= 0:
         raise AutoParallelError("ends", ends, f"bucket ends must be strictly ascending, "
                                 f"positive, and end at the number of gradients ({n})")
     out, start = [], 0
@@ -315,7 +322,7 @@ def buckets_from_ends(grads: Any, ends: Sequence[int], *, kind: str = "allreduce
 
 
 def _int_list(key: str, values: Any, what: str) -> list[int]:
-    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)):
+    if not isinstance(values, (list, tuple, range)):
         raise AutoParallelTypeError(key, values, f"{what} must be a list of ints")
     for i, v in enumerate(values):
         if isinstance(v, bool) or not isinstance(v, int):
@@ -387,11 +394,7 @@ def buckets_by_size(grads: Any, threshold_bytes: int | float, *, kind: str = "al
     (2, 3, 4)
     """
     gs = _check_gradients(grads)
-    if isinstance(threshold_bytes, bool) or not isinstance(threshold_bytes, (int, float)):
-        raise AutoParallelTypeError("threshold_bytes", threshold_bytes, "must be a number")
-    if not math.isfinite(threshold_bytes) or threshold_bytes <= 0:
-        raise AutoParallelError("threshold_bytes", threshold_bytes, "the fusion threshold "
-                                "must be larger than 0")
+    _positive("threshold_bytes", threshold_bytes, "the fusion threshold")
     ends, cur = [], 0
     for i, g in enumerate(gs):
         if i > (ends[-1] if ends else 0) and cur + g.nbytes > threshold_bytes:
@@ -401,6 +404,15 @@ def buckets_by_size(grads: Any, threshold_bytes: int | float, *, kind: str = "al
     ends.append(len(gs))
     src = source or f"size threshold {threshold_bytes / MB:g} MB"
     return buckets_from_ends(gs, ends, kind=kind, mode=mode, source=src)
+
+
+def _positive(key: str, value: Any, what: str) -> int | float:
+    """The one rule of a size or cap: a finite number (int or float, not bool) above 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise AutoParallelTypeError(key, value, f"{what} must be a number")
+    if not _finite(value) or value <= 0:  # _finite: an int past a double's range is not
+        raise AutoParallelError(key, value, f"{what} must be a finite number larger than 0")
+    return value
 
 
 def percent_ends(sizes: Sequence[int], percentages: Sequence[float]) -> list[int]:
@@ -462,6 +474,8 @@ def buckets_pytorch_ddp(grads: Any, *, bucket_cap_mb: float = 25.0,
     (1, 3)
     """
     gs = _check_gradients(grads)
+    _positive("bucket_cap_mb", bucket_cap_mb, "the bucket cap")
+    _positive("first_bucket_mb", first_bucket_mb, "the first bucket's cap")
     ends, cur, cap = [], 0, first_bucket_mb * MB
     for i, g in enumerate(gs):
         cur += g.nbytes

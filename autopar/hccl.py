@@ -51,6 +51,10 @@ __all__ = [
 ]
 
 WORLD_GROUP = "hccl_world_group"
+#: MindSpore's names of the world group per backend (GlobalComm.WORLD_COMM_GROUP: Ascend,
+#: GPU, CPU): get_rank and get_group_size take each of them for hccl_world_group; none of them
+#: can be created or destroyed.
+WORLD_GROUP_ALIASES: tuple[str, ...] = (WORLD_GROUP, "nccl_world_group", "mccl_world_group")
 MAX_SEGMENTS = 8
 MAX_GROUP_NAME_BYTES = 128  # including the terminating NUL
 DEFAULT_SPLIT_SIZES: tuple[float, ...] = (96.54, 3.46)
@@ -112,16 +116,31 @@ def _world_ranks() -> tuple[int, ...]:
     return tuple(range(current_config().device_num))
 
 
-def _ranks_of(group: Any) -> tuple[int, ...]:
-    name = _check_group_name(group)
-    if name == WORLD_GROUP:
-        return _world_ranks()
+def _created_ranks(name: str) -> tuple[int, ...]:
+    """The ranks of a group made by create_group, as created (whether or not they still fit
+    device_num)."""
     groups = _STATE.get().groups
     if name not in groups:
         known = ", ".join([WORLD_GROUP, *sorted(groups)])
         raise CommGroupError("group", name, f"no such group (known groups: {known})",
                              "Create it first with autopar.hccl.create_group(group, rank_ids)")
-    ranks = groups[name]
+    return groups[name]
+
+
+def _not_world(name: str, action: str) -> str:
+    """The one rule of the world group's names: reserved, never created nor destroyed."""
+    if name in WORLD_GROUP_ALIASES:
+        raise CommGroupError("group", name, f"the world group's names "
+                             f"{list(WORLD_GROUP_ALIASES)} are reserved: the world group always "
+                             f"exists and cannot be {action}")
+    return name
+
+
+def _ranks_of(group: Any) -> tuple[int, ...]:
+    name = _check_group_name(group)
+    if name == WORLD_GROUP:
+        return _world_ranks()
+    ranks = _created_ranks(name)
     device_num = current_config().device_num
     if max(ranks) >= device_num:
         raise CommGroupError("group", name, f"its ranks {list(ranks)} no longer fit device_num="
@@ -148,9 +167,7 @@ def create_group(group: str, rank_ids: list[int]) -> None:
     4
     >>> autopar.hccl.reset_comm_groups(); autopar.reset_auto_parallel_context()
     """
-    name = _check_group_name(group)
-    if name == WORLD_GROUP:
-        raise CommGroupError("group", name, "hccl_world_group is reserved and always exists")
+    name = _not_world(_check_group_name(group), "created")
     if not isinstance(rank_ids, (list, tuple)):
         raise AutoParallelTypeError("rank_ids", rank_ids, "rank_ids must be a list of ints")
     for i, r in enumerate(rank_ids):
@@ -174,11 +191,10 @@ def create_group(group: str, rank_ids: list[int]) -> None:
 
 
 def destroy_group(group: str) -> None:
-    """Remove a group created by create_group, with its split strategies."""
-    name = _check_group_name(group)
-    if name == WORLD_GROUP:
-        raise CommGroupError("group", name, "hccl_world_group cannot be destroyed")
-    _ranks_of(name)
+    """Remove a group created by create_group, with its split strategies (also after
+    device_num shrank below its ranks)."""
+    name = _not_world(_check_group_name(group), "destroyed")
+    _created_ranks(name)
     s = _STATE.get()
     _STATE.set(_CommState({k: v for k, v in s.groups.items() if k != name},
                           {k: v for k, v in s.by_size.items() if k != name},
@@ -193,11 +209,6 @@ def get_rank_size(group: str = WORLD_GROUP) -> int:
 def get_rank_id(group: str = WORLD_GROUP) -> int:
     """The caller's (global_rank's) rank inside the group."""
     return _caller_in(group, _ranks_of(group))
-
-
-#: MindSpore's names of the world group per backend (GlobalComm.WORLD_COMM_GROUP: Ascend,
-#: GPU, CPU): get_rank and get_group_size take each of them for hccl_world_group.
-WORLD_GROUP_ALIASES: tuple[str, ...] = (WORLD_GROUP, "nccl_world_group", "mccl_world_group")
 
 
 def _mindspore_group(group: Any) -> str:

@@ -221,6 +221,20 @@ def test_pytorch_ddp_buckets():
     (lambda gs: buckets_by_size(gs, "64"), ap.AutoParallelTypeError, "number"),
     (lambda gs: buckets_from_ends(gs, [10, 5, 161]), ap.AutoParallelError, "ascending"),
     (lambda gs: buckets_from_ends(gs, [10]), ap.AutoParallelError, "161"),
+    (lambda gs: buckets_from_ends(gs, 3), ap.AutoParallelTypeError, "ends=3"),
+    (lambda gs: buckets_from_ends(gs, None), ap.AutoParallelTypeError, "ends=None"),
+    (lambda gs: buckets_by_size(gs, 10**400), ap.AutoParallelError, "finite"),
+    (lambda gs: buckets_by_size(gs, float("inf")), ap.AutoParallelError, "finite"),
+    (lambda gs: buckets_pytorch_ddp(gs, bucket_cap_mb="x"), ap.AutoParallelTypeError,
+     "bucket_cap_mb='x'"),
+    (lambda gs: buckets_pytorch_ddp(gs, first_bucket_mb=True), ap.AutoParallelTypeError,
+     "first_bucket_mb=True"),
+    (lambda gs: buckets_pytorch_ddp(gs, bucket_cap_mb=0), ap.AutoParallelError,
+     "bucket_cap_mb=0.*larger than 0"),
+    (lambda gs: buckets_pytorch_ddp(gs, first_bucket_mb=float("nan")), ap.AutoParallelError,
+     "first_bucket_mb=nan.*finite"),
+    (lambda gs: buckets_pytorch_ddp(gs, bucket_cap_mb=10**400), ap.AutoParallelError,
+     "bucket_cap_mb=.*finite"),
     (lambda gs: ap.simulation.gradient_buckets(gs, kind="broadcast"), ap.AutoParallelError, "kind"),
     (lambda gs: ap.simulation.gradient_buckets(gs, policy="nccl"), ap.AutoParallelError, "policy"),
     (lambda gs: ap.simulation.gradient_buckets(gs, kind="allgather", policy="hccl"),
@@ -238,6 +252,21 @@ def test_pytorch_ddp_buckets():
 def test_bad_inputs_raise_typed_errors(grads, call, exc, match):
     with pytest.raises(exc, match=match):
         call(grads)
+
+
+@pytest.mark.parametrize("call", [
+    lambda gs: buckets_by_percent(gs, [50, 50]),
+    lambda gs: buckets_from_ends(gs, [1, 2]).table(),
+    lambda gs: buckets_per_gradient(gs).percentages,
+    lambda gs: buckets_pytorch_ddp(gs),
+])
+def test_gradient_bytes_are_capped(call):
+    """A gradient past 2**62 bytes is refused naming its index (no OverflowError later)."""
+    with pytest.raises(ap.AutoParallelError, match=r"'big' at \[1\].*2\*\*62"):
+        call([("a", 1), ("big", 10**400)])
+    with pytest.raises(ap.AutoParallelError, match=r"at \[0\]"):
+        call([Gradient("a", 2**62 + 1), Gradient("b", 1)])
+    call([("a", 2**62), ("b", 2**62)])  # the cap itself is accepted
 
 
 def test_context_index_beyond_gradients_names_the_key(grads):

@@ -106,6 +106,28 @@ def test_group_that_no_longer_fits_device_num():
         ap.hccl.get_rank_size("hi")
 
 
+def test_group_destroyable_after_device_num_shrinks():
+    ap.hccl.create_group("g", [4, 5])
+    ap.set_auto_parallel_context(global_rank=4)
+    ap.hccl.set_split_strategy_by_size([100], "g")
+    ap.set_auto_parallel_context(device_num=4, global_rank=0)
+    ap.hccl.destroy_group("g")
+    assert snapshot() == ({}, {}, {})
+    ap.hccl.create_group("g", [0, 1])  # the name is free again
+    assert ap.hccl.get_rank_size("g") == 2 and ap.hccl.get_split_strategy("g").is_default
+
+
+@pytest.mark.parametrize("alias", ap.hccl.WORLD_GROUP_ALIASES)
+def test_world_group_aliases_are_reserved(alias):
+    ap.set_auto_parallel_context(global_rank=1)
+    with pytest.raises(ap.CommGroupError, match="reserved"):
+        ap.hccl.create_group(alias, [0, 1])
+    with pytest.raises(ap.CommGroupError, match="cannot be destroyed"):
+        ap.hccl.destroy_group(alias)
+    assert snapshot() == ({}, {}, {})
+    assert ap.hccl.get_group_size(alias) == 8 and ap.hccl.get_rank(alias) == 1
+
+
 def test_threads_have_their_own_groups():
     ap.hccl.create_group("main_only", [0])
     seen = {}
@@ -159,6 +181,8 @@ BAD = [
     ("set_split_strategy_by_idx", ([20],), {"group": "nosuch"}, V, "nosuch"),
     ("set_split_strategy_by_idx", ([20],), {"group": b"bytes"}, T, "group"),
     ("create_group", ("hccl_world_group", [0]), {}, V, "reserved"),
+    ("create_group", ("nccl_world_group", [0]), {}, V, "reserved"),
+    ("create_group", ("mccl_world_group", [0]), {}, V, "reserved"),
     ("create_group", ("g", []), {}, V, "rank_ids"),
     ("create_group", ("g", [0, 0]), {}, V, "repeat"),
     ("create_group", ("g", [8]), {}, V, "device_num=8"),
@@ -171,6 +195,7 @@ BAD = [
     ("create_group", ("x" * 200, [0]), {}, V, "group"),
     ("create_group", ("exists", [0]), {}, V, "exists"),
     ("destroy_group", ("hccl_world_group",), {}, V, "cannot be destroyed"),
+    ("destroy_group", ("nccl_world_group",), {}, V, "cannot be destroyed"),
     ("destroy_group", ("nosuch",), {}, V, "nosuch"),
     ("get_split_strategy", ("nosuch",), {}, V, "nosuch"),
     ("get_rank_size", (7,), {}, T, "group"),
@@ -244,7 +269,7 @@ def test_index_rule_property(idx):
 @given(st.text(min_size=1, max_size=140).filter(lambda s: "\0" not in s))
 def test_group_name_byte_rule_property(name):
     ap.hccl.reset_comm_groups()
-    if name == "hccl_world_group":
+    if name in ap.hccl.WORLD_GROUP_ALIASES:
         return
     nbytes = len(name.encode("utf-8")) + 1
     if nbytes <= 128:
