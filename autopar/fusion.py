@@ -70,6 +70,7 @@ from autopar.errors import AutoParallelError, AutoParallelTypeError, found
 __all__ = [
     "MB",
     "MAX_GRADIENT_BYTES",
+    "BUCKET_POLICIES",
     "Gradient",
     "Bucket",
     "GradientBuckets",
@@ -86,7 +87,8 @@ __all__ = [
 
 MB = 1024 * 1024
 _KINDS = ("allreduce", "allgather", "reducescatter")
-_POLICIES = ("context", "hccl", "none")
+#: The bucket policies by name (a policy string of simulate(buckets=...) and friends)
+BUCKET_POLICIES = ("context", "hccl", "none")
 _PCT_TOL = 1e-9
 #: The largest gradient accepted, in bytes (4 EiB): sums and percentages of real gradients stay
 #: far inside a double's range.
@@ -542,8 +544,8 @@ def gradient_buckets(source: Any, plan: Any = None, *, kind: str = "allreduce",
     """
     if kind not in _KINDS:
         raise AutoParallelError("kind", kind, f"must be one of {list(_KINDS)}")
-    if policy not in _POLICIES:
-        raise AutoParallelError("policy", policy, f"must be one of {list(_POLICIES)}")
+    if policy not in BUCKET_POLICIES:
+        raise AutoParallelError("policy", policy, f"must be one of {list(BUCKET_POLICIES)}")
     from autopar.graph.ir import Graph
 
     if isinstance(source, Graph):

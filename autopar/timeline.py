@@ -5,10 +5,12 @@ The model (all times from :class:`~autopar.strategies.cost.CostModel`):
 - **forward**: the step's launch, then the graph's operators in program order, each priced
   by the search's own rule (:func:`~autopar.strategies.problem.operator_time`: with a plan its
   strategy's local blocks, without one whole tensors), plus the plan's activation
-  communication and redistribution (a third here, the rest in backward).
-- **backward**: the operators in reverse order, each taking ``BACKWARD_FACTOR`` (2) x its
-  forward time (0 when nothing it reads is trained). A gradient is *ready* when backward has
-  passed its parameter's first use in forward (unused parameters: at the start of backward).
+  communication and redistribution (a third here, the rest in backward; on another cluster
+  than the plan's, re-priced there: :func:`plan_communication`).
+- **backward**: the rest of that communication, then the operators in reverse order, each
+  taking ``BACKWARD_FACTOR`` (2) x its forward time (0 when nothing it reads is trained).
+  A gradient is *ready* when backward has passed its parameter's first use in forward
+  (unused parameters: at the start of backward).
   The optimizer update follows ``Iteration_end`` (``update``; ``step_time`` includes it): with
   ``overlap=False`` and one bucket per gradient, ``step_time`` is the plan's predicted step.
 - **communication**: the buckets in order on one communication stream. Bucket k starts at
@@ -44,9 +46,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError
-from autopar.fusion import Bucket, GradientBuckets, gradients
+from autopar.fusion import BUCKET_POLICIES, Bucket, GradientBuckets, gradients
 
-__all__ = ["CommSegment", "IterationTrace", "simulate", "plot_timeline"]
+__all__ = ["CommSegment", "IterationTrace", "simulate", "plot_timeline",
+           "plan_communication"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +91,10 @@ class IterationTrace:
     gradient_names: tuple[str, ...]     # backward order
     gradient_ready: tuple[float, ...]
     update: float = 0.0                 # the optimizer update after Iteration_end
+    node_backward: tuple[float, ...] = ()  # backward seconds per node (forward order)
+    launch: float = 0.0                 # the step's launch, at the start of forward
+    fp_comm: float = 0.0                # the plan's activation communication in forward
+    bp_comm: float = 0.0                # ... and in backward (before its operators)
 
     @property
     def step_time(self) -> float:
@@ -148,10 +155,56 @@ class IterationTrace:
         return "\n".join(lines)
 
     # ------------------------------------------------------------------ Chrome trace
+    def compute_spans(self) -> tuple[list[tuple[str, str, float]], list[tuple[str, str, float]]]:
+        """``(name, category, seconds)`` of what fills forward and of what fills backward, in
+        order: the launch and the forward share of the plan's activation communication, then
+        the operators; the backward share, then each operator's backward (0 when it reads
+        nothing trained). Each list adds up to its phase, as the simulation adds it."""
+        fwd = [("launch", "launch", self.launch),
+               ("activation communication", "communication", self.fp_comm)]
+        fwd = [x for x in fwd if x[2] > 0]
+        fwd += [(n, "forward", d) for n, d in zip(self.node_names, self.node_times)]
+        bwd = [("activation communication", "communication", self.bp_comm)] \
+            if self.bp_comm > 0 else []
+        bwd += [(f"{n} (grad)", "backward", d) for n, d in
+                zip(reversed(self.node_names), reversed(self.node_backward))]
+        return fwd, bwd
+
+    def _check_finite(self) -> None:
+        """A Chrome trace is JSON, which has no NaN or Infinity: refuse a non-finite time."""
+        named = [("fp_start", self.fp_start), ("fp_end", self.fp_end), ("bp_end", self.bp_end),
+                 ("Iteration_end", self.iteration_end), ("update", self.update),
+                 ("launch", self.launch), ("fp_comm", self.fp_comm), ("bp_comm", self.bp_comm)]
+        named += [(f"forward of {n}", x) for n, x in zip(self.node_names, self.node_times)]
+        named += [(f"backward of {n}", x) for n, x in zip(self.node_names, self.node_backward)]
+        named += [(f"ready of {n}", x) for n, x in zip(self.gradient_names, self.gradient_ready)]
+        named += [(f"{s.name} {k}", getattr(s, k)) for s in self.segments
+                  for k in ("ready", "start", "end")]
+        for name, x in named:
+            if not np.isfinite(x):
+                raise AutoParallelError(
+                    "trace", f"{name} = {x}", "every simulated time must be finite to write "
+                    "a Chrome trace (JSON has no NaN or Infinity)", "Check the cluster's "
+                    "figures (a calibration with extreme values prices non-finite times)")
+
+    def _compute_events(self, pid: int) -> list[dict[str, Any]]:
+        """The compute track's per-operator events, back to back inside their phase."""
+        us = 1e6
+        ev: list[dict[str, Any]] = []
+        for t, spans in zip((self.fp_start, self.fp_end), self.compute_spans()):
+            for name, cat, d in spans:
+                ev.append({"name": name, "cat": cat, "ph": "X", "pid": pid, "tid": 1,
+                           "ts": t * us, "dur": d * us, "args": {}})
+                t += d
+        return ev
+
     def to_chrome_trace(self, *, detail: bool = True) -> dict[str, Any]:
         """``{"traceEvents": [...]}``: complete events (``"ph": "X"``, ts/dur in µs) on a
-        compute track (forward / backward, with one event per operator when ``detail``) and a
-        communication track (one per segment), and instant events for the seed's points."""
+        compute track (forward / backward, and with ``detail`` what fills them: the launch,
+        the activation communication, one event per operator), a communication track (one
+        per segment), and instant events for the seed's points. A non-finite time raises
+        :class:`~autopar.errors.AutoParallelError` (JSON has no NaN or Infinity)."""
+        self._check_finite()
         us = 1e6
         pid = 1
         ev: list[dict[str, Any]] = [
@@ -169,16 +222,7 @@ class IterationTrace:
         ev.append({"name": "backward", "cat": "compute", "ph": "X", "pid": pid, "tid": 1,
                    "ts": self.fp_end * us, "dur": self.bp_time * us, "args": {}})
         if detail:
-            t = self.fp_start
-            for name, d in zip(self.node_names, self.node_times):
-                ev.append({"name": name, "cat": "forward", "ph": "X", "pid": pid, "tid": 1,
-                           "ts": t * us, "dur": d * us, "args": {}})
-                t += d
-            t = self.fp_end
-            for name, d in zip(reversed(self.node_names), reversed(self.node_times)):
-                ev.append({"name": f"{name} (grad)", "cat": "backward", "ph": "X", "pid": pid,
-                           "tid": 1, "ts": t * us, "dur": 2 * d * us, "args": {}})
-                t += 2 * d
+            ev += self._compute_events(pid)
         for s in self.segments:
             ev.append({"name": s.name, "cat": "allreduce", "ph": "X", "pid": pid, "tid": 2,
                        "ts": s.start * us, "dur": s.duration * us,
@@ -197,7 +241,8 @@ class IterationTrace:
         """Write the Chrome trace JSON atomically (temp file + os.replace)."""
         from autopar.files import write_text_atomic
 
-        return write_text_atomic(path, json.dumps(self.to_chrome_trace(detail=detail)))
+        return write_text_atomic(path, json.dumps(self.to_chrome_trace(detail=detail),
+                                                  allow_nan=False))
 
     def plot(self, path: str | os.PathLike[str], *, title: str | None = None) -> Path:
         """Draw the timeline to a PNG (see :func:`plot_timeline`)."""
@@ -244,11 +289,14 @@ class _Model:
         # forward / backward, priced as the search prices them
         times, back, extra, tail = _node_times(graph, plan, self.cm, self.mesh)
         self.node_names = tuple(n.name for n in graph.nodes)
-        self.node_times = tuple(times)
-        fp_end = clus.step_overhead + extra / (1 + BACKWARD_FACTOR)
+        self.node_times, self.node_backward = tuple(times), tuple(back)
+        self.launch = clus.step_overhead
+        self.fp_comm = extra / (1 + BACKWARD_FACTOR)
+        self.bp_comm = extra * BACKWARD_FACTOR / (1 + BACKWARD_FACTOR)
+        fp_end = self.launch + self.fp_comm
         for x in times:
             fp_end += x
-        t = fp_end + extra * BACKWARD_FACTOR / (1 + BACKWARD_FACTOR)
+        t = fp_end + self.bp_comm
         bwd_end = [0.0] * len(times)  # when backward of node i ends
         for i in range(len(times) - 1, -1, -1):
             t += back[i]
@@ -319,7 +367,8 @@ class _Model:
                               self.node_names, self.node_times,
                               tuple(g.name for g in self.grads), tuple(float(r) for r in
                                                                        self.ready),
-                              self.update)
+                              self.update, self.node_backward, self.launch, self.fp_comm,
+                              self.bp_comm)
 
 
 def _node_times(graph: Any, plan: Any, cm: Any, mesh: Any
@@ -345,11 +394,46 @@ def _node_times(graph: Any, plan: Any, cm: Any, mesh: Any
         t = operator_time(cm, graph, n, splits, ins, outs, mesh, fused)
         fwd.append(t)
         back.append(BACKWARD_FACTOR * t if any(grad[v] for v in n.inputs) else 0.0)
-    extra = 0.0 if plan is None else plan.cost.communication + plan.cost.redistribution
+    extra = 0.0 if plan is None else sum(plan_communication(graph, plan, cm)[:2])
     tail = sum(cm.update_time(local_bytes(graph, v, plan.layouts[v] if plan is not None else
                                           Layout.replicated(graph.spec(v).rank), mesh))
                for v in graph.parameters() if grad.get(v, False))
     return fwd, back, extra, tail
+
+
+def plan_communication(graph: Any, plan: Any, cm: Any) -> tuple[float, float, float]:
+    """``(activation communication, redistribution, gradient sync)`` of ``plan`` on ``cm``'s
+    cluster: the plan's own figures when that is the cluster it was priced on, else the plan
+    re-priced there as :func:`autopar.load_strategy` re-prices a saved plan (the search's
+    problem with every operator fixed to the plan's splits; the same sums, in the same order,
+    as :meth:`~autopar.strategies.problem.Problem.evaluate`), so one cluster prices all."""
+    own = plan.cluster_config
+    if (own == cm.cluster) if own is not None else plan.cluster == cm.cluster.name:
+        c = plan.cost
+        return c.communication, c.redistribution, c.gradient_sync
+    from autopar.strategies.problem import Problem
+
+    missing = [n.name for n in graph.nodes if n.name not in plan.nodes]
+    if missing:
+        raise AutoParallelError("plan", f"no strategy for {missing[:3]}", "re-pricing a plan "
+                                f"on cluster {cm.cluster.name!r} (it was priced on "
+                                f"{plan.cluster!r}) needs a strategy for every operator",
+                                "Simulate it on its own cluster (cluster=None)")
+    problem = Problem(graph, plan.mesh, cm, enable_alltoall=plan.enable_alltoall,
+                      memory_weight=plan.memory_weight,
+                      fixed_splits={k: ns.splits for k, ns in plan.nodes.items()},
+                      parallel_optimizer_kb=plan.parallel_optimizer_kb,
+                      optimizer_weight_shard_size=plan.optimizer_weight_shard_size)
+    comm = sync = 0.0
+    for _, vert in problem.iter_ops():  # one choice each: the plan's splits
+        comm += vert.comm.item(0)
+        sync += vert.grad_sync.item(0)
+    verts = problem.vertices
+    entries = [problem.edge_cost(e.value, verts[e.u].choices[0].out_layouts[e.out_index]
+                                 if verts[e.u].kind == "op" else plan.layouts[e.value],
+                                 verts[e.v].choices[0].in_layouts[e.in_index])
+               for e in problem.edges]
+    return comm, sum(entries), sync
 
 
 def _ends_of(model: _Model, buckets: Any) -> tuple[list[int], str]:
@@ -389,18 +473,25 @@ def simulate(graph: Any, plan: Any = None, *, buckets: Any = None,
 
     ``buckets``: ``None`` or a policy name (``"context"``, ``"hccl"``, ``"none"``) to build
     them with :func:`autopar.simulation.gradient_buckets`, or buckets you built (their
-    boundaries are used; bytes are those of this simulation). ``device_num``: with a plan, the plan's;
-    without, the context's unless given.
+    boundaries are used; bytes are those of this simulation). ``device_num``: with a plan, the
+    plan's; without, the context's unless given. ``cluster``: with a plan, the plan's own unless
+    given; on another, everything is priced there (the plan's communication re-priced:
+    :func:`plan_communication`).
     """
     from autopar.context import current_config
 
+    if isinstance(buckets, str) and buckets not in BUCKET_POLICIES:
+        raise AutoParallelError("buckets", buckets, f"a policy name must be one of "
+                                f"{list(BUCKET_POLICIES)}", "Or pass None (the context's), "
+                                "autopar.simulation.gradient_buckets(...) or a list of Bucket")
     if plan is None and device_num is None:
         device_num = current_config().device_num
     model = _Model(graph, plan, cluster, device_num, overlap)
     if buckets is None or isinstance(buckets, str):
         from autopar.fusion import gradient_buckets
 
-        buckets = gradient_buckets(list(model.grads), policy=buckets or "context")
+        buckets = gradient_buckets(list(model.grads),
+                                   policy="context" if buckets is None else buckets)
     ends, source = _ends_of(model, buckets)
     return model.run(ends, source)
 

@@ -15,6 +15,8 @@ from autopar.advisor import horovod_buckets, round_percentages
 from autopar.fusion import (buckets_by_index, buckets_by_percent, buckets_from_ends,
                             gradients)
 from autopar.models import mlp, resnet50, transformer
+from autopar.strategies.cost import CostModel
+from autopar.strategies.problem import requires_grad
 from autopar.timeline import CommSegment
 
 
@@ -265,7 +267,8 @@ def test_round_percentages_and_horovod():
     (lambda g: ap.simulation.simulate(g, device_num=0), ap.AutoParallelError, "4096"),
     (lambda g: ap.simulation.simulate(g, device_num=8, cluster="tpu"), ap.AutoParallelError, "preset"),
     (lambda g: ap.simulation.simulate(g, device_num=8, buckets=42), ap.AutoParallelTypeError, "policy"),
-    (lambda g: ap.simulation.simulate(g, device_num=8, buckets="fast"), ap.AutoParallelError, "policy"),
+    (lambda g: ap.simulation.simulate(g, device_num=8, buckets="fast"), ap.AutoParallelError,
+     "buckets='fast'"),
     (lambda g: ap.simulation.simulate(g, device_num=8, buckets=buckets_from_ends(
         [("x", 4), ("y", 4)], [2])), ap.AutoParallelError, "exactly once"),
     (lambda g: ap.simulation.simulate(g, device_num=8, buckets=list(ap.simulation.gradient_buckets(
@@ -285,3 +288,179 @@ def test_round_percentages_and_horovod():
 def test_bad_inputs_raise_typed_errors(resnet, call, exc, match):
     with pytest.raises(exc, match=match):
         call(resnet)
+
+
+# ---------------------------------------------------------------------------- one cluster
+
+
+def _three_matmuls():
+    import jax.numpy as jnp
+
+    params = {k: jnp.ones((1024, 1024)) for k in "abc"}
+    return ap.trace(lambda p, x: jnp.sum(((x @ p["a"]) @ p["b"]) @ p["c"]), params,
+                    jnp.ones((256, 1024)))
+
+
+def test_simulating_a_plan_on_another_cluster_reprices_its_communication(tmp_path):
+    """simulate(cluster=X) and advise_split(cluster=X) of a plan searched elsewhere give the
+    answer of the same plan loaded on X: no figure of the plan's own cluster is mixed in."""
+    g = _three_matmuls()
+    ap.set_auto_parallel_context(device_num=8, parallel_mode="auto_parallel")
+    plan = ap.search(g, cluster="accelerator-8x")
+    assert plan.cost.communication + plan.cost.redistribution > 0
+    ap.save_strategy(plan, g, tmp_path / "s.json")
+    there = ap.load_strategy(tmp_path / "s.json", g, cluster="cpu-emulated")
+    kw = {"overlap": False, "buckets": "none"}
+    moved = ap.simulation.simulate(g, plan, cluster="cpu-emulated", **kw)
+    loaded = ap.simulation.simulate(g, there, **kw)
+    assert moved.step_time == loaded.step_time
+    assert moved.step_time == pytest.approx(there.cost.total, rel=1e-12)
+    assert (moved.fp_end, moved.bp_end) == (loaded.fp_end, loaded.bp_end)
+    from autopar.timeline import plan_communication
+
+    c = there.cost
+    cm = CostModel(there.cluster_config)
+    assert plan_communication(g, plan, cm) == (c.communication, c.redistribution,
+                                               c.gradient_sync)
+    assert ap.simulation.advise_split(g, plan, cluster="cpu-emulated").iteration_time == \
+        ap.simulation.advise_split(g, there).iteration_time
+    # on its own cluster (named or not), the plan's own figures: its predicted step
+    own = ap.simulation.simulate(g, plan, cluster="accelerator-8x", **kw)
+    assert own.step_time == ap.simulation.simulate(g, plan, **kw).step_time
+    assert own.step_time == pytest.approx(plan.cost.total, rel=1e-12)
+
+
+# ---------------------------------------------------------------------------- Chrome trace
+
+
+def _phase_events(t):
+    ev = [e for e in t.to_chrome_trace()["traceEvents"]
+          if e["ph"] == "X" and e["tid"] == 1 and e["cat"] != "compute"]
+    cut = t.fp_end * 1e6
+    fwd = [e for e in ev if e["cat"] in ("launch", "forward") or
+           (e["cat"] == "communication" and e["ts"] < cut)]
+    bwd = [e for e in ev if e not in fwd]
+    return fwd, bwd
+
+
+def check_chrome_phases(t):
+    """Every per-operator event lies inside its phase; each phase's events add up to it."""
+    us, tol = 1e6, 1e-9
+    fwd, bwd = _phase_events(t)
+    for events, lo, hi in ((fwd, t.fp_start, t.fp_end), (bwd, t.fp_end, t.bp_end)):
+        assert events[0]["ts"] == pytest.approx(lo * us, abs=tol)
+        for a, b in zip(events, events[1:]):                    # back to back, in order
+            assert b["ts"] == pytest.approx(a["ts"] + a["dur"], abs=tol)
+        for e in events:
+            assert lo * us - tol <= e["ts"] and e["ts"] + e["dur"] <= hi * us + tol
+        assert sum(e["dur"] for e in events) == pytest.approx((hi - lo) * us, abs=tol)
+    assert len([e for e in fwd if e["cat"] == "forward"]) == len(t.node_names)
+    grads = [e for e in bwd if e["cat"] == "backward"]
+    assert [e["dur"] for e in grads] == pytest.approx([d * us for d in reversed(
+        t.node_backward)])
+    return fwd, bwd
+
+
+def test_chrome_trace_operators_follow_the_simulated_phases():
+    import jax.numpy as jnp
+
+    g = ap.trace(lambda p, x: jnp.sum((jnp.exp(jnp.sin(x) * 3.) @ p["w"]) ** 2),
+                 {"w": jnp.ones((512, 512))}, jnp.ones((64, 512)))
+    base = ap.clusters.resolve_cluster("accelerator-8x")
+    t = ap.simulation.simulate(g, device_num=8, cluster=base)
+    fwd, bwd = check_chrome_phases(t)
+    # sin and exp read only the data: their backward is free, as the model prices it
+    nodes = {e["name"]: e["dur"] for e in bwd}
+    grad = requires_grad(g)
+    free = [n.name for n in g.nodes if not any(grad[v] for v in n.inputs)]
+    assert free and all(nodes[f"{n} (grad)"] == 0.0 for n in free)
+    late = ap.simulation.simulate(g, device_num=8,
+                                  cluster=base.model_copy(update={"step_overhead": 1e-3}))
+    fwd, _ = check_chrome_phases(late)
+    ops = [e for e in fwd if e["cat"] == "forward"]
+    assert ops[0]["ts"] == pytest.approx(1e3) and fwd[0]["name"] == "launch"
+
+
+def test_chrome_trace_with_a_plans_activation_communication(small_tfm_plan):
+    g, plan = small_tfm_plan
+    assert plan.cost.communication + plan.cost.redistribution > 0
+    t = ap.simulation.simulate(g, plan, buckets="hccl")
+    fwd, bwd = check_chrome_phases(t)
+    assert fwd[0]["cat"] == "communication" and bwd[0]["cat"] == "communication"
+    assert (fwd[0]["dur"] + bwd[0]["dur"]) / 1e6 == pytest.approx(
+        plan.cost.communication + plan.cost.redistribution)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_chrome_trace_refuses_non_finite_times(resnet, tmp_path, bad):
+    import dataclasses
+
+    from autopar.pipeline.simulation import simulate_schedule
+
+    t = ap.simulation.simulate(resnet, buckets="hccl", device_num=8)
+    for broken in (dataclasses.replace(t, bp_end=bad),
+                   dataclasses.replace(t, node_times=(bad,) + t.node_times[1:]),
+                   dataclasses.replace(t, segments=(dataclasses.replace(
+                       t.segments[0], end=bad),) + t.segments[1:])):
+        with pytest.raises(ap.AutoParallelError, match="finite"):
+            broken.to_chrome_trace()
+        with pytest.raises(ap.AutoParallelError, match="finite"):
+            broken.write_chrome_trace(tmp_path / "t.json")
+        assert not (tmp_path / "t.json").exists()
+    huge = simulate_schedule([1e308, 1e308], [1e308, 1e308], micro_batches=4)
+    with pytest.raises(ap.AutoParallelError, match="finite"):
+        huge.write_chrome_trace(tmp_path / "p.json")
+    assert not (tmp_path / "p.json").exists()
+
+
+# ---------------------------------------------------------------------------- pipeline simulator
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    ({"forward": [float("nan"), 1.0]}, ap.AutoParallelError, "finite"),
+    ({"forward": [float("inf"), 1.0]}, ap.AutoParallelError, "finite"),
+    ({"backward": [1.0, float("-inf")]}, ap.AutoParallelError, "finite"),
+    ({"forward": [10**400, 1.0]}, ap.AutoParallelError, "finite"),
+    ({"forward": ["1", 1.0]}, ap.AutoParallelTypeError, "forward="),
+    ({"sends": 5}, ap.AutoParallelTypeError, "sends=5"),
+    ({"sync": 5}, ap.AutoParallelTypeError, "sync=5"),
+    ({"sends": "a"}, ap.AutoParallelTypeError, "sends='a'"),
+    ({"sends": [float("nan")]}, ap.AutoParallelError, "sends="),
+    ({"sync": [1.0, float("inf")]}, ap.AutoParallelError, "sync="),
+])
+def test_pipeline_simulator_refuses_bad_times(kw, exc, match):
+    from autopar.pipeline.simulation import simulate_schedule
+
+    args = {"forward": [1.0, 1.0], "backward": [2.0, 2.0], **kw}
+    with pytest.raises(exc, match=match):
+        simulate_schedule(args.pop("forward"), args.pop("backward"), micro_batches=2, **args)
+
+
+def test_pipeline_simulator_takes_any_sequence_and_empty_work():
+    import numpy as np
+
+    from autopar.pipeline.simulation import simulate_schedule
+
+    t = simulate_schedule([1.0, 1.0], [2.0, 2.0], micro_batches=2, sends=np.array([0.5]),
+                          sync=(np.float32(1.0), 0))
+    assert t.iteration_time == t.makespan + 1.0
+    idle = simulate_schedule([0.0, 0.0], [0.0, 0.0], micro_batches=2)
+    assert idle.bubble == 0.0 and idle.to_chrome_trace()["otherData"]["bubble"] == 0.0
+
+
+def test_pipeline_simulator_refuses_plans_of_another_cluster():
+    from autopar.pipeline.simulation import simulate_pipeline
+
+    g = _trace(mlp(widths=(256, 1024, 1024, 256), batch=64))
+    ap.set_auto_parallel_context(device_num=4, parallel_mode="auto_parallel")
+    plan = ap.search(g, cluster="accelerator-8x")
+    with pytest.raises(ap.AutoParallelError, match="cluster='cpu-emulated'.*accelerator-8x"):
+        simulate_pipeline(g, 2, device_num=8, plans=[plan, plan], cluster="cpu-emulated")
+    with pytest.raises(ap.AutoParallelTypeError, match=r"plans=.*\[1\]"):
+        simulate_pipeline(g, 2, device_num=8, plans=[plan, "plan"])
+
+
+@pytest.mark.parametrize("buckets", ["", "foo", "Context"])
+def test_bucket_policy_names_are_checked_as_buckets(resnet, buckets):
+    with pytest.raises(ap.AutoParallelError, match=f"buckets={buckets!r}.*'context', 'hccl'"):
+        ap.simulation.simulate(resnet, device_num=8, buckets=buckets)

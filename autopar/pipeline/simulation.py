@@ -32,12 +32,16 @@ True
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from autopar.errors import AutoParallelError, AutoParallelTypeError
+import numpy as np
+
+from autopar.errors import AutoParallelError, AutoParallelTypeError, found
 from autopar.pipeline.schedules import FWD, SCHEDULES, op_order, schedule as build_schedule
 
 __all__ = ["PipelineBlock", "PipelineTrace", "simulate_schedule", "simulate_pipeline"]
@@ -87,6 +91,8 @@ class PipelineTrace:
     def bubble(self) -> float:
         """Idle share of the stages until the last backward: 1 - busy / (p x makespan)."""
         span = self.makespan
+        if span == 0:  # nothing to run: no idle time either
+            return 0.0
         return 1.0 - sum(self.busy(s) for s in range(self.stages)) / (self.stages * span)
 
     def summary(self) -> str:
@@ -96,9 +102,24 @@ class PipelineTrace:
                 f"{self.iteration_time * 1e3:.3f} ms, last backward at "
                 f"{self.makespan * 1e3:.3f} ms, bubble {self.bubble:.1%}")
 
+    def _check_finite(self) -> None:
+        times = [(f"{b.name} of stage {b.stage} {k}", getattr(b, k)) for b in self.blocks
+                 for k in ("start", "end")]
+        times += [(f"gradient sync of stage {s}", x) for s, ab in enumerate(self.sync)
+                  for x in ab]
+        for name, x in times:
+            if not math.isfinite(x):
+                raise AutoParallelError("trace", f"{name} = {x}", "every simulated time must "
+                                        "be finite to write a Chrome trace (JSON has no NaN "
+                                        "or Infinity)", "Check the stage times and the "
+                                        "cluster's figures")
+
     def to_chrome_trace(self) -> dict[str, Any]:
         """``{"traceEvents": [...]}``: one track per stage, a complete event (``"ph": "X"``,
-        µs) per forward / backward block and per gradient all-reduce; Perfetto opens it."""
+        µs) per forward / backward block and per gradient all-reduce; Perfetto opens it. A
+        non-finite time raises :class:`~autopar.errors.AutoParallelError` (JSON has no NaN
+        or Infinity)."""
+        self._check_finite()
         us, pid = 1e6, 1
         ev: list[dict[str, Any]] = [
             {"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
@@ -126,18 +147,37 @@ class PipelineTrace:
         """Write the Chrome trace JSON atomically (temp file + os.replace)."""
         from autopar.files import write_text_atomic
 
-        return write_text_atomic(path, json.dumps(self.to_chrome_trace()))
+        return write_text_atomic(path, json.dumps(self.to_chrome_trace(), allow_nan=False))
 
 
 def _times(name: str, values: Any, n: int) -> list[float]:
+    """``values`` as ``n`` finite seconds >= 0; a typed error naming ``name`` otherwise."""
     if not isinstance(values, (list, tuple)) or len(values) != n:
         raise AutoParallelTypeError(name, values, f"a list of {n} seconds")
     out = []
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-            raise AutoParallelError(name, values, "every entry must be a number >= 0")
-        out.append(float(v))
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise AutoParallelTypeError(name, values, f"every entry must be a number of "
+                                        f"seconds, {found(v, f'[{i}]')}")
+        try:
+            x = float(v)
+        except OverflowError:  # an int beyond float range
+            x = math.inf
+        if not math.isfinite(x) or x < 0:
+            raise AutoParallelError(name, values, f"every entry must be a finite number >= 0, "
+                                    f"{found(v, f'[{i}]')}")
+        out.append(x)
     return out
+
+
+def _optional_times(name: str, values: Any, default: list[float]) -> list[float]:
+    """``values`` (any sequence of numbers) as a list, ``default`` for None; a typed error
+    for anything else (checked before ``list()`` reads it)."""
+    if values is None:
+        return default
+    if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)):
+        raise AutoParallelTypeError(name, values, f"a list of {len(default)} seconds or None")
+    return list(values)
 
 
 def simulate_schedule(forward: Sequence[float], backward: Sequence[float], *,
@@ -153,8 +193,8 @@ def simulate_schedule(forward: Sequence[float], backward: Sequence[float], *,
     p = len(forward)
     f = _times("forward", forward, p)
     b = _times("backward", backward, p)
-    snd = _times("sends", list(sends) if sends is not None else [0.0] * (p - 1), p - 1)
-    syn = _times("sync", list(sync) if sync is not None else [0.0] * p, p)
+    snd = _times("sends", _optional_times("sends", sends, [0.0] * (p - 1)), p - 1)
+    syn = _times("sync", _optional_times("sync", sync, [0.0] * p), p)
     sched = build_schedule(schedule, p, micro_batches)   # validates name, p, m
     m = micro_batches
     orders = [op_order(sched.name, p, m, s) for s in range(p)]
@@ -202,8 +242,10 @@ def simulate_pipeline(graph: Any, stages: int, *, micro_batches: int | None = No
     """Simulate ``graph`` (traced at micro-batch size) pipelined over ``stages`` stages of
     ``device_num / stages`` devices (see the module docstring). ``plans``: the stages'
     plans (e.g. ``PipelineTrainStep.plans``) for their splits and gradient-sync times;
-    without, each stage is data parallel over its devices. ``device_num`` defaults to the
-    context's: the one read of the context (everything below takes resolved values)."""
+    without, each stage is data parallel over its devices; they were priced on their own
+    cluster, so a different ``cluster`` is refused (one cluster prices one answer).
+    ``device_num`` defaults to the context's: the one read of the context (everything below
+    takes resolved values)."""
     from autopar.clusters import cluster_for
     from autopar.context import current_config
     from autopar.strategies.cost import BACKWARD_FACTOR, CostModel
@@ -224,11 +266,31 @@ def simulate_pipeline(graph: Any, stages: int, *, micro_batches: int | None = No
     d = n // stages
     if plans is not None and (not isinstance(plans, (list, tuple)) or len(plans) != stages):
         raise AutoParallelTypeError("plans", plans, f"a list of {stages} stage plans")
+    _check_plans_cluster(plans, clus)
     fwd, sync = _stage_times(graph, part.stage_nodes, plans, cm, d)
     bwd = [(BACKWARD_FACTOR + (1.0 if recompute else 0.0)) * t for t in fwd]
     sends = [send_time(b, cm, d) for b in part.crossing_bytes]
     return simulate_schedule(fwd, bwd, micro_batches=m, schedule=schedule, sends=sends,
                              sync=sync, cluster=clus.name, device_num=n)
+
+
+def _check_plans_cluster(plans: Sequence[Any] | None, clus: Any) -> None:
+    """Every stage plan is a Plan, priced on ``clus``. The stage plans' communication and gradient sync were priced on their own cluster:
+    simulating them on another would mix two clusters in one answer, so it is refused."""
+    from autopar.clusters import cluster_for
+    from autopar.strategies.plan import Plan
+
+    for s, plan in enumerate(plans or ()):
+        if not isinstance(plan, Plan):
+            raise AutoParallelTypeError("plans", plans, f"every entry must be a stage's Plan, "
+                                        f"{found(plan, f'[{s}]')}")
+        own = cluster_for(plan, None)
+        if own != clus:
+            raise AutoParallelError("cluster", clus.name, f"stage {s}'s plan was priced on "
+                                    f"cluster {own.name!r}; its communication and gradient "
+                                    "sync cannot be mixed with another cluster's times",
+                                    "Pass cluster=None (the plans' own), or plan the stages "
+                                    "on this cluster")
 
 
 def _stage_times(graph: Any, stage_nodes: Sequence[Sequence[str]], plans: Sequence[Any] | None,
