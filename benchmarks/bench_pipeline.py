@@ -175,7 +175,7 @@ def simulated(quick: bool) -> list[dict[str, Any]]:
             g = ap.trace(mdl.loss, *jax.eval_shape(mdl.example_args, jax.random.key(0)))
             if pp == 1:
                 with ap.auto_parallel_context(device_num=n, parallel_mode="data_parallel"):
-                    plan = ap.search(g, device_num=n)
+                    plan = ap.search(g, device_num=n, cluster="accelerator-8x")
                 t = ap.simulation.simulate(g, plan, buckets="hccl", cluster="accelerator-8x")
                 sim, bubble = t.iteration_time, 0.0
                 base = sim
