@@ -4,8 +4,10 @@
 an operator: forward + backward compute by :func:`operator_time
 <autopar.strategies.problem.operator_time>`'s rule (FLOPs over the split product, the memory
 passes of its local blocks, its launch), the backward all-reduce of each input gradient over
-the axes where that input is replicated while the operator is split, and the memory of its
-outputs. Every term depends on the operator's signature and split counts only: a tensor's
+the axes where that input is replicated while the operator is split (gradient
+synchronisation for a parameter or a value computed from parameters alone, which the training
+step reduces with the parameters' gradients; activation communication otherwise), and the
+memory of its outputs. Every term depends on the operator's signature and split counts only: a tensor's
 local block has each dim's size over the split of the loop dim it follows, and the axes are
 the mesh's canonical assignment (:meth:`DeviceMesh.assign
 <autopar.strategies.layout.DeviceMesh.assign>`). So :class:`OpRecipe` reads what an
@@ -86,7 +88,8 @@ class OpRecipe:
                  "klass")
 
     def __init__(self, graph: Graph, node: Node, spec: OpSpec,
-                 requires_grad: Mapping[str, bool], fused: frozenset[str]) -> None:
+                 requires_grad: Mapping[str, bool], fused: frozenset[str],
+                 param_like: frozenset[str] = frozenset()) -> None:
         def block(v: str, dims: Sequence[int | None]) -> Block:
             s = graph.values[v].spec
             return Block(s.shape, dims, _itemsize(s.dtype))
@@ -101,8 +104,8 @@ class OpRecipe:
         self.moved = tuple([b for v, b, k in zip(node.inputs, ins, kinds)
                             if k != "literal" and v not in fused] +
                            [b for v, b in zip(node.outputs, outs) if v not in fused])
-        self.grads = tuple((b, k == "param") for v, b, k in zip(node.inputs, ins, kinds)
-                           if requires_grad[v])
+        self.grads = tuple((b, k == "param" or v in param_like)  # (problem.parameter_values)
+                           for v, b, k in zip(node.inputs, ins, kinds) if requires_grad[v])
         self.outs = tuple(outs)
         self.params = tuple((j, v, b, requires_grad.get(v, False))
                             for j, (v, b, k) in enumerate(zip(node.inputs, ins, kinds))
@@ -121,10 +124,12 @@ class OpPricer:
 
     def __init__(self, graph: Graph, mesh: DeviceMesh, cm: CostModel,
                  requires_grad: Mapping[str, bool], fused: frozenset[str],
-                 assign: Callable[[Splits], tuple | None] | None = None) -> None:
+                 assign: Callable[[Splits], tuple | None] | None = None,
+                 param_like: frozenset[str] = frozenset()) -> None:
         self.graph, self.mesh, self.cm = graph, mesh, cm
         self.assign = mesh.assign if assign is None else assign  # the canonical axes
         self.requires_grad, self.fused = requires_grad, fused
+        self.param_like = param_like  # values priced as parameters (problem.parameter_values)
         self._recipes: dict[object, OpRecipe] = {}
         self._missing: dict[tuple, tuple[str, ...]] = {}
         self._classes: dict[tuple, int] = {}  # recipe key -> small int
@@ -136,7 +141,7 @@ class OpPricer:
         if r is None:
             r = self._recipes[sig] = OpRecipe(self.graph, node,
                                               spec or op_spec(node, self.graph),
-                                              self.requires_grad, self.fused)
+                                              self.requires_grad, self.fused, self.param_like)
             r.klass = self._classes.setdefault(r.key, len(self._classes))
         return r
 

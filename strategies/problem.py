@@ -243,6 +243,21 @@ def operator_time(cm: CostModel, graph: Graph, node: Node, splits: Sequence[int]
                            launch=not all(v in fused for v in node.outputs))
 
 
+def parameter_values(graph: Graph) -> frozenset[str]:
+    """Values computed from parameters (and constants) alone, no data input upstream: a
+    parameter's broadcast, cast or transpose. Their gradients are the parameters' gradients:
+    the training step reduces them in its gradient sync (buckets after backward), not where
+    an operator that varies along more axes reads them, so the cost model prices that
+    reduction as gradient synchronisation, like a parameter's."""
+    out = {v for v, val in graph.values.items() if val.kind == "param"}
+    for n in graph.nodes:
+        kinds = [graph.values[v].kind for v in n.inputs]
+        if any(v in out for v in n.inputs) and all(
+                v in out or k in ("literal", "const") for v, k in zip(n.inputs, kinds)):
+            out.update(n.outputs)
+    return frozenset(out)
+
+
 def requires_grad(graph: Graph) -> dict[str, bool]:
     """Per value, whether it carries a gradient: parameters do, and the floating outputs of
     an operator that passes gradients (not in ``NO_GRADIENT``) from an input that does."""
@@ -298,8 +313,10 @@ class Problem:
         with paused_gc():
             self.requires_grad = requires_grad(graph)
             self.fused = fused_values(graph)
+            self.param_like = parameter_values(graph)
             self._op_pricer = OpPricer(graph, mesh, cost_model, self.requires_grad, self.fused,
-                                       self.axes_of)
+                                       self.axes_of,
+                                       param_like=self.param_like)
             itemsize: dict[str, int] = {}  # per dtype name (numpy's lookup is slow)
             self._nbytes = {v: math.prod(val.spec.shape) * (
                 itemsize.get(val.spec.dtype) or itemsize.setdefault(val.spec.dtype,
@@ -383,7 +400,7 @@ class Problem:
     def _describe(self, v: str) -> tuple:
         val = self.graph.values[v]
         return (val.spec.shape, val.spec.dtype, self.requires_grad[v], val.kind,
-                v in self.fused)
+                v in self.fused, v in self.param_like)
 
     # ------------------------------------------------------------------ costs
     def _local_bytes(self, value: str, layout: Layout) -> int:

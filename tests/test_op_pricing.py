@@ -41,7 +41,7 @@ def _reference(problem: Problem, node, choice) -> tuple[float, float, float, flo
         if not missing:
             continue
         t = cm.all_reduce_time(problem._local_bytes(v, lay), missing, mesh)
-        if g.values[v].kind == "param":
+        if v in problem.param_like:  # a parameter, or computed from parameters alone
             sync += t
         else:
             comm += t
