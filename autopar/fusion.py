@@ -229,28 +229,44 @@ def _check_gradients(grads: Any) -> tuple[Gradient, ...]:
     return tuple(out)
 
 
-def _plan_gradient(graph: Any, plan: Any, name: str) -> Gradient:
+def _readers(graph: Any, name: str, derived: frozenset[str]) -> list[tuple[str, int, str]]:
+    """(operator, input position, value) of every read of parameter ``name`` and of the values
+    computed from parameters alone that it flows into (a broadcast of it, a cast):
+    :func:`~autopar.strategies.problem.parameter_values`, whose gradients the training step
+    reduces with the parameter's and the cost model prices as its synchronisation."""
+    out, todo, seen = [], [name], {name}
+    while todo:
+        v = todo.pop(0)
+        for c in graph.consumers(v):
+            node = graph.node(c)
+            out += [(c, j, v) for j, inp in enumerate(node.inputs) if inp == v]
+            for o in node.outputs:
+                if o in derived and o not in seen:
+                    seen.add(o)
+                    todo.append(o)
+    return out
+
+
+def _plan_gradient(graph: Any, plan: Any, name: str, derived: frozenset[str]) -> Gradient:
     """(local bytes, all-reduce axes) of one parameter's gradient under a plan.
 
-    As strategies/problem.py prices it: per consumer operator, the gradient is all-reduced
-    over the axes the operator uses where the parameter (its input layout) is replicated. Over
-    several consumers: the union of axes and the largest local shard.
+    As strategies/problem.py prices it: per operator reading it (or a value computed from it
+    alone, :func:`_readers`), the gradient is all-reduced over the axes the operator uses
+    where that input (its layout) is replicated. Over several readers: the union of axes and
+    the largest local block.
     """
     mesh = plan.mesh
     spec = graph.spec(name)
     axes: set[str] = set()
     nbytes = 0
-    consumers = [c for c in graph.consumers(name) if c in plan.nodes]
-    for c in consumers:
-        ns, node = plan.nodes[c], graph.node(c)
+    readers = [r for r in _readers(graph, name, derived) if r[0] in plan.nodes]
+    for c, j, v in readers:
+        ns, vspec = plan.nodes[c], graph.spec(v)
         used = frozenset().union(*(lay.used_axes() for lay in ns.in_layouts + ns.out_layouts))
-        for j, v in enumerate(node.inputs):
-            if v != name:
-                continue
-            lay = ns.in_layouts[j]
-            axes |= used - lay.used_axes()
-            nbytes = max(nbytes, math.prod(lay.local_shape(spec.shape, mesh)) * spec.itemsize)
-    if not consumers:  # unused: a zero gradient, synchronised where it is replicated
+        lay = ns.in_layouts[j]
+        axes |= used - lay.used_axes()
+        nbytes = max(nbytes, math.prod(lay.local_shape(vspec.shape, mesh)) * vspec.itemsize)
+    if not readers:  # unused: a zero gradient, synchronised where it is replicated
         lay = plan.layout(name)
         axes = set(mesh.names) - lay.used_axes()
         nbytes = math.prod(lay.local_shape(spec.shape, mesh)) * spec.itemsize
@@ -282,7 +298,10 @@ def gradients(graph: Any, plan: Any = None, *, order: str = "backward") -> tuple
     if plan is None:
         return tuple(Gradient(p, graph.spec(p).nbytes) for p in names)
     _check_plan(graph, plan)
-    return tuple(_plan_gradient(graph, plan, p) for p in names)
+    from autopar.strategies.problem import parameter_values
+
+    derived = parameter_values(graph)
+    return tuple(_plan_gradient(graph, plan, p, derived) for p in names)
 
 
 def _check_plan(graph: Any, plan: Any) -> None:
