@@ -39,7 +39,7 @@ from typing import Any, Callable
 from autopar.errors import AutoParallelError, AutoParallelTypeError, FileFieldError
 
 __all__ = ["STALE_SECONDS", "read_bytes_capped", "read_json_document", "validation_failure",
-           "writable_target",
+           "writable_target", "require_finite",
            "write_bytes_atomic", "write_text_atomic"]
 
 #: A temporary file of ours this old was left by a writer that died: the next save removes it.
@@ -216,6 +216,17 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
+
+
+def require_finite(named: Any, hint: str) -> None:
+    """Every ``(name, number)`` of ``named`` is finite, else an :class:`AutoParallelError`
+    naming the first that is not: what a JSON file (a Chrome trace) is about to hold, since
+    JSON has no NaN or Infinity; ``hint`` says where such a number comes from."""
+    for name, x in named:
+        if not math.isfinite(x):
+            raise AutoParallelError("trace", f"{name} = {x}", "every simulated time must be "
+                                    "finite to write a Chrome trace (JSON has no NaN or "
+                                    "Infinity)", hint)
 
 
 def _finite_float(text: str) -> float:

@@ -63,9 +63,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Literal, Sequence
 
-from autopar.hccl import (MAX_SEGMENTS, WORLD_GROUP, _finite, check_percentages,
-                          get_split_strategy)
+from autopar.hccl import MAX_SEGMENTS, WORLD_GROUP, check_percentages, get_split_strategy
 from autopar.errors import AutoParallelError, AutoParallelTypeError, found
+from autopar.limits import finite
 
 __all__ = [
     "MB",
@@ -431,7 +431,7 @@ def _positive(key: str, value: Any, what: str) -> int | float:
     """The one rule of a size or cap: a finite number (int or float, not bool) above 0."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise AutoParallelTypeError(key, value, f"{what} must be a number")
-    if not _finite(value) or value <= 0:  # _finite: an int past a double's range is not
+    if not finite(value) or value <= 0:  # (an int past a double's range is not)
         raise AutoParallelError(key, value, f"{what} must be a finite number larger than 0")
     return value
 

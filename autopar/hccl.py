@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 from autopar.context import current_config
 from autopar.errors import AutoParallelError, AutoParallelTypeError, CommGroupError, found
+from autopar.limits import finite
 
 __all__ = [
     "WORLD_GROUP",
@@ -277,7 +278,7 @@ def check_percentages(values: Any, key: str = "dataSizeList") -> list[float]:
         if not (_is_int(v) or isinstance(v, float)):
             raise AutoParallelTypeError(key, values,
                                         f"percentages must be ints or floats, {found(v, f'[{i}]')}")
-        if not _finite(v) or v < 0:
+        if not finite(v) or v < 0:
             raise AutoParallelError(key, values, "percentages must be finite and non-negative, "
                                     + found(v, f"[{i}]"))
     try:
@@ -288,13 +289,6 @@ def check_percentages(values: Any, key: str = "dataSizeList") -> list[float]:
         raise AutoParallelError(key, values, f"percentages must sum to 100, they sum to "
                                 f"{total:g}")
     return values
-
-
-def _finite(v: int | float) -> bool:
-    try:
-        return math.isfinite(v)
-    except OverflowError:  # an int past a double's range
-        return False
 
 
 def set_split_strategy_by_size(dataSizeList: list[float], group: str = WORLD_GROUP) -> None:  # noqa: N803

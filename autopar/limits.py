@@ -6,7 +6,22 @@
 
 from __future__ import annotations
 
-__all__ = ["MAX_DEVICES"]
+import math
+
+__all__ = ["MAX_DEVICES", "finite"]
 
 #: The most devices a context, a mesh, a plan or a strategy file may name (MindSpore's).
 MAX_DEVICES = 4096
+
+
+def finite(v: int | float) -> bool:
+    """Whether a number is finite; an int past a double's range is not (``math.isfinite``
+    raises OverflowError on it).
+
+    >>> finite(1.5), finite(float("inf")), finite(10 ** 400)
+    (True, False, False)
+    """
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False

@@ -180,12 +180,10 @@ class IterationTrace:
         named += [(f"ready of {n}", x) for n, x in zip(self.gradient_names, self.gradient_ready)]
         named += [(f"{s.name} {k}", getattr(s, k)) for s in self.segments
                   for k in ("ready", "start", "end")]
-        for name, x in named:
-            if not np.isfinite(x):
-                raise AutoParallelError(
-                    "trace", f"{name} = {x}", "every simulated time must be finite to write "
-                    "a Chrome trace (JSON has no NaN or Infinity)", "Check the cluster's "
-                    "figures (a calibration with extreme values prices non-finite times)")
+        from autopar.files import require_finite
+
+        require_finite(named, "Check the cluster's figures (a calibration with extreme "
+                       "values prices non-finite times)")
 
     def _compute_events(self, pid: int) -> list[dict[str, Any]]:
         """The compute track's per-operator events, back to back inside their phase."""

@@ -32,7 +32,6 @@ True
 from __future__ import annotations
 
 import json
-import math
 import numbers
 import os
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError, found
+from autopar.limits import finite
 from autopar.pipeline.schedules import FWD, SCHEDULES, op_order, schedule as build_schedule
 
 __all__ = ["PipelineBlock", "PipelineTrace", "simulate_schedule", "simulate_pipeline"]
@@ -107,12 +107,9 @@ class PipelineTrace:
                  for k in ("start", "end")]
         times += [(f"gradient sync of stage {s}", x) for s, ab in enumerate(self.sync)
                   for x in ab]
-        for name, x in times:
-            if not math.isfinite(x):
-                raise AutoParallelError("trace", f"{name} = {x}", "every simulated time must "
-                                        "be finite to write a Chrome trace (JSON has no NaN "
-                                        "or Infinity)", "Check the stage times and the "
-                                        "cluster's figures")
+        from autopar.files import require_finite
+
+        require_finite(times, "Check the stage times and the cluster's figures")
 
     def to_chrome_trace(self) -> dict[str, Any]:
         """``{"traceEvents": [...]}``: one track per stage, a complete event (``"ph": "X"``,
@@ -159,14 +156,10 @@ def _times(name: str, values: Any, n: int) -> list[float]:
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise AutoParallelTypeError(name, values, f"every entry must be a number of "
                                         f"seconds, {found(v, f'[{i}]')}")
-        try:
-            x = float(v)
-        except OverflowError:  # an int beyond float range
-            x = math.inf
-        if not math.isfinite(x) or x < 0:
+        if not finite(v) or v < 0:
             raise AutoParallelError(name, values, f"every entry must be a finite number >= 0, "
                                     f"{found(v, f'[{i}]')}")
-        out.append(x)
+        out.append(float(v))
     return out
 
 
