@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 
 from autopar.errors import (AutoParallelError, AutoParallelTypeError, ContextConflictError,
-                            UnknownKeyError, found)
+                            UnknownKeyError, found, validation_problems)
 from autopar.limits import MAX_DEVICES
 from autopar.strategies.modes import (DEFAULT_PARALLEL_MODE, DEFAULT_SEARCH_MODE, PARALLEL_MODES,
                                       SEARCH_MODES, SOLVERS)
@@ -604,12 +604,8 @@ def unknown_key_error(key: str, valid: tuple[str, ...] | list[str], where: str) 
 
 def raise_for_validation_error(err: ValidationError, where: str) -> None:
     """Translate a pydantic ValidationError into autopar's typed error (first error first)."""
-    problems = []
-    for e in err.errors(include_url=False):
-        loc = [str(p) for p in e["loc"] if not str(p).startswith(("function-", "tuple[", "int"))]
-        key = ".".join(loc) if loc else where
-        msg = str(e["msg"]).removeprefix("Value error, ").removeprefix("Assertion failed, ")
-        problems.append((e["type"], key, e.get("input"), msg))
+    problems = [(kind, loc or where, None if kind == "missing" else value, msg)
+                for kind, loc, value, msg in validation_problems(err)]
     kind, key, value, msg = problems[0]
     more = f" ({len(problems) - 1} more problem(s): " + "; ".join(
         f"{k}: {m}" for _, k, _, m in problems[1:]) + ")" if len(problems) > 1 else ""

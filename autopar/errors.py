@@ -15,7 +15,7 @@ device_num=0 is invalid: must be an int in [1, 4096].
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 __all__ = [
     "AutoparError",
@@ -27,6 +27,8 @@ __all__ = [
     "UnsupportedOperatorError",
     "FileFieldError",
     "AutoParallelWarning",
+    "validation_problems",
+    "from_validation_problem",
 ]
 
 
@@ -124,3 +126,41 @@ class UnsupportedOperatorError(AutoParallelError):
 
 class AutoParallelWarning(UserWarning):
     """A setting that is valid but has no effect, or less effect than asked, in this mode."""
+
+
+def validation_problems(err: Any) -> list[tuple[str, str, Any, str]]:
+    """(kind, dotted field, value found, message) of each problem of a pydantic
+    ``ValidationError`` (read through its ``errors()``: this module imports no pydantic): the
+    field without pydantic's own steps (``function-after[...]``, a union member such as
+    ``int`` or ``tuple[int, ...]``), the message without its ``Value error, `` prefix, the
+    value of a missing field ``'<missing>'``. The one reading of pydantic's errors."""
+    out = []
+    for e in err.errors(include_url=False):
+        loc = ".".join(str(p) for p in e["loc"] if not _pydantic_step(str(p)))
+        msg = str(e["msg"]).removeprefix("Value error, ").removeprefix("Assertion failed, ")
+        value = "<missing>" if e["type"] == "missing" else e.get("input", "<missing>")
+        out.append((str(e["type"]), loc, value, msg))
+    return out
+
+
+def _pydantic_step(part: str) -> bool:
+    return part.startswith("function-") or "[" in part or part in (
+        "int", "float", "str", "bool", "list", "tuple", "dict", "none")
+
+
+def from_validation_problem(problems: list[tuple[str, str, Any, str]], where: str,
+                            fields: Iterable[str] = ()) -> AutoparError:
+    """autopar's typed error for the first of :func:`validation_problems` met building
+    ``where`` (``where.field=value is invalid: rule``; the others counted in the message):
+    an unknown field is an :class:`UnknownKeyError` naming ``fields``, a wrong type an
+    :class:`AutoParallelTypeError`, anything else an :class:`AutoParallelError`."""
+    kind, loc, value, msg = problems[0]
+    key = f"{where}.{loc}" if loc else where
+    more = f" ({len(problems) - 1} more problem(s): " + "; ".join(
+        f"{k}: {m}" for _, k, _, m in problems[1:]) + ")" if len(problems) > 1 else ""
+    if kind == "extra_forbidden":
+        return UnknownKeyError(f"{loc.split('.')[-1]!r} is not a field of {where}. Fields: "
+                               f"{', '.join(sorted(fields))}.")
+    if kind.endswith("_type") or kind == "autopar_type":
+        return AutoParallelTypeError(key, value, f"{msg}{more}")
+    return AutoParallelError(key, value, f"{msg}{more}")

@@ -36,7 +36,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from autopar.errors import AutoParallelError, AutoParallelTypeError, FileFieldError
+from autopar.errors import (AutoParallelError, AutoParallelTypeError, FileFieldError,
+                            validation_problems)
 
 __all__ = ["STALE_SECONDS", "read_bytes_capped", "read_json_document", "validation_failure",
            "writable_target", "require_finite",
@@ -265,7 +266,6 @@ def read_json_document(path: str | os.PathLike[str], *, fmt: str, version: int, 
 
 def validation_failure(err: Any, prefix: str = "") -> tuple[str, str, Any]:
     """(dotted field, rule, value found) of a pydantic ValidationError's first error."""
-    first = err.errors()[0]
-    loc = ".".join([*([prefix] if prefix else []), *(str(x) for x in first["loc"])])
-    found = first.get("input", "<missing>") if first["type"] != "missing" else "<missing>"
-    return loc or "<root>", str(first["msg"]).lower(), found
+    _, field, found, msg = validation_problems(err)[0]
+    loc = ".".join([*([prefix] if prefix else []), *([field] if field else [])])
+    return loc or "<root>", msg.lower(), found

@@ -24,9 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from autopar.errors import AutoParallelError, AutoParallelTypeError
+from autopar.errors import (AutoParallelError, AutoParallelTypeError, from_validation_problem,
+                            validation_problems)
 from autopar.limits import MAX_DEVICES
 from autopar.strategies.layout import DeviceMesh
 from autopar.strategies.redistribution import STEP_KINDS, Step, transpose_step
@@ -67,7 +68,25 @@ _SECONDS = 1e3
 _BYTES = 1e18
 
 
-class CollectiveFit(BaseModel):
+class _TypedConstruction(type(BaseModel)):  # type: ignore[misc]
+    """``Cluster(...)`` (and its parts) written in a user's code: bad figures raise autopar's
+    typed errors naming the field, the value and the rule (``Cluster.peak_flops='1' is
+    invalid: ...``). Only a direct call goes through the metaclass: a cluster read from a
+    file (nested in a calibration or strategy file) keeps pydantic's error, which its loader
+    turns into a file error naming the file and the field."""
+
+    def __call__(cls, *args: object, **kwargs: object) -> object:
+        if args:
+            raise AutoParallelTypeError(cls.__name__, args, "takes its figures by keyword "
+                                        f"only: {cls.__name__}(name=..., peak_flops=...)")
+        try:
+            return super().__call__(**kwargs)
+        except ValidationError as err:
+            raise from_validation_problem(validation_problems(err), cls.__name__,
+                                          cls.model_fields) from None
+
+
+class CollectiveFit(BaseModel, metaclass=_TypedConstruction):
     """A measured collective: ``seconds = alpha + beta * n`` for one kind and group size.
 
     ``n`` is counted as the model counts it: per-device input bytes (all_reduce,
@@ -92,7 +111,7 @@ class CollectiveFit(BaseModel):
                               "past the knee")
 
 
-class Calibration(BaseModel):
+class Calibration(BaseModel, metaclass=_TypedConstruction):
     """Where and how a calibrated cluster was measured (``autopar.calibrate``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
@@ -113,7 +132,7 @@ class Calibration(BaseModel):
     seconds: float = Field(ge=0, description="wall seconds the calibration took")
 
 
-class Cluster(BaseModel):
+class Cluster(BaseModel, metaclass=_TypedConstruction):
     """Hardware figures the cost model uses (per device unless stated)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)

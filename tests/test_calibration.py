@@ -172,6 +172,25 @@ def test_a_bad_cluster_environment_variable_is_named(monkeypatch):
         ap.clusters.resolve_cluster()
 
 
+@pytest.mark.parametrize("bad, error, key", [
+    ({"peak_flops": "1"}, ap.AutoParallelTypeError, "Cluster.peak_flops"),
+    ({"devices_per_node": True}, ap.AutoParallelTypeError, "Cluster.devices_per_node"),
+    ({"peak_flops": 0.5}, ap.AutoParallelError, "Cluster.peak_flops"),
+    ({"inter_alpha": float("inf")}, ap.AutoParallelError, "Cluster.inter_alpha"),
+    ({"collectives": ({"kind": "all_reduce", "group": 1, "intra": True, "alpha": 0.0,
+                       "beta": 0.0, "residual": 0.0, "samples": 2},)},
+     ap.AutoParallelError, "Cluster.collectives.0.group"),
+])
+def test_a_cluster_written_in_code_gets_typed_errors(bad, error, key):
+    """ap.Cluster(...) with a bad figure names the field (was pydantic's ValidationError)."""
+    base = ap.CLUSTERS["accelerator-8x"].model_dump()
+    with pytest.raises(error) as info:
+        ap.Cluster(**{**base, **bad})
+    assert info.value.key == key and type(info.value).__module__ == "autopar.errors"
+    with pytest.raises(ap.UnknownKeyError, match="'colour' is not a field of Cluster"):
+        ap.Cluster(**base, colour=1)
+
+
 def test_calibration_file_special_and_missing_paths(tmp_path):
     with pytest.raises(ClusterFileError, match="regular file"):
         load_cluster(tmp_path)
