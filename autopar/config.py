@@ -73,7 +73,7 @@ def _check_choice(name: str, choices: tuple[str, ...]):
 def _check_indices(v: Any, what: str) -> tuple[int, ...]:
     """Non-empty, strictly ascending, non-negative ints (a list or tuple)."""
     if not isinstance(v, (list, tuple)):
-        raise _type_error(f"{what} must be a list of ints")
+        raise _type_error(f"{what} must be a list of ints, {found(v)}")
     for i, item in enumerate(v):
         if not _is_int(item):
             raise _type_error(f"{what} must contain only ints, {found(item, f'[{i}]')}")
@@ -135,17 +135,30 @@ class GatherFusion(_Fusion):
 
 
 class CommFusion(BaseModel):
-    """comm_fusion: which collective types are fused and how. A missing type is not fused."""
+    """comm_fusion: which collective types are fused and how. A missing type is not fused;
+    ``openstate=False`` (MindSpore's switch) fuses none, whatever the types say."""
 
     model_config = _STRICT
 
+    openstate: bool = True
     allreduce: AllReduceFusion | None = None
     allgather: GatherFusion | None = None
     reducescatter: GatherFusion | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k).as_dict() for k in ("allreduce", "allgather", "reducescatter")
-                if getattr(self, k) is not None}
+        """The types that are set (and ``openstate`` when it is False), as given."""
+        off = {} if self.openstate else {"openstate": False}
+        return off | {k: getattr(self, k).as_dict() for k in _FUSION_TYPES
+                      if getattr(self, k) is not None}
+
+    def fused(self) -> dict[str, Any]:
+        """The types that take effect: :meth:`as_dict` without ``openstate``, or nothing when
+        it is False."""
+        return {k: v for k, v in self.as_dict().items() if k != "openstate"} \
+            if self.openstate else {}
+
+
+_FUSION_TYPES = ("allreduce", "allgather", "reducescatter")
 
 
 #: parallel_optimizer_config's optimizer_level (MindSpore 2.6) -> gradient_accumulation_shard
@@ -414,7 +427,8 @@ class AutoParallelConfig(BaseModel):
     comm_fusion: CommFusion = Field(
         default_factory=CommFusion,
         description="Fusion of allreduce / allgather / reducescatter: {type: {'mode': auto | size"
-        " | index, 'config': ...}}. Not set: no fusion (one collective per gradient).",
+        " | index, 'config': ...}}, and 'openstate' (bool, default True; False: no fusion of "
+        "any type). Not set: no fusion (one collective per gradient).",
         json_schema_extra=_meta("dict", "auto: 64 MB; size: threshold > 0 MB; index: "
                                 "allreduce only, ascending indices",
                                 jax="gradient collectives grouped into buckets, one collective "

@@ -155,8 +155,11 @@ def _apply(state: _State, kwargs: dict[str, Any], where: str = _WHERE) -> _State
         explicit.add("comm_fusion")
         if "comm_fusion" in kwargs and "allreduce" in kwargs["comm_fusion"]:
             ar = kwargs["comm_fusion"]["allreduce"]
+            given = ar.get("config") if isinstance(ar, dict) else None
             if not (isinstance(ar, dict) and ar.get("mode") == "index"
-                    and list(ar.get("config") or []) == list(indices)):
+                    and type(given) in (list, tuple)
+                    and [type(i) for i in given] == [int] * len(given)  # (no bool, no array)
+                    and list(given) == list(indices)):
                 raise AutoParallelError(
                     "all_reduce_fusion_config", list(indices),
                     f"it is the same setting as comm_fusion['allreduce'] in index mode and "
@@ -226,9 +229,11 @@ def _sharding_propagation(kw: dict[str, Any], explicit: set[str], later: _Warnin
 def _parallel_optimizer(kw: dict[str, Any], data: dict[str, Any], cur: AutoParallelConfig,
                         explicit: set[str], later: _Warnings) -> None:
     """parallel_optimizer_config merged into the current one, with MindSpore's rules: the
-    top-level optimizer_weight_shard_size is the same setting; a shard size <= 1 (1 in the
-    dict) is warned about and not applied; optimizer_level sets gradient_accumulation_shard
-    (a contradicting value in the same dict is refused)."""
+    top-level optimizer_weight_shard_size is the same setting; a top-level size <= 1 (-1
+    included) and a size of 1 or -1 in the dict are not applied (MindSpore applies only an
+    int > 1), warned about unless the size is that already (-1, the default, set again);
+    optimizer_level sets gradient_accumulation_shard (a contradicting value in the same dict
+    is refused)."""
     if "parallel_optimizer_config" not in kw and "optimizer_weight_shard_size" not in kw:
         return
     given = kw.pop("parallel_optimizer_config", {})
@@ -238,6 +243,7 @@ def _parallel_optimizer(kw: dict[str, Any], data: dict[str, Any], cur: AutoParal
         if key in given and type(given[key]) is not kind:  # (True == 1 == 1.0 in Python)
             raise AutoParallelTypeError(f"parallel_optimizer_config.{key}", given[key],
                                         f"must be {'an int' if kind is int else 'a bool'}")
+    keep = cur.parallel_optimizer_config.optimizer_weight_shard_size
     if "optimizer_weight_shard_size" in kw:
         size = kw.pop("optimizer_weight_shard_size")
         explicit.discard("optimizer_weight_shard_size")
@@ -252,16 +258,17 @@ def _parallel_optimizer(kw: dict[str, Any], data: dict[str, Any], cur: AutoParal
                 "parallel_optimizer_config['optimizer_weight_shard_size'] and contradicts "
                 f"{given['optimizer_weight_shard_size']!r} in the same call",
                 "Set only one of them")
-        if size > 1 or size == -1:  # (-1: the whole group, the default)
+        if size > 1:
             merged["optimizer_weight_shard_size"] = size
-        else:
+        elif size != keep:  # (-1 when it is -1 already changes nothing: set silently)
             later.append((_not_applied("optimizer_weight_shard_size", size),
                           AutoParallelWarning))
-    if given.get("optimizer_weight_shard_size") == 1:
-        later.append((_not_applied("parallel_optimizer_config['optimizer_weight_shard_size']",
-                                   1), AutoParallelWarning))
-        merged["optimizer_weight_shard_size"] = cur.parallel_optimizer_config \
-            .optimizer_weight_shard_size
+    dict_size = given.get("optimizer_weight_shard_size")
+    if dict_size in (1, -1):
+        if dict_size != keep:
+            later.append((_not_applied("parallel_optimizer_config['optimizer_weight_shard_"
+                                       "size']", dict_size), AutoParallelWarning))
+        merged["optimizer_weight_shard_size"] = keep
     level = given.get("optimizer_level")
     if isinstance(level, str) and level in OPTIMIZER_LEVELS:
         shard = OPTIMIZER_LEVELS[level]
@@ -277,8 +284,9 @@ def _parallel_optimizer(kw: dict[str, Any], data: dict[str, Any], cur: AutoParal
 
 
 def _not_applied(key: str, value: int) -> str:
-    return (f"{key}={value!r} is not applied (as in MindSpore, which takes only an int > 1, "
-            "or -1 for the whole group): the parallel optimizer keeps its shard size")
+    return (f"{key}={value!r} is not applied (as in MindSpore, which applies only an int > "
+            "1): the parallel optimizer keeps its shard size; reset_auto_parallel_context() "
+            "restores -1, the whole data-parallel group")
 
 
 _FILE_KEYS = (("strategy_ckpt_load_file", "load_file"), ("strategy_ckpt_save_file", "save_file"))

@@ -588,6 +588,9 @@ def gradient_buckets(source: Any, plan: Any = None, *, kind: str = "allreduce",
         setting = fusion_setting(current_config(), kind)  # type: ignore[arg-type]
     else:
         setting = _setting(kind, resolved)
+    if setting.mode == "off":  # (an HCCL split strategy is not used either)
+        return buckets_per_gradient(gs, kind=kind, source="fusion switched off: "
+                                    "comm_fusion['openstate'] is False")
     if setting.mode != "none":
         return _from_setting(gs, setting, kind)
     if kind == "allreduce":

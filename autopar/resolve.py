@@ -123,6 +123,12 @@ RESTRICTIONS: tuple[Restriction, ...] = (
                               is not None) and not c.enable_parallel_optimizer,
                 "set enable_parallel_optimizer=True or drop those comm_fusion entries"),
     Restriction("comm_fusion", "warning",
+                "comm_fusion['openstate'] is False: no collective is fused, the fusion types "
+                "set (or all_reduce_fusion_config) have no effect",
+                lambda c, e: not c.comm_fusion.openstate and bool(c.comm_fusion.as_dict().keys()
+                                                                  - {"openstate"}),
+                "set comm_fusion={'openstate': True} to use them, or drop them"),
+    Restriction("comm_fusion", "warning",
                 "allreduce fusion has no effect in stand_alone (no gradient all-reduce)",
                 lambda c, e: c.comm_fusion.allreduce is not None and _mode(c) == "stand_alone",
                 "choose a parallel mode or drop comm_fusion['allreduce']"),
@@ -154,13 +160,15 @@ class FusionSetting:
     """How one collective type is fused: none, by byte threshold, or by gradient index."""
 
     kind: Literal["allreduce", "allgather", "reducescatter"]
-    mode: Literal["none", "auto", "size", "index"]
+    mode: Literal["none", "off", "auto", "size", "index"]  # off: comm_fusion openstate=False
     threshold_bytes: int | None = None
     indices: tuple[int, ...] | None = None
 
     def __str__(self) -> str:
         if self.mode == "none":
             return "off (one collective per tensor)"
+        if self.mode == "off":
+            return "off by comm_fusion['openstate']=False (one collective per tensor)"
         if self.mode == "index":
             return f"index {list(self.indices or ())}"
         return f"{self.mode}, threshold {(self.threshold_bytes or 0) / MB:g} MB"
@@ -176,6 +184,8 @@ def fusion_setting(c: AutoParallelConfig,
                    kind: Literal["allreduce", "allgather", "reducescatter"]) -> FusionSetting:
     """How comm_fusion fuses one collective type under a configuration (no checks)."""
     spec = getattr(c.comm_fusion, kind)
+    if not c.comm_fusion.openstate:
+        return FusionSetting(kind, "off")
     if spec is None:
         return FusionSetting(kind, "none")
     if spec.mode == "index":

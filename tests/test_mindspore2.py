@@ -169,14 +169,61 @@ def test_optimizer_weight_shard_size_is_one_setting_under_two_names():
         "optimizer_weight_shard_size"] == 4
     ap.set_auto_parallel_context(parallel_optimizer_config={"optimizer_weight_shard_size": 2})
     assert ap.get_auto_parallel_context("optimizer_weight_shard_size") == 2
-    for value in (1, 0, -3):  # MindSpore warns and keeps the size
+    for value in (1, 0, -3, -1):  # MindSpore warns and keeps the size (-1 included)
         with pytest.warns(ap.AutoParallelWarning, match="not applied"):
             ap.set_auto_parallel_context(optimizer_weight_shard_size=value)
         assert ap.get_auto_parallel_context("optimizer_weight_shard_size") == 2
-    with pytest.warns(ap.AutoParallelWarning, match="not applied"):
-        ap.set_auto_parallel_context(parallel_optimizer_config={"optimizer_weight_shard_size": 1})
-    ap.set_auto_parallel_context(parallel_optimizer_config={"optimizer_weight_shard_size": -1})
+    for value in (1, -1):  # in the dict: MindSpore keeps the size (autopar also warns)
+        with pytest.warns(ap.AutoParallelWarning, match="not applied"):
+            ap.set_auto_parallel_context(
+                parallel_optimizer_config={"optimizer_weight_shard_size": value})
+        assert ap.get_auto_parallel_context("optimizer_weight_shard_size") == 2
+    ap.reset_auto_parallel_context()  # restores the whole group
     assert ap.get_auto_parallel_context("optimizer_weight_shard_size") == -1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the dict's -1 changes nothing here: no warning
+        ap.set_auto_parallel_context(parallel_optimizer_config={"optimizer_weight_shard_size": -1})
+    assert ap.get_auto_parallel_context("optimizer_weight_shard_size") == -1
+
+
+def test_comm_fusion_openstate_false_closes_every_type(monkeypatch):
+    """MindSpore's comm_fusion['openstate']: False closes fusion of every type; the types
+    given are kept, warned as having no effect, and used again once it is True."""
+    ap.set_auto_parallel_context(device_num=8, parallel_mode="data_parallel",
+                                 comm_fusion={"openstate": False,
+                                              "allreduce": {"mode": "size", "config": 32}})
+    assert ap.get_auto_parallel_context("comm_fusion") == {
+        "openstate": False, "allreduce": {"mode": "size", "config": 32}}
+    with pytest.warns(ap.AutoParallelWarning, match="openstate.*no effect"):
+        resolved = ap.resolve_context()
+    assert {resolved.allreduce_fusion.mode, resolved.allgather_fusion.mode} == {"off"}
+    grads = [(f"g{i}", 1024) for i in range(5)]
+    ap.hccl.set_split_strategy_by_idx([2])  # not used either
+    try:
+        b = ap.simulation.gradient_buckets(grads)
+        assert b.ends == (1, 2, 3, 4, 5) and "openstate" in b.source
+        ap.set_auto_parallel_context(comm_fusion={"openstate": True})
+        assert ap.simulation.gradient_buckets(grads).ends == (5,)  # 32 MB: one bucket
+    finally:
+        ap.hccl.reset_comm_groups()
+    ap.reset_auto_parallel_context()
+    assert ap.get_auto_parallel_context("comm_fusion") == {}
+    with pytest.raises(ap.AutoParallelTypeError, match="comm_fusion.openstate=1"):
+        ap.set_auto_parallel_context(comm_fusion={"openstate": 1})
+
+
+@pytest.mark.parametrize("config", [5, 1.5, "12", [1, True], None])
+def test_all_reduce_fusion_config_beside_a_bad_index_comm_fusion_is_typed(config):
+    """The two names of one setting in one call: a malformed comm_fusion config is a typed
+    error (was 'int' object is not iterable), and nothing changes."""
+    before = public_dict()
+    with pytest.raises(ap.AutoparError) as info:
+        ap.set_auto_parallel_context(all_reduce_fusion_config=[1, 2], comm_fusion={
+            "allreduce": {"mode": "index", "config": config}})
+    assert info.value.key == "all_reduce_fusion_config" and public_dict() == before
+    with pytest.raises(ap.AutoParallelTypeError) as info:
+        ap.set_auto_parallel_context(comm_fusion={"allreduce": {"mode": "index", "config": 5}})
+    assert "found 5 (int)" in str(info.value)
 
 
 @pytest.mark.parametrize("kwargs, key, error", [

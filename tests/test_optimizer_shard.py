@@ -314,8 +314,8 @@ def test_optimizer_weight_shard_size_is_priced_and_recorded(tmp_path):
     for size in (-1, 2, 3):
         path = tmp_path / f"s{size}.json"
         ctx = dict(device_num=8, parallel_mode="semi_auto_parallel",
-                   enable_parallel_optimizer=True, optimizer_weight_shard_size=size,
-                   strategy_ckpt_save_file=str(path))
+                   enable_parallel_optimizer=True, strategy_ckpt_save_file=str(path),
+                   **({} if size == -1 else {"optimizer_weight_shard_size": size}))
         with ap.auto_parallel_context(**ctx):
             plans[size] = ap.search(g)
         assert ('"optimizer_weight_shard_size"' in path.read_text()) == (size != -1)

@@ -205,7 +205,7 @@ class PipelineTrainStep(ProgramInspection):
         self._p_dtypes = [_dtype(x) for x in p_leaves]
         check_elementwise_optimizer(optimizer, len(set(self._p_dtypes)),
                                     (self.stages, self.devices_per_stage))
-        fusion = cfg.comm_fusion.as_dict()
+        fusion = cfg.comm_fusion.fused()
         if fusion:  # stacklevel: this method, __init__, the facade, the user's call
             warnings.warn(f"comm_fusion={fusion!r} is ignored by a pipelined step (also when "
                           "set through all_reduce_fusion_config): it issues one collective per "
