@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from autopar.config import MAX_INDEX
 from autopar.context import current_config
 from autopar.errors import AutoParallelError, AutoParallelTypeError, CommGroupError, found
 from autopar.limits import finite
@@ -315,8 +316,9 @@ def set_split_strategy_by_idx(idxList: list[int], group: str = WORLD_GROUP) -> N
         if not _is_int(v):
             raise AutoParallelTypeError("idxList", idxList,
                                         f"indices must be ints, {found(v, f'[{i}]')}")
-        if v < 0:
-            raise AutoParallelError("idxList", idxList, f"indices must be non-negative, found {v}")
+        if not 0 <= v <= MAX_INDEX:
+            raise AutoParallelError("idxList", idxList, f"indices must be non-negative ints "
+                                    f"below 2**31 (as all_reduce_fusion_config's), {found(v, f'[{i}]')}")
     if any(b <= a for a, b in zip(values, values[1:])):
         raise AutoParallelError("idxList", idxList, "indices must be strictly ascending")
     ranks = _ranks_of(group)

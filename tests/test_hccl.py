@@ -173,6 +173,7 @@ BAD = [
     ("set_split_strategy_by_idx", ([5, 5],), {}, V, "ascending"),
     ("set_split_strategy_by_idx", ([159, 100, 20],), {}, V, "ascending"),
     ("set_split_strategy_by_idx", ([-1, 20],), {}, V, "non-negative"),
+    ("set_split_strategy_by_idx", ([20, 10 ** 400],), {}, V, "below 2**31"),
     ("set_split_strategy_by_idx", (list(range(9)),), {}, V, "at most 8"),
     ("set_split_strategy_by_idx", ([20.0],), {}, T, "idxList"),
     ("set_split_strategy_by_idx", ([False, 3],), {}, T, "idxList"),
