@@ -313,7 +313,7 @@ class _Rounds:
 
     def _next_states(self, cands: dict[int, list[Splits]], picks: list[int]) -> np.ndarray:
         """Each operator's next state: its candidate at the pick."""
-        span = 1 + max(len(cs) for cs in cands.values())
+        span = 1 + max((len(cs) for cs in cands.values()), default=0)  # (no operator: 1)
         moves = self.op_state * span + np.array(picks[:len(self.ops)], dtype=np.int64)
         umoves, inverse = np.unique(moves, return_inverse=True)
         nxt = []

@@ -280,3 +280,14 @@ def test_a_registered_solver_is_a_search_mode_everywhere(monkeypatch):
     assert ap.search(g).mode == "my_mode"
     ap.set_auto_parallel_context(search_mode="exact")  # autopar's referee, from the context
     assert ap.search(g).mode == "exact"
+
+
+@pytest.mark.parametrize("fn", [lambda p, x: x, lambda p, x: p, lambda p, x: jnp.ones(3)],
+                         ids=["input", "parameter", "constant"])
+def test_a_graph_without_operators_is_planned_by_every_exact_and_recursive_mode(fn):
+    """recursive_programming raised max()'s ValueError on a graph of no operator."""
+    f32 = jax.ShapeDtypeStruct
+    g = ap.trace(fn, f32((4,), jnp.float32), f32((8,), jnp.float32))
+    objectives = {mode: ap.search(g, mode=mode, cluster="accelerator-8x").objective
+                  for mode in ("dynamic_programming", "recursive_programming", "exact")}
+    assert len(set(objectives.values())) == 1, objectives
