@@ -98,6 +98,12 @@ def plan_graph(graph: Graph, cfg: Any, *, mode: str | None = None,
         cfg, parallel_mode=pmode, fully_use_devices=fully_use_devices,
         elementwise_op_strategy_follow=algo.elementwise_op_strategy_follow)
     files = pmode in USES_STRATEGY_FILES
+    if (load or save) and not files and cfg.parallel_mode in USES_STRATEGY_FILES:
+        warnings.warn(f"strategy files are used only in semi_auto_parallel and auto_parallel: "
+                      f"parallel_mode={pmode!r} (the argument) ignores "
+                      + " and ".join(f"{k}={v!r}" for k, v in (
+                          ("strategy_ckpt_load_file", load), ("strategy_ckpt_save_file", save))
+                          if v), AutoParallelWarning, stacklevel=3)
     if files and load:  # priced on the file's own cluster unless named
         plan = _load(graph, load, cfg.pipeline_stages, n,
                      None if cluster is None else resolve_cluster(cluster), fixed_map, settings)

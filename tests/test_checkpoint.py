@@ -97,6 +97,21 @@ def test_memory_priced_plan_round_trips(tmp_path):
     assert json.loads(path.read_text())["cluster"]["name"] == "tight"
 
 
+def test_a_parallel_mode_argument_that_ignores_strategy_files_says_so(tmp_path):
+    """search(parallel_mode='data_parallel') under an auto_parallel context set with strategy
+    files: the files are not used, and a warning says so (was silent)."""
+    g = graph("mlp")
+    path = tmp_path / "s.json"
+    with ap.auto_parallel_context(strategy_ckpt_save_file=str(path)):
+        with pytest.warns(ap.AutoParallelWarning, match="strategy_ckpt_save_file"):
+            ap.search(g, parallel_mode="data_parallel")
+        assert not path.exists()
+        ap.search(g)  # auto_parallel: saved
+    with ap.auto_parallel_context(strategy_ckpt_load_file=str(path)):
+        with pytest.warns(ap.AutoParallelWarning, match="strategy_ckpt_load_file"):
+            assert ap.search(g, parallel_mode="data_parallel").source == ""
+
+
 def test_loaded_plan_runs_like_the_saved_one(tmp_path):
     m = mlp(widths=(16, 32, 16), batch=8)
     args = m.example_args(KEY)
