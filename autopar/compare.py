@@ -89,7 +89,8 @@ def compare_modes(graph: Graph, *, device_num: int | None = None, cluster: Any =
 
     if not isinstance(graph, Graph):
         raise AutoParallelTypeError("graph", graph, "the Graph returned by autopar.trace")
-    if isinstance(modes, str) or not modes:
+    if not isinstance(modes, (list, tuple)) or not modes or not all(
+            isinstance(m, str) for m in modes):
         raise AutoParallelTypeError("modes", modes, "a non-empty list of search mode names")
     bad = [m for m in modes if m not in MODES]
     if bad:

@@ -37,8 +37,9 @@ class AutoparError(Exception):
 
 
 def _shown(value: Any, limit: int = 200) -> str:
-    """``repr(value)``, cut to ``limit`` characters (a 400-digit int, a huge list)."""
-    text = repr(value)
+    """``repr(value)`` on one line (an array's repr spans several), cut to ``limit``
+    characters (a 400-digit int, a huge list)."""
+    text = repr(value).replace("\n", " ")
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 

@@ -84,6 +84,10 @@ def plan_graph(graph: Graph, cfg: Any, *, mode: str | None = None,
     if fixed is not None and not isinstance(fixed, Mapping):
         raise AutoParallelTypeError("fixed", fixed, "a mapping of node name -> strategy")
     used = pmode not in ("stand_alone", "data_parallel")  # Layouts: the product is device_num
+    for name in fixed or {}:
+        if not isinstance(name, str):
+            raise AutoParallelTypeError("fixed", name, "its keys are node names (str); see "
+                                        "graph.summary()")
     fixed_map = {name: to_strategy(strategy, f"fixed node {name!r}", n if used else None)
                  for name, strategy in (fixed or {}).items()}
     for name, count in graph.layout_devices.items() if used else ():

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
-from autopar.errors import AutoParallelError
+from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.strategies.layout import DeviceMesh, Layout
 from autopar.strategies.problem import Breakdown, Problem
 
@@ -155,6 +155,8 @@ class Plan:
 
     def layout(self, name: str) -> Layout:
         """Layout of a value; a node name means its (first) output."""
+        if not isinstance(name, str):
+            raise AutoParallelTypeError("name", name, "a value or node name (str)")
         if name in self.layouts:
             return self.layouts[name]
         if name in self.nodes:

@@ -291,3 +291,18 @@ def test_a_graph_without_operators_is_planned_by_every_exact_and_recursive_mode(
     objectives = {mode: ap.search(g, mode=mode, cluster="accelerator-8x").objective
                   for mode in ("dynamic_programming", "recursive_programming", "exact")}
     assert len(set(objectives.values())) == 1, objectives
+
+
+@pytest.mark.parametrize("call, key", [
+    (lambda g, p: ap.search(g, fixed={0: ((2, 1), (1, 4))}), "fixed"),
+    (lambda g, p: ap.compare_modes(g, modes=5), "modes"),
+    (lambda g, p: ap.compare_modes(g, modes=[["exact"]]), "modes"),
+    (lambda g, p: p.split_counts(["w"]), "name"),
+])
+def test_planner_arguments_of_the_wrong_type_are_typed_errors(call, key):
+    """Each raised a raw TypeError from deep inside ('int' object is not iterable,
+    unhashable type: 'list')."""
+    g = graph("mlp")
+    with pytest.raises(ap.AutoParallelTypeError) as info:
+        call(g, ap.search(g))
+    assert info.value.key == key

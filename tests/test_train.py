@@ -308,6 +308,9 @@ def test_non_array_inputs_and_integer_parameters_are_refused_by_name():
     with pytest.raises(ap.AutoParallelTypeError, match=r"params\['layer0'\]\['b'\].*int32"):
         ap.train_step(m.loss, ints, (x,))
     assert len(ap.trace(lambda p, x, none: m.loss(p, x), params, x, None).nodes)  # (a pytree)
+    for key in (jax.random.key(0), jax.eval_shape(jax.random.key, 0)):  # (was a raw TypeError)
+        with pytest.raises(ap.AutoParallelTypeError, match=r"args\[1\].*PRNG key"):
+            ap.trace(lambda p, k, x: m.loss(p, x), params, key, x)
 
 
 def test_uneven_batch_matches_reference_or_is_rejected():

@@ -228,6 +228,12 @@ def check_arrays(key: str, tree: Any, *, none: bool = False) -> None:
                 isinstance(leaf, (int, float, complex, np.number))):
             raise AutoParallelTypeError(f"{key}{jax.tree_util.keystr(path)}", leaf,
                                         "an array or a number")
+        if jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key):
+            raise AutoParallelTypeError(
+                f"{key}{jax.tree_util.keystr(path)}", leaf, "a PRNG key (jax.random.key) "
+                "cannot be partitioned: autopar traces arrays of numbers, and JAX's random "
+                "primitives are not among its operators. Draw the random values (a dropout "
+                "mask) outside the function and pass them in as arrays")
 
 
 def trace(fn: Callable[..., Any], *example_args: Any, param_argnums: Iterable[int] | None = None,
