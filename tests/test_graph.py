@@ -276,6 +276,26 @@ def test_shard_that_matches_nothing_is_an_error():
                  jnp.ones((4, 4)), jnp.ones((4, 4)))
     with pytest.raises(TypeError, match="callable"):
         ap.shard(3, ((1,),))
+    x, w = jnp.ones((4, 4)), jnp.ones((4, 4))
+    # a shard of a function that computes nothing (it left no scope on any operator)
+    with pytest.raises(ValueError, match="matched no operator"):
+        ap.trace(lambda x, w: ap.shard(lambda a: a, ((2, 1),))(x) @ w, x, w)
+
+
+def test_a_shard_under_vmap_is_read_and_leaves_no_counter_in_node_names():
+    """jax.vmap wraps the scope as 'vmap(ap.shard#k[...])': it was not recognised, so the
+    strategy vanished silently and the call counter entered node names (another build of
+    the same model: other names, another fingerprint)."""
+    def loss(strategy):
+        mm = ap.shard(jnp.matmul, strategy)
+        return lambda p, x: jnp.sum(jax.vmap(mm, in_axes=(0, None))(x, p))
+
+    args = (jnp.ones((16, 32)), jnp.ones((4, 8, 16)))
+    with pytest.raises(ValueError, match="matched no operator"):  # the batched matmul: rank 3
+        ap.trace(loss(((2, 1), (1, 4))), *args)
+    first, again = (ap.trace(loss(((1, 2, 1), (1, 4))), *args) for _ in range(2))
+    assert first.annotations() == {"dot_general_0": ((1, 2, 1), (1, 4))}
+    assert first.fingerprint() == again.fingerprint()
 
 
 @pytest.mark.parametrize("kwargs,exc", [({"param_argnums": (5,)}, ValueError),

@@ -18,10 +18,13 @@ from node names, so it survives jit, custom_jvp and remat. Outside tracing it co
 from __future__ import annotations
 
 import ast
+import contextlib
+import contextvars
 import functools
 import itertools
+import re
 import warnings
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +34,7 @@ from autopar.graph.ir import Graph, Strategy, check_strategy_shape
 from autopar.graph.ms_layout import Layout, layout_devices
 
 __all__ = ["shard", "matmul", "parse_scope", "parse_plan_scope", "apply_parameter_plans",
-           "PREFIX", "PLAN_PREFIX"]
+           "shards_called", "PREFIX", "PLAN_PREFIX"]
 
 PREFIX = "ap.shard#"
 PLAN_PREFIX = "ap.plan#"
@@ -40,6 +43,31 @@ _ids = itertools.count()
 #: per distinct plan (a shard called at every trace registers nothing new)
 _PLANS: dict[int, tuple[dict[str, tuple[int, ...]], int | None]] = {}
 _PLAN_IDS: dict[tuple, int] = {}
+#: inside :func:`shards_called`: the shards called while tracing (id -> strategy)
+_CALLED: contextvars.ContextVar[dict[int, Strategy] | None] = contextvars.ContextVar(
+    "autopar_shards_called", default=None)
+#: a JAX transformation's wrapping of a name-stack entry: ``vmap(ap.shard#0[...])``
+_TRANSFORMED = re.compile(r"^[A-Za-z_]\w*\((.*)\)$")
+
+
+@contextlib.contextmanager
+def shards_called() -> Iterator[dict[int, Strategy]]:
+    """Collect the shards called inside the block (the tracer's ``make_jaxpr``): a shard
+    whose function computes nothing leaves no scope on any operator, yet must match one."""
+    called: dict[int, Strategy] = {}
+    token = _CALLED.set(called)
+    try:
+        yield called
+    finally:
+        _CALLED.reset(token)
+
+
+def untransformed(entry: str) -> str:
+    """A name-stack entry without the transformations JAX wrapped it in
+    (``vmap(ap.shard#0[...])`` -> ``ap.shard#0[...]``)."""
+    while (m := _TRANSFORMED.match(entry)) is not None:
+        entry = m.group(1)
+    return entry
 
 
 def shard(fn: Callable[..., Any], in_strategy: Any, out_strategy: Any = None,
@@ -76,7 +104,11 @@ def shard(fn: Callable[..., Any], in_strategy: Any, out_strategy: Any = None,
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        with jax.named_scope(f"{PREFIX}{next(_ids)}[{text}]"):
+        ident = next(_ids)
+        called = _CALLED.get()
+        if called is not None:
+            called[ident] = checked
+        with jax.named_scope(f"{PREFIX}{ident}[{text}]"):
             if plan_id is None:
                 return fn(*args, **kwargs)
             with jax.named_scope(f"{PLAN_PREFIX}{plan_id}"):

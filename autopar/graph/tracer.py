@@ -28,7 +28,8 @@ import numpy as np
 from jax._src import source_info_util
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError, UnsupportedOperatorError
-from autopar.graph.annotate import apply_parameter_plans, parse_plan_scope, parse_scope
+from autopar.graph.annotate import (apply_parameter_plans, parse_plan_scope, parse_scope,
+                                    shards_called, untransformed)
 from autopar.graph.ir import Graph, Node, Strategy, TensorSpec, Value
 from autopar.graph.ops import INLINED, KINDS, UNSUPPORTED_HINTS, flops
 
@@ -166,8 +167,8 @@ class _Builder:
         if hit is None:
             readable, markers, plans = [], [], []
             for entry in stack:
-                parsed = parse_scope(entry)
-                plan = parse_plan_scope(entry)
+                parsed = parse_scope(untransformed(entry))  # (vmap wraps the entries)
+                plan = parse_plan_scope(untransformed(entry))
                 if plan is not None:
                     plans.append(plan)
                 elif parsed is None:
@@ -261,7 +262,8 @@ def trace(fn: Callable[..., Any], *example_args: Any, param_argnums: Iterable[in
         if bad:
             raise AutoParallelError("param_argnums", sorted(argnums, key=str),
                                     f"positions must be ints in [0, {n}), found {bad}")
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*example_args)
+    with shards_called() as called:
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*example_args)
     leaves, in_tree = jax.tree_util.tree_flatten_with_path(tuple(example_args))
     arg_names = _arg_names(fn, n)
     b = _Builder()
@@ -277,9 +279,10 @@ def trace(fn: Callable[..., Any], *example_args: Any, param_argnums: Iterable[in
         env[var] = b.add_value("const", Value("const", _spec(var.aval), "const",
                                               data=np.asarray(c)))
     b.run(closed.jaxpr, env, [])
-    unmatched = sorted(set(b.pending) - b.done)
+    pending = called | b.pending  # (a shard of a function computing nothing: called only)
+    unmatched = sorted(set(pending) - b.done)
     if unmatched:
-        strategies = [b.pending[i] for i in unmatched]
+        strategies = [pending[i] for i in unmatched]
         raise AutoParallelError(
             "strategy", strategies[0], "autopar.shard matched no operator whose input ranks "
             "fit the strategy (one tuple per input, one split count per dimension)",
