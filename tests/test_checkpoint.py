@@ -515,3 +515,26 @@ def test_malformed_fixed_strategy_with_a_load_file(saved):
     with ap.auto_parallel_context(strategy_ckpt_load_file=str(saved)):
         with pytest.raises(ap.AutoParallelTypeError):
             ap.search(g, fixed={g.nodes[0].name: 3})
+
+
+def _subset(shown, real, at="") -> list[str]:
+    """Where ``shown`` (a trimmed copy) differs from ``real``: every field it keeps must be
+    the real one."""
+    if isinstance(shown, dict) and isinstance(real, dict):
+        return [d for k, v in shown.items()
+                for d in (_subset(v, real[k], f"{at}.{k}") if k in real else [f"{at}.{k}"])]
+    return [] if shown == real else [f"{at}: {shown!r} != {real!r}"]
+
+
+def test_the_trimmed_file_in_the_docs_is_what_a_save_writes(tmp_path):
+    """docs/strategy_files.md's example is a real file, trimmed: it had drifted (a 4-way split
+    where the search now picks 8)."""
+    text = (Path(__file__).parents[1] / "docs" / "strategy_files.md").read_text()
+    shown = json.loads(text.split("```json\n", 1)[1].split("```", 1)[0])
+    m = mlp(widths=(1024, 4096, 1024), batch=16, bias=False)
+    g = ap.trace(m.loss, *jax.eval_shape(m.example_args, KEY))
+    path = tmp_path / "s.json"
+    with ap.auto_parallel_context(search_mode="dynamic_programming",
+                                  strategy_ckpt_save_file=str(path)):
+        ap.search(g, cluster="accelerator-8x")
+    assert _subset(shown, json.loads(path.read_text())) == []
