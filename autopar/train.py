@@ -387,7 +387,9 @@ class TrainStep(ProgramInspection):
 
         return jax.jit(grads), jax.jit(step)
 
-    def _place(self, params: Any, batch: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    def _check_inputs(self, params: Any, batch: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        """The leaves of ``params`` and ``batch``, checked against the example's: the
+        structure, every shape and dtype (both backends)."""
         leaves, tree = jax.tree_util.tree_flatten(params)
         if tree != self._p_tree:
             raise AutoParallelError("params", f"{len(leaves)} leaves", f"must have the "
@@ -397,10 +399,18 @@ class TrainStep(ProgramInspection):
             raise AutoParallelError("batch", [tuple(np.shape(x)) for x in b_leaves],
                                     f"shapes must be {self.batch_shapes}, as in the example")
         pg = self.parallel_graph
-        for v, x in zip(pg.inputs, list(leaves) + list(b_leaves)):
-            if hasattr(x, "dtype") and str(np.dtype(x.dtype)) != pg.values[v].spec.dtype:
+        for k, (v, x) in enumerate(zip(pg.inputs, list(leaves) + list(b_leaves))):
+            spec = pg.values[v].spec
+            if k < len(leaves) and tuple(np.shape(x)) != spec.shape:
+                raise AutoParallelError(f"argument {v!r}", tuple(np.shape(x)), f"shape must "
+                                        f"be {spec.shape}, as in the example")
+            if hasattr(x, "dtype") and str(np.dtype(x.dtype)) != spec.dtype:
                 raise AutoParallelError(f"argument {v!r}", str(np.dtype(x.dtype)), f"dtype must "
-                                        f"be {pg.values[v].spec.dtype}, as in the example")
+                                        f"be {spec.dtype}, as in the example")
+        return leaves, b_leaves
+
+    def _place(self, params: Any, batch: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        leaves, b_leaves = self._check_inputs(params, batch)
         p = [jax.device_put(x, s) for x, s in zip(leaves, self.storage_shardings)]
         acc = self.accumulation
         if acc > 1:  # micro-batch k is global rows [k*B/acc, (k+1)*B/acc) of every input
@@ -430,8 +440,12 @@ class TrainStep(ProgramInspection):
                                     "Use backend='shard_map'")
         n = self.device_num
         for x in jax.tree_util.tree_leaves(batch):
-            if not np.shape(x) or np.shape(x)[0] % n:
-                raise _uneven(np.shape(x)[0] if np.shape(x) else 0, n, "batch")
+            if not np.shape(x):
+                raise AutoParallelError("backend", "pmap", "the pmap lowering splits dim 0 of "
+                                        "every batch input over the devices, and a batch input "
+                                        "is a scalar", "Use backend='shard_map'")
+            if np.shape(x)[0] % n:
+                raise _uneven(np.shape(x)[0], n, "batch")
         loss_fn, dtypes, cast = self.loss_fn, self._p_dtypes, self._cast
         p_tree, mean = self._p_tree, self.gradients_mean
         buckets, chain = self._bucket_idx["allreduce"], self._chain["allreduce"]
@@ -460,7 +474,9 @@ class TrainStep(ProgramInspection):
         self._pstep = jax.pmap(local_step, axis_name="dp", in_axes=(None, None) + (0,) * k,
                                devices=devices)
 
-    def _split(self, batch: Sequence[Any]) -> list[Any]:
+    def _split(self, params: Any, batch: Sequence[Any]) -> list[Any]:
+        """The pmap path's batch, checked as the shard_map path's, dim 0 split per device."""
+        self._check_inputs(params, batch)
         n = self.device_num
         return [jax.tree.map(lambda x: jnp.reshape(x, (n, x.shape[0] // n) + x.shape[1:]), b)
                 for b in batch]
@@ -492,7 +508,7 @@ class TrainStep(ProgramInspection):
     def grads(self, params: Any, *batch: Any) -> tuple[Any, Any]:
         """``(loss, synchronised gradients)`` as the step feeds them to the optimizer."""
         if self.backend == "pmap":
-            loss, g = self._pgrads(params, *self._split(batch))
+            loss, g = self._pgrads(params, *self._split(params, batch))
             return loss[0], jax.tree.map(lambda x: x[0], g)
         p, b = self._place(params, batch)
         loss, g = self._grads(p, b)
@@ -501,7 +517,7 @@ class TrainStep(ProgramInspection):
     def __call__(self, params: Any, opt_state: Any, *batch: Any) -> tuple[Any, Any, Any]:
         self._check_state(params, opt_state)
         if self.backend == "pmap":
-            p, s, loss = self._pstep(params, opt_state, *self._split(batch))
+            p, s, loss = self._pstep(params, opt_state, *self._split(params, batch))
             first = lambda x: x[0]  # noqa: E731 - replicated over the pmap axis
             return jax.tree.map(first, p), jax.tree.map(first, s), loss[0]
         p, b = self._place(params, batch)
@@ -519,7 +535,7 @@ class TrainStep(ProgramInspection):
         ``.compile()``; :meth:`as_text`, :meth:`compiled_text` and
         :meth:`collective_counts` read it."""
         if self.backend == "pmap":
-            return self._pstep.lower(params, opt_state, *self._split(batch))
+            return self._pstep.lower(params, opt_state, *self._split(params, batch))
         p, b = self._place(params, batch)
         return self._step.lower(p, opt_state, b)
 

@@ -313,6 +313,25 @@ def test_non_array_inputs_and_integer_parameters_are_refused_by_name():
             ap.trace(lambda p, k, x: m.loss(p, x), params, key, x)
 
 
+@pytest.mark.parametrize("backend", ["shard_map", "pmap"])
+def test_every_call_checks_the_parameters_and_batch_against_the_example(backend):
+    """Parameter shapes were never checked (a (1,) bias ran silently, others gave a raw JAX
+    IndivisibleError), and the pmap backend checked nothing (a raw reshape TypeError)."""
+    m, params, x = _mlp()
+    with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel"):
+        step = ap.train_step(m.loss, params, (x,), backend=backend)
+    state = step.init(params)
+    short = jax.tree.map(lambda a: a[:1] if a.ndim == 1 else a, params)
+    cases = [((short, x), r"argument 'params/layer0/b'=\(1,\).*shape must be \(32,\)"),
+             ((params, x[:12]), r"batch=\[\(12, 16\)\].*shapes must be"),
+             ((params, x.astype(jnp.int32)), r"dtype must be float32"),
+             ((params,), r"batch=\[\].*shapes must be")]
+    for (p, *batch), text in cases:
+        for call in (lambda: step(p, state, *batch), lambda: step.grads(p, *batch)):
+            with pytest.raises(ap.AutoParallelError, match=text):
+                call()
+
+
 def test_uneven_batch_matches_reference_or_is_rejected():
     m = mlp(widths=(16, 32, 16), batch=6)
     params, x = m.example_args(KEY)
