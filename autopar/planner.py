@@ -98,6 +98,10 @@ def plan_graph(graph: Graph, cfg: Any, *, mode: str | None = None,
         warnings.warn(f"fixed strategies are not used under parallel_mode={pmode!r} (every "
                       "operator is data parallel there); use semi_auto_parallel or "
                       "auto_parallel to honour them", AutoParallelWarning, stacklevel=2)
+        fixed_map = {}  # (nor checked against the devices: they are not used)
+    if mode is not None and pmode != "auto_parallel":
+        warnings.warn(f"mode={mode!r} is only used by auto_parallel: parallel_mode={pmode!r} "
+                      "(as the context's search_mode)", AutoParallelWarning, stacklevel=3)
     settings = SearchSettings.from_config(
         cfg, parallel_mode=pmode, fully_use_devices=fully_use_devices,
         elementwise_op_strategy_follow=algo.elementwise_op_strategy_follow)

@@ -216,6 +216,20 @@ def test_fixed_strategies_under_data_parallel_warn():
         with pytest.warns(ap.AutoParallelWarning, match="not used"):
             plan = ap.search(g, fixed={first: ((2, 1), (1, 4))})
     assert plan.nodes[first].splits[0] == 8  # data parallel all the same
+    # not used, so not checked against the devices (was refused after the warning)
+    for pmode, n in (("stand_alone", 1), ("data_parallel", 4)):
+        with ap.auto_parallel_context(parallel_mode=pmode, device_num=n):
+            with pytest.warns(ap.AutoParallelWarning, match="not used"):
+                ap.search(g, fixed={first: ((2, 1), (1, 4))})
+
+
+@pytest.mark.parametrize("pmode", ["data_parallel", "semi_auto_parallel"])
+def test_a_mode_argument_outside_auto_parallel_warns_as_the_context_key(pmode):
+    """search(mode=...) / parallelize(mode=...) were ignored silently there."""
+    with ap.auto_parallel_context(parallel_mode=pmode):
+        with pytest.warns(ap.AutoParallelWarning, match="mode='exact' is only used by "
+                                                        "auto_parallel"):
+            assert ap.search(graph("mlp"), mode="exact").mode == pmode
 
 
 def test_parallel_optimizer_is_priced_in_the_memory_term(tmp_path):
