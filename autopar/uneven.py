@@ -26,7 +26,12 @@ from the parallel program before anything runs, and raises
    loses dim 0; a transpose moves it);
 3. no communication (or fused communication kernel) over the batch axes acts on such a value
    (an AllReduce / AllGather / AlltoAll over the batch would combine rows);
-4. no ``iota`` counts along a dim split over the batch axes (it would number padded rows).
+4. no ``iota`` counts along a dim split over the batch axes (it would number padded rows);
+5. a value of the padded batch's shape that is the same in every row -- a broadcast
+   constant (``jnp.zeros_like(x)``, ``jnp.where``'s scalar) and elementwise operators of such
+   values, computed from no batch input (not an ``iota``: it numbers rows) -- may have any
+   layout: its padded rows meet only padded rows, elementwise; it may not be reduced or
+   reshaped on its own (that would count its padded rows) nor be an output.
 
 Training (:func:`autopar.train_step`) still refuses uneven splits: a gradient is a sum over
 the batch, which is exactly the row mixing refused here.
@@ -153,44 +158,80 @@ class UnevenRequest:
 
     def _row_values(self, graph: Graph, pg: ParallelGraph, inputs: frozenset[str],
                     axes: tuple[str, ...]) -> frozenset[str]:
-        """Rules 2-4: the values carrying batch rows, checked along the program."""
-        rows = set(inputs)
+        """Rules 2-5: the values carrying batch rows, checked along the program."""
+        rows, consts = set(inputs), set()  # consts: batch-shaped, the same in every row
         for node in pg.nodes:
             touched = any(v in rows for v in node.inputs)
+            const_in = any(v in consts for v in node.inputs)
             if node.step is not None or node.is_fused:
                 over = set(node.step.axes if node.step is not None else node.params["axes"])
                 if touched and over & set(axes):
                     raise self._mixes(node.name, f"{node.display_op} over the batch axes "
                                       f"combines rows: {node.note}")
-                if touched:
-                    rows.update(node.outputs)
+                (rows if touched else consts if const_in else set()).update(node.outputs)
                 continue
             if node.op == "iota":
                 dim = node.params["dimension"]
                 if set(pg.values[node.outputs[0]].layout.dims[dim]) & set(axes):
                     raise self._mixes(node.name, "an iota along the split batch dim numbers "
                                       "padded rows")
+            uniform = _uniform_rows(node, pg, consts)
             for v in node.outputs:
-                before = self.original.values.get(v)
-                shape = pg.values[v].spec.shape
-                if touched or (before is not None and before.spec.shape != shape):
-                    why = self._row_layout(pg, v, axes)
-                    if why:
-                        raise self._mixes(node.name, f"its output {v!r} {why}")
-                    rows.add(v)
+                self._classify(node.name, pg, v, axes, touched, const_in, uniform, rows,
+                               consts)
+        const_out = [v for v in pg.outputs if v in consts]
+        if const_out:
+            raise self._mixes(const_out[0], "an output computed from no batch input has the "
+                              "padded batch as dim 0")
         return frozenset(rows)
 
-    def _row_layout(self, pg: ParallelGraph, v: str, axes: tuple[str, ...]) -> str:
+    def _classify(self, name: str, pg: ParallelGraph, v: str, axes: tuple[str, ...],
+                  touched: bool, const_in: bool, uniform: bool, rows: set[str],
+                  consts: set[str]) -> None:
+        """Output ``v`` of node ``name``: a row value (rule 2), a value the same in every
+        row (rule 5: made by a ``uniform`` node from no batch input; any layout), or
+        neither; else the node mixes rows."""
+        before = self.original.values.get(v)
+        if touched or (before is not None and before.spec.shape != pg.values[v].spec.shape):
+            why = self._row_shape(pg, v) or self._row_layout(pg, v, axes)
+            if not why:
+                rows.add(v)
+            elif touched or not uniform or self._row_shape(pg, v):
+                raise self._mixes(name, f"its output {v!r} {why}")
+            else:
+                consts.add(v)
+        elif const_in:
+            raise self._mixes(name, f"it reduces or reshapes a value that is the same in "
+                              f"every row over its padded rows (its output {v!r} has no "
+                              f"batch dim)")
+
+    def _row_shape(self, pg: ParallelGraph, v: str) -> str:
         val, b, p = pg.values[v], self.batch, self.padded
         before = self.original.values.get(v)
         if not val.spec.shape or val.spec.shape[0] != p:
             return f"(shape {val.spec.shape}) no longer has the batch as dim 0"
         if before is None or before.spec.shape != (b,) + val.spec.shape[1:]:
             return "changes shape other than in its batch dim"
+        return ""
+
+    def _row_layout(self, pg: ParallelGraph, v: str, axes: tuple[str, ...]) -> str:
+        val = pg.values[v]
         if tuple(val.layout.dims[0]) != axes or set(val.layout.partial) & set(axes) or \
                 any(set(d) & set(axes) for d in val.layout.dims[1:]):
             return f"has layout {val.layout}, not its batch dim split over {list(axes)}"
         return ""
+
+
+def _uniform_rows(node: Any, pg: ParallelGraph, consts: set[str]) -> bool:
+    """Whether ``node``, reading no batch row, makes a value that is the same in every row:
+    a broadcast that makes dim 0 (or keeps dim 0 of such a value), or an elementwise
+    operator (of such values); not an iota (it numbers rows) nor any other operator."""
+    if node.op == "broadcast_in_dim":
+        src = pg.values[node.inputs[0]].spec.shape
+        dims = tuple(node.params["broadcast_dimensions"])
+        return 0 not in dims or src[dims.index(0)] == 1 or (
+            dims.index(0) == 0 and node.inputs[0] in consts)
+    return node.kind == "elementwise"
 
 
 def _same(a: Any, b: Any, batch: int, padded: int) -> bool:

@@ -99,6 +99,8 @@ def test_batch_smaller_than_devices_and_pytrees():
     ("batch softmax", lambda p, x: jax.nn.softmax(x @ p["w1"], axis=0), "all_gather_0"),
     ("reads batch size", lambda p, x: mlp(p, x) * x.shape[0], "mul_0"),
     ("row numbers", lambda p, x: x + jnp.arange(x.shape[0])[:, None], "iota_0"),
+    ("sum of a batch-shaped constant", lambda p, x: mlp(p, x) + jnp.sum(jnp.ones_like(x)),
+     "reduce_sum_0"),
 ])
 def test_row_mixing_is_refused(name, fn, node):
     p, x = _params(), _batch(6)
@@ -113,6 +115,20 @@ def test_row_mixing_is_refused(name, fn, node):
         f = ap.parallelize(fn, p, x)
     np.testing.assert_allclose(np.asarray(f(p, x)), np.asarray(jax.jit(fn)(p, x)),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda p, x: jnp.where(x > 1.0, x, 0.0) @ p["w1"],
+    lambda p, x: (jnp.zeros_like(x) + x) @ p["w1"],
+    lambda p, x: mlp(p, x * jnp.full(x.shape, 2.0)),
+], ids=["where", "zeros_like", "full"])
+def test_batch_shaped_constants_do_not_mix_rows(fn):
+    """A broadcast constant of the padded batch's shape was refused as mixing rows (rule 5:
+    its padded rows meet only padded rows)."""
+    p, x = _params(), _batch(6)
+    numerics.assert_close(_uneven(fn, p, x)(p, x), fn, p, x)
+    with pytest.raises(AutoParallelError, match="output computed from no batch input"):
+        _uneven(lambda p, x: (fn(p, x), jnp.zeros_like(x)), p, x)
 
 
 def test_search_that_moves_the_batch_is_refused():
