@@ -16,18 +16,21 @@ after the API functions they call: autopar.search, autopar.simulation.simulate, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
+import math
+import os
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from autopar.files import write_text_atomic
 from autopar.cli_util import (CLIError, Progress, compare_with_reference, drop_gloo_lines,
                               file_path, load_model, non_negative_float, one_device_steps,
-                              parse_options, positive_int, setup_devices, table)
+                              one_line, parse_options, positive_int, setup_devices, table)
 from autopar.gc_pause import paused_gc
 
 with paused_gc():  # the planning modules bring JAX, NumPy and SciPy: most of the start-up
@@ -46,20 +49,26 @@ def _out(*a: Any) -> None:
 def _graph(args: argparse.Namespace, *, concrete: bool = False) -> tuple[Any, Any, Any, str]:
     import autopar as ap
 
-    from autopar.errors import AutoparError
-
     fn, ex, desc = load_model(args.model, parse_options(args.option), concrete=concrete)
     with Progress("trace", 1) as bar:
-        try:
+        with _users_function(args):
             graph = ap.trace(fn, *ex)
-        except AutoparError:
-            raise
-        except Exception as e:  # the user's function does not trace: say so in one line
-            raise CLIError(f"--model {args.model!r}: tracing the function failed: "
-                           f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-                           ) from None
         bar.advance(f"{len(graph.nodes)} nodes")
     return fn, ex, graph, desc
+
+
+@contextlib.contextmanager
+def _users_function(args: argparse.Namespace) -> Iterator[None]:
+    """The user's function traced inside: its own error (not autopar's) in one line."""
+    from autopar.errors import AutoparError
+
+    try:
+        yield
+    except AutoparError:
+        raise
+    except Exception as e:  # the user's function does not trace: say so in one line
+        raise CLIError(f"--model {args.model!r}: tracing the function failed: "
+                       f"{one_line(e)}") from None
 
 
 def _context(args: argparse.Namespace, **extra: Any) -> Any:
@@ -179,9 +188,11 @@ def _measure_all(fn: Any, ex: tuple, rows: list, graph: Any, devices: int,
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from autopar.compare import compare_modes, comparison_rows, write_comparison
+    from autopar.compare import (check_comparison_dir, compare_modes, comparison_rows,
+                                 write_comparison)
 
     modes = args.modes or list(MODES)
+    check_comparison_dir(args.out, "--out")  # before any work: nothing written on a refusal
     args.cluster = _cluster(args)
     fn, ex, graph, desc = _graph(args, concrete=args.measure)
     with Progress("search modes", len(modes)) as bar:
@@ -260,15 +271,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     import autopar as ap
 
     _check_plan_files(args)
-    _outputs_first(("--json", args.json))
+    _outputs_first(("--json", args.json), ("--save", args.save),
+                   inputs=(("--load", args.load), ("--cluster", args.cluster)))
     fn, ex, desc = load_model(args.model, parse_options(args.option), concrete=True)
+    if not ex:
+        raise CLIError(f"--model {args.model!r}: run trains fn(params, *batch): the example "
+                       "arguments are empty")
     ex = tuple(jax.tree.map(np.asarray, ex))  # host arrays: identical on every process
     lead = jax.process_index() == 0
     save = str(args.save) if args.save else None
     load = str(args.load) if args.load else None
     with _context(args, strategy_ckpt_save_file=save if lead else None,
                   strategy_ckpt_load_file=load, gradients_mean=True):
-        step = ap.train_step(fn, ex[0], tuple(ex[1:]), mode=args.mode, cluster=_cluster(args))
+        with _users_function(args):
+            step = ap.train_step(fn, ex[0], tuple(ex[1:]), mode=args.mode,
+                                 cluster=_cluster(args))
     params, state = step.prepare(ex[0]), step.init(ex[0])
     losses = []
     with Progress("train steps", args.steps, quiet=not lead) as bar:
@@ -302,28 +319,49 @@ def cmd_run(args: argparse.Namespace) -> int:
                  f"{'OK' if ok else 'MISMATCH'}")
         if save:
             _out(f"strategy file written: {save}")
-        if args.json:
-            write_text_atomic(args.json, json.dumps(result, indent=1, sort_keys=True) + "\n")
+        if args.json:  # (strict JSON: a loss that is not finite is null)
+            write_text_atomic(args.json, json.dumps(_finite_or_null(result), indent=1,
+                                                    sort_keys=True, allow_nan=False) + "\n")
     return 0 if ok else 1
 
 
 # ---------------------------------------------------------------------------- trace / show
 
 
-def _outputs_first(*named: tuple[str, Any]) -> None:
+def _finite_or_null(x: Any) -> Any:
+    """``x`` with every float that is not finite (a diverged loss) as None: JSON has no NaN."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite_or_null(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite_or_null(v) for v in x]
+    return x
+
+
+def _outputs_first(*named: tuple[str, Any], inputs: Sequence[tuple[str, Any]] = ()) -> None:
     """Every output path given is checked before any work (so none is written when another
-    is refused afterwards, and a bad one fails at once)."""
+    is refused afterwards, and a bad one fails at once), and no two name one file, nor an
+    output a file the command reads (a --load file replaced by the --json report)."""
     from autopar.files import writable_target
 
-    for flag, path in named:
-        if path is not None:
-            writable_target(path, flag)
+    seen: dict[str, str] = {}
+    for flag, path in [*named, *inputs]:
+        if path is None or (flag, path) in inputs and not Path(str(path)).exists():
+            continue  # (an input that is no file: a preset's name)
+        where = writable_target(path, flag) if (flag, path) in named else Path(str(path))
+        real = os.path.realpath(where)
+        if real in seen:
+            raise CLIError(f"{seen[real]} and {flag} name the same file {str(path)!r}: "
+                           "give each its own")
+        seen[real] = flag
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     import autopar as ap
 
-    _outputs_first(("--out", args.out), ("--png", args.png))
+    _outputs_first(("--out", args.out), ("--png", args.png),
+                   inputs=(("--cluster", args.cluster),))
     _, _, graph, desc = _graph(args)
     cluster = _cluster(args)
     with _context(args):
@@ -395,18 +433,22 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if not (args.budget > 0 and args.budget < 1e6):
         raise CLIError(f"--budget: must be a positive number of seconds, got {args.budget}")
     _outputs_first(("--out", args.out))  # before the cache is touched or anything measured
-    if args.fresh:
-        import jax
+    import jax
 
-        from autopar.clusters import forget_calibration
+    from autopar.clusters import cached_calibration, store_calibration
 
-        forget_calibration(jax.devices()[:args.devices])
+    devices = jax.devices()[:args.devices]
     t0 = time.perf_counter()
-    cluster = ap.calibrate(args.devices, budget_s=args.budget,
-                           max_message_bytes=2 ** 20 if args.quick else 2 ** 25)
+    hit = None if args.fresh else cached_calibration(devices)
+    # --fresh: the cached calibration is replaced once the new one is measured, not before
+    cluster = hit or ap.calibrate(args.devices, budget_s=args.budget, cache=False,
+                                  max_message_bytes=2 ** 20 if args.quick else 2 ** 25)
+    kept = hit is not None or store_calibration(cluster, devices) is not None
     _out(describe_cluster(cluster))
-    _out(f"\n{cluster.name}: {time.perf_counter() - t0:.1f} s; plans on these devices are "
-         "priced on it when no cluster is named")
+    _out(f"\n{cluster.name}: {time.perf_counter() - t0:.1f} s; " + (
+        "cached: plans on these devices are priced on it when no cluster is named" if kept
+        else "not cached (AUTOPAR_CACHE_DIR is off or cannot be written): name it with "
+        "--cluster FILE, written by --out"))
     if args.out:
         _out(f"calibration file written: {save_cluster(cluster, args.out)}")
     return 0

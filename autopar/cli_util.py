@@ -27,7 +27,7 @@ from autopar.limits import MAX_DEVICES
 
 __all__ = ["CLIError", "Progress", "table", "parse_options", "positive_int",
            "non_negative_float", "load_model", "setup_devices", "one_device_steps",
-           "compare_with_reference", "drop_gloo_lines"]
+           "compare_with_reference", "drop_gloo_lines", "one_line"]
 
 
 class CLIError(Exception):
@@ -111,6 +111,13 @@ def markdown_table(rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
+def one_line(e: BaseException) -> str:
+    """An exception as one line for the command's error: its type and the first line of its
+    message, at most 300 characters."""
+    text = next((line for line in str(e).splitlines() if line.strip()), "")[:300]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
 def parse_options(items: Sequence[str] | None) -> dict[str, Any]:
     """``["layers=2", "hidden=64", "name=gpt"]`` -> ``{"layers": 2, "hidden": 64, ...}``;
     values are Python literals when they parse as one, strings otherwise."""
@@ -123,6 +130,9 @@ def parse_options(items: Sequence[str] | None) -> dict[str, Any]:
             value: Any = ast.literal_eval(raw)
         except (ValueError, SyntaxError):
             value = raw
+        except (RecursionError, MemoryError):  # (-----...1: nested too deep to parse)
+            raise CLIError(f"model option {key.strip()!r}: the value is too deeply nested to "
+                           "read") from None
         out[key.strip()] = value
     return out
 
@@ -203,17 +213,17 @@ def load_model(spec: str, options: dict[str, Any], *, concrete: bool = True
             sys.path.insert(0, os.getcwd())
         try:
             module = importlib.import_module(mod_name)
-        except Exception as e:  # ImportError, or the module itself raising while imported
+        except (Exception, SystemExit) as e:  # ImportError, or the module's own error / exit
             raise CLIError(f"--model {spec!r}: cannot import module {mod_name!r}: "
-                           f"{type(e).__name__}: {e}") from None
+                           f"{one_line(e)}") from None
         builder = getattr(module, fn_name, None)
         if not callable(builder):
             raise CLIError(f"--model {spec!r}: module {mod_name!r} has no function {fn_name!r}")
         try:
             result = builder(**options)
-        except Exception as e:  # the builder's own error, whatever its type: one line
+        except (Exception, SystemExit) as e:  # the builder's own error (or exit): one line
             raise CLIError(f"--model {spec!r}: calling {fn_name}(**{options}) failed: "
-                           f"{type(e).__name__}: {e}") from None
+                           f"{one_line(e)}") from None
         if not (isinstance(result, tuple) and len(result) == 2 and callable(result[0])):
             raise CLIError(f"--model {spec!r}: {fn_name}() must return (fn, example_args), "
                            f"got {type(result).__name__}")

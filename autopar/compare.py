@@ -28,12 +28,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from autopar.files import write_bytes_atomic, write_text_atomic
+from autopar.files import writable_target, write_bytes_atomic, write_text_atomic
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.graph.ir import Graph
 from autopar.strategies.plan import Plan
 
-__all__ = ["ModeResult", "compare_modes", "comparison_rows", "write_comparison", "ORDER"]
+__all__ = ["ModeResult", "compare_modes", "comparison_rows", "write_comparison",
+           "check_comparison_dir", "COMPARISON_FILES", "ORDER"]
 
 ORDER = ("exact", "dynamic_programming", "recursive_programming", "sharding_propagation")
 _SEEDED = ("dot_general", "conv_general_dilated")
@@ -149,12 +150,34 @@ def comparison_rows(rows: Sequence[ModeResult], *, measured: bool = False) -> li
     return out
 
 
+#: what :func:`write_comparison` writes in its directory
+COMPARISON_FILES = ("compare.json", "compare.md", "compare.png")
+
+
+def check_comparison_dir(out_dir: Any, key: str = "out_dir") -> None:
+    """Refuse ``out_dir`` unless :func:`write_comparison` can write every file there: a
+    directory, or a path to make one at (its parent a directory), holding no directory or
+    special file under the names it writes."""
+    if not isinstance(out_dir, (str, os.PathLike)) or not str(out_dir) or "\0" in str(out_dir):
+        raise AutoParallelTypeError(key, out_dir, "a directory path")
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise AutoParallelError(key, str(out), "is not a directory (the comparison writes "
+                                f"{', '.join(COMPARISON_FILES)} in it)")
+    if out.is_dir():
+        for name in COMPARISON_FILES:
+            writable_target(out / name, f"{key} ({name})")
+    elif not out.parent.is_dir():
+        raise AutoParallelError(key, str(out), "its parent is not a directory")
+
+
 def write_comparison(rows: Sequence[ModeResult], out_dir: str | os.PathLike[str], *,
                      title: str, meta: dict[str, Any]) -> dict[str, Path]:
     """Write ``compare.json``, ``compare.md`` and, when matplotlib is installed (the ``plot``
     extra), ``compare.png``; returns the paths written."""
     from autopar.cli_util import markdown_table
 
+    check_comparison_dir(out_dir)  # every target, before the first is written
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     measured = any(r.measured_step_seconds is not None for r in rows)

@@ -24,6 +24,8 @@ def milp_picks(costs: Sequence[np.ndarray], edges: Sequence[tuple[int, int, np.n
                memory: Sequence[np.ndarray] | None = None, limit: float | None = None,
                time_limit: float | None = None) -> list[int]:
     """Exact choice per vertex for cost vectors and pairwise edge matrices."""
+    if not costs:  # nothing to choose (a function of no input and no operator)
+        return []
     # SciPy (0.3 s to import) only when an integer program is solved: every autopar command
     # imports the solver registry, few solve with the exact mode
     from scipy.optimize import Bounds, LinearConstraint, milp

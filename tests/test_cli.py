@@ -433,3 +433,106 @@ def test_cli_output_says_what_happened(tmp_path, capsys):
             assert action.help, f"autopar {name} {action.option_strings or action.dest}"
             if "--load" in (action.help or "") and name in ("compare", "simulate"):
                 raise AssertionError(f"autopar {name} help mentions --load")
+
+
+def _one_error_line(capsys, needle: str) -> None:
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if "error:" in x]
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in err, err
+
+
+def test_user_models_that_fail_give_one_line(tmp_path, capsys, monkeypatch):
+    """run printed a traceback when the function failed to trace; a builder's multi-line
+    error, its SystemExit(0) (exit 0, nothing done), an option nested too deep to parse
+    and a model of no argument escaped as raw errors."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "failing.py").write_text(textwrap.dedent("""
+        import jax.numpy as jnp
+        def trace_raises():
+            def loss(p, x):
+                raise KeyError("inside")
+            return loss, (jnp.ones((8, 8)), jnp.ones((8, 8)))
+        def multiline():
+            raise RuntimeError("boom\\nsecond line")
+        def exits():
+            raise SystemExit(0)
+        def no_args():
+            return (lambda: jnp.float32(0.0)), ()
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cases = [(["run", "--model", "failing:trace_raises", "--steps", "1"],
+              "tracing the function failed: KeyError: 'inside'"),
+             (["search", "--model", "failing:multiline"], "RuntimeError: boom"),
+             (["search", "--model", "failing:exits"], "SystemExit: 0"),
+             (["search", "--model", "mlp", "-o", "batch=" + "-" * 3000 + "1"],
+              "too deeply nested"),
+             (["run", "--model", "failing:no_args", "--steps", "1"], "arguments are empty")]
+    for argv, needle in cases:
+        assert main([*argv, "--devices", "8", "--cluster", "accelerator-8x"]) == 2
+        _one_error_line(capsys, needle)
+    assert main(["search", "--model", "failing:no_args", "--mode", "exact"]) == 0
+
+
+def test_outputs_may_not_name_an_input_or_each_other(tmp_path, capsys):
+    """run --load plan.json --json plan.json replaced the strategy file with the report;
+    simulate --out t.json --png t.json left a PNG named t.json, both said 'written'."""
+    plan = tmp_path / "plan.json"
+    assert main(["search", *SMALL_MLP, "--save", str(plan)]) == 0
+    before = plan.read_bytes()
+    capsys.readouterr()
+    assert main(["run", *SMALL_MLP, "--steps", "1", "--load", str(plan), "--json",
+                 str(plan)]) == 2
+    _one_error_line(capsys, "--json and --load name the same file")
+    assert plan.read_bytes() == before
+    trace = tmp_path / "t.json"
+    assert main(["simulate", *SMALL_MLP, "--out", str(trace), "--png", str(trace)]) == 2
+    _one_error_line(capsys, "--out and --png name the same file")
+    assert not trace.exists()
+
+
+def test_compare_checks_its_directory_before_any_work(tmp_path, capsys):
+    """A directory named compare.md (or a FIFO compare.png) in --out failed only after the
+    searches, leaving compare.json (and compare.md) behind."""
+    for name, make in (("compare.md", os.mkdir), ("compare.png", os.mkfifo)):
+        out = tmp_path / name.replace(".", "_")
+        out.mkdir()
+        make(out / name)
+        assert main(["compare", *SMALL_MLP, "--modes", "dynamic_programming", "--out",
+                     str(out)]) == 2
+        _one_error_line(capsys, f"--out ({name})")
+        assert sorted(p.name for p in out.iterdir()) == [name]
+    (tmp_path / "afile").write_text("x")
+    assert main(["compare", *SMALL_MLP, "--out", str(tmp_path / "afile")]) == 2
+    _one_error_line(capsys, "is not a directory")
+
+
+def test_run_json_is_strict_json_when_the_loss_diverges(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "nanmodel.py").write_text(
+        "import jax.numpy as jnp\ndef nan_loss():\n"
+        "    return (lambda p, x: jnp.sum(x @ p) * jnp.nan), "
+        "(jnp.ones((8, 8)), jnp.ones((8, 8)))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    report = tmp_path / "r.json"
+    assert main(["run", "--model", "nanmodel:nan_loss", "--devices", "8", "--steps", "1",
+                 "--json", str(report)]) == 0
+    data = json.loads(report.read_text(), parse_constant=lambda c: pytest.fail(c))
+    assert data["losses"] == [None]
+
+
+def test_calibrate_says_when_nothing_was_cached_and_fresh_replaces_only_on_success(
+        tmp_path, capsys, monkeypatch):
+    import autopar as ap
+
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", "off")
+    assert main(["calibrate", "--devices", "2", "--quick", "--budget", "2"]) == 0
+    assert "not cached" in capsys.readouterr().out
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(cache))
+    monkeypatch.setattr(ap, "calibrate", lambda *a, **k: (_ for _ in ()).throw(
+        KeyboardInterrupt))  # --fresh interrupted while measuring
+    ap.clusters.store_calibration(ap.CLUSTERS["cpu-emulated"].model_copy(
+        update={"name": "old"}), __import__("jax").devices()[:2])
+    files = sorted(cache.rglob("*.json"))
+    assert main(["calibrate", "--devices", "2", "--quick", "--fresh"]) == 130
+    assert sorted(cache.rglob("*.json")) == files  # the old calibration is kept

@@ -305,6 +305,8 @@ def test_a_graph_without_operators_is_planned_by_every_exact_and_recursive_mode(
     objectives = {mode: ap.search(g, mode=mode, cluster="accelerator-8x").objective
                   for mode in ("dynamic_programming", "recursive_programming", "exact")}
     assert len(set(objectives.values())) == 1, objectives
+    nothing = ap.trace(lambda: jnp.float32(0.0))  # no input either (exact: scipy's error)
+    assert {ap.search(nothing, mode=m).objective for m in objectives} == {0.0}
 
 
 @pytest.mark.parametrize("call, key", [
