@@ -267,7 +267,7 @@ def max_file_bytes() -> int:
     value = os.environ.get("AUTOPAR_MAX_FILE_BYTES", "")
     if not value:
         return MAX_FILE_BYTES
-    if not value.isdigit() or int(value) < 1:
+    if not (value.isascii() and value.isdigit() and len(value) <= 18) or int(value) < 1:
         raise AutoParallelError("AUTOPAR_MAX_FILE_BYTES", value, "a positive integer of bytes")
     return int(value)
 

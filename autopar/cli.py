@@ -229,7 +229,8 @@ def _distributed(args: argparse.Namespace) -> None:
     if args.coordinator is None or args.process_id is None:
         raise CLIError("--num-processes > 1 needs --coordinator HOST:PORT and --process-id")
     host, _, port = args.coordinator.rpartition(":")
-    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+    if not host or not (port.isascii() and port.isdigit() and len(port) <= 5) or \
+            not 1 <= int(port) <= 65535:
         raise CLIError(f"--coordinator {args.coordinator!r}: expected HOST:PORT with a port in "
                        "[1, 65535], e.g. 127.0.0.1:12355")
     if not 0 <= args.process_id < args.num_processes:

@@ -400,6 +400,9 @@ def test_bad_run_and_demo_options_fail_in_one_line(tmp_path, capsys, monkeypatch
                  "--coordinator", "localhost"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "HOST:PORT" in err
+    assert main(["run", *SMALL_MLP, "--num-processes", "2", "--process-id", "0",
+                 "--coordinator", "localhost:\u00b2"]) == 2  # (isdigit, yet not for int())
+    assert "HOST:PORT" in capsys.readouterr().err
     assert main(["demo", "--pipeline-stages", "3", "--out", str(tmp_path / "d")]) == 2
     assert "must divide --devices 8" in capsys.readouterr().err
     monkeypatch.chdir(tmp_path)

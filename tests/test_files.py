@@ -98,9 +98,10 @@ def test_strategy_files_are_read_with_a_cap_and_depth_safe(tmp_path, monkeypatch
     os.mkfifo(fifo)
     with pytest.raises(ap.StrategyFileError, match="regular file"):
         ap.checkpoint.read_strategy_file(fifo)
-    monkeypatch.setenv("AUTOPAR_MAX_FILE_BYTES", "lots")
-    with pytest.raises(ap.AutoParallelError, match="AUTOPAR_MAX_FILE_BYTES"):
-        ap.checkpoint.read_strategy_file(deep)
+    for value in ("lots", "\u00b2", "9" * 5000):  # (int() refuses both of the last two)
+        monkeypatch.setenv("AUTOPAR_MAX_FILE_BYTES", value)
+        with pytest.raises(ap.AutoParallelError, match="AUTOPAR_MAX_FILE_BYTES"):
+            ap.checkpoint.read_strategy_file(deep)
 
 
 def test_quick_benchmark_runs_write_to_scratch(monkeypatch, tmp_path, capsys):
