@@ -39,7 +39,8 @@ from typing import Any, Callable
 from autopar.errors import (AutoParallelError, AutoParallelTypeError, FileFieldError,
                             validation_problems)
 
-__all__ = ["STALE_SECONDS", "read_bytes_capped", "read_json_document", "validation_failure",
+__all__ = ["STALE_SECONDS", "read_bytes_capped", "read_json", "read_json_document",
+           "validation_failure",
            "writable_target", "require_finite",
            "write_bytes_atomic", "write_text_atomic"]
 
@@ -239,20 +240,26 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def read_json_document(path: str | os.PathLike[str], *, fmt: str, version: int, limit: int,
-                       error: type[FileFieldError]) -> dict[str, Any]:
-    """The JSON object of a versioned autopar file (strategy file, calibration): read with
-    :func:`read_bytes_capped`, parsed strictly (no NaN, no duplicate keys, depth-safe), its
-    ``format`` and integer ``version`` checked; every failure an ``error(path, field,
-    expected, found)``."""
+def read_json(path: str | os.PathLike[str], *, limit: int, error: type[FileFieldError]
+              ) -> Any:
+    """The JSON a file holds, read with :func:`read_bytes_capped` (a regular file, at most
+    ``limit`` bytes) and parsed strictly (UTF-8, no NaN or Infinity, no duplicate keys,
+    depth-safe); every failure an ``error(path, field, expected, found)``."""
     raw = read_bytes_capped(path, limit, lambda expected, found: error(path, "<file>",
                                                                        expected, found))
     try:
-        data = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates,
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates,
                           parse_constant=_reject_constant, parse_float=_finite_float)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise error(path, "<json>", "a complete JSON document (truncated or corrupted "
                     "file?)", str(e)[:200]) from None
+
+
+def read_json_document(path: str | os.PathLike[str], *, fmt: str, version: int, limit: int,
+                       error: type[FileFieldError]) -> dict[str, Any]:
+    """The JSON object of a versioned autopar file (strategy file, calibration), read by
+    :func:`read_json`, its ``format`` and integer ``version`` checked."""
+    data = read_json(path, limit=limit, error=error)
     if not isinstance(data, dict):
         raise error(path, "<root>", "a JSON object", type(data).__name__)
     if data.get("format") != fmt:

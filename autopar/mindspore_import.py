@@ -53,17 +53,16 @@ operators' Layouts). What cannot be mapped or does not fit goes to
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from autopar.checkpoint import StrategyFileError
+from autopar.checkpoint import StrategyFileError, max_file_bytes
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.errors import found as _found
+from autopar.files import read_json
 from autopar.graph.ir import Graph, Node, Strategy, check_strategy_shape
 from autopar.limits import MAX_DEVICES
 from autopar.strategies.layout import DeviceMesh
@@ -182,19 +181,12 @@ _INTERLEAVED = object()
 def _load(path: Any) -> Any:
     """The JSON the file at ``path`` holds."""
     what = "the path of MindSpore's JSON strategy file (a str or os.PathLike)"
-    if not isinstance(path, (str, os.PathLike)):
-        raise AutoParallelTypeError("path", path, what)
-    try:
-        raw = Path(path).read_text(encoding="utf-8")
-    except TypeError:  # an os.PathLike giving bytes
-        raise AutoParallelTypeError("path", path, what) from None
-    except (OSError, ValueError) as e:  # ValueError: undecodable, or a NUL in the path
-        raise StrategyFileError(path, "<file>", "a readable UTF-8 file", str(e)) from None
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
-        raise StrategyFileError(path, "<json>", "MindSpore's JSON strategy file",
-                                str(e) or type(e).__name__) from None
+    if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str):
+        raise AutoParallelTypeError("path", path, what)  # (an os.PathLike giving bytes too)
+    if "\0" in os.fspath(path):
+        raise StrategyFileError(path, "<file>", "a path without a NUL byte", repr(path))
+    # a regular file, capped, strict JSON (a duplicated key is refused, not the last kept)
+    return read_json(path, limit=max_file_bytes(), error=StrategyFileError)
 
 
 def _section(path: Any, data: dict[str, Any], key: str, expected: str,

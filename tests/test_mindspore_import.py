@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import jax
@@ -580,8 +581,29 @@ def test_json_nested_too_deep_is_a_file_error(tmp_path):
         import_mindspore_strategy(p, _two_matmuls())
 
 
+@pytest.mark.parametrize("text", [
+    '{"parallel_strategy_item": {"MatMul_w1": {"stage": 0, "parallel_strategy": [[2, 1], '
+    '[1, 4]]}, "MatMul_w1": {"stage": 0, "parallel_strategy": [[1, 1], [1, 8]]}}}',
+    '{"current_stage": NaN, "parallel_strategy_item": {}}',
+    '{"current_stage": Infinity, "parallel_strategy_item": {}}'])
+def test_a_file_that_is_not_strict_json_is_refused(tmp_path, text):
+    """A duplicated key kept its last entry silently, NaN and Infinity were read (json.loads);
+    MindSpore's files are read by the one strict reader autopar's own files use."""
+    p = tmp_path / "s.json"
+    p.write_text(text)
+    with pytest.raises(StrategyFileError, match="<json>"):
+        import_mindspore_strategy(p, _two_matmuls())
+
+
+def test_special_files_are_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "s.json"
+    os.mkfifo(fifo)  # (read_text blocked until a writer came)
+    with pytest.raises(StrategyFileError, match="regular file"):
+        import_mindspore_strategy(fifo, _two_matmuls())
+
+
 @pytest.mark.parametrize("path, error, match", [
-    ("/tmp/a\x00b.json", StrategyFileError, "null byte"),
+    ("/tmp/a\x00b.json", StrategyFileError, "NUL byte"),
     (3, ap.AutoParallelTypeError, "path=3"),
     (b"/tmp/x.json", ap.AutoParallelTypeError, "path="),
     (None, ap.AutoParallelTypeError, "path=None"),
