@@ -114,6 +114,8 @@ def cmd_search(args: argparse.Namespace) -> int:
     import autopar as ap
 
     _check_plan_files(args)
+    _outputs_first(("--save", args.save), inputs=(("--load", args.load),
+                                                   ("--cluster", args.cluster)))
     save = str(args.save) if args.save else None
     load = str(args.load) if args.load else None
     with paused_gc():  # a one-shot command: its imports and graph are long-lived
@@ -343,7 +345,8 @@ def _finite_or_null(x: Any) -> Any:
 def _outputs_first(*named: tuple[str, Any], inputs: Sequence[tuple[str, Any]] = ()) -> None:
     """Every output path given is checked before any work (so none is written when another
     is refused afterwards, and a bad one fails at once), and no two name one file, nor an
-    output a file the command reads (a --load file replaced by the --json report)."""
+    output a file the command reads (a --load file replaced by the --json report); --save
+    may name the --load file (the same plan, as strategy_ckpt_config allows)."""
     from autopar.files import writable_target
 
     seen: dict[str, str] = {}
@@ -352,7 +355,7 @@ def _outputs_first(*named: tuple[str, Any], inputs: Sequence[tuple[str, Any]] = 
             continue  # (an input that is no file: a preset's name)
         where = writable_target(path, flag) if (flag, path) in named else Path(str(path))
         real = os.path.realpath(where)
-        if real in seen:
+        if real in seen and {seen[real], flag} != {"--save", "--load"}:  # (one plan: allowed)
             raise CLIError(f"{seen[real]} and {flag} name the same file {str(path)!r}: "
                            "give each its own")
         seen[real] = flag

@@ -487,6 +487,12 @@ def test_outputs_may_not_name_an_input_or_each_other(tmp_path, capsys):
                  str(plan)]) == 2
     _one_error_line(capsys, "--json and --load name the same file")
     assert plan.read_bytes() == before
+    assert main(["run", *SMALL_MLP, "--steps", "1", "--load", str(plan), "--save",
+                 str(plan)]) == 0  # one plan loaded and saved: allowed, as the context's keys
+    capsys.readouterr()
+    assert main(["search", *SMALL_MLP, "--save", str(tmp_path / "nodir" / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert "--save" in err and "nodes" not in err  # refused before the model is traced
     trace = tmp_path / "t.json"
     assert main(["simulate", *SMALL_MLP, "--out", str(trace), "--png", str(trace)]) == 2
     _one_error_line(capsys, "--out and --png name the same file")
