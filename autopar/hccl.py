@@ -138,8 +138,15 @@ def _not_world(name: str, action: str) -> str:
     return name
 
 
-def _ranks_of(group: Any) -> tuple[int, ...]:
+def _group(group: Any) -> str:
+    """A checked group name, the world group's other names (MindSpore's GPU / CPU ones) as
+    ``hccl_world_group``: the same group for every function that takes a group."""
     name = _check_group_name(group)
+    return WORLD_GROUP if name in WORLD_GROUP_ALIASES else name
+
+
+def _ranks_of(group: Any) -> tuple[int, ...]:
+    name = _group(group)
     if name == WORLD_GROUP:
         return _world_ranks()
     ranks = _created_ranks(name)
@@ -213,12 +220,6 @@ def get_rank_id(group: str = WORLD_GROUP) -> int:
     return _caller_in(group, _ranks_of(group))
 
 
-def _mindspore_group(group: Any) -> str:
-    if not isinstance(group, str):
-        raise AutoParallelTypeError("group", group, "group name must be a str")
-    return WORLD_GROUP if group in WORLD_GROUP_ALIASES else group
-
-
 def get_rank(group: str = WORLD_GROUP) -> int:
     """MindSpore's ``mindspore.communication.get_rank``: the caller's (``global_rank``'s) rank
     in ``group`` (the world group by default; its GPU / CPU names ``nccl_world_group`` /
@@ -231,16 +232,17 @@ def get_rank(group: str = WORLD_GROUP) -> int:
     (5, 1, 4, 8)
     >>> autopar.hccl.reset_comm_groups(); autopar.reset_auto_parallel_context()
     """
-    return get_rank_id(_mindspore_group(group))
+    return get_rank_id(group)
 
 
 def get_group_size(group: str = WORLD_GROUP) -> int:
     """MindSpore's ``mindspore.communication.get_group_size``: the number of ranks in
     ``group`` (the world group, of ``device_num`` ranks, by default)."""
-    return get_rank_size(_mindspore_group(group))
+    return get_rank_size(group)
 
 
 def get_group_rank_from_world_rank(world_rank_id: int, group: str) -> int:
+    group = _group(group)
     ranks = _ranks_of(group)
     if not _is_int(world_rank_id):
         raise AutoParallelTypeError("world_rank_id", world_rank_id, "must be an int")
@@ -251,6 +253,7 @@ def get_group_rank_from_world_rank(world_rank_id: int, group: str) -> int:
 
 
 def get_world_rank_from_group_rank(group: str, group_rank_id: int) -> int:
+    group = _group(group)
     ranks = _ranks_of(group)
     if not _is_int(group_rank_id):
         raise AutoParallelTypeError("group_rank_id", group_rank_id, "must be an int")
@@ -299,6 +302,7 @@ def set_split_strategy_by_size(dataSizeList: list[float], group: str = WORLD_GRO
     split 90 / 30 / 30 MB is ``[60, 20, 20]``.
     """
     values = check_percentages(dataSizeList)
+    group = _group(group)
     ranks = _ranks_of(group)
     _caller_in(group, ranks)
     s = _STATE.get()
@@ -317,10 +321,12 @@ def set_split_strategy_by_idx(idxList: list[int], group: str = WORLD_GROUP) -> N
             raise AutoParallelTypeError("idxList", idxList,
                                         f"indices must be ints, {found(v, f'[{i}]')}")
         if not 0 <= v <= MAX_INDEX:
-            raise AutoParallelError("idxList", idxList, f"indices must be non-negative ints "
-                                    f"below 2**31 (as all_reduce_fusion_config's), {found(v, f'[{i}]')}")
+            raise AutoParallelError("idxList", idxList, "indices must be non-negative ints "
+                                    "below 2**31 (as all_reduce_fusion_config's), "
+                                    f"{found(v, f'[{i}]')}")
     if any(b <= a for a, b in zip(values, values[1:])):
         raise AutoParallelError("idxList", idxList, "indices must be strictly ascending")
+    group = _group(group)
     ranks = _ranks_of(group)
     _caller_in(group, ranks)
     s = _STATE.get()
@@ -329,6 +335,7 @@ def set_split_strategy_by_idx(idxList: list[int], group: str = WORLD_GROUP) -> N
 
 def get_split_strategy(group: str = WORLD_GROUP) -> SplitStrategy:
     """The effective split strategy: size if set, else index if set, else the default."""
+    group = _group(group)
     ranks = _ranks_of(group)
     _caller_in(group, ranks)
     s = _STATE.get()

@@ -279,3 +279,17 @@ def test_group_name_byte_rule_property(name):
     else:
         with pytest.raises(ValueError, match="128"):
             ap.hccl.create_group(name, [0])
+
+
+@pytest.mark.parametrize("alias", ["nccl_world_group", "mccl_world_group"])
+def test_the_world_groups_other_names_are_the_same_group_everywhere(alias):
+    """Only get_rank / get_group_size took MindSpore's GPU / CPU names of the world group;
+    the split strategies and rank translations said 'no such group'."""
+    ap.set_auto_parallel_context(device_num=8)
+    ap.hccl.set_split_strategy_by_idx([3, 7], alias)
+    assert ap.hccl.get_split_strategy().values == (3, 7)  # set on hccl_world_group itself
+    ap.hccl.set_split_strategy_by_size([60, 40], group=alias)
+    assert ap.hccl.get_split_strategy(alias) == ap.hccl.get_split_strategy()
+    assert ap.hccl.get_rank_size(alias) == 8
+    assert ap.hccl.get_world_rank_from_group_rank(alias, 3) == 3
+    assert ap.hccl.get_group_rank_from_world_rank(5, alias) == 5
