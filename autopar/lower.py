@@ -56,6 +56,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.graph.ops import OPERATORS
+from autopar.graph.tracer import traced_dtype
 from autopar.kernel_rules import FusedKernels, fuse_kernels, run_fused
 from autopar.parallel_graph import PNode, ParallelGraph
 from autopar.strategies.layout import DeviceMesh, axis_name, jax_mesh
@@ -379,8 +380,8 @@ class LoweredFunction:
             if tuple(np.shape(x)) != want:
                 raise AutoParallelError(f"argument {v!r}", tuple(np.shape(x)),
                                         f"shape must be {want}, as in the example")
-            if hasattr(x, "dtype") and str(np.dtype(x.dtype)) != spec.dtype:
-                raise AutoParallelError(f"argument {v!r}", str(np.dtype(x.dtype)),
+            if traced_dtype(x) != spec.dtype:
+                raise AutoParallelError(f"argument {v!r}", traced_dtype(x),
                                         f"dtype must be {spec.dtype}, as in the example")
             placed.append(jax.device_put(x, sh))
         return placed

@@ -82,6 +82,7 @@ from autopar.grad_sync import (LOW_PRECISION, METHODS, data_parallel_degree, fp3
                                sync_point, sync_sites)
 from autopar.kernel_rules import FusedKernels, check_fused_kernels
 from autopar.lower import final_psum, replicated_tails, run_body
+from autopar.graph.tracer import traced_dtype
 from autopar.inspection import ProgramInspection
 from autopar.optimizer_shard import (ShardDecision, decide_sharding, gather_parameters,
                                      scatter_gradients, state_shardings, storage_spec,
@@ -173,7 +174,7 @@ class TrainStep(ProgramInspection):
         pg = self.parallel_graph
         p_leaves, self._p_tree = jax.tree_util.tree_flatten(params)
         self._n_params = len(p_leaves)
-        self._p_dtypes = [str(np.dtype(x.dtype)) for x in p_leaves]
+        self._p_dtypes = [traced_dtype(x) for x in p_leaves]  # (a Python float leaf too)
         self._n_batch = len(pg.inputs) - self._n_params
         batch_vals = [pg.values[v] for v in pg.inputs[self._n_params:]]
         self.data_parallel_degree = data_parallel_degree(batch_vals, pg.mesh)
@@ -404,8 +405,8 @@ class TrainStep(ProgramInspection):
             if k < len(leaves) and tuple(np.shape(x)) != spec.shape:
                 raise AutoParallelError(f"argument {v!r}", tuple(np.shape(x)), f"shape must "
                                         f"be {spec.shape}, as in the example")
-            if hasattr(x, "dtype") and str(np.dtype(x.dtype)) != spec.dtype:
-                raise AutoParallelError(f"argument {v!r}", str(np.dtype(x.dtype)), f"dtype must "
+            if traced_dtype(x) != spec.dtype:
+                raise AutoParallelError(f"argument {v!r}", traced_dtype(x), f"dtype must "
                                         f"be {spec.dtype}, as in the example")
         return leaves, b_leaves
 

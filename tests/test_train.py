@@ -396,3 +396,21 @@ def test_bad_step_arguments_are_typed_errors():
             step(step.prepare(p), bad, x)
     with pytest.raises(ap.AutoParallelError, match="UTF-8"):
         ap.hccl.create_group("a\ud800", [0, 1])
+
+
+def test_number_leaves_and_numpy_float64_examples_run_as_jax_traces_them():
+    """A Python float among the parameters raised AttributeError ('float' has no dtype);
+    NumPy float64 examples (float32 once traced, x64 off) built a step and a function that
+    then refused those very arrays ('dtype must be float32, as in the example')."""
+    rng = np.random.default_rng(0)
+    w, x = rng.normal(size=(8, 4)), rng.normal(size=(16, 8))  # float64
+    loss = lambda p, x: jnp.mean(jax.nn.log_softmax((x @ p["w"]) / p["t"]))  # noqa: E731
+    params = {"w": w, "t": 2.0}
+    with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel",
+                                  gradients_mean=True):
+        f = ap.parallelize(loss, params, x)
+        step = ap.train_step(loss, params, (x,))
+    numerics.assert_close(f(params, x), loss, params, x)
+    f32 = jax.tree.map(lambda a: np.asarray(a, np.float32), params)
+    numerics.check(run_steps(step, f32, (x,), 2),
+                   reference_steps(loss, f32, (np.float32(x),), 2))

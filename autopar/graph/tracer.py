@@ -49,6 +49,13 @@ def _dtype(dtype: Any) -> tuple[str, int]:
     return hit
 
 
+def traced_dtype(x: Any) -> str:
+    """The dtype JAX traces ``x`` at: a 64-bit NumPy array's 32-bit one when x64 is off, a
+    Python number's default (``2.0``: float32). The one rule for checking an argument's
+    dtype against the traced example's."""
+    return str(np.dtype(jax.dtypes.canonicalize_dtype(jax.dtypes.result_type(x))))
+
+
 def _spec(aval: Any) -> TensorSpec:
     return TensorSpec(tuple(map(int, aval.shape)), _dtype(aval.dtype)[0])
 

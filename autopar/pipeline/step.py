@@ -68,7 +68,7 @@ from autopar.resolve import pipeline_schedule, resolve_context
 from autopar.errors import AutoParallelError, AutoParallelTypeError, AutoParallelWarning
 from autopar.grad_sync import (LOW_PRECISION, data_parallel_degree, fp32_collective,
                                fp32_sync_active, gradient_scale, replicated_axes)
-from autopar.graph.tracer import trace
+from autopar.graph.tracer import trace, traced_dtype
 from autopar.inspection import ProgramInspection
 from autopar.lower import apply_step, run_body
 from autopar.optimizer_shard import ShardDecision, decide_sharding
@@ -98,11 +98,6 @@ def _convert(x: Any, shape: tuple[int, ...], dtype: str, src: Layout, dst: Layou
 
 def _is_float(dt: str) -> bool:
     return bool(jnp.issubdtype(np.dtype(dt), jnp.inexact))
-
-
-def _dtype(x: Any) -> str:
-    """The dtype name of an array leaf, or of a number leaf as JAX takes it."""
-    return str(np.dtype(x.dtype)) if hasattr(x, "dtype") else str(jnp.result_type(x))
 
 
 class PipelineTrainStep(ProgramInspection):
@@ -182,7 +177,7 @@ class PipelineTrainStep(ProgramInspection):
         """The example batch's leaves as ``g * m`` micro-batches of ``B / (g m)`` rows."""
         b_leaves, self._b_tree = jax.tree_util.tree_flatten(batch)
         self._b_shapes = [tuple(np.shape(x)) for x in b_leaves]
-        self._b_dtypes = [_dtype(x) for x in b_leaves]
+        self._b_dtypes = [traced_dtype(x) for x in b_leaves]
         g, m = self.grad_accumulation_step, self.micro_batches
         parts = g * m
         for shp in self._b_shapes:
@@ -202,7 +197,7 @@ class PipelineTrainStep(ProgramInspection):
         check_arrays("params", params)
         check_floating("params", params)
         p_leaves, self._p_tree = jax.tree_util.tree_flatten(params)
-        self._p_dtypes = [_dtype(x) for x in p_leaves]
+        self._p_dtypes = [traced_dtype(x) for x in p_leaves]
         check_elementwise_optimizer(optimizer, len(set(self._p_dtypes)),
                                     (self.stages, self.devices_per_stage))
         fusion = cfg.comm_fusion.fused()
@@ -525,8 +520,8 @@ class PipelineTrainStep(ProgramInspection):
                                     f"structure of the example parameters ({self._p_tree})")
         for v, x, dt in zip(self._param_names, leaves, self._p_dtypes):
             want = self.graph.spec(v).shape
-            if tuple(np.shape(x)) != want or _dtype(x) != dt:
-                raise AutoParallelError(f"parameter {v!r}", (tuple(np.shape(x)), _dtype(x)),
+            if tuple(np.shape(x)) != want or traced_dtype(x) != dt:
+                raise AutoParallelError(f"parameter {v!r}", (tuple(np.shape(x)), traced_dtype(x)),
                                         f"must have shape {want} and dtype {dt}, as in the "
                                         "example")
         return self._pack(leaves)
@@ -554,8 +549,8 @@ class PipelineTrainStep(ProgramInspection):
             raise AutoParallelError("batch", f"{len(batch)} inputs", f"must have the structure "
                                     f"of the example batch ({self._b_tree})")
         for x, shp, dt in zip(leaves, self._b_shapes, self._b_dtypes):
-            if tuple(np.shape(x)) != shp or _dtype(x) != dt:
-                raise AutoParallelError("batch input", (tuple(np.shape(x)), _dtype(x)),
+            if tuple(np.shape(x)) != shp or traced_dtype(x) != dt:
+                raise AutoParallelError("batch input", (tuple(np.shape(x)), traced_dtype(x)),
                                         f"must have shape {shp} and dtype {dt}, as in the "
                                         "example")
         return [jax.device_put(x, self.batch_sharding) for x in leaves]
