@@ -54,7 +54,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 
-from autopar.errors import AutoParallelError, AutoParallelTypeError
+from autopar.errors import AutoparError, AutoParallelError, AutoParallelTypeError
 from autopar.graph.ops import OPERATORS
 from autopar.graph.tracer import traced_dtype
 from autopar.kernel_rules import FusedKernels, fuse_kernels, run_fused
@@ -203,6 +203,8 @@ def _bind(node: PNode, args: list[Any], pg: ParallelGraph, vma: bool = False) ->
             args = [_to_varying(a, sorted(union)) for a in args]
     try:
         out = node.primitive.bind(*args, **params)
+    except AutoparError:  # (a custom derivative rule refused: graph/custom_rules.py)
+        raise
     except Exception as e:  # a JAX shape/type rule refused the local shapes
         raise _node_error(node, f"{type(e).__name__}: {e}") from None
     outs = list(out) if node.primitive.multiple_results else [out]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 import jax
@@ -30,6 +31,7 @@ from jax._src import source_info_util
 from autopar.errors import AutoParallelError, AutoParallelTypeError, UnsupportedOperatorError
 from autopar.graph.annotate import (apply_parameter_plans, parse_plan_scope, parse_scope,
                                     shards_called, untransformed)
+from autopar.graph.custom_rules import RULE_PRIMITIVES, RuleBound, rule_of
 from autopar.graph.ir import Graph, Node, Strategy, TensorSpec, Value
 from autopar.graph.ops import INLINED, KINDS, UNSUPPORTED_HINTS, flops
 
@@ -100,6 +102,24 @@ def _arg_names(fn: Callable[..., Any], n: int) -> list[str]:
     return names
 
 
+@dataclass(frozen=True)
+class _Passed:
+    """A stand-in variable: what a custom function passed through unchanged."""
+
+    aval: Any
+
+
+@dataclass(frozen=True)
+class _CopyEqn:
+    """The equation of the guarded ``copy`` node :meth:`_Builder.guard_passed_through`
+    emits (the fields :meth:`_Builder.emit` reads)."""
+
+    invars: tuple
+    outvars: tuple
+    primitive: Any = jax.lax.copy_p
+    params: Any = field(default_factory=dict)
+
+
 class _Builder:
     def __init__(self) -> None:
         self.nodes: list[Node] = []
@@ -110,6 +130,7 @@ class _Builder:
         self.done: set[int] = set()
         self.plans: set[int] = set()  # shard(parameter_plan=...) ids seen while tracing
         self.devices: dict[str, int] = {}  # annotated node -> the devices its Layouts assume
+        self.rule: str | None = None  # inside a custom_jvp / custom_vjp body: its rule
         # (outer scope, name stack) -> (readable scope, annotation markers, plan ids)
         self.scopes: dict[tuple[tuple[str, ...], Any], tuple[str, list, list[int]]] = {}
 
@@ -162,9 +183,29 @@ class _Builder:
         name = eqn.params.get("name")
         sub = stack + [str(name)] if isinstance(name, str) and name and name != "<lambda>" \
             else stack
-        self.run(inner, inner_env, sub, source)
-        for outer, var in zip(eqn.outvars, inner.outvars):
-            env[outer] = self.read(inner_env, var)
+        outer_rule, start = self.rule, len(self.nodes)
+        if eqn.primitive.name in RULE_PRIMITIVES:
+            self.rule = outer_rule or rule_of(eqn, source)
+        try:
+            self.run(inner, inner_env, sub, source)
+            for outer, var in zip(eqn.outvars, inner.outvars):
+                env[outer] = self.read(inner_env, var)
+                if self.rule is not None and self.rule != outer_rule:
+                    self.guard_passed_through(env, outer, start, stack, source)
+        finally:
+            self.rule = outer_rule
+
+    def guard_passed_through(self, env: dict[Any, str], outer: Any, start: int,
+                             stack: list[str], source: str) -> None:
+        """An output of a custom function that no node of its body made (the identity of a
+        gradient clip) becomes a guarded ``copy`` node (:mod:`autopar.graph.custom_rules`)."""
+        made = {n.name for n in self.nodes[start:]}
+        if self.values[env[outer]].producer in made or type(outer).__name__ == "DropVar":
+            return
+        inner = _Passed(outer.aval)
+        env[inner] = env[outer]
+        self.emit(_CopyEqn((inner,), (outer,)), env, stack, source)
+        del env[inner]
 
     def scope(self, stack: list[str]) -> tuple[str, list]:
         """The readable scope of a name stack and its annotation markers (innermost last);
@@ -215,13 +256,14 @@ class _Builder:
                 env[var] = vname
             outputs.append(vname)
         kind = KINDS[prim]
+        primitive = eqn.primitive if self.rule is None else RuleBound(eqn.primitive, self.rule)
         self.nodes.append(Node(
             name=name, op=prim, kind=kind, inputs=inputs, outputs=tuple(outputs),
             params=dict(eqn.params), scope=scope, source=source,
             flops=flops(kind, in_specs, out_specs, eqn.params),
             bytes_read=sum(_nbytes(v.spec) for v in in_values if v.kind != "literal"),
             bytes_written=sum(_nbytes(s) for s in out_specs),
-            primitive=eqn.primitive, annotation=annotation))
+            primitive=primitive, annotation=annotation))
 
 
 def check_arrays(key: str, tree: Any, *, none: bool = False) -> None:
