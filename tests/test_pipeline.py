@@ -410,6 +410,14 @@ def test_auto_parallel_stages_get_their_own_tensor_parallel_plans():
     splits = [max(max(pl.split_counts(v)) for v in pl.parameters) for pl in step.plans]
     assert max(splits) > 1                       # some parameter is split inside its stage
     numerics.assert_close(step.grads(params, x), jax.value_and_grad(model.loss), params, x)
+    # the simulator takes the stages' own plans, in order (swapped ones gave a number)
+    from autopar.pipeline.simulation import simulate_pipeline
+
+    sim = lambda plans: simulate_pipeline(step.graph, 2, micro_batches=2,  # noqa: E731
+                                          device_num=8, plans=plans)
+    assert sim(list(step.plans)).iteration_time > 0
+    with pytest.raises(AutoParallelError, match="not a plan of stage 0"):
+        sim(list(step.plans)[::-1])
 
 
 @functools.lru_cache(maxsize=None)

@@ -259,7 +259,7 @@ def simulate_pipeline(graph: Any, stages: int, *, micro_batches: int | None = No
     d = n // stages
     if plans is not None and (not isinstance(plans, (list, tuple)) or len(plans) != stages):
         raise AutoParallelTypeError("plans", plans, f"a list of {stages} stage plans")
-    _check_plans_cluster(plans, clus)
+    _check_plans(plans, clus, graph, part)
     fwd, sync = _stage_times(graph, part.stage_nodes, plans, cm, d)
     bwd = [(BACKWARD_FACTOR + (1.0 if recompute else 0.0)) * t for t in fwd]
     sends = [send_time(b, cm, d) for b in part.crossing_bytes]
@@ -267,16 +267,23 @@ def simulate_pipeline(graph: Any, stages: int, *, micro_batches: int | None = No
                              sync=sync, cluster=clus.name, device_num=n)
 
 
-def _check_plans_cluster(plans: Sequence[Any] | None, clus: Any) -> None:
-    """Every stage plan is a Plan, priced on ``clus``. The stage plans' communication and gradient sync were priced on their own cluster:
+def _check_plans(plans: Sequence[Any] | None, clus: Any, graph: Any, part: Any) -> None:
+    """Every stage plan is a Plan of its stage's graph (in stage order), priced on ``clus``.
+    The stage plans' communication and gradient sync were priced on their own cluster:
     simulating them on another would mix two clusters in one answer, so it is refused."""
     from autopar.clusters import cluster_for
     from autopar.strategies.plan import Plan
+    from autopar.strategies.stages import stage_graph
 
     for s, plan in enumerate(plans or ()):
         if not isinstance(plan, Plan):
             raise AutoParallelTypeError("plans", plans, f"every entry must be a stage's Plan, "
                                         f"{found(plan, f'[{s}]')}")
+        if plan.fingerprint != stage_graph(graph, part, s).fingerprint():
+            raise AutoParallelError("plans", f"[{s}]", f"it is not a plan of stage {s}'s "
+                                    "graph (another model, stage or boundaries)",
+                                    "Pass the stages' plans in order, with the boundaries "
+                                    "they were made with (PipelineTrainStep.plans)")
         own = cluster_for(plan, None)
         if own != clus:
             raise AutoParallelError("cluster", clus.name, f"stage {s}'s plan was priced on "
