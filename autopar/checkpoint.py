@@ -216,7 +216,7 @@ def strategy_document(plan: Plan, graph: Graph) -> dict[str, Any]:
         {"name": plan.cluster},
         "enable_alltoall": plan.enable_alltoall, "memory_weight": float(plan.memory_weight),
         "parallel_optimizer_kb": plan.parallel_optimizer_kb,
-        "current_stage": 0,
+        "current_stage": max(stages.values(), default=0),  # (a stage's file: its stage)
         "parallel_strategy_item": {
             name: {"op": n.op, "stage": int(stages.get(name, 0)),
                    "parallel_strategy": [list(e) for e in n.strategy], "splits": list(n.splits)}

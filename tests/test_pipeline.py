@@ -490,10 +490,15 @@ def test_train_step_dispatches_to_the_pipeline_and_keeps_a_strategy_file_per_sta
     assert files == ["strategy_stage0.json", "strategy_stage1.json"]
     texts = [(tmp_path / f).read_text() for f in files]
     assert json.loads(texts[0])["fingerprint"] != json.loads(texts[1])["fingerprint"]
+    for s, text in enumerate(texts):  # each stage's file says its stage, as MindSpore's (was 0)
+        doc = json.loads(text)
+        assert doc["current_stage"] == s
+        assert {e["stage"] for e in doc["parallel_strategy_item"].values()} == {s}
     with ap.auto_parallel_context(pipeline_stages=2, strategy_ckpt_load_file=str(save),
                                   **{**PIPE, "parallel_mode": "auto_parallel"}):
         again = ap.train_step(model.loss, params, tuple(batch))
     assert [str(a.nodes) for a in again.plans] == [str(b.nodes) for b in step.plans]
+    assert [a.stages for a in again.plans] == [b.stages for b in step.plans]
     assert all("loaded from" in " ".join(p.notes) for p in again.plans)
 
 

@@ -113,6 +113,7 @@ def plan_stages(graph: Graph, p: int, *, config: AutoParallelConfig, micro_batch
                               fixed=mine,
                               load_file=stage_file(config.strategy_ckpt_load_file, s),
                               save_file=stage_file(config.strategy_ckpt_save_file, s))
+            plan.stages.update(dict.fromkeys(plan.nodes, s))  # (its strategy file says so)
             plans.append(plan)
             pgs.append(_rewrite_unfused(sg, plan))
     return StagePlans(part, tuple(sgs), tuple(plans), tuple(pgs))
