@@ -64,6 +64,7 @@ from autopar.kernels.mm_reduce_scatter import (
     axis_size,
     check_array,
     check_chunks,
+    check_flag,
     ring_hops,
     ring_perm,
 )
@@ -161,11 +162,14 @@ def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: AxisName, *,
     """
     p = axis_size(axis_name)
     _validate(x, w)
+    bidirectional = check_flag("bidirectional", bidirectional)
     c = check_chunks(chunks, p)
     q = p // c
     acc = acc_dtype(x.dtype)
     ml, k = x.shape
     n = w.shape[1]
+    if ml == 0:  # empty row blocks gather to nothing
+        return jnp.zeros((0, n), x.dtype)
     if p == 1:
         return jnp.dot(x, w, preferred_element_type=acc).astype(x.dtype)
 

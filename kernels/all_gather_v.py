@@ -366,6 +366,8 @@ def allgatherv(inputs: Sequence[Any], send_counts: Sequence[int], recv_counts: S
             raise AutoParallelTypeError(f"inputs[{r}]", a, "must be a jax or numpy array")
         arrays.append(np.asarray(a))
     dtype = arrays[0].dtype
+    if dtype.kind in "USOMm":  # strings, objects, dates: no JAX array holds them
+        raise AutoParallelTypeError("inputs[0]", dtype, "dtype must be numeric or bool")
     for r, a in enumerate(arrays):
         if a.dtype != dtype:
             raise AutoParallelTypeError(f"inputs[{r}]", a.dtype,

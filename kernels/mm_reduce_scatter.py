@@ -109,6 +109,13 @@ def block_start(index: jax.Array, offset: int, p: int, size: int) -> jax.Array:
     return lax.rem(index + (offset % p), p) * size
 
 
+def check_flag(key: str, value: Any) -> bool:
+    """A kernel's on/off option: a bool (``"no"`` or None is not read as a choice)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise AutoParallelTypeError(key, value, "must be a bool")
+    return bool(value)
+
+
 def check_chunks(chunks: int | None, p: int) -> int:
     """Number of matmuls per ring: a divisor of ``p`` (default ``p``, one per block)."""
     if chunks is None:
@@ -251,6 +258,7 @@ def mm_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: AxisName, *,
     """
     p = axis_size(axis_name)
     _validate(x, w, bias, p)
+    bidirectional = check_flag("bidirectional", bidirectional)
     c = check_chunks(chunks, p)
     acc = acc_dtype(x.dtype)
     if p == 1:

@@ -187,6 +187,8 @@ def _seed_args(**changes: Any) -> dict[str, Any]:
      AutoParallelTypeError, "inputs[1]", "dtype"),
     ({"inputs": [np.zeros((2, 4), np.float16), np.zeros((3, 5), np.float16)]},
      AutoParallelError, "inputs[1].shape", "trailing dims"),
+    ({"inputs": [np.full((2, 4), "a"), np.full((3, 4), "b")]}, AutoParallelTypeError,
+     "inputs[0]", "numeric"),  # (was JAX's own TypeError)
 ])
 def test_allgatherv_errors_name_the_argument(changes: dict, exc: type, key: str,
                                              rule: str) -> None:

@@ -226,6 +226,8 @@ S = jax.ShapeDtypeStruct
     (S((8, 3), jnp.float32), S((3, 2), jnp.float32), {"chunks": 3}, AutoParallelError, "chunks"),
     (S((8, 3), jnp.float32), S((3, 2), jnp.float32), {"chunks": 2.0}, AutoParallelTypeError,
      "chunks"),
+    (S((8, 3), jnp.float32), S((3, 2), jnp.float32), {"bidirectional": "no"},
+     AutoParallelTypeError, "bidirectional"),  # (any truthy value was read as True)
 ])
 def test_mm_reduce_scatter_rejects_bad_operands(x: Any, w: Any, kw: dict, exc: type,
                                                 key: str) -> None:
@@ -295,6 +297,14 @@ def test_all_gather_matmul_rejects_bad_operands() -> None:
         _trace(all_gather_matmul, S((2, 3), jnp.float32), S((3, 5), jnp.float16))
     with pytest.raises(AutoParallelError, match="chunks"):
         _trace(all_gather_matmul, S((2, 3), jnp.float32), S((3, 5), jnp.float32), chunks=0)
+    with pytest.raises(AutoParallelTypeError, match="bidirectional"):
+        _trace(all_gather_matmul, S((2, 3), jnp.float32), S((3, 5), jnp.float32),
+               bidirectional=None)
+    # empty row blocks gather to nothing, for every chunks (the pipelined ring divided by 0)
+    for chunks in (None, 1, 2):
+        out = _trace(all_gather_matmul, S((0, 3), jnp.float32), S((3, 5), jnp.float32),
+                     chunks=chunks)
+        assert out.shape == (0, 5 * 4)
 
 
 # --------------------------------------------------------------------------- npu wrapper
