@@ -324,6 +324,16 @@ def test_bad_arguments_raise_typed_errors(ctx, kwargs, err, key):
         assert ap.get_auto_parallel_context("pipeline_stages") == before
 
 
+def test_a_scalar_batch_input_is_named_as_such():
+    """It was refused as 'batch size=0 ... does not divide'."""
+    model = small_tfm(batch=8, layers=1)
+    params, *batch = model.example_args(KEY)
+    with ap.auto_parallel_context(**(PIPE | dict(pipeline_stages=2))):
+        with pytest.raises(AutoParallelError, match="a scalar has no dim 0"):
+            pipeline_train_step(lambda p, *b: model.loss(p, *b[:-1]) * b[-1], params,
+                                (*batch, jnp.float32(2.0)))
+
+
 def test_not_callable_loss_and_bad_call_arguments(tfm_step):
     model, params, batch, step = tfm_step
     with pytest.raises(AutoParallelTypeError, match="loss_fn"):

@@ -181,8 +181,12 @@ class PipelineTrainStep(ProgramInspection):
         g, m = self.grad_accumulation_step, self.micro_batches
         parts = g * m
         for shp in self._b_shapes:
-            if not shp or shp[0] % parts:
-                raise AutoParallelError("batch size", shp[0] if shp else 0, f"must divide into "
+            if not shp:
+                raise AutoParallelError("batch", "a scalar input", "every batch input is cut "
+                                        "into micro-batches along dim 0, and a scalar has no "
+                                        "dim 0", "Pass it as a parameter or close over it")
+            if shp[0] % parts:
+                raise AutoParallelError("batch size", shp[0], f"must divide into "
                                         f"grad_accumulation_step x micro_batches = {g} x {m} "
                                         f"= {parts} equal micro-batches", f"Use a batch size "
                                         f"that is a multiple of {parts}")
