@@ -279,11 +279,7 @@ def _check_plans(plans: Sequence[Any] | None, clus: Any, graph: Any, part: Any) 
         if not isinstance(plan, Plan):
             raise AutoParallelTypeError("plans", plans, f"every entry must be a stage's Plan, "
                                         f"{found(plan, f'[{s}]')}")
-        if plan.fingerprint != stage_graph(graph, part, s).fingerprint():
-            raise AutoParallelError("plans", f"[{s}]", f"it is not a plan of stage {s}'s "
-                                    "graph (another model, stage or boundaries)",
-                                    "Pass the stages' plans in order, with the boundaries "
-                                    "they were made with (PipelineTrainStep.plans)")
+    for s, plan in enumerate(plans or ()):
         own = cluster_for(plan, None)
         if own != clus:
             raise AutoParallelError("cluster", clus.name, f"stage {s}'s plan was priced on "
@@ -291,6 +287,12 @@ def _check_plans(plans: Sequence[Any] | None, clus: Any, graph: Any, part: Any) 
                                     "sync cannot be mixed with another cluster's times",
                                     "Pass cluster=None (the plans' own), or plan the stages "
                                     "on this cluster")
+    for s, plan in enumerate(plans or ()):
+        if plan.fingerprint != stage_graph(graph, part, s).fingerprint():
+            raise AutoParallelError("plans", f"[{s}]", f"it is not a plan of stage {s}'s "
+                                    "graph (another model, stage or boundaries)",
+                                    "Pass the stages' plans in order, with the boundaries "
+                                    "they were made with (PipelineTrainStep.plans)")
 
 
 def _stage_times(graph: Any, stage_nodes: Sequence[Sequence[str]], plans: Sequence[Any] | None,
