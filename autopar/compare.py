@@ -167,8 +167,10 @@ def check_comparison_dir(out_dir: Any, key: str = "out_dir") -> None:
     if out.is_dir():
         for name in COMPARISON_FILES:
             writable_target(out / name, f"{key} ({name})")
-    elif not out.parent.is_dir():
-        raise AutoParallelError(key, str(out), "its parent is not a directory")
+        return
+    there = next(p for p in out.absolute().parents if p.exists())  # (made with its parents)
+    if not there.is_dir():
+        raise AutoParallelError(key, str(out), f"{str(there)!r} is not a directory")
 
 
 def write_comparison(rows: Sequence[ModeResult], out_dir: str | os.PathLike[str], *,

@@ -15,6 +15,7 @@ device_num=0 is invalid: must be an int in [1, 4096].
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Iterable
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "AutoParallelWarning",
     "validation_problems",
     "from_validation_problem",
+    "user_stacklevel",
 ]
 
 
@@ -129,15 +131,17 @@ class AutoParallelWarning(UserWarning):
     """A setting that is valid but has no effect, or less effect than asked, in this mode."""
 
 
-def validation_problems(err: Any) -> list[tuple[str, str, Any, str]]:
+def validation_problems(err: Any, *, steps: bool = True) -> list[tuple[str, str, Any, str]]:
     """(kind, dotted field, value found, message) of each problem of a pydantic
     ``ValidationError`` (read through its ``errors()``: this module imports no pydantic): the
     field without pydantic's own steps (``function-after[...]``, a union member such as
-    ``int`` or ``tuple[int, ...]``), the message without its ``Value error, `` prefix, the
-    value of a missing field ``'<missing>'``. The one reading of pydantic's errors."""
+    ``int`` or ``tuple[int, ...]``; ``steps=False`` keeps every part, for models whose dict
+    keys are the user's, a node named ``block[0]/dot_general_0``), the message without its
+    ``Value error, `` prefix, the value of a missing field ``'<missing>'``. The one reading
+    of pydantic's errors."""
     out = []
     for e in err.errors(include_url=False):
-        loc = ".".join(str(p) for p in e["loc"] if not _pydantic_step(str(p)))
+        loc = ".".join(str(p) for p in e["loc"] if not (steps and _pydantic_step(str(p))))
         msg = str(e["msg"]).removeprefix("Value error, ").removeprefix("Assertion failed, ")
         value = "<missing>" if e["type"] == "missing" else e.get("input", "<missing>")
         out.append((str(e["type"]), loc, value, msg))
@@ -165,3 +169,17 @@ def from_validation_problem(problems: list[tuple[str, str, Any, str]], where: st
     if kind.endswith("_type") or kind == "autopar_type":
         return AutoParallelTypeError(key, value, f"{msg}{more}")
     return AutoParallelError(key, value, f"{msg}{more}")
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning issued by this function's caller point at the
+    first frame outside autopar: the user's line, however deep inside autopar it was issued
+    (``search``, ``parallelize``, ``train_step`` and a pipelined step's stages all plan)."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and _ours(str(frame.f_globals.get("__name__", ""))):
+        level, frame = level + 1, frame.f_back
+    return level
+
+
+def _ours(module: str) -> bool:
+    return module == "autopar" or module.startswith("autopar.")

@@ -273,6 +273,6 @@ def read_json_document(path: str | os.PathLike[str], *, fmt: str, version: int, 
 
 def validation_failure(err: Any, prefix: str = "") -> tuple[str, str, Any]:
     """(dotted field, rule, value found) of a pydantic ValidationError's first error."""
-    _, field, found, msg = validation_problems(err)[0]
+    _, field, found, msg = validation_problems(err, steps=False)[0]  # (keys are node names)
     loc = ".".join([*([prefix] if prefix else []), *([field] if field else [])])
     return loc or "<root>", msg.lower(), found

@@ -49,6 +49,7 @@ from typing import Any, Literal, Mapping, Union
 import numpy as np
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError
+from autopar.graph.custom_rules import RuleBound
 from autopar.kernels.mm_reduce_scatter import ring_hops
 from autopar.parallel_graph import PNode, ParallelGraph
 from autopar.strategies.cost import CLUSTERS, Cluster, CostModel, get_cluster
@@ -159,6 +160,8 @@ def best_schedule(kind: str, p: int, cluster: str | Cluster,
 
 def _matmul_ok(node: PNode, pg: ParallelGraph) -> bool:
     if node.is_comm or node.op != "dot_general" or node.kind != "matmul":
+        return False
+    if isinstance(node.primitive, RuleBound):  # a custom rule's body: kept as re-bound
         return False
     (lc, rc), (lb, rb) = node.params["dimension_numbers"]
     lhs, rhs = (pg.values[v] for v in node.inputs)

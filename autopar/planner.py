@@ -23,7 +23,8 @@ from typing import Any, Iterator, Mapping, Sequence
 from autopar.algo import current_algo_parameters
 from autopar.checkpoint import load_plan, save_strategy
 from autopar.clusters import resolve_cluster
-from autopar.errors import AutoParallelError, AutoParallelTypeError, AutoParallelWarning
+from autopar.errors import (AutoParallelError, AutoParallelTypeError, AutoParallelWarning,
+                            user_stacklevel)
 from autopar.files import writable_target
 from autopar.graph.ir import Graph, check_strategy_shape
 from autopar.graph.ms_layout import to_strategy
@@ -101,7 +102,8 @@ def plan_graph(graph: Graph, cfg: Any, *, mode: str | None = None,
         fixed_map = {}  # (nor checked against the devices: they are not used)
     if mode is not None and pmode != "auto_parallel":
         warnings.warn(f"mode={mode!r} is only used by auto_parallel: parallel_mode={pmode!r} "
-                      "(as the context's search_mode)", AutoParallelWarning, stacklevel=3)
+                      "(as the context's search_mode)", AutoParallelWarning,
+                      stacklevel=user_stacklevel())
     settings = SearchSettings.from_config(
         cfg, parallel_mode=pmode, fully_use_devices=fully_use_devices,
         elementwise_op_strategy_follow=algo.elementwise_op_strategy_follow)
@@ -111,7 +113,7 @@ def plan_graph(graph: Graph, cfg: Any, *, mode: str | None = None,
                       f"parallel_mode={pmode!r} (the argument) ignores "
                       + " and ".join(f"{k}={v!r}" for k, v in (
                           ("strategy_ckpt_load_file", load), ("strategy_ckpt_save_file", save))
-                          if v), AutoParallelWarning, stacklevel=3)
+                          if v), AutoParallelWarning, stacklevel=user_stacklevel())
     if files and load:  # priced on the file's own cluster unless named
         plan = _load(graph, load, cfg.pipeline_stages, n,
                      None if cluster is None else resolve_cluster(cluster), fixed_map, settings)

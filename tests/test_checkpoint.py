@@ -538,3 +538,22 @@ def test_the_trimmed_file_in_the_docs_is_what_a_save_writes(tmp_path):
                                   strategy_ckpt_save_file=str(path)):
         ap.search(g, cluster="accelerator-8x")
     assert _subset(shown, json.loads(path.read_text())) == []
+
+
+def test_a_file_error_names_a_node_whose_name_has_brackets(tmp_path):
+    """errors.validation_problems dropped location parts holding '[' (pydantic's union
+    steps), and with them a node named block[0]/dot_general_0."""
+    def f(x, w):
+        with jax.named_scope("block[0]"):
+            return (x @ w).sum()
+
+    g = ap.trace(f, np.ones((8, 4), np.float32), np.ones((4, 4), np.float32))
+    path = tmp_path / "s.json"
+    with ap.auto_parallel_context(strategy_ckpt_save_file=str(path)):
+        ap.search(g)
+    doc = json.loads(path.read_text())
+    doc["parallel_strategy_item"]["block[0]/dot_general_0"]["splits"] = "bad"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(StrategyFileError) as info:
+        ap.load_strategy(path, g)
+    assert info.value.field == "parallel_strategy_item.block[0]/dot_general_0.splits"

@@ -513,6 +513,12 @@ def test_compare_checks_its_directory_before_any_work(tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
     assert main(["compare", *SMALL_MLP, "--out", str(tmp_path / "afile")]) == 2
     _one_error_line(capsys, "is not a directory")
+    assert main(["compare", *SMALL_MLP, "--out", str(tmp_path / "afile" / "sub")]) == 2
+    _one_error_line(capsys, "is not a directory")
+    nested = tmp_path / "new" / "results" / "run1"  # made with its parents, as before
+    assert main(["compare", *SMALL_MLP, "--modes", "dynamic_programming", "--out",
+                 str(nested)]) == 0
+    assert (nested / "compare.json").exists()
 
 
 def test_run_json_is_strict_json_when_the_loss_diverges(tmp_path, capsys, monkeypatch):

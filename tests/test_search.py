@@ -228,8 +228,13 @@ def test_a_mode_argument_outside_auto_parallel_warns_as_the_context_key(pmode):
     """search(mode=...) / parallelize(mode=...) were ignored silently there."""
     with ap.auto_parallel_context(parallel_mode=pmode):
         with pytest.warns(ap.AutoParallelWarning, match="mode='exact' is only used by "
-                                                        "auto_parallel"):
+                                                        "auto_parallel") as seen:
             assert ap.search(graph("mlp"), mode="exact").mode == pmode
+        m = mlp(widths=(8, 16, 8), batch=8)
+        with pytest.warns(ap.AutoParallelWarning, match="mode='exact'") as deep:
+            ap.parallelize(m.loss, *m.example_args(KEY), mode="exact")
+    # at the user's line, however deep inside autopar it was issued
+    assert {w.filename for w in [*seen, *deep] if "mode=" in str(w.message)} == {__file__}
 
 
 def test_parallel_optimizer_is_priced_in_the_memory_term(tmp_path):

@@ -463,3 +463,46 @@ def test_relu_keeps_its_derivative_rule_at_zero():
         step = ap.train_step(loss, params, (x,))
     want = numerics.reference(jax.grad(loss), params, x, jit=False)
     numerics.check(step.grads(params, x)[1], want, "gradients")
+
+
+def test_a_custom_function_no_gradient_passes_through_is_not_refused():
+    """The refusal fired on any tangent reaching the body (an integer output, a
+    stop_gradient after it): nothing is differentiated through those."""
+    m, params, x = _mlp()
+    loss = lambda p, x: jnp.mean(jax.lax.stop_gradient(_ste_round(x @ p["layer0"]["w"])) *  # noqa
+                                 (x @ p["layer0"]["w"]))
+    with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel",
+                                  gradients_mean=True):
+        step = ap.train_step(loss, params, (x,))
+    want = numerics.reference(jax.value_and_grad(loss), params, x, jit=False)
+    numerics.check(step.grads(params, x), want, "loss and gradients")
+
+
+def test_a_fused_kernel_never_carries_a_custom_rules_body():
+    """fused_kernels=True turned a custom_vjp matmul into mm_reduce_scatter, which bypassed
+    the refusal: a silently different gradient (2.63 where the rule gives 0)."""
+    mm = ap.shard(jnp.matmul, ((1, 8), (8, 1)))
+
+    @jax.custom_vjp
+    def frozen(x, w):
+        return mm(x, w)
+
+    frozen.defvjp(lambda x, w: (mm(x, w), (x, w)), lambda r, g: (g @ r[1].T,
+                                                                  jnp.zeros_like(r[1])))
+    w, x = jnp.ones((64, 16)) / 64, jnp.ones((16, 64))
+    loss = lambda w, x: jnp.sum(jnp.tanh(frozen(x, w)) ** 2)  # noqa: E731
+    with ap.auto_parallel_context(device_num=8, parallel_mode="semi_auto_parallel"):
+        step = ap.train_step(loss, w, (x,), fused_kernels=True)
+    assert not [n for n in step.parallel_graph.nodes if n.is_fused]
+    with pytest.raises(ap.AutoParallelError, match="'frozen'"):
+        step.grads(w, x)
+
+
+def test_arguments_jax_cannot_take_are_typed_errors_at_the_call():
+    """A string or date argument gave JAX's 'not a valid JAX array type' TypeError."""
+    m, params, x = _mlp()
+    with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel"):
+        f = ap.parallelize(m.loss, params, x)
+    for bad in (np.array("a"), np.datetime64("2020-01-01"), "2.0"):
+        with pytest.raises(ap.AutoParallelError, match="argument 'x'.*(dtype|shape) must"):
+            f(params, np.broadcast_to(bad, x.shape) if not isinstance(bad, str) else bad)

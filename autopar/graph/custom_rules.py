@@ -9,9 +9,10 @@ operators through :class:`RuleBound`:
 
 - ``jax.nn.relu`` (a ``custom_jvp``): its rule -- derivative 0 at 0, where the body's ``max``
   would split the tie 0.5 / 0.5 -- is applied exactly;
-- any other rule: the forward runs as traced; differentiating it raises
-  :class:`~autopar.errors.AutoParallelError` naming the function and its source line (the
-  ``pmap`` backend of ``train_step`` differentiates the user's own function).
+- any other rule: the forward runs as traced; a gradient through it (a cotangent reaching
+  its body in reverse mode) raises :class:`~autopar.errors.AutoParallelError` naming the
+  function and its source line. A gradient that does not pass through it (an integer output,
+  ``stop_gradient``) is not refused.
 
 A custom function whose body computes nothing (``custom_vjp`` of the identity, a gradient
 clip) gets one guarded ``copy_p`` node, so its output is guarded too.
@@ -80,20 +81,22 @@ class RuleBound:
         if rule == RELU and prim.name == "max" and len(args) == 2:
             return _relu_max(*args)
 
-        @jax.custom_jvp
+        @jax.custom_vjp
         def run(*xs: Any) -> Any:
             out = prim.bind(*xs, **params)
             return tuple(out) if prim.multiple_results else out
 
-        @run.defjvp
-        def _refuse(primals: tuple, tangents: tuple) -> tuple:
+        def forward(*xs: Any) -> tuple:
+            return run(*xs), None
+
+        def refuse(_: Any, cotangent: Any) -> tuple:  # traced only for a gradient through it
             raise AutoParallelError(
                 "gradient", rule, "autopar re-binds a custom_jvp / custom_vjp function's body "
                 "on split tensors and cannot apply its derivative rule; differentiating the "
                 "body instead would give another gradient", "Compute the function outside "
-                "what autopar parallelises, or train with train_step(..., backend='pmap') "
-                "under parallel_mode='data_parallel', which differentiates your function")
+                "what autopar parallelises, or write it without a custom derivative rule")
 
+        run.defvjp(forward, refuse)
         out = run(*args)
         return list(out) if prim.multiple_results else out
 

@@ -54,8 +54,14 @@ def _dtype(dtype: Any) -> tuple[str, int]:
 def traced_dtype(x: Any) -> str:
     """The dtype JAX traces ``x`` at: a 64-bit NumPy array's 32-bit one when x64 is off, a
     Python number's default (``2.0``: float32). The one rule for checking an argument's
-    dtype against the traced example's."""
-    return str(np.dtype(jax.dtypes.canonicalize_dtype(jax.dtypes.result_type(x))))
+    dtype against the traced example's. What JAX cannot take (a string, a date) is named by
+    its own dtype or type, so the comparison fails with autopar's error, not JAX's."""
+    if isinstance(x, (str, bytes)):  # (result_type would read "2.0" as a dtype name)
+        return type(x).__name__
+    try:
+        return str(np.dtype(jax.dtypes.canonicalize_dtype(jax.dtypes.result_type(x))))
+    except (TypeError, ValueError):
+        return str(getattr(x, "dtype", type(x).__name__))
 
 
 def _spec(aval: Any) -> TensorSpec:
