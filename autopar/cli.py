@@ -245,6 +245,7 @@ def _distributed(args: argparse.Namespace) -> None:
         setup_devices(args.devices // args.num_processes)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         drop_gloo_lines()
+    _probe_coordinator(args, host, int(port))
     try:  # a coordinator nobody answers at: fail in a minute, not five, and say so
         jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,
                                    process_id=args.process_id,
@@ -252,8 +253,42 @@ def _distributed(args: argparse.Namespace) -> None:
     except Exception as e:  # jax raises RuntimeError/XlaRuntimeError here
         raise CLIError(f"--coordinator {args.coordinator}: could not form the "
                        f"{args.num_processes}-process cluster within "
-                       f"{COORDINATOR_TIMEOUT_S} s ({type(e).__name__}: "
-                       f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
+                       f"{COORDINATOR_TIMEOUT_S} s ({one_line(e)})") from None
+    if jax.device_count() != args.devices:  # (another process was given other --devices)
+        raise CLIError(f"--devices {args.devices}: the {args.num_processes} processes hold "
+                       f"{jax.device_count()} devices in all; give every process the same "
+                       "--devices")
+
+
+def _probe_coordinator(args: argparse.Namespace, host: str, port: int) -> None:
+    """What XLA's client would abort the process on (it is not a Python error), said in one
+    line first: process 0 must be able to serve at HOST:PORT (not taken by another process
+    0, a resolvable address of this machine); the others wait until it answers there."""
+    import socket
+
+    where = f"--coordinator {args.coordinator}"
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except OSError as e:
+        raise CLIError(f"{where}: cannot resolve {host!r} ({e})") from None
+    if args.process_id == 0:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                raise CLIError(f"{where}: process 0 cannot serve there ({e.strerror or e}; "
+                               "is another process 0 running?)") from None
+        return
+    deadline = time.monotonic() + COORDINATOR_TIMEOUT_S
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=2).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise CLIError(f"{where}: no coordinator answered within "
+                               f"{COORDINATOR_TIMEOUT_S} s (is process 0 running?)") from None
+            time.sleep(0.5)
 
 
 def _global_numpy(tree: Any) -> Any:
@@ -267,15 +302,19 @@ def _global_numpy(tree: Any) -> Any:
     return jax.tree.map(np.asarray, tree)
 
 
+def _run_arguments(args: argparse.Namespace) -> None:
+    """run's checks that need no device: before a multi-process run joins its cluster."""
+    _check_plan_files(args)
+    _outputs_first(("--json", args.json), ("--save", args.save),
+                   inputs=(("--load", args.load), ("--cluster", args.cluster)))
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     import jax
     import numpy as np
 
     import autopar as ap
 
-    _check_plan_files(args)
-    _outputs_first(("--json", args.json), ("--save", args.save),
-                   inputs=(("--load", args.load), ("--cluster", args.cluster)))
     fn, ex, desc = load_model(args.model, parse_options(args.option), concrete=True)
     if not ex:
         raise CLIError(f"--model {args.model!r}: run trains fn(params, *batch): the example "
@@ -569,6 +608,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if args.func is cmd_run:
+            _run_arguments(args)  # before joining: a bad flag fails here, not its peers
             _distributed(args)
         else:  # the plans are for --devices devices: emulate them (CPU), as a run would
             setup_devices(getattr(args, "devices", 8))

@@ -90,7 +90,8 @@ def broadcast_parameters(params: Any, mesh: Mesh | None = None) -> Any:
 
     A leaf whose per-device copies differ (e.g. built with
     ``jax.make_array_from_single_device_arrays``) comes back equal to rank 0's copy on every
-    device; a split leaf is gathered whole first. ``mesh`` defaults to the first
+    device; a split leaf is gathered whole first. Under ``jax.distributed`` each process's
+    host values are replaced by process 0's (every process calls this, as a collective). ``mesh`` defaults to the first
     ``device_num`` devices of the current context.
     """
     if mesh is None:
@@ -109,6 +110,10 @@ def broadcast_parameters(params: Any, mesh: Mesh | None = None) -> Any:
                     break
         if value is None:
             value = np.asarray(x)
+        if jax.process_count() > 1:  # each process's host value: process 0's for all
+            from jax.experimental import multihost_utils
+
+            value = np.asarray(multihost_utils.broadcast_one_to_all(value))
         return jax.device_put(value, target)
 
     return jax.tree.map(one, params)

@@ -434,6 +434,10 @@ class TrainStep(ProgramInspection):
             raise AutoParallelError("backend", "pmap", "the pmap lowering runs "
                                     f"parallel_mode='data_parallel' only (got "
                                     f"{self.parallel_mode!r})", "Use backend='shard_map'")
+        if jax.process_count() > 1:
+            raise AutoParallelError("backend", "pmap", "the pmap lowering runs in one process "
+                                    f"(this is one of {jax.process_count()} under "
+                                    "jax.distributed)", "Use backend='shard_map'")
         if any(self._sharded):
             raise AutoParallelError("backend", "pmap", "the pmap lowering does not run the "
                                     "parallel optimizer (enable_parallel_optimizer=True shards "

@@ -93,3 +93,77 @@ def test_two_processes_equal_one_process(tmp_path):
     assert "-> OK" not in outs[1].stdout and "train steps" not in outs[1].stderr
     for out in outs:  # gloo's per-communicator connection reports are filtered out of stdout
         assert "Gloo" not in out.stdout and "peer ranks" not in out.stdout, out.stdout
+
+
+_WORKER = r"""
+import json, sys
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.config.update("jax_num_cpu_devices", 4)
+jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+import numpy as np, autopar as ap
+from jax.experimental import multihost_utils
+rank = jax.process_index()
+params = {"w": np.full((8, 4), 1.0 + rank, np.float32)}  # each process its own values
+x = np.ones((16, 8), np.float32)
+loss = lambda p, x: (x @ p["w"]).sum()
+out = {}
+with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel",
+                              parameter_broadcast=True):
+    step = ap.train_step(loss, params, (x,))
+    held = multihost_utils.process_allgather(step.prepare(params)["w"], tiled=True)
+    out["w"] = sorted(set(np.asarray(held).ravel().tolist()))
+    try:
+        ap.train_step(loss, params, (x,), backend="pmap")
+        out["pmap"] = "built"
+    except ap.AutoParallelError as e:
+        out["pmap"] = str(e)
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_parameter_broadcast_and_pmap_across_processes(tmp_path):
+    """parameter_broadcast=True gave each process's own host values to its devices (JAX then
+    refused them as differing); the pmap backend under jax.distributed raised JAX's
+    ValueError. Now process 0's values everywhere, and a typed error naming shard_map."""
+    script = tmp_path / "worker.py"
+    script.write_text(_WORKER)
+    where = f"127.0.0.1:{_free_port()}"
+    procs = [subprocess.Popen([sys.executable, str(script), where, str(i)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=TIMEOUT) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for (out, err), p in zip(outs, procs):
+        assert p.returncode == 0, err[-3000:]
+        res = json.loads(out.split("RESULT ", 1)[1])
+        assert res["w"] == [1.0]  # process 0's value on every device of both processes
+        assert "runs in one process" in res["pmap"] and "shard_map" in res["pmap"]
+
+
+def test_a_coordinator_problem_is_one_line_before_xla_would_abort(monkeypatch):
+    """XLA's client aborts the process (SIGABRT, a C++ stack) when no coordinator answers, the
+    port is taken or the host does not resolve; the CLI says it in one line first."""
+    import argparse
+
+    from autopar import cli
+    from autopar.cli_util import CLIError
+
+    monkeypatch.setattr(cli, "COORDINATOR_TIMEOUT_S", 1)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = argparse.Namespace(coordinator=f"127.0.0.1:{port}", process_id=0)
+        with pytest.raises(CLIError, match="process 0 cannot serve there"):
+            cli._probe_coordinator(args, "127.0.0.1", port)
+    free = _free_port()
+    args = argparse.Namespace(coordinator=f"127.0.0.1:{free}", process_id=1)
+    with pytest.raises(CLIError, match="no coordinator answered within 1 s"):
+        cli._probe_coordinator(args, "127.0.0.1", free)
+    args = argparse.Namespace(coordinator="nosuchhost.invalid:1", process_id=1)
+    with pytest.raises(CLIError, match="cannot resolve"):
+        cli._probe_coordinator(args, "nosuchhost.invalid", 1)
