@@ -450,6 +450,23 @@ def test_a_custom_derivative_rule_is_never_silently_replaced(inner, name):
                 grads()
 
 
+@pytest.mark.parametrize("act", [
+    lambda h: optax.sigmoid_binary_cross_entropy(h, jnp.ones_like(h)),  # logaddexp inside
+    jax.nn.softplus, jax.nn.mish, lambda h: jax.nn.relu6(h * 10), jax.nn.hard_swish],
+    ids=["sigmoid_bce", "softplus", "mish", "relu6", "hard_swish"])
+def test_jaxs_own_custom_jvp_functions_train_exactly(act):
+    """JAX's own custom_jvp functions (logaddexp, relu6) were refused along with the user's:
+    their rules are their bodies' derivative (relu6's ties: applied exactly)."""
+    m, params, x = _mlp()
+    x = x.at[8:].set(0.0)  # (rows at relu6's kink)
+    loss = lambda p, x: jnp.mean(act(x @ p["layer0"]["w"]))  # noqa: E731
+    with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel",
+                                  gradients_mean=True):
+        step = ap.train_step(loss, params, (x,))
+    want = numerics.reference(jax.value_and_grad(loss), params, x, jit=False)
+    numerics.check(step.grads(params, x), want, "loss and gradients")
+
+
 def test_relu_keeps_its_derivative_rule_at_zero():
     """jax.nn.relu's custom_jvp gives 0 at 0; the inlined max split the tie 0.5 / 0.5 (a
     zero bias on rows of zeros: the bias gradient was off by 0.22)."""

@@ -7,12 +7,16 @@ rule: another gradient, silently (a straight-through estimator's ``round`` gives
 gradient clip written with ``custom_vjp`` is ignored). So the tracer re-binds the body's
 operators through :class:`RuleBound`:
 
-- ``jax.nn.relu`` (a ``custom_jvp``): its rule -- derivative 0 at 0, where the body's ``max``
-  would split the tie 0.5 / 0.5 -- is applied exactly;
-- any other rule: the forward runs as traced; a gradient through it (a cotangent reaching
-  its body in reverse mode) raises :class:`~autopar.errors.AutoParallelError` naming the
-  function and its source line. A gradient that does not pass through it (an integer output,
-  ``stop_gradient``) is not refused.
+- ``jax.nn.relu`` and ``relu6`` (``custom_jvp``): their rule -- derivative 0 at the kinks,
+  where the body's ``max`` / ``min`` would split the tie 0.5 / 0.5 -- is applied exactly;
+- JAX's other own ``custom_jvp`` functions (``logaddexp`` inside ``softplus``,
+  ``log_sigmoid`` and optax's sigmoid cross-entropy; ``xlogy``, ``logit``, ``sinc``) are
+  inlined plainly: their rules exist for infinities and single points (x = 0), and their
+  body's derivative is theirs everywhere else;
+- any other rule (the user's): the forward runs as traced; a gradient through it (a cotangent
+  reaching its body in reverse mode) raises :class:`~autopar.errors.AutoParallelError` naming
+  the function and its source line. A gradient that does not pass through it (an integer
+  output, ``stop_gradient``) is not refused.
 
 A custom function whose body computes nothing (``custom_vjp`` of the identity, a gradient
 clip) gets one guarded ``copy_p`` node, so its output is guarded too.
@@ -28,36 +32,55 @@ from jax import lax
 
 from autopar.errors import AutoParallelError
 
-__all__ = ["RULE_PRIMITIVES", "RELU", "RuleBound", "rule_of"]
+__all__ = ["RULE_PRIMITIVES", "TIES_TO_CONSTANT", "RuleBound", "rule_of"]
 
 #: the primitives that carry a custom derivative rule around an inlined body
 RULE_PRIMITIVES = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
-#: :func:`rule_of` for ``jax.nn.relu``, whose rule autopar applies
-RELU = "relu"
+#: :func:`rule_of` for ``jax.nn.relu`` / ``relu6``: a tie of their ``max`` / ``min`` with
+#: the constant goes to the constant (derivative 0 at the kink)
+TIES_TO_CONSTANT = "ties to the constant"
 
 
-def rule_of(eqn: Any, source: str) -> str:
-    """:data:`RELU` for ``jax.nn.relu``'s ``custom_jvp``, else what to name in the error: the
+def rule_of(eqn: Any, source: str) -> str | None:
+    """:data:`TIES_TO_CONSTANT` for ``jax.nn.relu`` / ``relu6``; None for JAX's other own
+    ``custom_jvp`` functions (inlined plainly); else what to name in the error: the
     function, its kind and the user's source line."""
     body = eqn.params.get("call_jaxpr")
     info = getattr(getattr(body, "jaxpr", None), "debug_info", None)
     name = getattr(info, "func_name", None) or "a function"
-    where = str(getattr(info, "func_src_info", "") or "")
-    if eqn.primitive.name == "custom_jvp_call" and name == "relu" and "/jax/_src/nn/" in where:
-        return RELU
-    kind = "custom_jvp" if eqn.primitive.name == "custom_jvp_call" else "custom_vjp"
+    where = str(getattr(info, "func_src_info", "") or "").replace("\\", "/")
+    jvp = eqn.primitive.name == "custom_jvp_call"
+    if jvp and name in ("relu", "relu6") and "/jax/_src/nn/" in where:
+        return TIES_TO_CONSTANT
+    if jvp and "/jax/_src/" in where:
+        return None
+    kind = "custom_jvp" if jvp else "custom_vjp"
     return f"{name!r} (a jax.{kind} function, called at {source})"
 
 
 @jax.custom_jvp
-def _relu_max(x: Any, zero: Any) -> Any:
-    return lax.max(x, zero)
+def _max_ties_to_second(x: Any, c: Any) -> Any:
+    return lax.max(x, c)
 
 
-@_relu_max.defjvp
-def _relu_max_jvp(primals: tuple, tangents: tuple) -> tuple:
-    (x, zero), (tx, tz) = primals, tangents
-    return lax.max(x, zero), jnp.where(x > zero, tx, tz)  # jax.nn.relu: 0 at the tie
+@_max_ties_to_second.defjvp
+def _max_jvp(primals: tuple, tangents: tuple) -> tuple:
+    (x, c), (tx, tc) = primals, tangents
+    return lax.max(x, c), jnp.where(x > c, tx, tc)
+
+
+@jax.custom_jvp
+def _min_ties_to_second(x: Any, c: Any) -> Any:
+    return lax.min(x, c)
+
+
+@_min_ties_to_second.defjvp
+def _min_jvp(primals: tuple, tangents: tuple) -> tuple:
+    (x, c), (tx, tc) = primals, tangents
+    return lax.min(x, c), jnp.where(x < c, tx, tc)
+
+
+_TIES = {"max": _max_ties_to_second, "min": _min_ties_to_second}
 
 
 class RuleBound:
@@ -78,8 +101,10 @@ class RuleBound:
 
     def bind(self, *args: Any, **params: Any) -> Any:
         prim, rule = self.primitive, self.rule
-        if rule == RELU and prim.name == "max" and len(args) == 2:
-            return _relu_max(*args)
+        if rule == TIES_TO_CONSTANT:  # (anything else in relu's body: as traced)
+            if prim.name in _TIES and len(args) == 2:
+                return _TIES[prim.name](*args)
+            return prim.bind(*args, **params)
 
         @jax.custom_vjp
         def run(*xs: Any) -> Any:
