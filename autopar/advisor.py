@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -347,6 +347,8 @@ def compare_splits(graph: Any, plan: Any = None, *, cluster: Any = None,
         "pytorch_ddp_1+25MiB": buckets_pytorch_ddp(grads),
         "horovod_128MB": horovod_buckets(model),
     }
+    if extra is not None and not isinstance(extra, Mapping):
+        raise AutoParallelTypeError("extra", extra, "a mapping of name -> GradientBuckets")
     for name, b in (extra or {}).items():
         if not isinstance(b, GradientBuckets):
             raise AutoParallelTypeError("extra", b, "values must be GradientBuckets")

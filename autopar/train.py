@@ -76,7 +76,7 @@ from autopar.context import current_config
 from autopar.planner import saves_on_success
 from autopar.resolve import resolve_context
 from autopar.errors import AutoParallelError
-from autopar.fusion import GradientBuckets, gradient_buckets
+from autopar.fusion import GradientBuckets, buckets_from_ends, gradient_buckets
 from autopar.grad_sync import (LOW_PRECISION, METHODS, data_parallel_degree, fp32_sync_active,
                                gradient_scale, replicated_axes, sync_gradients, sync_groups,
                                sync_point, sync_sites)
@@ -230,8 +230,11 @@ class TrainStep(ProgramInspection):
 
         ar = [n for n in order if not self._sharded[pos[n]]]
         rs = [n for n in order if self._sharded[pos[n]]]
+        full = buckets("allreduce", order) if rs else None  # (index splits count every one)
         self.buckets: dict[str, GradientBuckets | None] = {
-            "allreduce": buckets("allreduce", ar), "reducescatter": buckets("reducescatter", rs),
+            "allreduce": _index_over(full, ar) if full is not None and full.mode in (
+                "index", "hccl_index") else buckets("allreduce", ar),
+            "reducescatter": buckets("reducescatter", rs),
             "allgather": buckets("allgather", rs[::-1])}
         self._bucket_idx = {k: ([[pos[n] for n in bk.gradients] for bk in b] if b else [])
                             for k, b in self.buckets.items()}
@@ -548,6 +551,25 @@ class TrainStep(ProgramInspection):
         return (f"TrainStep({getattr(self.loss_fn, '__name__', 'fn')!r}, {self.plan.mode}, "
                 f"{self.device_num} devices, backend={self.backend}, dp="
                 f"{self.data_parallel_degree}, grad_scale={self.grad_scale})")
+
+
+def _index_over(full: GradientBuckets, members: list[str]) -> GradientBuckets | None:
+    """The all-reduce buckets of ``members`` (the gradients the parallel optimizer leaves to
+    all-reduce) under index splits made for every gradient: MindSpore's and HCCL's indices
+    count the whole backward order (docs/fusion.md), so the buckets are cut there and keep
+    only their members."""
+    if not members:
+        return None
+    ends, count = [], 0
+    keep = set(members)
+    for b in full.buckets:
+        count += sum(1 for g in b.gradients if g in keep)
+        if count and (not ends or ends[-1] != count):
+            ends.append(count)
+    gs = [(g.name, g.nbytes) for g in full.gradients if g.name in keep]
+    return buckets_from_ends(gs, ends, kind=full.kind, mode=full.mode,
+                             source=f"{full.source}, over the whole backward order; the "
+                             "parallel optimizer's sharded gradients left out")
 
 
 def _micro_batch(batch: tuple[Any, ...], g: int) -> tuple[Any, ...]:

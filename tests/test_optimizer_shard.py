@@ -341,3 +341,27 @@ def test_pipelined_step_refuses_another_shard_size():
                                   optimizer_weight_shard_size=2):
         with pytest.raises(ap.AutoParallelError, match="optimizer_weight_shard_size"):
             ap.train_step(m.loss, params, (x,))
+
+
+@pytest.mark.parametrize("config, want", [
+    ([2], [("params/layer2/b",), ("params/layer1/b", "params/layer0/b")]),
+    ([2, 5], [("params/layer2/b",), ("params/layer1/b", "params/layer0/b")]),
+    ([1], [("params/layer2/b",), ("params/layer1/b", "params/layer0/b")]),
+])
+def test_fusion_indices_count_every_gradient_under_the_parallel_optimizer(config, want):
+    """all_reduce_fusion_config indices count the whole backward order (docs/fusion.md); the
+    step re-indexed only the gradients left to all-reduce ([2] split before layer0/b, and
+    [2, 5] was refused as past 3 gradients)."""
+    from autopar.models import mlp
+
+    m = mlp(widths=(16, 64, 64, 16), batch=16)
+    params, x = m.example_args(jax.random.key(0))
+    with ap.auto_parallel_context(device_num=8, parallel_mode="semi_auto_parallel",
+                                  gradients_mean=True, enable_parallel_optimizer=True,
+                                  parallel_optimizer_config={"parallel_optimizer_threshold": 1},
+                                  all_reduce_fusion_config=config):
+        step = ap.train_step(m.loss, params, (x,))
+        full = ap.simulation.gradient_buckets(ap.trace(m.loss, params, x))
+    assert [b.gradients for b in step.buckets["allreduce"]] == want
+    assert [[g for g in b.gradients if g.endswith("/b")] for b in full] == [
+        list(w) for w in want] + [[]] * (len(full) - len(want))

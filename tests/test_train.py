@@ -432,8 +432,13 @@ def _ste_round(x):
 _ste_round.defjvp(lambda p, t: (_ste_round(p[0]), t[0]))
 
 
+_rint = jax.custom_jvp(jnp.rint)  # a user's rule around JAX's own function
+_rint.defjvp(lambda p, t: (jnp.rint(p[0]), t[0]))
+
+
 @pytest.mark.parametrize("inner, name", [(_clip_gradient, "_clip_gradient"),
-                                         (lambda h: _ste_round(h * 4.0) / 4.0, "_ste_round")])
+                                         (lambda h: _ste_round(h * 4.0) / 4.0, "_ste_round"),
+                                         (lambda h: _rint(h * 4.0) / 4.0, "rint")])
 def test_a_custom_derivative_rule_is_never_silently_replaced(inner, name):
     """The tracer inlines a custom_jvp / custom_vjp body; the sharded step differentiated the
     body (round's 0, an ignored clip): max|dw1| 13.25 against jax.grad's 0.019. The forward

@@ -48,14 +48,21 @@ def rule_of(eqn: Any, source: str) -> str | None:
     body = eqn.params.get("call_jaxpr")
     info = getattr(getattr(body, "jaxpr", None), "debug_info", None)
     name = getattr(info, "func_name", None) or "a function"
-    where = str(getattr(info, "func_src_info", "") or "").replace("\\", "/")
     jvp = eqn.primitive.name == "custom_jvp_call"
-    if jvp and name in ("relu", "relu6") and "/jax/_src/nn/" in where:
+    # JAX's own: its function and its rule both in JAX's sources (a user's custom_jvp around
+    # jnp.rint or jax.nn.relu has its rule in the user's file)
+    ours = jvp and all("/jax/_src/" in _source_of(x) for x in (
+        info, getattr(eqn.params.get("jvp_jaxpr_fun"), "debug_info", None)))
+    if ours and name in ("relu", "relu6") and "/jax/_src/nn/" in _source_of(info):
         return TIES_TO_CONSTANT
-    if jvp and "/jax/_src/" in where:
+    if ours:
         return None
     kind = "custom_jvp" if jvp else "custom_vjp"
     return f"{name!r} (a jax.{kind} function, called at {source})"
+
+
+def _source_of(info: Any) -> str:
+    return str(getattr(info, "func_src_info", "") or "").replace("\\", "/")
 
 
 @jax.custom_jvp
