@@ -428,6 +428,9 @@ def test_auto_parallel_stages_get_their_own_tensor_parallel_plans():
     assert sim(list(step.plans)).iteration_time > 0
     with pytest.raises(AutoParallelError, match="not a plan of stage 0"):
         sim(list(step.plans)[::-1])
+    # other micro-batches: the stages are the plans' (a search there may cut elsewhere)
+    assert simulate_pipeline(step.graph, 2, micro_batches=8, device_num=8,
+                             plans=list(step.plans)).iteration_time > 0
 
 
 @functools.lru_cache(maxsize=None)

@@ -283,6 +283,8 @@ def test_round_percentages_and_horovod():
     (lambda g: ap.simulation.plot_timeline("trace", "x.png"), ap.AutoParallelTypeError, "IterationTrace"),
     (lambda g: ap.simulation.compare_splits(g, device_num=8, extra={"x": [1]}), ap.AutoParallelTypeError,
      "GradientBuckets"),
+    (lambda g: ap.simulation.compare_splits(g, device_num=8, extra=[1]), ap.AutoParallelTypeError,
+     "extra"),  # (was AttributeError: 'list' object has no attribute 'items')
     (lambda g: horovod_buckets([("a", 1)], [0.0, 1.0]), ap.AutoParallelError, "ready"),
 ])
 def test_bad_inputs_raise_typed_errors(resnet, call, exc, match):

@@ -255,6 +255,10 @@ def simulate_pipeline(graph: Any, stages: int, *, micro_batches: int | None = No
                        cluster)
     part = partition_stages(graph, stages, boundaries=boundaries, device_num=n,
                             micro_batches=m, cluster=clus)
+    cuts = _cuts_of(graph, part, plans) if boundaries is None else None
+    if cuts is not None and cuts != part.cuts:  # the plans' stages: where they were cut
+        part = partition_stages(graph, stages, boundaries=list(cuts), device_num=n,
+                                micro_batches=m, cluster=clus)
     cm = CostModel(clus)
     d = n // stages
     if plans is not None and (not isinstance(plans, (list, tuple)) or len(plans) != stages):
@@ -265,6 +269,20 @@ def simulate_pipeline(graph: Any, stages: int, *, micro_batches: int | None = No
     sends = [send_time(b, cm, d) for b in part.crossing_bytes]
     return simulate_schedule(fwd, bwd, micro_batches=m, schedule=schedule, sends=sends,
                              sync=sync, cluster=clus.name, device_num=n)
+
+
+def _cuts_of(graph: Any, part: Any, plans: Any) -> tuple[int, ...] | None:
+    """The unit index where each stage plan after the first begins (the boundaries the plans
+    were made with; a search at other micro-batches may cut elsewhere), or None when the
+    plans do not say (not plans, their first nodes not unit starts)."""
+    if not isinstance(plans, (list, tuple)) or len(plans) != part.stages or not all(
+            hasattr(p, "nodes") and p.nodes for p in plans):
+        return None
+    index = {nd.name: i for i, nd in enumerate(graph.nodes)}
+    starts = {u.start: u.index for u in part.units}
+    firsts = [min((index.get(n, -1) for n in p.nodes), default=-1) for p in plans[1:]]
+    cuts = tuple(starts.get(f, -1) for f in firsts)
+    return cuts if all(c > 0 for c in cuts) and list(cuts) == sorted(set(cuts)) else None
 
 
 def _check_plans(plans: Sequence[Any] | None, clus: Any, graph: Any, part: Any) -> None:
