@@ -65,29 +65,22 @@ def _source_of(info: Any) -> str:
     return str(getattr(info, "func_src_info", "") or "").replace("\\", "/")
 
 
-@jax.custom_jvp
-def _max_ties_to_second(x: Any, c: Any) -> Any:
-    return lax.max(x, c)
+def _ties_to_second(op: Any, wins: Any) -> Any:
+    """``op(x, c)`` (max / min) whose derivative at a tie goes to ``c``: ``x``'s tangent
+    where ``wins(x, c)``, else ``c``'s (a constant's: 0)."""
+    @jax.custom_jvp
+    def f(x: Any, c: Any) -> Any:
+        return op(x, c)
+
+    @f.defjvp
+    def _jvp(primals: tuple, tangents: tuple) -> tuple:
+        (x, c), (tx, tc) = primals, tangents
+        return op(x, c), jnp.where(wins(x, c), tx, tc)
+
+    return f
 
 
-@_max_ties_to_second.defjvp
-def _max_jvp(primals: tuple, tangents: tuple) -> tuple:
-    (x, c), (tx, tc) = primals, tangents
-    return lax.max(x, c), jnp.where(x > c, tx, tc)
-
-
-@jax.custom_jvp
-def _min_ties_to_second(x: Any, c: Any) -> Any:
-    return lax.min(x, c)
-
-
-@_min_ties_to_second.defjvp
-def _min_jvp(primals: tuple, tangents: tuple) -> tuple:
-    (x, c), (tx, tc) = primals, tangents
-    return lax.min(x, c), jnp.where(x < c, tx, tc)
-
-
-_TIES = {"max": _max_ties_to_second, "min": _min_ties_to_second}
+_TIES = {"max": _ties_to_second(lax.max, lax.gt), "min": _ties_to_second(lax.min, lax.lt)}
 
 
 class RuleBound:
