@@ -455,6 +455,17 @@ def test_a_custom_derivative_rule_is_never_silently_replaced(inner, name):
                 grads()
 
 
+def _dp_grads_match(loss, params, x, fn=jax.value_and_grad):
+    """A data-parallel step's loss and gradients (or gradients, ``fn=jax.grad``) against the
+    float64 reference of ``fn(loss)``."""
+    with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel",
+                                  gradients_mean=True):
+        step = ap.train_step(loss, params, (x,))
+    got = step.grads(params, x)
+    want = numerics.reference(fn(loss), params, x, jit=False)
+    numerics.check(got if fn is jax.value_and_grad else got[1], want, "gradients")
+
+
 @pytest.mark.parametrize("act", [
     lambda h: optax.sigmoid_binary_cross_entropy(h, jnp.ones_like(h)),  # logaddexp inside
     jax.nn.softplus, jax.nn.mish, lambda h: jax.nn.relu6(h * 10), jax.nn.hard_swish],
@@ -465,11 +476,7 @@ def test_jaxs_own_custom_jvp_functions_train_exactly(act):
     m, params, x = _mlp()
     x = x.at[8:].set(0.0)  # (rows at relu6's kink)
     loss = lambda p, x: jnp.mean(act(x @ p["layer0"]["w"]))  # noqa: E731
-    with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel",
-                                  gradients_mean=True):
-        step = ap.train_step(loss, params, (x,))
-    want = numerics.reference(jax.value_and_grad(loss), params, x, jit=False)
-    numerics.check(step.grads(params, x), want, "loss and gradients")
+    _dp_grads_match(loss, params, x)
 
 
 def test_relu_keeps_its_derivative_rule_at_zero():
@@ -480,11 +487,7 @@ def test_relu_keeps_its_derivative_rule_at_zero():
     params = jax.tree.map(jnp.zeros_like, params) | {"layer0": {
         "w": params["layer0"]["w"], "b": jnp.zeros_like(params["layer0"]["b"])}}
     loss = lambda p, x: jnp.sum(jax.nn.relu(x @ p["layer0"]["w"] + p["layer0"]["b"]))  # noqa
-    with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel",
-                                  gradients_mean=True):
-        step = ap.train_step(loss, params, (x,))
-    want = numerics.reference(jax.grad(loss), params, x, jit=False)
-    numerics.check(step.grads(params, x)[1], want, "gradients")
+    _dp_grads_match(loss, params, x, fn=jax.grad)
 
 
 def test_a_custom_function_no_gradient_passes_through_is_not_refused():
@@ -493,11 +496,7 @@ def test_a_custom_function_no_gradient_passes_through_is_not_refused():
     m, params, x = _mlp()
     loss = lambda p, x: jnp.mean(jax.lax.stop_gradient(_ste_round(x @ p["layer0"]["w"])) *  # noqa
                                  (x @ p["layer0"]["w"]))
-    with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel",
-                                  gradients_mean=True):
-        step = ap.train_step(loss, params, (x,))
-    want = numerics.reference(jax.value_and_grad(loss), params, x, jit=False)
-    numerics.check(step.grads(params, x), want, "loss and gradients")
+    _dp_grads_match(loss, params, x)
 
 
 def test_a_fused_kernel_never_carries_a_custom_rules_body():
