@@ -1,9 +1,11 @@
 """Bucketed gradient synchronisation inside ``jax.shard_map``: one collective per bucket.
 
 A training step computes each device's local gradients with ``jax.vjp`` inside the
-``shard_map`` program; a gradient is *partial* over every mesh axis on which its parameter is
-replicated (its **sync axes**: the data-parallel axes of that parameter, plus any axis its
-computation is repeated on) and must be summed over them. :func:`sync_gradients` does that
+``shard_map`` program; a gradient is *partial* over the mesh axes on which its parameter is
+replicated (:func:`replicated_axes`: the data-parallel axes of that parameter, plus any axis
+its computation is repeated on, less those over which the training step finds it the same on
+every device, :mod:`autopar.cotangents`; what is left are its **sync axes**) and must be summed
+over them. :func:`sync_gradients` does that
 sum in the buckets of :mod:`autopar.fusion`:
 
 - **one collective per bucket and sync-axes group.** A bucket is a contiguous run of the

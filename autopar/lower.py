@@ -54,6 +54,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 
+from autopar.cotangents import alike_axes
 from autopar.errors import AutoparError, AutoParallelError, AutoParallelTypeError
 from autopar.graph.ops import OPERATORS
 from autopar.graph.tracer import traced_dtype
@@ -63,7 +64,7 @@ from autopar.strategies.layout import DeviceMesh, axis_name, jax_mesh
 from autopar.strategies.redistribution import STEP_KINDS, Step
 
 __all__ = ["lower", "LoweredFunction", "jax_mesh", "user_mesh", "apply_step", "block_index",
-           "final_psum", "replicated_tails", "STEP_LOWERING"]
+           "psum_alike", "alike_psums", "STEP_LOWERING"]
 
 
 # ---------------------------------------------------------------------------- mesh
@@ -238,41 +239,20 @@ def _read(env: dict[str, Any], pg: ParallelGraph, v: str) -> Any:
     return jnp.asarray(val.data, dtype=val.spec.dtype)
 
 
-def replicated_tails(pg: ParallelGraph) -> frozenset[str]:
-    """AllReduce nodes from whose output on every value is replicated (e.g. the loss sum)."""
-    consumers: dict[str, list[PNode]] = {}
-    for node in pg.nodes:
-        for v in node.inputs:
-            consumers.setdefault(v, []).append(node)
-    out = set()
-    for node in pg.nodes:
-        if node.step is None or node.step.kind != "all_reduce":
-            continue
-        todo, seen, ok = list(node.outputs), set(), True
-        while todo and ok:
-            v = todo.pop()
-            if v in seen:
-                continue
-            seen.add(v)
-            ok = not pg.values[v].layout.used_axes()
-            for c in consumers.get(v, []):
-                todo.extend(c.outputs)
-        if ok:
-            out.add(node.name)
-    return frozenset(out)
+def psum_alike(axes: tuple[str, ...], alike: frozenset[str], mesh: DeviceMesh
+               ) -> Callable[[Any], Any]:
+    """AllReduce over ``axes`` of a value whose cotangent is the same on every device along
+    the axes ``alike`` (:func:`autopar.cotangents.alike_axes`): its transpose sums over the
+    step's other axes only and multiplies by the size of these, instead of communicating.
 
-
-def final_psum(axes: tuple[str, ...], size: int) -> Callable[[Any], Any]:
-    """AllReduce of a value everything after which is replicated, whose transpose needs no
-    communication.
-
-    Under ``check_vma=False`` the transpose of ``shard_map`` hands every device the same
-    cotangent ``ct / device_num`` of a replicated output; ``lax.psum``'s transpose would be
-    a second AllReduce (a sync point at the start of the backward) giving
-    ``ct * size / device_num``. The cotangent being equal on every device, ``ct * size`` is
-    that result, computed locally.
+    Under ``check_vma=False`` ``lax.psum``'s transpose is a second AllReduce of the
+    cotangent over all ``axes`` (a sync point in backward); summing equal values over an axis
+    is multiplying by its size, computed locally. The loss's own final AllReduce (everything
+    after it replicated) needs no communication in backward at all.
     """
     name = axis_name(axes)
+    rest = tuple(a for a in axes if a not in alike)
+    size = mesh.size_of(tuple(a for a in axes if a in alike))
 
     @jax.custom_vjp
     def psum(x: Any) -> Any:
@@ -282,10 +262,27 @@ def final_psum(axes: tuple[str, ...], size: int) -> Callable[[Any], Any]:
         return lax.psum(x, name), None
 
     def bwd(_: None, ct: Any) -> tuple[Any]:
+        ct = lax.psum(ct, axis_name(rest)) if rest else ct
         return (ct * size,)
 
     psum.defvjp(fwd, bwd)
     return psum
+
+
+def alike_psums(pg: ParallelGraph) -> Callable[[PNode, Any], Any]:
+    """The ``run_step`` of :func:`run_body` for a program differentiated under
+    ``check_vma=False``: each AllReduce whose output's cotangent is alike over some of its
+    axes (:func:`autopar.cotangents.alike_axes`) runs as :func:`psum_alike`; every other
+    node keeps its default (None)."""
+    alike = alike_axes(pg)
+    partly = {n.name: alike[n.outputs[0]] & frozenset(n.step.axes) for n in pg.nodes
+              if n.step is not None and n.step.kind == "all_reduce"}
+
+    def run_step(node: PNode, x: Any) -> Any:
+        if partly.get(node.name):
+            return psum_alike(node.step.axes, partly[node.name], pg.mesh)(x)  # type: ignore
+        return None
+    return run_step
 
 
 def run_body(pg: ParallelGraph, *flat: Any,
@@ -341,17 +338,12 @@ class LoweredFunction:
         # transposes to nothing. all_gather_matmul's ring result is the same on every device
         # but typed varying (no invarying cast exists), so programs using it run with
         # check_vma=False, where the transpose all-reduces every replicated input's gradient
-        # and the final AllReduce is differentiated locally (final_psum).
+        # and AllReduces whose cotangent is alike over their axes (the final one) are
+        # differentiated locally (psum_alike).
         # An adapter's gathered outputs are replicated but typed varying: check_vma=False too.
         self.vma = adapter is None and not any(n.op == "all_gather_matmul"
                                                for n in pg.fused_nodes())
-        tails = frozenset() if self.vma else replicated_tails(pg)
-
-        def final_step(node: PNode, x: Any) -> Any:
-            st = node.step
-            if node.name in tails and st is not None:
-                return final_psum(st.axes, pg.mesh.size_of(st.axes))(x)
-            return None
+        final_step = None if self.vma else alike_psums(pg)
 
         def body(*flat: Any) -> tuple[Any, ...]:
             if adapter is not None:

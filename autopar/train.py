@@ -5,8 +5,11 @@ The loss is traced, searched, rewritten and lowered exactly as :func:`autopar.pa
 does. Inside one ``jax.shard_map``, every device computes its **local** gradients with
 ``jax.vjp`` of the per-device program (every tensor-parallel collective transposes into its
 dual: AllGather <-> ReduceScatter, AllReduce of a partial cotangent), seeding ``1 / device_num``
-so that a gradient is partial over exactly the mesh axes where its parameter is replicated
-(its sync axes, ``.sync_axes``). Those are then summed **explicitly**
+so that a gradient is partial over the mesh axes where its parameter is replicated -- except
+those over which everything between it and the loss is repeated work, where every device holds
+the same gradient and the step multiplies by their size instead
+(:func:`autopar.cotangents.alike_axes`). The rest, its sync axes (``.sync_axes``), are summed
+**explicitly**
 (:mod:`autopar.grad_sync`), in the buckets of :func:`autopar.simulation.gradient_buckets` under the
 context (``.buckets``): one collective per bucket and sync-axes group (``.sync_groups``).
 With fusion configured (comm_fusion allreduce / all_reduce_fusion_config / an HCCL split
@@ -73,6 +76,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar.config import AutoParallelConfig
 from autopar.context import current_config
+from autopar.cotangents import alike_axes
 from autopar.planner import saves_on_success
 from autopar.resolve import resolve_context
 from autopar.errors import AutoParallelError
@@ -81,7 +85,7 @@ from autopar.grad_sync import (LOW_PRECISION, METHODS, data_parallel_degree, fp3
                                gradient_scale, replicated_axes, sync_gradients, sync_groups,
                                sync_point, sync_sites)
 from autopar.kernel_rules import FusedKernels, check_fused_kernels
-from autopar.lower import final_psum, replicated_tails, run_body
+from autopar.lower import alike_psums, run_body
 from autopar.graph.tracer import traced_dtype
 from autopar.inspection import ProgramInspection
 from autopar.optimizer_shard import (ShardDecision, decide_sharding, gather_parameters,
@@ -103,18 +107,11 @@ BACKENDS = ("shard_map", "pmap")
 def train_body(pg: ParallelGraph, *flat: Any,
                before_node: Callable[[int, Any, dict[str, Any]], None] | None = None) \
         -> tuple[Any, ...]:
-    """``lower.run_body`` for training: the AllReduce producing the loss is differentiated
-    without a second AllReduce (:func:`autopar.lower.lower.final_psum`); ``before_node`` inserts
-    the gradient sync points; everything else is the same program."""
-    final = replicated_tails(pg)
-
-    def run_step(node: Any, x: Any) -> Any:
-        st = node.step
-        if st.kind == "all_reduce" and node.name in final:
-            return final_psum(st.axes, pg.mesh.size_of(st.axes))(x)
-        return None
-
-    return run_body(pg, *flat, run_step=run_step, before_node=before_node)
+    """``lower.run_body`` for training: an AllReduce whose cotangent is alike over its axes
+    (the loss's) is differentiated without a second AllReduce
+    (:func:`autopar.lower.alike_psums`); ``before_node`` inserts the gradient sync points;
+    everything else is the same program."""
+    return run_body(pg, *flat, run_step=alike_psums(pg), before_node=before_node)
 
 
 class TrainStep(ProgramInspection):
@@ -201,18 +198,16 @@ class TrainStep(ProgramInspection):
         pg, n_p = self.parallel_graph, self._n_params
         names = list(pg.inputs[:n_p])
         sizes = pg.mesh.sizes
-        self.sync_axes: list[tuple[str, ...]] = []
         self.sharding: list[ShardDecision] = []
         for v in names:
             val = pg.values[v]
-            axes = replicated_axes(val.layout, pg.mesh)
-            self.sync_axes.append(axes)
             self.sharding.append(decide_sharding(
-                v, val.spec.shape, val.local_shape, np.dtype(val.spec.dtype).itemsize, axes,
-                sizes, enabled=self.parallel_optimizer, threshold_kb=threshold_kb,
-                shard_size=self._shard_size))
+                v, val.spec.shape, val.local_shape, np.dtype(val.spec.dtype).itemsize,
+                replicated_axes(val.layout, pg.mesh), sizes, enabled=self.parallel_optimizer,
+                threshold_kb=threshold_kb, shard_size=self._shard_size))
         warn_fallbacks(self.sharding, stacklevel=4)  # _setup_sync, __init__, train_step, user
         self._sharded = [d.sharded for d in self.sharding]
+        self.sync_axes, self._alike_factor = self._sync_axes(names)
         self.storage_shardings = [
             NamedSharding(self.mesh, storage_spec(s.spec, d.axes, len(pg.values[v].spec.shape)))
             if d.sharded else s for v, s, d in zip(names, self.param_shardings, self.sharding)]
@@ -249,6 +244,21 @@ class TrainStep(ProgramInspection):
         self.sync_groups = sync_groups(self._ar_axes, self._bucket_idx["allreduce"]
                                        + [[i] for i in range(n_p) if self._sharded[i]])
 
+    def _sync_axes(self, names: list[str]) -> tuple[list[tuple[str, ...]], list[int]]:
+        """Each gradient's sync axes -- the axes its parameter is replicated on, less (when
+        it is not sharded by the parallel optimizer) those over which its cotangent is the
+        same on every device (:func:`autopar.cotangents.alike_axes`: work repeated there) --
+        and the factor that replaces summing over the latter (their size)."""
+        pg = self.parallel_graph
+        alike = alike_axes(pg)
+        axes, factors = [], []
+        for v, sharded in zip(names, self._sharded):
+            rep = replicated_axes(pg.values[v].layout, pg.mesh)
+            skip = () if sharded else tuple(a for a in rep if a in alike[v])
+            axes.append(tuple(a for a in rep if a not in skip))
+            factors.append(pg.mesh.size_of(skip))
+        return axes, factors
+
     def _sync(self, g: list[Any], *, scatter: bool = True, reduce: bool = True,
               across: bool = True) -> list[Any]:
         """All-reduce (non-sharded, ``reduce``) and reduce-scatter (sharded, ``scatter``) the
@@ -282,7 +292,7 @@ class TrainStep(ProgramInspection):
         """Each device's program: gather sharded parameters, local gradients (accumulated
         over micro-batches), synchronised and scaled: ``(loss, *gradients)``."""
         n_p, dtypes, sh, acc = self._n_params, self._p_dtypes, self._sharded, self.accumulation
-        scale = self.grad_scale / acc
+        scales = [self.grad_scale / acc * f for f in self._alike_factor]
         in_backward, local_grads = self._local_grads()
 
         def body(*flat: Any) -> tuple[Any, ...]:
@@ -295,7 +305,7 @@ class TrainStep(ProgramInspection):
                 g = self._sync(g, reduce=not in_backward)
             else:
                 loss, g = self._accumulated_grads(local_grads, p, b)
-            g = [(x * scale if scale != 1.0 else x).astype(d) for x, d in zip(g, dtypes)]
+            g = [(x * c if c != 1.0 else x).astype(d) for x, c, d in zip(g, scales, dtypes)]
             return (loss, *g)
         return body
 

@@ -115,14 +115,17 @@ class StepKind:
     effect: tuple[Effect, ...]            # the layout change, in order
     transpose: Callable[[Step], Step | None]  # backward counterpart (None: no communication)
     where: Callable[[Step], str] = _dim   # the dims it acts on, as printed
+    # in the training step's backward (autopar/cotangents.py), JAX's transpose of its lax rule
+    # leaves the input's cotangent the same on every device of its axes (a psum, an all-gather)
+    alike_transpose: bool = False
 
 
 STEP_KINDS: dict[str, StepKind] = {k.name: k for k in (
     # partial -> replicated transposes to the identity
     StepKind("all_reduce", "AllReduce", "all_reduce", "allreduce", (_resolve,),
-             lambda s: None),
+             lambda s: None, alike_transpose=True),
     StepKind("reduce_scatter", "ReduceScatter", "reduce_scatter", "reducescatter",
-             (_resolve, _split), _as("all_gather")),
+             (_resolve, _split), _as("all_gather"), alike_transpose=True),
     StepKind("all_gather", "AllGather", "all_gather", "allgather", (_unsplit,),
              _as("reduce_scatter")),
     StepKind("all_to_all", "AlltoAll", "all_to_all", None, (_move,), _swap,

@@ -323,3 +323,60 @@ def test_transformer_sync_points_equal_one_device():
     assert len(step.buckets["allreduce"]) > 1
     assert len({g.axes for g in step.sync_groups}) > 1
     numerics.assert_close(step.grads(params, *batch)[1], jax.grad(m.loss), params, *batch)
+
+
+# ------------------------------------------------------------------ repeated work (cotangents)
+
+
+def _two_matmuls(p, x):
+    return (jnp.tanh(x @ p["w1"]) @ p["w2"]).sum()
+
+
+@functools.lru_cache(maxsize=None)
+def _two_matmuls_case() -> tuple:
+    k = jax.random.split(KEY, 3)
+    p = {"w1": jax.random.normal(k[0], (32, 32)), "w2": jax.random.normal(k[1], (32, 32))}
+    x = jax.random.normal(k[2], (16, 32))
+    return p, x, numerics.reference(jax.grad(_two_matmuls), p, x)
+
+
+def _two_matmuls_step(device_num, fixed, **ctx):
+    p, x, _ = _two_matmuls_case()
+    with ap.auto_parallel_context(device_num=device_num, parallel_mode="auto_parallel",
+                                  search_mode="dynamic_programming", gradients_mean=True, **ctx):
+        # no ring kernel: a fused all_gather_matmul counts as alike over no axis
+        return ap.train_step(_two_matmuls, p, (x,), fixed=fixed, fused_kernels=False)
+
+
+@pytest.mark.parametrize("repeated_mean", [True, False])
+def test_gradients_of_repeated_work_are_not_all_reduced(repeated_mean):
+    # both matmuls split over a1 (4 ways) only: a0 repeats all the work, so every device of
+    # a0 holds the same gradient and summing over a0 would only double it
+    step = _two_matmuls_step(8, {"dot_general_0": ((1, 1), (1, 4)), "tanh_0": ((1, 4),),
+                                 "dot_general_1": ((1, 4), (4, 1)), "reduce_sum_0": ((1, 1),)},
+                             loss_repeated_mean=repeated_mean)
+    p, x, ref = _two_matmuls_case()
+    assert step.sync_axes == [(), ()]
+    # the forward's AllReduce of the loss only: no gradient sync, no AllReduce in backward
+    assert step.collective_counts(p, step.init(p), x)["all_reduce"] == 1
+    # loss_repeated_mean=False multiplies by the repeat count (docs: autopar/train.py)
+    assert step.grad_scale == gradient_scale(step.data_parallel_degree, 8, gradients_mean=True,
+                                             loss_repeated_mean=repeated_mean)
+    numerics.check(jax.tree.map(lambda g: g / step.grad_scale, step.grads(p, x)[1]), ref)
+
+
+def test_a_slice_of_repeated_work_keeps_its_gradient_sum():
+    # the first matmul repeats over a0, but the second takes its rows split over a0: the
+    # cotangents reaching w1 differ along a0, so w1's gradient is still summed there
+    step = _two_matmuls_step(2, {"dot_general_0": ((1, 1), (1, 1)), "tanh_0": ((1, 1),),
+                                 "dot_general_1": ((2, 1), (1, 1)), "reduce_sum_0": ((2, 1),)})
+    p, x, ref = _two_matmuls_case()
+    assert step.sync_axes == [("a0",), ("a0",)]
+    numerics.check(step.grads(p, x)[1], ref)
+
+
+def test_alike_axes_takes_a_parallel_graph_only():
+    from autopar.cotangents import alike_axes
+
+    with pytest.raises(ap.AutoParallelTypeError, match="ParallelGraph"):
+        alike_axes("pg")
