@@ -23,7 +23,7 @@ it gives an alike contribution:
   all-gather) leave the cotangent alike over the step's axes as well
   (:attr:`StepKind.alike_transpose <autopar.strategies.redistribution.StepKind>`); the
   others (all-gather, all-to-all, slice) make it differ along them;
-- a fused ring kernel: alike over no axis (not analysed).
+- a fused ring kernel: as the collective and the matmul it fuses.
 
 A value laid out split over an axis holds different blocks along it, so it is never alike
 there.
@@ -73,11 +73,19 @@ def _value_alike(pg: ParallelGraph, seen: Mapping[str, frozenset[str]], v: str,
 def _contribution(pg: ParallelGraph, node: PNode, alike: frozenset[str]) -> frozenset[str]:
     """The axes over which ``node``'s backward gives each input an alike cotangent, given
     ``alike``: those of all its outputs."""
-    if node.is_fused:
-        return frozenset()
     if node.step is not None:
         axes = frozenset(node.step.axes)
         return alike | axes if STEP_KINDS[node.step.kind].alike_transpose else alike - axes
-    used = frozenset().union(*(pg.values[v].layout.used_axes()
-                               for v in node.inputs + node.outputs))
-    return alike - used
+    if node.op == "all_gather_matmul":
+        # a ring kernel: an AllGather of operand 0 over its axes (its cotangent is
+        # reduce-scattered: operand 0 is split there anyway), then the matmul of the gathered
+        # operand with the others
+        gathered = pg.values[node.inputs[0]].layout.used_axes() - frozenset(node.params["axes"])
+        return alike - gathered - _used(pg, node.inputs[1:] + node.outputs)
+    # an operator; or mm_reduce_scatter, whose matmul's partial output (over the axes its
+    # output is then split on) leaves no more axes alike than that output does
+    return alike - _used(pg, node.inputs + node.outputs)
+
+
+def _used(pg: ParallelGraph, values: tuple[str, ...]) -> frozenset[str]:
+    return frozenset().union(*(pg.values[v].layout.used_axes() for v in values))

@@ -30,7 +30,9 @@ computation -- and the final AllReduce of a loss transposes to no communication.
 holding a fused ``all_gather_matmul`` (whose replicated result cannot be typed invarying)
 runs with ``check_vma=False`` instead: the transpose then divides replicated output
 cotangents by the number of devices and sums every replicated input's cotangent, which is
-exact but all-reduces gradients that are already complete. Either way the tests compare
+exact but all-reduces gradients that are already complete; its AllReduces whose cotangent is
+the same on every device of some of their axes are differentiated without summing over those
+(:func:`alike_psums`). Either way the tests compare
 gradients with the single-device ones.
 
 >>> import jax.numpy as jnp, autopar

@@ -340,22 +340,24 @@ def _two_matmuls_case() -> tuple:
     return p, x, numerics.reference(jax.grad(_two_matmuls), p, x)
 
 
-def _two_matmuls_step(device_num, fixed, **ctx):
+def _two_matmuls_step(device_num, fixed, fused=False, **ctx):
     p, x, _ = _two_matmuls_case()
     with ap.auto_parallel_context(device_num=device_num, parallel_mode="auto_parallel",
                                   search_mode="dynamic_programming", gradients_mean=True, **ctx):
-        # no ring kernel: a fused all_gather_matmul counts as alike over no axis
-        return ap.train_step(_two_matmuls, p, (x,), fixed=fixed, fused_kernels=False)
+        return ap.train_step(_two_matmuls, p, (x,), fixed=fixed, fused_kernels=fused)
 
 
-@pytest.mark.parametrize("repeated_mean", [True, False])
-def test_gradients_of_repeated_work_are_not_all_reduced(repeated_mean):
+@pytest.mark.parametrize("repeated_mean, fused", [(True, False), (False, False), (True, True)])
+def test_gradients_of_repeated_work_are_not_all_reduced(repeated_mean, fused):
     # both matmuls split over a1 (4 ways) only: a0 repeats all the work, so every device of
     # a0 holds the same gradient and summing over a0 would only double it
     step = _two_matmuls_step(8, {"dot_general_0": ((1, 1), (1, 4)), "tanh_0": ((1, 4),),
                                  "dot_general_1": ((1, 4), (4, 1)), "reduce_sum_0": ((1, 1),)},
-                             loss_repeated_mean=repeated_mean)
+                             fused, loss_repeated_mean=repeated_mean)
     p, x, ref = _two_matmuls_case()
+    # fused: the batch's AllGather and the first matmul run as one ring kernel
+    assert [n.op for n in step.parallel_graph.fused_nodes()] == (
+        ["all_gather_matmul"] if fused else [])
     assert step.sync_axes == [(), ()]
     # the forward's AllReduce of the loss only: no gradient sync, no AllReduce in backward
     assert step.collective_counts(p, step.init(p), x)["all_reduce"] == 1
