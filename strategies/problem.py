@@ -27,6 +27,7 @@ from autopar.strategies.cost import CostModel
 from autopar.strategies.edge_pricing import EdgePricer
 from autopar.strategies.layout import DeviceMesh, Layout
 from autopar.strategies.op_pricing import OpPricer
+from autopar.strategies.optimizer_rule import decide_sharding
 from autopar.strategies.opspec import OpSpec, legal_splits, op_spec, tensor_spec
 
 __all__ = ["Choice", "Vertex", "Edge", "Problem", "Breakdown"]
@@ -409,22 +410,23 @@ class Problem:
     def param_memory(self, value: str, layout: Layout) -> float:
         """Training bytes per device of parameter ``value`` stored in ``layout``: its copy,
         gradient and optimizer state (:meth:`CostModel.parameter_memory`), the copy and the
-        state split over its shard group when the parallel optimizer takes it (the rule of
-        :func:`autopar.optimizer_shard.decide_sharding`: at least the threshold, some axis to
-        shard over, local dim 0 divisible by the group). The shard group is
-        ``optimizer_weight_shard_size`` devices when that divides the data-parallel group
-        (the mesh's axes are prime, so such a group of axes exists), else the whole group."""
+        state split over its shard group when the parallel optimizer takes it (the step's own
+        rule, :func:`~autopar.strategies.optimizer_rule.decide_sharding`, over the axes the
+        layout leaves it replicated on)."""
         spec = self.graph.spec(value)
         local = layout.local_shape(spec.shape, self.mesh)
         nbytes = math.prod(local) * spec.itemsize
-        used = layout.used_axes()
-        group = math.prod(s for a, s in self.mesh.axes if a not in used)
-        n = self.optimizer_weight_shard_size
-        ways = n if 1 < n < group and group % n == 0 else group
         kb = self.parallel_optimizer_kb
-        sharded = (kb is not None and spec.nbytes >= kb * 1024 and group > 1
-                   and bool(local) and local[0] % ways == 0)
-        return self.cm.parameter_memory(nbytes, ways, sharded=sharded)
+        if kb is None:
+            return self.cm.parameter_memory(nbytes, 1)
+        used = layout.used_axes()
+        sizes = self.mesh.sizes
+        d = decide_sharding(value, spec.shape, local, spec.itemsize,
+                            [a for a in self.mesh.names if a not in used], sizes,
+                            enabled=True, threshold_kb=kb,
+                            shard_size=self.optimizer_weight_shard_size)
+        ways = math.prod(sizes[a] for a in d.axes) if d.sharded else 1
+        return self.cm.parameter_memory(nbytes, ways, sharded=d.sharded)
 
     def param_update(self, value: str, layout: Layout) -> float:
         """Seconds of the optimizer update of a trained parameter's block (0 if untrained)."""
