@@ -3,7 +3,8 @@
 Measured on every device at once, as a plan runs them (so devices that share cores show it):
 
 - **matmul**: square matmuls per device over several sizes, chained -> ``peak_flops`` (the
-  slope) and ``op_overhead`` (the intercept: what one more operator in a program costs);
+  slope); a chain of 64 tiny (8 x 8) ones -> ``op_overhead`` (what one more operator in a
+  program costs);
 - **elementwise** (``x * a + b`` into a new array) of 1 to 16 MiB per device ->
   ``memory_bandwidth`` (the slope, first touch of new memory included, as a real step pays
   it);
@@ -17,6 +18,9 @@ Measured on every device at once, as a plan runs them (so devices that share cor
 - **overlap**: a matmul and an independent all-reduce in one step against each alone (0
   where devices share their cores, shared compute >= 2: the cores that compute move the data,
   and what the difference shows is noise).
+- **barrier**: a small all-reduce that waits for a matmul against both alone: what a
+  collective costs in a program beyond its chained fit (devices that share cores catch up
+  with each other at it; 0 where they do not).
 
 Operations are measured as straight-line programs, each operation writing a new buffer as a
 real program's do (a loop over one buffer stays in cache and measured 5-15x faster than the
@@ -48,13 +52,20 @@ from autopar.strategies.layout import DeviceMesh, jax_mesh
 __all__ = ["CALIBRATION_VERSION", "calibrated_name", "check_settings", "fit_alpha_beta",
            "fit_with_knee", "group_sizes", "measure", "select_devices"]
 
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2  # 2: the barrier (a calibration of version 1 is measured again)
 #: Message sizes (bytes, as the model counts them), in the order they are measured: the
 #: ends first, so a fit has its latency and its bandwidth whatever the budget cuts.
 MESSAGE_SIZES = (2 ** 12, 2 ** 24, 2 ** 20, 2 ** 16, 2 ** 22, 2 ** 25)
 MATMUL_SIZES = (64, 128, 256, 512)
 ELEMENTWISE_BYTES = (2 ** 20, 2 ** 22, 2 ** 24)
 _MIN_SAMPLES = 2
+#: Elements per device of the all-reduce that measures the barrier (4 KiB of float32).
+_BARRIER_ELEMS = 1024
+#: Operations in the chain that measures an operator's launch (long: each costs microseconds).
+_LAUNCH_CHAIN = 64
+#: Operations in the chains that measure the barrier (a difference of three measurements).
+_BARRIER_CHAIN = 16
+_BARRIER_REPEATS = 5
 #: Operations in the long chain of a measurement, and what one measurement runs (warm-up
 #: and three pairs of one and ``_CHAIN`` operations).
 _CHAIN = 4
@@ -305,8 +316,8 @@ def _measure_compute(devices: Sequence[Any], share: float, bar: Any) -> dict[str
     for m in MATMUL_SIZES:
         t_mm.append(_per_op(*chains, _placed(mesh, spec, m * m), _CHAIN, limit))
         flops.append(2.0 * m ** 3)
-    # the intercept: what one more operator costs in a program however small (its launch)
-    overhead, inv_peak, mm_resid = fit_alpha_beta(flops, t_mm)
+    _, inv_peak, mm_resid = fit_alpha_beta(flops, t_mm)
+    overhead = _op_overhead(mesh, spec, limit)
     bar.advance("matmul")
     # elementwise: calls writing a new array of each size; the slope is the bandwidth (the
     # intercept, the call's dispatch, is the launch of a step: a call that does nothing)
@@ -337,12 +348,59 @@ def _measure_compute(devices: Sequence[Any], share: float, bar: Any) -> dict[str
     overlap = (t_mm[-2] + t_ar - t_both) / max(1e-12, min(t_mm[-2], t_ar))
     if shared >= 2.0:  # devices share their cores: the cores that compute move the data
         overlap = 0.0
+    barrier = _barrier(mesh, spec, limit)
     bar.advance("overlap")
     return {"peak_flops": 1.0 / max(inv_peak, 1e-30),
             "memory_bandwidth": 1.0 / max(inv_bw, 1e-30), "op_overhead": overhead,
             "step_overhead": step_overhead, "matmul_residual": mm_resid,
             "memory_residual": ew_resid, "shared_compute": max(shared, 1e-3),
-            "overlap": min(1.0, max(0.0, overlap))}
+            "overlap": min(1.0, max(0.0, overlap)), "barrier": barrier}
+
+
+def _op_overhead(mesh: Any, spec: Any, limit: float) -> float:
+    """What one more operator costs in a program however small (its launch): the time per
+    operation of a chain of ``_LAUNCH_CHAIN`` 8 x 8 matmuls. Measured directly: the
+    intercept of the matmul fit is a difference of the noisiest samples (0 to 50 us apart
+    between runs on one machine, against 2-4 us measured this way)."""
+    import jax.numpy as jnp
+
+    m = 8
+
+    def tiny(x: Any) -> Any:
+        return (x.reshape(m, m) @ jnp.eye(m, dtype=x.dtype)).reshape(-1)
+
+    return _per_op(_chain(mesh, tiny, spec, 1), _chain(mesh, tiny, spec, _LAUNCH_CHAIN),
+                   _placed(mesh, spec, m * m), _LAUNCH_CHAIN, limit)
+
+
+def _barrier(mesh: Any, spec: Any, limit: float) -> float:
+    """Seconds a small all-reduce costs after a matmul it waits for (``MATMUL_SIZES[1]``),
+    beyond the matmul and the all-reduce alone, the three measured one after the other, the
+    median of ``_BARRIER_REPEATS`` such differences (each alone ranged 0-400 us on one 2-core
+    machine): what the devices lose catching up with each other in a program (0 where they
+    do not)."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    m, small = MATMUL_SIZES[1], _BARRIER_ELEMS
+
+    def body(reduce: bool) -> Callable[[Any], Any]:
+        def f(v: Any) -> Any:
+            y = (v[:m * m].reshape(m, m) @ jnp.eye(m, dtype=v.dtype)).reshape(-1)
+            z = v[m * m:] + y[:1]
+            return jnp.concatenate([y, lax.psum(z, "g") if reduce else z])
+        return f
+
+    def per_op(f: Callable[[Any], Any], elems: int) -> float:
+        return _per_op(_chain(mesh, f, spec, 1), _chain(mesh, f, spec, _BARRIER_CHAIN),
+                       _placed(mesh, spec, elems), _BARRIER_CHAIN, limit)
+
+    def once() -> float:
+        t_ar = per_op(lambda v: lax.psum(v, "g"), small)
+        t_mm = per_op(body(False), m * m + small)
+        return per_op(body(True), m * m + small) - t_mm - t_ar
+
+    return max(0.0, float(np.median([once() for _ in range(_BARRIER_REPEATS)])))
 
 
 # ---------------------------------------------------------------------------- the entry
@@ -424,7 +482,7 @@ def _cluster(devs: Sequence[Any], comp: dict[str, float], fits: Sequence[Collect
         intra_bandwidth=intra_link[0], intra_alpha=intra_link[1],
         inter_bandwidth=inter_link[0], inter_alpha=inter_link[1],
         op_overhead=comp["op_overhead"], step_overhead=comp["step_overhead"],
-        overlap=comp["overlap"],
+        overlap=comp["overlap"], barrier=comp["barrier"],
         collectives=tuple(sorted(fits, key=lambda f: (f.kind, f.group, f.intra))),
         calibration=cal)
 

@@ -30,7 +30,8 @@ from typing import Any, Sequence
 
 from pydantic import ValidationError
 
-from autopar.calibration import MESSAGE_SIZES, check_settings, measure, select_devices
+from autopar.calibration import (CALIBRATION_VERSION, MESSAGE_SIZES, check_settings, measure,
+                                 select_devices)
 from autopar.errors import AutoParallelError, AutoParallelTypeError, FileFieldError
 from autopar.files import read_json_document, validation_failure, write_text_atomic
 from autopar.strategies.cost import CLUSTERS, Cluster, get_cluster
@@ -120,7 +121,8 @@ def _cache_path(devices: Sequence[Any]) -> Path | None:
 
 def cached_calibration(devices: Sequence[Any]) -> Cluster | None:
     """The cached calibration of exactly these devices' kind and count, or None (a cache file
-    that cannot be read counts as none: it is measured again and replaced)."""
+    that cannot be read, or that an older calibration wrote, counts as none: it is measured
+    again and replaced)."""
     path = _cache_path(devices)
     try:
         st = path.stat() if path is not None else None
@@ -131,9 +133,11 @@ def cached_calibration(devices: Sequence[Any]) -> Cluster | None:
     key = (str(path), st.st_mtime_ns, st.st_size)  # every search asks: read the file once
     if key not in _loaded:
         try:
-            _loaded[key] = load_cluster(path)
+            hit = load_cluster(path)
         except ClusterFileError:
-            _loaded[key] = None
+            hit = None
+        cal = hit.calibration if hit is not None else None
+        _loaded[key] = None if cal is not None and cal.version != CALIBRATION_VERSION else hit
     return _loaded[key]
 
 
@@ -184,7 +188,7 @@ def describe_cluster(cluster: Cluster) -> str:
     """A plain-text summary: the compute figures and each measured collective's fit.
 
     >>> print(describe_cluster(CLUSTERS["cpu-emulated"]).splitlines()[0])
-    cpu-emulated (preset): 4.00 GFLOP/s, 2.00 GB/s memory, 0.0 us per operator, overlap 0.00
+    cpu-emulated (preset): 4.00 GFLOP/s, 2.00 GB/s memory, 0.0 us per operator, overlap 0.00, barrier 100.0 us
     """
     _check_cluster(cluster)
     from autopar.cli_util import table
@@ -192,7 +196,8 @@ def describe_cluster(cluster: Cluster) -> str:
     c = cluster
     head = (f"{c.name} ({'preset' if c.calibration is None else 'calibrated'}): "
             f"{c.peak_flops / 1e9:.2f} GFLOP/s, {c.memory_bandwidth / 1e9:.2f} GB/s memory, "
-            f"{c.op_overhead * 1e6:.1f} us per operator, overlap {c.overlap:.2f}")
+            f"{c.op_overhead * 1e6:.1f} us per operator, overlap {c.overlap:.2f}, "
+            f"barrier {c.barrier * 1e6:.1f} us")
     lines = [head]
     if c.calibration is not None:
         k = c.calibration

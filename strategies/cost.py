@@ -162,6 +162,10 @@ class Cluster(BaseModel, metaclass=_TypedConstruction):
                                  "optimizer update over a parameter block (0: 3 + 2 x "
                                  "optimizer_state_factor, reads of the parameter, gradient "
                                  "and state plus writes of the parameter and state)")
+    barrier: float = Field(default=0.0, ge=0, le=_SECONDS, description="seconds a "
+                           "collective costs on top of its fit when it waits for computation "
+                           "(devices that share cores catch up with each other at it; 0: "
+                           "devices that run on their own)")
     overlap: float = Field(default=1.0, ge=0, le=1, description="fraction of a transfer "
                            "that can hide behind compute (0: the cores that compute move "
                            "the data, as emulated devices do)")
@@ -182,11 +186,12 @@ CLUSTERS: dict[str, Cluster] = {
         inter_bandwidth=12.5e9, inter_alpha=20e-6),
     # Emulated CPU devices sharing a few cores and their memory (jax_num_cpu_devices): the
     # preset for CPU devices when no calibration is cached. Figures per device (machine
-    # total / 8) rounded from `autopar calibrate` on a 2-core machine; nothing overlaps.
+    # total / 8) rounded from `autopar calibrate` on a 2-core machine; nothing overlaps, and
+    # a collective waits ~0.1 ms for the devices to catch up with each other.
     "cpu-emulated": Cluster(
         name="cpu-emulated", devices_per_node=MAX_DEVICES, peak_flops=4e9, memory_bandwidth=2e9,
         memory_bytes=2.5e9, intra_bandwidth=1e9, intra_alpha=30e-6, inter_bandwidth=1e9,
-        inter_alpha=30e-6, overlap=0.0),
+        inter_alpha=30e-6, overlap=0.0, barrier=1e-4),
 }
 
 
@@ -228,7 +233,10 @@ class CostModel:
 
         The measured fit of (kind, p, intra) when the cluster has one; else the ring formula
         with the link figures (a kind measured at other group sizes takes its per-step
-        latency and bandwidth from the nearest measured size)."""
+        latency and bandwidth from the nearest measured size). Plus the cluster's
+        ``barrier``: the fits are measured on chains of collectives, where every device
+        arrives at once; in a program a collective also waits for the computation before
+        it."""
         key = (kind, p, intra)
         hit = self._coef.get(key)
         if hit is not None:
@@ -242,11 +250,11 @@ class CostModel:
             s0, f0 = _formula(kind, f.group)
             ks, kf = steps / s0, factor / f0
             extra = (f.beta_large - f.beta) * kf if f.knee > 0 else 0.0
-            hit = (f.alpha * ks, f.beta * kf, f.knee, extra)
+            hit = (f.alpha * ks + c.barrier, f.beta * kf, f.knee, extra)
         else:
             bw, alpha = (c.intra_bandwidth, c.intra_alpha) if intra else \
                 (c.inter_bandwidth, c.inter_alpha)
-            hit = (steps * alpha, factor / bw, 0.0, 0.0)
+            hit = (steps * alpha + c.barrier, factor / bw, 0.0, 0.0)
         self._coef[key] = hit
         return hit
 
@@ -362,6 +370,16 @@ class CostModel:
     def all_reduce_time(self, nbytes: float, axes: Iterable[str], mesh: DeviceMesh) -> float:
         p, intra = self.group(axes, mesh)
         return self.collective_time("all_reduce", nbytes, p, intra=intra)
+
+    def gradient_sync_time(self, nbytes: float, axes: Iterable[str], mesh: DeviceMesh) -> float:
+        """Seconds of one parameter's gradient all-reduce in a training step: its fit, without
+        the ``barrier``. A step's gradient all-reduces do not depend on each other and XLA
+        merges them into one collective (each array in it still costs its latency, measured
+        on CPU), so the devices catch up once per step, not once per parameter."""
+        p, intra = self.group(axes, mesh)
+        if p <= 1:
+            return 0.0
+        return self.collective_time("all_reduce", nbytes, p, intra=intra) - self.cluster.barrier
 
     def update_time(self, local_bytes: float) -> float:
         """Seconds of the optimizer update of one parameter block on one device: it reads

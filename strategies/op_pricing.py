@@ -13,7 +13,7 @@ the mesh's canonical assignment (:meth:`DeviceMesh.assign
 <autopar.strategies.layout.DeviceMesh.assign>`). So :class:`OpRecipe` reads what an
 operator's price needs from the graph once per signature, and :class:`OpPricer` prices a
 split vector with a few integer products and the cost model's own formulas
-(``compute_time``, ``all_reduce_time``, ``update_time``): the very same arithmetic, in the
+(``compute_time``, ``all_reduce_time``, ``gradient_sync_time``, ``update_time``): the very same arithmetic, in the
 same order, as pricing through the Choice's layouts (tests/test_op_pricing.py checks it bit
 for bit), several times cheaper -- recursive_programming prices hundreds of candidates per
 round, and Layout objects were most of that.
@@ -184,20 +184,22 @@ class OpPricer:
                 missing = self.missing(splits, b.refs)
                 if not missing:
                     continue
-                t = self.all_reduce(b.local_bytes(splits), missing)
                 if is_param:
-                    sync += t
+                    sync += self.all_reduce(b.local_bytes(splits), missing, gradient=True)
                 else:
-                    comm += t
+                    comm += self.all_reduce(b.local_bytes(splits), missing)
         memory = float(sum([b.local_bytes(splits) for b in r.outs]))
         return compute, comm, sync, memory
 
-    def all_reduce(self, nbytes: int, axes: tuple[str, ...]) -> float:
-        """``CostModel.all_reduce_time`` (memoised: blocks of one size recur)."""
-        key = (nbytes, axes)
+    def all_reduce(self, nbytes: int, axes: tuple[str, ...], gradient: bool = False) -> float:
+        """``CostModel.all_reduce_time``, or ``gradient_sync_time`` for a parameter's gradient
+        (memoised: blocks of one size recur)."""
+        key = (nbytes, axes, gradient)
         hit = self._reduce.get(key)
         if hit is None:
-            hit = self._reduce[key] = self.cm.all_reduce_time(nbytes, axes, self.mesh)
+            cm = self.cm
+            price = cm.gradient_sync_time if gradient else cm.all_reduce_time
+            hit = self._reduce[key] = price(nbytes, axes, self.mesh)
         return hit
 
     def update(self, r: OpRecipe, splits: Splits) -> float:

@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 
 import autopar as ap
 from autopar import clusters
-from autopar.calibration import fit_alpha_beta, group_sizes
+from autopar.calibration import CALIBRATION_VERSION, fit_alpha_beta, group_sizes
 from autopar.clusters import ClusterFileError, load_cluster, resolve_cluster
-from autopar.strategies.cost import CLUSTERS, CollectiveFit, CostModel
+from autopar.strategies.cost import CLUSTERS, Calibration, CollectiveFit, CostModel
+from autopar.strategies.layout import DeviceMesh
 from autopar.strategies.redistribution import Step
 
 
@@ -227,6 +228,21 @@ def test_cpu_devices_default_to_the_cpu_preset_with_one_notice(unpinned, capsys)
     assert err.count("\n") == 1 and "'cpu-emulated' preset" in err and "autopar calibrate" in err
 
 
+def test_the_barrier_prices_collectives_in_a_program_not_a_steps_gradient_sync():
+    cm, plain, mesh = CostModel(_measured(barrier=2e-4)), CostModel(_measured()), \
+        DeviceMesh.for_devices(8)
+    for kind, p in (("all_reduce", 8), ("all_gather", 2), ("reduce_scatter", 4)):
+        assert cm.alpha_beta(kind, p, True)[0] == pytest.approx(
+            plain.alpha_beta(kind, p, True)[0] + 2e-4)
+    axes = mesh.names
+    assert cm.all_reduce_time(1e5, axes, mesh) == pytest.approx(
+        plain.all_reduce_time(1e5, axes, mesh) + 2e-4)
+    # XLA merges a step's gradient all-reduces into one: no barrier per parameter
+    assert cm.gradient_sync_time(1e5, axes, mesh) == pytest.approx(
+        plain.all_reduce_time(1e5, axes, mesh))
+    assert cm.gradient_sync_time(1e5, (), mesh) == 0.0
+
+
 def test_a_cached_calibration_is_the_default(unpinned, capsys):
     import jax
 
@@ -236,6 +252,17 @@ def test_a_cached_calibration_is_the_default(unpinned, capsys):
     # a cache file that cannot be read counts as none
     next(unpinned.iterdir()).write_text("{")
     assert resolve_cluster(None).name == "cpu-emulated"
+    # so does one an older calibration wrote (it lacks figures the model now prices)
+    def written_by(version: int) -> ap.Cluster:
+        return _measured(calibration=Calibration(
+            version=version, platform="cpu", device_kind="cpu", device_count=8,
+            process_count=1, jax_version=jax.__version__, matmul_residual=0.0,
+            memory_residual=0.0, shared_compute=4.0, seconds=1.0))
+
+    clusters.store_calibration(written_by(CALIBRATION_VERSION - 1), jax.devices())
+    assert resolve_cluster(None).name == "cpu-emulated"
+    clusters.store_calibration(written_by(CALIBRATION_VERSION), jax.devices())
+    assert resolve_cluster(None) == written_by(CALIBRATION_VERSION)
 
 
 def test_env_pin_and_explicit_forms(unpinned, tmp_path, monkeypatch, capsys):

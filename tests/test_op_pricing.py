@@ -40,11 +40,11 @@ def _reference(problem: Problem, node, choice) -> tuple[float, float, float, flo
         missing = [a for a in mesh.names if a in choice.used_axes and a not in lay.used_axes()]
         if not missing:
             continue
-        t = cm.all_reduce_time(problem._local_bytes(v, lay), missing, mesh)
+        nbytes = problem._local_bytes(v, lay)
         if v in problem.param_like:  # a parameter, or computed from parameters alone
-            sync += t
+            sync += cm.gradient_sync_time(nbytes, missing, mesh)
         else:
-            comm += t
+            comm += cm.all_reduce_time(nbytes, missing, mesh)
     memory = float(sum(problem._local_bytes(v, lay) for v, lay in zip(node.outputs,
                                                                       choice.out_layouts)))
     return compute, comm, sync, memory
