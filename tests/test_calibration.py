@@ -56,7 +56,8 @@ def _measured(**extra) -> ap.Cluster:
             CollectiveFit(kind="all_gather", group=2, intra=True, alpha=3e-5, beta=1e-9,
                           residual=0.1, samples=5))
     base = CLUSTERS["cpu-emulated"].model_dump()
-    base.update(name="measured", collectives=fits, **extra)
+    base.update(name="measured", collectives=fits, barrier=0.0)
+    base.update(extra)
     return ap.Cluster.model_validate(base)
 
 
