@@ -188,7 +188,7 @@ def describe_cluster(cluster: Cluster) -> str:
     """A plain-text summary: the compute figures and each measured collective's fit.
 
     >>> print(describe_cluster(CLUSTERS["cpu-emulated"]).splitlines()[0])
-    cpu-emulated (preset): 4.00 GFLOP/s, 2.00 GB/s memory, 0.0 us per operator, overlap 0.00, barrier 100.0 us
+    cpu-emulated (preset): 4.00 GFLOP/s, 2.00 GB/s memory, 0.0 us per operator, overlap 0.00, barrier 0.0 us
     """
     _check_cluster(cluster)
     from autopar.cli_util import table
