@@ -52,7 +52,7 @@ from autopar.strategies.layout import DeviceMesh, jax_mesh
 __all__ = ["CALIBRATION_VERSION", "calibrated_name", "check_settings", "fit_alpha_beta",
            "fit_with_knee", "group_sizes", "measure", "select_devices"]
 
-CALIBRATION_VERSION = 2  # 2: the barrier (a calibration of version 1 is measured again)
+CALIBRATION_VERSION = 2  # 2: the barrier, op_overhead measured directly (1 is measured again)
 #: Message sizes (bytes, as the model counts them), in the order they are measured: the
 #: ends first, so a fit has its latency and its bandwidth whatever the budget cuts.
 MESSAGE_SIZES = (2 ** 12, 2 ** 24, 2 ** 20, 2 ** 16, 2 ** 22, 2 ** 25)
@@ -65,6 +65,7 @@ _BARRIER_ELEMS = 1024
 _LAUNCH_CHAIN = 64
 #: Operations in the chains that measure the barrier (a difference of three measurements).
 _BARRIER_CHAIN = 16
+#: Differences whose median is the barrier (one alone ranged 0-400 us on a 2-core machine).
 _BARRIER_REPEATS = 5
 #: Operations in the long chain of a measurement, and what one measurement runs (warm-up
 #: and three pairs of one and ``_CHAIN`` operations).
@@ -294,7 +295,7 @@ def _measure_collectives(devices: Sequence[Any], sizes: Sequence[int], clock: _C
 
 def _measure_compute(devices: Sequence[Any], share: float, bar: Any) -> dict[str, float]:
     """peak_flops, memory_bandwidth, op_overhead, step_overhead, the residuals,
-    shared_compute, overlap (see the module doc)."""
+    shared_compute, overlap, barrier (see the module doc)."""
     import jax.numpy as jnp
     from jax import lax
     from jax.sharding import PartitionSpec
@@ -304,11 +305,7 @@ def _measure_compute(devices: Sequence[Any], share: float, bar: Any) -> dict[str
     spec = PartitionSpec("g")
     limit = max(0.05, share / 16)
 
-    def mm_body(x: Any) -> Any:
-        m = int(round(math.sqrt(x.shape[0])))
-        return (x.reshape(m, m) @ jnp.eye(m, dtype=x.dtype)).reshape(-1)
-
-    def mm_chains(mm: Any, body: Callable[[Any], Any] = mm_body) -> tuple[Any, Any]:
+    def mm_chains(mm: Any, body: Callable[[Any], Any] = _matmul) -> tuple[Any, Any]:
         return _chain(mm, body, spec, 1), _chain(mm, body, spec, _CHAIN)
 
     flops, t_mm = [], []
@@ -339,7 +336,7 @@ def _measure_compute(devices: Sequence[Any], share: float, bar: Any) -> dict[str
     ar_elems = 2 ** 20 // 4
 
     def both(v: Any) -> Any:
-        return jnp.concatenate([mm_body(v[:m * m]), lax.psum(v[m * m:], "g")])
+        return jnp.concatenate([_matmul(v[:m * m]), lax.psum(v[m * m:], "g")])
 
     t_ar = _per_op(*mm_chains(mesh, lambda y: lax.psum(y, "g")),
                    _placed(mesh, spec, ar_elems), _CHAIN, limit)
@@ -357,28 +354,28 @@ def _measure_compute(devices: Sequence[Any], share: float, bar: Any) -> dict[str
             "overlap": min(1.0, max(0.0, overlap)), "barrier": barrier}
 
 
+def _matmul(x: Any) -> Any:
+    """A device's block of m * m elements times the m x m identity, flattened again."""
+    import jax.numpy as jnp
+
+    m = int(round(math.sqrt(x.shape[0])))
+    return (x.reshape(m, m) @ jnp.eye(m, dtype=x.dtype)).reshape(-1)
+
+
 def _op_overhead(mesh: Any, spec: Any, limit: float) -> float:
     """What one more operator costs in a program however small (its launch): the time per
     operation of a chain of ``_LAUNCH_CHAIN`` 8 x 8 matmuls. Measured directly: the
-    intercept of the matmul fit is a difference of the noisiest samples (0 to 50 us apart
-    between runs on one machine, against 2-4 us measured this way)."""
-    import jax.numpy as jnp
-
-    m = 8
-
-    def tiny(x: Any) -> Any:
-        return (x.reshape(m, m) @ jnp.eye(m, dtype=x.dtype)).reshape(-1)
-
-    return _per_op(_chain(mesh, tiny, spec, 1), _chain(mesh, tiny, spec, _LAUNCH_CHAIN),
-                   _placed(mesh, spec, m * m), _LAUNCH_CHAIN, limit)
+    intercept of the matmul fit is a difference of the noisiest samples (0 to 51 us apart
+    between runs on one machine, against 2-6 us measured this way)."""
+    return _per_op(_chain(mesh, _matmul, spec, 1), _chain(mesh, _matmul, spec, _LAUNCH_CHAIN),
+                   _placed(mesh, spec, 8 * 8), _LAUNCH_CHAIN, limit)
 
 
 def _barrier(mesh: Any, spec: Any, limit: float) -> float:
     """Seconds a small all-reduce costs after a matmul it waits for (``MATMUL_SIZES[1]``),
     beyond the matmul and the all-reduce alone, the three measured one after the other, the
-    median of ``_BARRIER_REPEATS`` such differences (each alone ranged 0-400 us on one 2-core
-    machine): what the devices lose catching up with each other in a program (0 where they
-    do not)."""
+    median of ``_BARRIER_REPEATS`` such differences: what the devices lose catching up with
+    each other in a program (0 where they do not)."""
     import jax.numpy as jnp
     from jax import lax
 
@@ -386,7 +383,7 @@ def _barrier(mesh: Any, spec: Any, limit: float) -> float:
 
     def body(reduce: bool) -> Callable[[Any], Any]:
         def f(v: Any) -> Any:
-            y = (v[:m * m].reshape(m, m) @ jnp.eye(m, dtype=v.dtype)).reshape(-1)
+            y = _matmul(v[:m * m])
             z = v[m * m:] + y[:1]
             return jnp.concatenate([y, lax.psum(z, "g") if reduce else z])
         return f

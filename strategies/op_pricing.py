@@ -13,9 +13,9 @@ the mesh's canonical assignment (:meth:`DeviceMesh.assign
 <autopar.strategies.layout.DeviceMesh.assign>`). So :class:`OpRecipe` reads what an
 operator's price needs from the graph once per signature, and :class:`OpPricer` prices a
 split vector with a few integer products and the cost model's own formulas
-(``compute_time``, ``all_reduce_time``, ``gradient_sync_time``, ``update_time``): the very same arithmetic, in the
-same order, as pricing through the Choice's layouts (tests/test_op_pricing.py checks it bit
-for bit), several times cheaper -- recursive_programming prices hundreds of candidates per
+(``compute_time``, ``all_reduce_time``, ``gradient_sync_time``, ``update_time``): the very
+same arithmetic, in the same order, as pricing through the Choice's layouts
+(tests/test_op_pricing.py checks it bit for bit), several times cheaper -- recursive_programming prices hundreds of candidates per
 round, and Layout objects were most of that.
 
 >>> import jax.numpy as jnp, autopar
