@@ -85,7 +85,7 @@ from autopar.grad_sync import (LOW_PRECISION, METHODS, data_parallel_degree, fp3
                                gradient_scale, replicated_axes, sync_gradients, sync_groups,
                                sync_point, sync_sites)
 from autopar.kernel_rules import FusedKernels, check_fused_kernels
-from autopar.lower import alike_psums, run_body
+from autopar.lower import alike_psums, put_on, run_body
 from autopar.graph.tracer import traced_dtype
 from autopar.inspection import ProgramInspection
 from autopar.optimizer_shard import (ShardDecision, decide_sharding, gather_parameters,
@@ -425,12 +425,12 @@ class TrainStep(ProgramInspection):
 
     def _place(self, params: Any, batch: Sequence[Any]) -> tuple[list[Any], list[Any]]:
         leaves, b_leaves = self._check_inputs(params, batch)
-        p = [jax.device_put(x, s) for x, s in zip(leaves, self.storage_shardings)]
+        p = put_on(leaves, self.storage_shardings)
         acc = self.accumulation
         if acc > 1:  # micro-batch k is global rows [k*B/acc, (k+1)*B/acc) of every input
             b_leaves = [(np.reshape if isinstance(x, np.ndarray) else jnp.reshape)(
                 x, (acc, np.shape(x)[0] // acc) + tuple(np.shape(x)[1:])) for x in b_leaves]
-        return p, [jax.device_put(x, s) for x, s in zip(b_leaves, self._feed_shardings())]
+        return p, put_on(b_leaves, self._feed_shardings())
 
     def _feed_shardings(self) -> list[NamedSharding]:
         """How batch inputs enter the step: their plan layouts; with gradient accumulation a

@@ -527,3 +527,21 @@ def test_arguments_jax_cannot_take_are_typed_errors_at_the_call():
     for bad in (np.array("a"), np.datetime64("2020-01-01"), "2.0"):
         with pytest.raises(ap.AutoParallelError, match="argument 'x'.*(dtype|shape) must"):
             f(params, np.broadcast_to(bad, x.shape) if not isinstance(bad, str) else bad)
+
+
+def test_a_steps_own_outputs_are_fed_back_without_placing_them_again():
+    """The next step takes the parameters a step returns as they are (equivalent layouts,
+    e.g. P() and P(None,), count as the same); host arrays are placed."""
+    from autopar.lower import put_on
+
+    m = transformer(layers=1, hidden=16, heads=2, seq=4, vocab=16, batch=8)
+    params, *batch = m.example_args(KEY)
+    with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel"):
+        step = ap.train_step(m.loss, params, tuple(batch))
+    new, state, _ = step(step.prepare(params), step.init(params), *batch)
+    placed, _ = step._place(new, batch)
+    assert all(a is b for a, b in zip(placed, jax.tree.leaves(new)))
+    host = np.ones((8, 2), np.float32)
+    sh = NamedSharding(jax_mesh(DeviceMesh.for_devices(8)), P("a0"))
+    out = put_on([host, placed[0]], [sh, step.storage_shardings[0]])
+    assert out[0].sharding == sh and out[1] is placed[0]

@@ -70,7 +70,7 @@ from autopar.grad_sync import (LOW_PRECISION, data_parallel_degree, fp32_collect
                                fp32_sync_active, gradient_scale, replicated_axes)
 from autopar.graph.tracer import trace, traced_dtype
 from autopar.inspection import ProgramInspection
-from autopar.lower import apply_step, run_body
+from autopar.lower import apply_step, put_on, run_body
 from autopar.optimizer_shard import ShardDecision, decide_sharding
 from autopar.pipeline.buffers import (BoundaryCodec, PackedParams, StagePacking,
                                       check_elementwise_optimizer)
@@ -557,7 +557,7 @@ class PipelineTrainStep(ProgramInspection):
                 raise AutoParallelError("batch input", (tuple(np.shape(x)), traced_dtype(x)),
                                         f"must have shape {shp} and dtype {dt}, as in the "
                                         "example")
-        return [jax.device_put(x, self.batch_sharding) for x in leaves]
+        return put_on(leaves, [self.batch_sharding] * len(leaves))
 
     def init(self, params: Any) -> Any:
         """The optimizer state, over the packed buffers (``optimizer.init(pack(params))``)."""
