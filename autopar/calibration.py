@@ -32,14 +32,16 @@ out, dropping the largest message sizes first.
 
 The result is a :class:`~autopar.strategies.cost.Cluster` whose ``calibration`` says what it
 was measured on; :func:`autopar.calibrate` (:mod:`autopar.clusters`, which owns the cache)
-caches it per device kind and count, so a second call returns at once. This module measures
-and fits (:func:`measure`); it reads and writes no file.
+caches it per device kind, count and host (:func:`host_identity`), so a second call returns
+at once. This module measures and fits (:func:`measure`); it reads and writes no file.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import platform as _platform
 import time
 from typing import Any, Callable, Sequence
 
@@ -50,7 +52,7 @@ from autopar.strategies.cost import (COLLECTIVE_KINDS, Calibration, Cluster, Col
 from autopar.strategies.layout import DeviceMesh, jax_mesh
 
 __all__ = ["CALIBRATION_VERSION", "calibrated_name", "check_settings", "fit_alpha_beta",
-           "fit_with_knee", "group_sizes", "measure", "select_devices"]
+           "fit_with_knee", "group_sizes", "host_identity", "measure", "select_devices"]
 
 CALIBRATION_VERSION = 2  # 2: the barrier, op_overhead measured directly (1 is measured again)
 #: Message sizes (bytes, as the model counts them), in the order they are measured: the
@@ -410,6 +412,34 @@ def calibrated_name(platform: str, device_count: int, process_count: int = 1) ->
                                         else str(device_count))
 
 
+def _cpu_model() -> str:
+    """The processor's model name (Linux: /proc/cpuinfo; elsewhere what the platform says)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "Model", "cpu model", "Processor"):
+                    return " ".join(value.split())
+    except OSError:
+        pass
+    return _platform.processor() or "unknown processor"
+
+
+@functools.lru_cache(maxsize=1)
+def host_identity() -> str:
+    """The machine this process runs on, as far as its speed goes: processor model and
+    architecture, the CPUs this process may use and the memory, e.g. ``AMD EPYC (x86_64), 2
+    CPUs, 23 GiB``. A calibration records it; the cache keeps one per identity and a
+    calibration measured elsewhere is never taken for this machine's without a notice."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
+    except (ValueError, OSError, AttributeError):
+        mem = 0.0
+    return (f"{_cpu_model()} ({_platform.machine() or 'unknown'}), {cpus or 1} CPUs, "
+            f"{mem:.0f} GiB")
+
+
 def select_devices(devices: Any) -> list[Any]:
     """The devices a calibration measures: None: every device present; an int: the first
     that many; or a list of jax devices."""
@@ -468,7 +498,7 @@ def _cluster(devs: Sequence[Any], comp: dict[str, float], fits: Sequence[Collect
     procs = len({d.process_index for d in devs})
     cal = Calibration(version=CALIBRATION_VERSION, platform=platform, device_kind=kind,
                       device_count=len(devs), process_count=procs,
-                      jax_version=jax.__version__,
+                      jax_version=jax.__version__, host=host_identity(),
                       matmul_residual=comp["matmul_residual"],
                       memory_residual=comp["memory_residual"],
                       shared_compute=comp["shared_compute"], seconds=round(seconds, 3))

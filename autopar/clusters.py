@@ -13,14 +13,19 @@
   stderr says which model prices the plans and how to calibrate (once per process).
 
 Calibrations are cached in ``$AUTOPAR_CACHE_DIR`` (default ``~/.cache/autopar``), one file
-per platform, device kind, device count and process count; ``AUTOPAR_CACHE_DIR=off`` switches
-the cache off. A calibration file is versioned JSON written canonically (sorted keys,
-``repr`` floats) through the one atomic writer, so loading and saving it again gives the same
-bytes; a file that cannot be used raises :class:`ClusterFileError` naming the file and field.
+per platform, device kind, device count, process count and host
+(:func:`~autopar.calibration.host_identity`: processor, CPUs, memory); a cached calibration
+another host, another JAX version or an older calibration wrote is measured again, and a
+calibration file or cluster measured on another host prices plans for that host, with a
+one-line notice saying so. ``AUTOPAR_CACHE_DIR=off`` switches the cache off. A calibration
+file is versioned JSON written canonically (sorted keys, ``repr`` floats) through the one
+atomic writer, so loading and saving it again gives the same bytes; a file that cannot be
+used raises :class:`ClusterFileError` naming the file and field.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -30,8 +35,8 @@ from typing import Any, Sequence
 
 from pydantic import ValidationError
 
-from autopar.calibration import (CALIBRATION_VERSION, MESSAGE_SIZES, check_settings, measure,
-                                 select_devices)
+from autopar.calibration import (CALIBRATION_VERSION, MESSAGE_SIZES, check_settings,
+                                 host_identity, measure, select_devices)
 from autopar.errors import AutoParallelError, AutoParallelTypeError, FileFieldError
 from autopar.files import read_json_document, validation_failure, write_text_atomic
 from autopar.strategies.cost import CLUSTERS, Cluster, get_cluster
@@ -116,13 +121,26 @@ def _cache_path(devices: Sequence[Any]) -> Path | None:
         return None
     procs = len({dev.process_index for dev in devices})
     kind = re.sub(r"[^A-Za-z0-9._-]+", "_", devices[0].device_kind)
-    return d / f"{devices[0].platform}-{kind}-{len(devices)}-{procs}.json"
+    host = hashlib.sha256(host_identity().encode()).hexdigest()[:10]
+    return d / f"{devices[0].platform}-{kind}-{len(devices)}-{procs}-{host}.json"
+
+
+def _current(cluster: Cluster | None) -> Cluster | None:
+    """``cluster`` if a calibration of this version measured it on this host with this JAX,
+    else None (measured again)."""
+    import jax
+
+    cal = cluster.calibration if cluster is not None else None
+    if cal is None or (cal.version, cal.host, cal.jax_version) != (
+            CALIBRATION_VERSION, host_identity(), jax.__version__):
+        return None
+    return cluster
 
 
 def cached_calibration(devices: Sequence[Any]) -> Cluster | None:
-    """The cached calibration of exactly these devices' kind and count, or None (a cache file
-    that cannot be read, or that an older calibration wrote, counts as none: it is measured
-    again and replaced)."""
+    """The cached calibration of exactly these devices' kind and count on this host, or None
+    (a cache file that cannot be read, or that an older calibration or another JAX version
+    wrote, counts as none: it is measured again and replaced)."""
     path = _cache_path(devices)
     try:
         st = path.stat() if path is not None else None
@@ -136,8 +154,7 @@ def cached_calibration(devices: Sequence[Any]) -> Cluster | None:
             hit = load_cluster(path)
         except ClusterFileError:
             hit = None
-        cal = hit.calibration if hit is not None else None
-        _loaded[key] = None if cal is not None and cal.version != CALIBRATION_VERSION else hit
+        _loaded[key] = _current(hit)
     return _loaded[key]
 
 
@@ -201,8 +218,9 @@ def describe_cluster(cluster: Cluster) -> str:
     lines = [head]
     if c.calibration is not None:
         k = c.calibration
+        host = f"; host {k.host}" if k.host else ""
         lines.append(f"measured on {k.device_count} {k.platform} device(s) ({k.device_kind}, "
-                     f"{k.process_count} process(es)) in {k.seconds:.1f} s; fit residuals: "
+                     f"{k.process_count} process(es){host}) in {k.seconds:.1f} s; fit residuals: "
                      f"matmul {k.matmul_residual:.0%}, memory {k.memory_residual:.0%}; "
                      f"shared compute x{k.shared_compute:.2f}")
     if c.collectives:
@@ -232,12 +250,22 @@ def _looks_like_path(value: str) -> bool:
     return value.endswith(".json") or os.sep in value or (os.altsep or os.sep) in value
 
 
+def _measured_elsewhere(cluster: Cluster) -> Cluster:
+    """``cluster``, with a notice (once) when its calibration was measured on another host."""
+    cal = cluster.calibration
+    if cal is not None and cal.host and cal.host != host_identity():
+        _notice(f"pricing plans on {cluster.name}, measured on another host ({cal.host}; "
+                f"this one: {host_identity()}): the plans are fitted to that host; `autopar "
+                "calibrate` measures this one")
+    return cluster
+
+
 def resolve_cluster(cluster: Any = None) -> Cluster:
     """The Cluster that prices a plan for ``cluster`` (see the module doc)."""
     if isinstance(cluster, Cluster):
-        return cluster
+        return _measured_elsewhere(cluster)
     if isinstance(cluster, os.PathLike):
-        return load_cluster(cluster)
+        return _measured_elsewhere(load_cluster(cluster))
     if cluster is not None and not isinstance(cluster, str):
         raise AutoParallelTypeError("cluster", cluster, "a preset name, 'calibrated', a "
                                     "calibration file path or an autopar.Cluster")
@@ -255,7 +283,7 @@ def resolve_cluster(cluster: Any = None) -> Cluster:
     if cluster == "calibrated":
         return calibrate()
     if _looks_like_path(cluster):
-        return load_cluster(cluster)
+        return _measured_elsewhere(load_cluster(cluster))
     raise AutoParallelError("cluster", cluster, f"unknown cluster; choose a preset "
                             f"{sorted(CLUSTERS)}, 'calibrated', a calibration file path "
                             "(.json) or pass autopar.Cluster(...)")

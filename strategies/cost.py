@@ -122,6 +122,9 @@ class Calibration(BaseModel, metaclass=_TypedConstruction):
     device_count: int = Field(ge=1, description="devices measured")
     process_count: int = Field(ge=1, description="processes (nodes) measured")
     jax_version: str
+    host: str = Field(default="", max_length=256, description="the machine measured: "
+                      "processor, CPUs, memory (autopar.calibration.host_identity; empty: "
+                      "not recorded)")
     matmul_residual: float = Field(ge=0, description="largest |fit / measured - 1|, matmuls")
     memory_residual: float = Field(ge=0, description="largest |fit / measured - 1|, "
                                    "elementwise")

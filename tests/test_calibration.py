@@ -244,26 +244,65 @@ def test_the_barrier_prices_collectives_in_a_program_not_a_steps_gradient_sync()
     assert cm.gradient_sync_time(1e5, (), mesh) == 0.0
 
 
+def _calibrated(version: int = CALIBRATION_VERSION, **record) -> ap.Cluster:
+    """``_measured()`` with a calibration record (this host and JAX unless ``record`` says)."""
+    import jax
+
+    from autopar.calibration import host_identity
+
+    fields = dict(version=version, platform="cpu", device_kind="cpu", device_count=8,
+                  process_count=1, jax_version=jax.__version__, host=host_identity(),
+                  matmul_residual=0.0, memory_residual=0.0, shared_compute=4.0, seconds=1.0)
+    return _measured(calibration=Calibration(**(fields | record)))
+
+
 def test_a_cached_calibration_is_the_default(unpinned, capsys):
     import jax
 
-    clusters.store_calibration(_measured(), jax.devices())
-    assert resolve_cluster(None).name == "measured"
+    clusters.store_calibration(_calibrated(), jax.devices())
+    assert resolve_cluster(None) == _calibrated()
     assert "calibration of these 8 cpu device(s)" in capsys.readouterr().err
     # a cache file that cannot be read counts as none
     next(unpinned.iterdir()).write_text("{")
     assert resolve_cluster(None).name == "cpu-emulated"
-    # so does one an older calibration wrote (it lacks figures the model now prices)
-    def written_by(version: int) -> ap.Cluster:
-        return _measured(calibration=Calibration(
-            version=version, platform="cpu", device_kind="cpu", device_count=8,
-            process_count=1, jax_version=jax.__version__, matmul_residual=0.0,
-            memory_residual=0.0, shared_compute=4.0, seconds=1.0))
+    # so does one an older calibration wrote (it lacks figures the model now prices), one
+    # of another JAX, and a cluster with no calibration record
+    for stale in (_calibrated(CALIBRATION_VERSION - 1), _calibrated(jax_version="0.0.1"),
+                  _measured()):
+        clusters.store_calibration(stale, jax.devices())
+        assert resolve_cluster(None).name == "cpu-emulated"
+    clusters.store_calibration(_calibrated(), jax.devices())
+    assert resolve_cluster(None) == _calibrated()
 
-    clusters.store_calibration(written_by(CALIBRATION_VERSION - 1), jax.devices())
+
+def test_the_cache_keeps_one_calibration_per_host(unpinned, monkeypatch, capsys):
+    """A calibration measured on another machine (a shared home, a copied cache) is never
+    taken for this one's: another host's file is another cache entry, and a file that says
+    another host is measured again."""
+    import jax
+
+    clusters.store_calibration(_calibrated(), jax.devices())
+    here = clusters._cache_path(jax.devices())
+    monkeypatch.setattr(clusters, "host_identity", lambda: "Other CPU (arm64), 64 CPUs, 512 GiB")
+    assert clusters._cache_path(jax.devices()) != here
+    assert clusters.cached_calibration(jax.devices()) is None
+    # the other host's name on this host's file: still not this host's calibration
+    here.rename(clusters._cache_path(jax.devices()))
+    assert clusters.cached_calibration(jax.devices()) is None
     assert resolve_cluster(None).name == "cpu-emulated"
-    clusters.store_calibration(written_by(CALIBRATION_VERSION), jax.devices())
-    assert resolve_cluster(None) == written_by(CALIBRATION_VERSION)
+
+
+def test_a_calibration_of_another_host_is_used_with_a_notice(unpinned, tmp_path, capsys):
+    mine = ap.clusters.save_cluster(_calibrated(), tmp_path / "mine.json")
+    theirs = ap.clusters.save_cluster(_calibrated(host="Big GPU host (x86_64), 96 CPUs, "
+                                                  "1024 GiB"), tmp_path / "theirs.json")
+    assert resolve_cluster(str(mine)).name == "measured"
+    assert capsys.readouterr().err == ""
+    for form in (str(theirs), theirs, ap.clusters.load_cluster(theirs)):
+        assert resolve_cluster(form).calibration.host.startswith("Big GPU host")
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "measured on another host (Big GPU host" in err
+    assert "autopar calibrate" in err
 
 
 def test_env_pin_and_explicit_forms(unpinned, tmp_path, monkeypatch, capsys):
