@@ -69,6 +69,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from autopar.collectives import all_gather_dim, psum_scatter_dim
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.strategies.layout import DeviceMesh, Layout, axis_name
 from autopar.strategies.redistribution import STEP_KINDS
@@ -266,8 +267,8 @@ def _collective(xs: list[Any], kind: str, axes: tuple[str, ...], method: str,
             start += w
         return out
     if kind == "reduce_scatter":
-        return [lax.psum_scatter(x, name, scatter_dimension=dim, tiled=True) for x in xs]
-    return [lax.all_gather(x, name, axis=dim, tiled=True) for x in xs]
+        return [psum_scatter_dim(x, name, dim, size) for x in xs]
+    return [all_gather_dim(x, name, dim) for x in xs]
 
 
 def bucketed_collective(xs: Sequence[Any], axes: Sequence[tuple[str, ...] | None],

@@ -6,7 +6,8 @@ with the same axis names (``a0, a1, ...``, devices row-major). The body of one
 
 - a communication node becomes a ``jax.lax`` collective over its mesh axes, by the rule of
   its step kind in :data:`STEP_LOWERING`: ``psum`` (AllReduce), ``psum_scatter(...,
-  tiled=True)`` (ReduceScatter), ``all_gather(..., tiled=True)`` (AllGather),
+  tiled=True)`` (ReduceScatter), ``all_gather(..., tiled=True)`` (AllGather) -- these two
+  in the form :mod:`autopar.collectives` picks for a strided dim --
   ``all_to_all(..., tiled=True)`` (AlltoAll), or a local ``dynamic_slice`` at this device's
   block (StridedSlice). A group of several axes is ordered mixed radix, outer axis first, as
   ``jax.lax`` orders a tuple ``axis_name``;
@@ -56,6 +57,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 
+from autopar.collectives import all_gather_dim, psum_scatter_dim
 from autopar.cotangents import alike_axes
 from autopar.errors import AutoparError, AutoParallelError, AutoParallelTypeError
 from autopar.graph.ops import OPERATORS
@@ -130,14 +132,13 @@ def _psum(x: Any, step: Step, mesh: DeviceMesh, vma: bool) -> Any:
 
 
 def _psum_scatter(x: Any, step: Step, mesh: DeviceMesh, vma: bool) -> Any:
-    return lax.psum_scatter(x, axis_name(step.axes), scatter_dimension=step.dim, tiled=True)
+    return psum_scatter_dim(x, axis_name(step.axes), step.dim, mesh.size_of(step.axes))
 
 
 def _all_gather(x: Any, step: Step, mesh: DeviceMesh, vma: bool) -> Any:
     if vma:  # every device of the group holds the same result
-        return lax.all_gather(x, axis_name(step.axes), axis=step.dim, tiled=True,
-                              to="invarying")
-    return lax.all_gather(x, axis_name(step.axes), axis=step.dim, tiled=True)
+        return all_gather_dim(x, axis_name(step.axes), step.dim, to="invarying")
+    return all_gather_dim(x, axis_name(step.axes), step.dim)
 
 
 def _all_to_all(x: Any, step: Step, mesh: DeviceMesh, vma: bool) -> Any:

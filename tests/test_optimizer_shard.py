@@ -231,16 +231,19 @@ _TP = {"layer1/dot_general_0": ((4, 1), (1, 2))}
 
 
 def _collectives(text):
-    """``(kind, replica groups, line, function)`` of every all-reduce / reduce-scatter /
-    all-gather in a lowered program (function: the ``func.func`` it is in)."""
+    """``(kind, replica groups, text, function)`` of every all-reduce / reduce-scatter /
+    all-gather in a lowered program (text: the op's lines up to its type signature;
+    function: the ``func.func`` it is in)."""
     out, func = [], ""
-    for ln in text.split("\n"):
+    lines = text.split("\n")
+    for i, ln in enumerate(lines):
         f = re.search(r"func\.func \w+ @(\w+)", ln)
         func = f.group(1) if f else func
         m = re.search(r'"stablehlo\.(all_reduce|reduce_scatter|all_gather)".*replica_groups = '
                       r'dense<(\[.*?\])>', ln)
         if m:
-            out.append((m.group(1), json.loads(m.group(2)), ln, func))
+            end = next(j for j in range(i, len(lines)) if " -> " in lines[j])
+            out.append((m.group(1), json.loads(m.group(2)), " ".join(lines[i:end + 1]), func))
     return out
 
 
@@ -270,7 +273,7 @@ def test_optimizer_weight_shard_size_shards_over_a_smaller_group(mode, fixed, si
     numerics.check(p, _reference(m, params, x, OPT, 2))
     ops = _collectives(step.as_text(params, step.init(params), x))
     rs = [(g, f) for k, g, ln, f in ops if k == "reduce_scatter" and
-          "scatter_dimension = 0" in ln]
+          f"-> tensor<{shard[0]}x{shard[1]}xf32>" in ln]
     ag = [g for k, g, ln, _ in ops if k == "all_gather" and
           f"tensor<{shard[0]}x{shard[1]}xf32>)" in ln]
     across = [(g, f) for k, g, _, f in ops if k == "all_reduce" and len(g[0]) == group // size]
