@@ -6,6 +6,9 @@
   w (k, n) -- the mirror of the above (same global matmul).
 * all_gather_v vs padding every rank to the largest count + ``all_gather``, and vs an
   ``all_gather`` of equal-size inputs that produces the same number of elements.
+* all_gather / reduce_scatter along a strided dim (dim 1 of a matrix): ``jax.lax``'s own vs
+  :mod:`autopar.collectives`' form (a leading-axis collective and a transpose), beside the
+  same bytes along dim 0.
 
 The machine is noisy (2 cores run 8 emulated devices, other jobs come and go), so every
 round times each variant once, in a shuffled order, and a ratio is the median over rounds
@@ -287,6 +290,44 @@ def _gather_v_cases(label: str, rows: list[int], width: int) -> list[Case]:
     return cases
 
 
+def _strided_cases(kind: str, rows: int, cols: int) -> list[Case]:
+    """``kind`` ("all_gather" / "reduce_scatter") of a (rows, cols) f32 block per device
+    along dim 1: lax's own (the baseline), autopar.collectives', and the same bytes along
+    dim 0."""
+    import dataclasses
+
+    import jax
+    from autopar.collectives import all_gather_dim, psum_scatter_dim
+    from jax import lax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    p = DEVICES
+    mesh = jax.make_mesh((p,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    cols = cols if kind == "all_gather" else cols * p
+    x = jax.device_put(np.random.default_rng(2).standard_normal((p * rows, cols), np.float32),
+                       NamedSharding(mesh, P("d")))
+    if kind == "all_gather":
+        fns = [lambda b: lax.all_gather(b, "d", axis=1, tiled=True),
+               lambda b: all_gather_dim(b, "d", 1),
+               lambda b: lax.all_gather(b, "d", axis=0, tiled=True)]
+    else:
+        fns = [lambda b: lax.psum_scatter(b, "d", scatter_dimension=1, tiled=True),
+               lambda b: psum_scatter_dim(b, "d", 1, p),
+               lambda b: lax.psum_scatter(b, "d", scatter_dimension=0, tiled=True)]
+
+    def shard(body: Callable) -> Callable:
+        return jax.jit(jax.shard_map(lambda b: body(b)[None], mesh=mesh, in_specs=P("d"),
+                                     out_specs=P("d")))
+
+    label = f"{kind} along dim 1, {rows}x{cols} f32 blocks"
+    names = ("jax.lax (XLA's own)", "autopar.collectives (leading axis + transpose)")
+    cases = _cases(label, {n: shard(f) for n, f in zip(names, fns)}, (x,))
+    cases[1] = dataclasses.replace(cases[1], goal="< 1")
+    return cases + [Case(label, "evidence: the same bytes along dim 0",
+                         _blocking(shard(fns[2]), x))]
+
+
 def main(quick: bool = False) -> None:
     setup_devices(DEVICES)
     import jax
@@ -311,6 +352,9 @@ def main(quick: bool = False) -> None:
     for seed, (label, counts) in enumerate((("(ragged batch)", ragged), ("(skewed)", skewed))):
         rows += _measure(_gather_v_cases(label, counts, width), 4 * rounds, 4 * repeat,
                          seed=3 + seed)
+    for seed, kind in enumerate(("all_gather", "reduce_scatter")):
+        rows += _measure(_strided_cases(kind, *((32, 64) if quick else (128, 512))), rounds,
+                         repeat, seed=5 + seed)
     meta = {
         "devices": DEVICES, "quick": quick, "rounds": rounds, "repeat": repeat,
         "all_gather_v rounds": 4 * rounds, "all_gather_v repeat": 4 * repeat,
