@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["all_gather_dim", "psum_scatter_dim", "strided"]
+__all__ = ["TRANSPOSED_BACKENDS", "all_gather_dim", "psum_scatter_dim", "strided"]
 
 #: Backends whose strided all-gather / reduce-scatter is replaced (measured, module doc).
 TRANSPOSED_BACKENDS = frozenset({"cpu"})
