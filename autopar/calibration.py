@@ -34,6 +34,9 @@ The result is a :class:`~autopar.strategies.cost.Cluster` whose ``calibration`` 
 was measured on; :func:`autopar.calibrate` (:mod:`autopar.clusters`, which owns the cache)
 caches it per device kind, count and host (:func:`host_identity`), so a second call returns
 at once. This module measures and fits (:func:`measure`); it reads and writes no file.
+Under ``jax.distributed`` every process measures together: each loop's length, each size
+the budget skips and the fit returned are process 0's (:mod:`autopar.multihost`), so no
+process runs a collective the others do not.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError
+from autopar.multihost import agree_flag, agree_text, is_lead, several
 from autopar.strategies.cost import (COLLECTIVE_KINDS, Calibration, Cluster, CollectiveFit)
 from autopar.strategies.layout import DeviceMesh, jax_mesh
 
@@ -183,7 +187,7 @@ def _per_op(short: Any, long: Any, x: Any, k: int, limit_s: float) -> float:
     deadline = time.perf_counter() + limit_s
     _call(short, x), _call(long, x)  # compile and warm up
     pairs: list[float] = []
-    while len(pairs) < 9 and (len(pairs) < 3 or time.perf_counter() < deadline):
+    while len(pairs) < 9 and (len(pairs) < 3 or agree_flag(time.perf_counter() < deadline)):
         a = _call(short, x)
         pairs.append((_call(long, x) - a) / (k - 1))
     return max(float(np.median(pairs)), 1e-9)
@@ -194,7 +198,7 @@ def _per_call(f: Any, x: Any, limit_s: float) -> float:
     deadline = time.perf_counter() + limit_s
     _call(f, x)
     ts: list[float] = []
-    while len(ts) < 9 and (len(ts) < 3 or time.perf_counter() < deadline):
+    while len(ts) < 9 and (len(ts) < 3 or agree_flag(time.perf_counter() < deadline)):
         ts.append(_call(f, x))
     return float(np.median(ts))
 
@@ -279,7 +283,7 @@ def _measure_collectives(devices: Sequence[Any], sizes: Sequence[int], clock: _C
             if k >= _MIN_SAMPLES:  # skip what the fit so far says the budget cannot pay
                 fa, fb, _ = fit_alpha_beta([x for x, _ in samples[i]],
                                            [t for _, t in samples[i]])
-                if _MEASURE_COST * (fa + fb * n) > share:
+                if agree_flag(_MEASURE_COST * (fa + fb * n) > share):
                     bar.advance(f"{kind} x{p}: {n} B skipped (budget)")
                     continue
             elems = n // 4 // (p if kind == "all_gather" else 1)
@@ -329,8 +333,8 @@ def _measure_compute(devices: Sequence[Any], share: float, bar: Any) -> dict[str
         nbytes.append(2.0 * b)  # read + write
     _, inv_bw, ew_resid = fit_alpha_beta(nbytes, t_ew)
     bar.advance("elementwise")
-    # one device alone, the same matmul
-    solo = jax_mesh(DeviceMesh((("g", 1),)), devices)
+    # one device alone, the same matmul (each process's first: it can only run its own)
+    solo = jax_mesh(DeviceMesh((("g", 1),)), _own(devices))
     m = MATMUL_SIZES[-2]
     t_solo = _per_op(*mm_chains(solo), _placed(solo, spec, m * m), _CHAIN, limit)
     shared = t_mm[-2] / t_solo
@@ -464,11 +468,33 @@ def select_devices(devices: Any) -> list[Any]:
     return list(devices)
 
 
+def _own(devices: Sequence[Any]) -> list[Any]:
+    """This process's devices among ``devices`` (all of them in a single process)."""
+    import jax
+
+    return [d for d in devices if d.process_index == jax.process_index()]
+
+
+def _check_processes(devices: Sequence[Any]) -> None:
+    """Under ``jax.distributed`` every process measures together (each loop's length and
+    each skip is process 0's decision, and the result is process 0's fit), so each must
+    hold some of the devices."""
+    import jax
+
+    held = {d.process_index for d in devices}
+    if several() and len(held) < jax.process_count():
+        raise AutoParallelError("devices", f"{len(devices)} device(s) of process(es) "
+                                f"{sorted(held)}", f"under jax.distributed every one of the "
+                                f"{jax.process_count()} processes measures: give devices "
+                                "that each process holds some of (None: every device)")
+
+
 def _memory_per_device(devices: Sequence[Any]) -> float:
-    stats = getattr(devices[0], "memory_stats", lambda: None)()
+    own = _own(devices)  # (another process's device cannot be asked)
+    stats = getattr(own[0], "memory_stats", lambda: None)()
     if stats and stats.get("bytes_limit"):
         return float(stats["bytes_limit"])
-    local = max(1, sum(1 for d in devices if d.process_index == devices[0].process_index))
+    local = max(1, len(own))
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -549,10 +575,13 @@ def measure(devs: Sequence[Any], *, budget_s: float = 60.0, progress: bool = Tru
     from autopar.cli_util import Progress
 
     sizes = check_settings(budget_s, progress, max_message_bytes)
+    _check_processes(devs)
+    sizes = tuple(int(n) for n in agree_text(" ".join(map(str, sizes))).split())
     clock = _Clock(0.92 * budget_s)  # the plan overruns its share a little: aim under
     cases = len(_group_meshes(devs)) * len(COLLECTIVE_KINDS) if len(devs) > 1 else 0
     total = 3 + cases * len(sizes)
-    with Progress("calibrate", total, quiet=not progress) as bar:
+    with Progress("calibrate", total, quiet=not (progress and is_lead())) as bar:
         comp = _measure_compute(devs, 0.25 * clock.budget, bar)
         fits = _measure_collectives(devs, sizes, clock, bar) if cases else []
-    return _cluster(devs, comp, fits, clock.elapsed())
+    mine = _cluster(devs, comp, fits, clock.elapsed())
+    return Cluster.model_validate_json(agree_text(mine.model_dump_json()))  # process 0's

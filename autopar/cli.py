@@ -469,24 +469,27 @@ def cmd_show(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------- parser
 
 
-def cmd_calibrate(args: argparse.Namespace) -> int:
-    import autopar as ap
-    from autopar.clusters import describe_cluster, save_cluster
-
+def _calibrate_arguments(args: argparse.Namespace) -> None:
+    """calibrate's checks that need no device: before a multi-process run joins its cluster."""
     if not (args.budget > 0 and args.budget < 1e6):
         raise CLIError(f"--budget: must be a positive number of seconds, got {args.budget}")
     _outputs_first(("--out", args.out))  # before the cache is touched or anything measured
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
     import jax
 
-    from autopar.clusters import cached_calibration, store_calibration
+    import autopar as ap
+    from autopar.clusters import cached_calibration, describe_cluster, save_cluster
+    from autopar.multihost import is_lead
 
-    devices = jax.devices()[:args.devices]
     t0 = time.perf_counter()
-    hit = None if args.fresh else cached_calibration(devices)
     # --fresh: the cached calibration is replaced once the new one is measured, not before
-    cluster = hit or ap.calibrate(args.devices, budget_s=args.budget, cache=False,
-                                  max_message_bytes=2 ** 20 if args.quick else 2 ** 25)
-    kept = hit is not None or store_calibration(cluster, devices) is not None
+    cluster = ap.calibrate(args.devices, budget_s=args.budget, fresh=args.fresh,
+                           max_message_bytes=2 ** 20 if args.quick else 2 ** 25)
+    if not is_lead():  # process 0 reports, keeps and writes
+        return 0
+    kept = cached_calibration(jax.devices()[:args.devices]) == cluster
     _out(describe_cluster(cluster))
     _out(f"\n{cluster.name}: {time.perf_counter() - t0:.1f} s; " + (
         "cached: plans on these devices are priced on it when no cluster is named" if kept
@@ -495,6 +498,17 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.out:
         _out(f"calibration file written: {save_cluster(cluster, args.out)}")
     return 0
+
+
+def _process_args(p: argparse.ArgumentParser) -> None:
+    """The options of a command that runs on devices, as one process or several."""
+    p.add_argument("--num-processes", type=positive_int, default=1,
+                   help="processes (jax.distributed); devices are split evenly")
+    p.add_argument("--process-id", type=int, help="this process's index")
+    p.add_argument("--coordinator", help="HOST:PORT of process 0")
+    p.add_argument("--backend", choices=("cpu", "other"), default="cpu",
+                   help="cpu (default): emulate --devices CPU devices, gloo between "
+                   "processes; other: leave JAX's platform alone (GPU/TPU hosts)")
 
 
 def _model_args(p: argparse.ArgumentParser, *, devices: bool = True,
@@ -555,13 +569,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save", type=file_path, help="write the strategy file here")
     p.add_argument("--load", type=file_path, help="load the plan from this strategy file")
     p.add_argument("--json", type=file_path, help="write losses and parameter sums as JSON")
-    p.add_argument("--num-processes", type=positive_int, default=1,
-                   help="processes (jax.distributed); devices are split evenly")
-    p.add_argument("--process-id", type=int, help="this process's index")
-    p.add_argument("--coordinator", help="HOST:PORT of process 0")
-    p.add_argument("--backend", choices=("cpu", "other"), default="cpu",
-                   help="cpu (default): emulate --devices CPU devices, gloo between "
-                   "processes; other: leave JAX's platform alone (GPU/TPU hosts)")
+    _process_args(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("simulate", help="simulate one iteration (autopar.simulation.simulate): "
@@ -585,6 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measure even when a calibration of these devices is cached")
     p.add_argument("--quick", action="store_true",
                    help="coarser and faster: collective messages up to 1 MiB only")
+    _process_args(p)
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("show", help="pretty-print a strategy file")
@@ -592,6 +601,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=positive_int, default=30, help="rows per table (default 30)")
     p.set_defaults(func=cmd_show)
     return parser
+
+
+#: The commands that run on devices, as one process or several (``_process_args``), and
+#: their checks before the processes join.
+_JOINS = {cmd_run: _run_arguments, cmd_calibrate: _calibrate_arguments}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -607,8 +621,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        if args.func is cmd_run:
-            _run_arguments(args)  # before joining: a bad flag fails here, not its peers
+        if args.func in _JOINS:
+            _JOINS[args.func](args)  # before joining: a bad flag fails here, not its peers
             _distributed(args)
         else:  # the plans are for --devices devices: emulate them (CPU), as a run would
             setup_devices(getattr(args, "devices", 8))

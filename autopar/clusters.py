@@ -21,6 +21,10 @@ one-line notice saying so. ``AUTOPAR_CACHE_DIR=off`` switches the cache off. A c
 file is versioned JSON written canonically (sorted keys, ``repr`` floats) through the one
 atomic writer, so loading and saving it again gives the same bytes; a file that cannot be
 used raises :class:`ClusterFileError` naming the file and field.
+
+Under ``jax.distributed`` the resolution is process 0's on every process (its request, its
+cache; :mod:`autopar.multihost`): processes that priced plans on different clusters would
+run different programs. A process that asked for another cluster says so in one line.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from autopar.calibration import (CALIBRATION_VERSION, MESSAGE_SIZES, check_setti
                                  host_identity, measure, select_devices)
 from autopar.errors import AutoParallelError, AutoParallelTypeError, FileFieldError
 from autopar.files import read_json_document, validation_failure, write_text_atomic
+from autopar.multihost import agree_text, is_lead, several
 from autopar.strategies.cost import CLUSTERS, Cluster, get_cluster
 
 __all__ = ["CACHE_ENV", "CLUSTER_ENV", "ClusterFileError", "FORMAT", "MAX_FILE_BYTES",
@@ -177,26 +182,31 @@ def forget_calibration(devices: Sequence[Any]) -> None:
 
 
 def calibrate(devices: Any = None, *, budget_s: float = 60.0, cache: bool = True,
-              progress: bool = True, max_message_bytes: int = MESSAGE_SIZES[-1]) -> Cluster:
+              fresh: bool = False, progress: bool = True,
+              max_message_bytes: int = MESSAGE_SIZES[-1]) -> Cluster:
     """Measure ``devices`` (default: every device present; an int: the first that many) and
     return the fitted Cluster (:func:`autopar.calibration.measure`).
 
     ``cache``: return the cached calibration of these devices when there is one, and cache a
-    new one. ``budget_s``: the wall time to aim for (the measurement plan shrinks to fit:
+    new one. ``fresh``: measure even when one is cached (the new one replaces it, once
+    measured). Under ``jax.distributed`` every process calls it and measures together;
+    process 0's cache, decisions and fit are every process's, and process 0 caches the
+    result. ``budget_s``: the wall time to aim for (the measurement plan shrinks to fit:
     fewer message sizes, never fewer than two per fit). ``progress``: a progress bar on
     stderr. ``max_message_bytes``: the largest collective message measured (default 32 MiB;
     smaller for a quick, coarser calibration).
     """
     check_settings(budget_s, progress, max_message_bytes)
-    if not isinstance(cache, bool):
-        raise AutoParallelTypeError("cache", cache, "must be a bool")
+    for key, value in (("cache", cache), ("fresh", fresh)):
+        if not isinstance(value, bool):
+            raise AutoParallelTypeError(key, value, "must be a bool")
     devs = select_devices(devices)
-    hit = cached_calibration(devs) if cache else None
+    hit = _process0s(cached_calibration(devs) if cache and not fresh else None)
     if hit is not None:
         return hit
     cluster = measure(devs, budget_s=budget_s, progress=progress,
                       max_message_bytes=max_message_bytes)
-    if cache:
+    if cache and is_lead():
         store_calibration(cluster, devs)
     return cluster
 
@@ -261,7 +271,24 @@ def _measured_elsewhere(cluster: Cluster) -> Cluster:
 
 
 def resolve_cluster(cluster: Any = None) -> Cluster:
-    """The Cluster that prices a plan for ``cluster`` (see the module doc)."""
+    """The Cluster that prices a plan for ``cluster`` (see the module doc). Under
+    ``jax.distributed`` it is process 0's on every process (:mod:`autopar.multihost`)."""
+    request = _request(cluster)
+    if several():
+        request = _agreed_request(request)
+    if request == "calibrated":
+        return calibrate()
+    if request == "default":
+        return _default_cluster()
+    return request
+
+
+_Request = Cluster | str  # a cluster, or "calibrated" / "default": measured or looked up
+
+
+def _request(cluster: Any) -> _Request:
+    """What this process asks for, read and checked here; what is measured or looked up in
+    the cache is named, not done (every process of a job must do it together)."""
     if isinstance(cluster, Cluster):
         return _measured_elsewhere(cluster)
     if isinstance(cluster, os.PathLike):
@@ -272,16 +299,16 @@ def resolve_cluster(cluster: Any = None) -> Cluster:
     if cluster is None:
         env = os.environ.get(CLUSTER_ENV, "")
         if not env:
-            return _default_cluster()
+            return "default"
         try:
-            return resolve_cluster(env)
+            return _request(env)
         except AutoParallelError as e:  # name where the value came from
             why = str(e).split(" is invalid: ", 1)[-1].rstrip(".")
             raise AutoParallelError(CLUSTER_ENV, env, why) from None
     if cluster in CLUSTERS:
         return get_cluster(cluster)
     if cluster == "calibrated":
-        return calibrate()
+        return "calibrated"
     if _looks_like_path(cluster):
         return _measured_elsewhere(load_cluster(cluster))
     raise AutoParallelError("cluster", cluster, f"unknown cluster; choose a preset "
@@ -289,9 +316,37 @@ def resolve_cluster(cluster: Any = None) -> Cluster:
                             "(.json) or pass autopar.Cluster(...)")
 
 
+def _agreed_request(request: _Request) -> _Request:
+    """Process 0's request, with a notice where this process asked for another."""
+    mine = request if isinstance(request, str) else request.model_dump_json()
+    agreed = agree_text(mine)
+    if agreed == mine:
+        return request
+    theirs = agreed if agreed in ("calibrated", "default") else \
+        Cluster.model_validate_json(agreed)
+    _notice(f"this process asked for {_said(request)}; process 0's {_said(theirs)} prices "
+            "the plans of this job (every process of a jax.distributed job plans alike)")
+    return theirs
+
+
+def _said(request: _Request) -> str:
+    if request == "default":
+        return "default cluster"
+    return "calibration ('calibrated')" if request == "calibrated" else \
+        f"cluster {request.name!r}"  # type: ignore[union-attr]
+
+
+def _process0s(cluster: Cluster | None) -> Cluster | None:
+    """Process 0's cached calibration (or none) on every process of a job."""
+    if not several():
+        return cluster
+    agreed = agree_text("" if cluster is None else cluster.model_dump_json())
+    return Cluster.model_validate_json(agreed) if agreed else None
+
+
 def _default_cluster() -> Cluster:
     devices = select_devices(None)
-    hit = cached_calibration(devices)
+    hit = _process0s(cached_calibration(devices))
     where = f"{len(devices)} {devices[0].platform} device(s)"
     if hit is not None:
         _notice(f"pricing plans on the calibration of these {where} ({hit.name}, cached; "

@@ -275,6 +275,32 @@ def test_a_cached_calibration_is_the_default(unpinned, capsys):
     assert resolve_cluster(None) == _calibrated()
 
 
+def test_fresh_measures_again_and_replaces_the_cached_one(unpinned, monkeypatch):
+    import jax
+
+    clusters.store_calibration(_calibrated(), jax.devices())
+    remeasured = _calibrated(seconds=2.0)
+    monkeypatch.setattr(clusters, "measure", lambda devs, **kw: remeasured)
+    assert ap.calibrate() == _calibrated()  # cached: nothing measured
+    assert ap.calibrate(fresh=True) == remeasured
+    assert ap.calibrate() == remeasured  # it replaced the cached one
+    with pytest.raises(ap.AutoParallelTypeError, match="fresh"):
+        ap.calibrate(fresh="yes")
+
+
+def test_every_process_of_a_job_must_hold_devices_it_calibrates(monkeypatch):
+    """Under jax.distributed every process measures together (tests/test_multiprocess.py);
+    devices some process holds none of are refused before anything is measured."""
+    import jax
+
+    from autopar import calibration
+
+    monkeypatch.setattr(calibration, "several", lambda: True)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ap.AutoParallelError, match="every one of the 2 processes measures"):
+        calibration.measure(jax.devices()[:2], budget_s=1, progress=False)
+
+
 def test_the_cache_keeps_one_calibration_per_host(unpinned, monkeypatch, capsys):
     """A calibration measured on another machine (a shared home, a copied cache) is never
     taken for this one's: another host's file is another cache entry, and a file that says

@@ -95,6 +95,25 @@ def test_two_processes_equal_one_process(tmp_path):
         assert "Gloo" not in out.stdout and "peer ranks" not in out.stdout, out.stdout
 
 
+def _workers(source: str, tmp_path) -> list[tuple[tuple[str, str], dict]]:
+    """Run ``source`` as processes 0 and 1 of one job (argv: coordinator, rank, tmp_path):
+    each one's (stdout, stderr) and the JSON it printed after ``RESULT``."""
+    script = tmp_path / "worker.py"
+    script.write_text(source)
+    where = f"127.0.0.1:{_free_port()}"
+    procs = [subprocess.Popen([sys.executable, str(script), where, str(i), str(tmp_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=TIMEOUT) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for (out, err), p in zip(outs, procs):
+        assert p.returncode == 0, err[-3000:]
+    return [(o, json.loads(o[0].split("RESULT ", 1)[1])) for o in outs]
+
+
 _WORKER = r"""
 import json, sys
 import jax
@@ -126,20 +145,7 @@ def test_parameter_broadcast_and_pmap_across_processes(tmp_path):
     """parameter_broadcast=True gave each process's own host values to its devices (JAX then
     refused them as differing); the pmap backend under jax.distributed raised JAX's
     ValueError. Now process 0's values everywhere, and a typed error naming shard_map."""
-    script = tmp_path / "worker.py"
-    script.write_text(_WORKER)
-    where = f"127.0.0.1:{_free_port()}"
-    procs = [subprocess.Popen([sys.executable, str(script), where, str(i)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
-    try:
-        outs = [p.communicate(timeout=TIMEOUT) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for (out, err), p in zip(outs, procs):
-        assert p.returncode == 0, err[-3000:]
-        res = json.loads(out.split("RESULT ", 1)[1])
+    for _, res in _workers(_WORKER, tmp_path):
         assert res["w"] == [1.0]  # process 0's value on every device of both processes
         assert "runs in one process" in res["pmap"] and "shard_map" in res["pmap"]
 
@@ -167,3 +173,61 @@ def test_a_coordinator_problem_is_one_line_before_xla_would_abort(monkeypatch):
     args = argparse.Namespace(coordinator="nosuchhost.invalid:1", process_id=1)
     with pytest.raises(CLIError, match="cannot resolve"):
         cli._probe_coordinator(args, "nosuchhost.invalid", 1)
+
+
+_AGREEMENT_WORKER = r"""
+import hashlib, json, os, sys
+rank = int(sys.argv[2])
+os.environ["AUTOPAR_CACHE_DIR"] = os.path.join(sys.argv[3], f"cache{rank}")
+os.environ.pop("AUTOPAR_CLUSTER", None)  # (the suite names a preset)
+from autopar.cli import main  # joins the job (jax.distributed), measures, process 0 caches
+assert main(["calibrate", "--devices", "4", "--num-processes", "2", "--process-id", str(rank),
+             "--coordinator", sys.argv[1], "--quick", "--budget", "1",
+             "--out", os.path.join(sys.argv[3], f"cal{rank}.json")]) == 0
+import jax, numpy as np, autopar as ap
+out = {}
+cal = ap.calibrate(progress=False)  # process 0's cached calibration, on every process
+out["calibrated"] = [cal.name, cal.calibration.process_count,
+                     hashlib.sha256(cal.model_dump_json().encode()).hexdigest()]
+cache = os.environ["AUTOPAR_CACHE_DIR"]
+out["cached"] = sorted(os.listdir(cache)) if os.path.isdir(cache) else []
+loss = lambda p, x: (jax.nn.relu(x @ p["w1"]) @ p["w2"]).sum()
+params = {"w1": np.full((64, 256), 1 / 64, np.float32),
+          "w2": np.full((256, 64), 1 / 256, np.float32)}
+x = np.ones((16, 64), np.float32)
+with ap.auto_parallel_context(device_num=4, parallel_mode="auto_parallel"):
+    out["default"] = ap.parallelize(loss, params, x).plan.cluster
+    os.environ["AUTOPAR_CLUSTER"] = ("cpu-emulated", "accelerator-8x")[rank]
+    f = ap.parallelize(loss, params, x)
+    out["named"] = [f.plan.cluster, float(f(params, x))]
+    try:
+        ap.parallelize(loss, params, x,
+                       mode=("dynamic_programming", "recursive_programming")[rank])
+        out["differs"] = "built"
+    except ap.AutoParallelError as e:
+        out["differs"] = str(e)
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_every_process_plans_on_process_0s_cluster(tmp_path):
+    """Each process of a job resolved its own cluster (its AUTOPAR_CLUSTER, its cache, its
+    clock): different plans, a job that hangs in a collective. Now `autopar calibrate
+    --num-processes` measures together (process 0's loop lengths and fit; process 0 caches
+    and reports it), process 0's
+    cache and cluster price every process's plans (a notice where one asked for another),
+    and a plan that still differs raises the same error on every process."""
+    outs, res = zip(*_workers(_AGREEMENT_WORKER, tmp_path))
+    first, second = res
+    assert (tmp_path / "cal0.json").is_file() and not (tmp_path / "cal1.json").exists()
+    assert "calibrated-cpu-2x2: " in outs[0][0] and "calibrated-cpu-2x2" not in \
+        outs[1][0].split("RESULT ")[0]  # process 0 reports
+    assert first["calibrated"] == second["calibrated"]  # the same fit, byte for byte
+    assert first["calibrated"][:2] == ["calibrated-cpu-2x2", 2]
+    assert len(first["cached"]) == 1 and second["cached"] == []  # process 0 keeps it
+    assert first["default"] == second["default"] == "calibrated-cpu-2x2"  # process 0's cache
+    assert first["named"] == second["named"] == ["cpu-emulated", 1024.0]
+    notice = "process 0's cluster 'cpu-emulated' prices the plans"
+    assert notice in outs[1][1] and notice not in outs[0][1]
+    for r in res:
+        assert "plan='process(es) [1]' is invalid" in r["differs"], r["differs"]
