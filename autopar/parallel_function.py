@@ -27,7 +27,6 @@ from typing import Any, Callable, Mapping
 
 from jax.sharding import Mesh
 
-from autopar.checkpoint import dumps_strategy, strategy_document
 from autopar.context import current_config
 from autopar.errors import AutoParallelTypeError
 from autopar.graph.ir import Graph
@@ -35,11 +34,10 @@ from autopar.graph.tracer import trace
 from autopar.inspection import ProgramInspection
 from autopar.kernel_rules import FusedKernels, check_fused_kernels
 from autopar.lower import LoweredFunction, lower
-from autopar.multihost import check_same, several
 from autopar.parallel_graph import ParallelGraph
 from autopar.rewrite import rewrite
 from autopar.strategies.plan import Plan
-from autopar.planner import saves_on_success, search
+from autopar.planner import check_same_plans, saves_on_success, search
 from autopar.uneven import UnevenBatch, UnevenRequest, check_uneven_batch, plan_uneven
 
 __all__ = ["parallelize", "parallel_function", "ParallelFunction"]
@@ -124,10 +122,7 @@ def parallel_function(fn: Callable[..., Any], example_args: tuple[Any, ...],
         graph = trace(fn, *args)  # search() resolves the context (restrictions) once
         plan = search(graph, mode=mode, fixed=fixed, cluster=cluster)
         pg = rewrite(graph, plan, fused_kernels=fused_kernels, cluster=cluster)
-        if several():  # every process must lower the same program
-            check_same(dumps_strategy(strategy_document(plan, graph)) +
-                       repr(pg.comm_counts()), "plan", "the plan (its strategy file text "
-                       "and collectives)")
+        check_same_plans([(plan, graph, pg)])  # (under jax.distributed)
         adapter = None if uneven is None else uneven.check(graph, pg)
         f = ParallelFunction(fn, graph, plan, pg, lower(pg, mesh, adapter=adapter))
     f.uneven = adapter

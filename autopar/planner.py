@@ -21,7 +21,7 @@ from contextvars import ContextVar
 from typing import Any, Iterator, Mapping, Sequence
 
 from autopar.algo import current_algo_parameters
-from autopar.checkpoint import load_plan, save_strategy
+from autopar.checkpoint import dumps_strategy, load_plan, save_strategy, strategy_document
 from autopar.clusters import resolve_cluster
 from autopar.errors import (AutoParallelError, AutoParallelTypeError, AutoParallelWarning,
                             user_stacklevel)
@@ -29,6 +29,7 @@ from autopar.files import writable_target
 from autopar.graph.ir import Graph, check_strategy_shape
 from autopar.graph.ms_layout import to_strategy
 from autopar.limits import MAX_DEVICES
+from autopar.multihost import check_same, several
 from autopar.resolve import resolve_context
 from autopar.strategies.cost import Cluster
 from autopar.strategies.modes import PARALLEL_MODES, SOLVERS, USES_STRATEGY_FILES
@@ -37,7 +38,8 @@ from autopar.strategies.search import SearchSettings, search_plan
 from autopar.strategies.stages import StagePartition
 from autopar.strategies.stages import partition_stages as _partition_stages
 
-__all__ = ["partition_stages", "plan_graph", "save_plan", "saves_on_success", "search"]
+__all__ = ["check_same_plans", "partition_stages", "plan_graph", "save_plan", "saves_on_success",
+           "search"]
 
 #: The strategy-file saves waiting for the entry point inside :func:`saves_on_success`.
 _PENDING: ContextVar[list[tuple[Plan, Graph, Any]] | None] = ContextVar("autopar_saves",
@@ -209,3 +211,14 @@ def partition_stages(graph: Graph, stages: int, *, boundaries: Sequence[str | in
     n = current_config().device_num if device_num is None else device_num
     return _partition_stages(graph, stages, device_num=n, cluster=resolve_cluster(cluster),
                              boundaries=boundaries, micro_batches=micro_batches)
+
+
+def check_same_plans(parts: Sequence[tuple[Plan, Graph, Any]]) -> None:
+    """Under ``jax.distributed``: raise the same error on every process unless each built
+    process 0's plans -- (plan, graph, parallel graph) triples, compared by their strategy
+    file text and collectives (:func:`autopar.multihost.check_same`). Nothing to do in one
+    process."""
+    if several():  # every process must lower the same program
+        check_same("".join(dumps_strategy(strategy_document(plan, graph)) +
+                           repr(pg.comm_counts()) for plan, graph, pg in parts),
+                   "plan", "the plan (its strategy file text and collectives)")

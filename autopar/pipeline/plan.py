@@ -24,7 +24,7 @@ from autopar.errors import AutoParallelTypeError
 from autopar.graph.ir import Graph
 from autopar.parallel_graph import ParallelGraph
 from autopar.pipeline.schedules import Schedule
-from autopar.planner import plan_graph, saves_on_success
+from autopar.planner import check_same_plans, plan_graph, saves_on_success
 from autopar.rewrite import rewrite
 from autopar.strategies.plan import Plan
 from autopar.strategies.stages import StagePartition, partition_stages, stage_graph
@@ -116,4 +116,5 @@ def plan_stages(graph: Graph, p: int, *, config: AutoParallelConfig, micro_batch
             plan.stages.update(dict.fromkeys(plan.nodes, s))  # (its strategy file says so)
             plans.append(plan)
             pgs.append(_rewrite_unfused(sg, plan))
+    check_same_plans(list(zip(plans, sgs, pgs)))  # (under jax.distributed)
     return StagePlans(part, tuple(sgs), tuple(plans), tuple(pgs))
