@@ -18,9 +18,10 @@ Measured on every device at once, as a plan runs them (so devices that share cor
 - **overlap**: a matmul and an independent all-reduce in one step against each alone (0
   where devices share their cores, shared compute >= 2: the cores that compute move the data,
   and what the difference shows is noise).
-- **barrier**: a small all-reduce that waits for a matmul against both alone: what a
-  collective costs in a program beyond its chained fit (devices that share cores catch up
-  with each other at it; 0 where they do not).
+- **barrier**: a small all-reduce, all-gather or reduce-scatter that waits for a matmul
+  against both alone (the median over the three kinds): what a collective costs in a
+  program beyond its chained fit (devices that share cores catch up with each other at it;
+  0 where they do not).
 
 Operations are measured as straight-line programs, each operation writing a new buffer as a
 real program's do (a loop over one buffer stays in cache and measured 5-15x faster than the
@@ -58,21 +59,24 @@ from autopar.strategies.layout import DeviceMesh, jax_mesh
 __all__ = ["CALIBRATION_VERSION", "calibrated_name", "check_settings", "fit_alpha_beta",
            "fit_with_knee", "group_sizes", "host_identity", "measure", "select_devices"]
 
-CALIBRATION_VERSION = 2  # 2: the barrier, op_overhead measured directly (1 is measured again)
+CALIBRATION_VERSION = 3  # 2: the barrier, op_overhead measured directly; 3: the barrier
+#                          pooled over three kinds (older ones are measured again)
 #: Message sizes (bytes, as the model counts them), in the order they are measured: the
 #: ends first, so a fit has its latency and its bandwidth whatever the budget cuts.
 MESSAGE_SIZES = (2 ** 12, 2 ** 24, 2 ** 20, 2 ** 16, 2 ** 22, 2 ** 25)
 MATMUL_SIZES = (64, 128, 256, 512)
 ELEMENTWISE_BYTES = (2 ** 20, 2 ** 22, 2 ** 24)
 _MIN_SAMPLES = 2
-#: Elements per device of the all-reduce that measures the barrier (4 KiB of float32).
+#: Elements per device of the collectives that measure the barrier (4 KiB of float32).
 _BARRIER_ELEMS = 1024
+#: The collectives whose differences the barrier pools (a program's usual ones).
+_BARRIER_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 #: Operations in the chain that measures an operator's launch (long: each costs microseconds).
 _LAUNCH_CHAIN = 64
 #: Operations in the chains that measure the barrier (a difference of three measurements).
 _BARRIER_CHAIN = 16
-#: Differences whose median is the barrier (one alone ranged 0-400 us on a 2-core machine).
-_BARRIER_REPEATS = 5
+#: Differences per kind in the barrier's median.
+_BARRIER_REPEATS = 2
 #: Operations in the long chain of a measurement, and what one measurement runs (warm-up
 #: and three pairs of one and ``_CHAIN`` operations).
 _CHAIN = 4
@@ -378,32 +382,36 @@ def _op_overhead(mesh: Any, spec: Any, limit: float) -> float:
 
 
 def _barrier(mesh: Any, spec: Any, limit: float) -> float:
-    """Seconds a small all-reduce costs after a matmul it waits for (``MATMUL_SIZES[1]``),
-    beyond the matmul and the all-reduce alone, the three measured one after the other, the
-    median of ``_BARRIER_REPEATS`` such differences: what the devices lose catching up with
-    each other in a program (0 where they do not)."""
+    """Seconds a small collective costs after a matmul it waits for (``MATMUL_SIZES[0]``),
+    beyond the matmul and the collective alone, the three measured one after the other: the
+    median of such differences over ``_BARRIER_KINDS``, ``_BARRIER_REPEATS`` times each --
+    what the devices lose catching up with each other at a collective in a program (0 where
+    they do not). One difference alone ranged 0-400 us on a 2-core machine, and the median
+    of five all-reduce differences 20-290 us between calibrations; pooled over the three
+    kinds, four calibrations in a row gave 160-163 us."""
     import jax.numpy as jnp
-    from jax import lax
 
-    m, small = MATMUL_SIZES[1], _BARRIER_ELEMS
+    m, small, p = MATMUL_SIZES[0], _BARRIER_ELEMS, mesh.shape["g"]
 
-    def body(reduce: bool) -> Callable[[Any], Any]:
+    def after_matmul(collective: Callable[[Any], Any] | None) -> Callable[[Any], Any]:
         def f(v: Any) -> Any:
             y = _matmul(v[:m * m])
             z = v[m * m:] + y[:1]
-            return jnp.concatenate([y, lax.psum(z, "g") if reduce else z])
+            return jnp.concatenate([y, z if collective is None else collective(z)])
         return f
 
     def per_op(f: Callable[[Any], Any], elems: int) -> float:
         return _per_op(_chain(mesh, f, spec, 1), _chain(mesh, f, spec, _BARRIER_CHAIN),
                        _placed(mesh, spec, elems), _BARRIER_CHAIN, limit)
 
-    def once() -> float:
-        t_ar = per_op(lambda v: lax.psum(v, "g"), small)
-        t_mm = per_op(body(False), m * m + small)
-        return per_op(body(True), m * m + small) - t_mm - t_ar
+    def once(kind: str) -> float:
+        collective = _collective_body(kind, "g", p)
+        t_c = per_op(collective, small)
+        t_mm = per_op(after_matmul(None), m * m + small)
+        return per_op(after_matmul(collective), m * m + small) - t_mm - t_c
 
-    return max(0.0, float(np.median([once() for _ in range(_BARRIER_REPEATS)])))
+    return max(0.0, float(np.median([once(k) for k in _BARRIER_KINDS
+                                     for _ in range(_BARRIER_REPEATS)])))
 
 
 # ---------------------------------------------------------------------------- the entry

@@ -381,6 +381,33 @@ def test_calibrate_two_devices_measures_fits_and_caches(unpinned):
         ap.calibrate(2, cache=False, max_message_bytes=10)
 
 
+def test_the_barrier_is_the_median_over_three_collective_kinds(monkeypatch):
+    """One kind's differences ranged 20-290 us between calibrations; the barrier is the
+    median of the differences of an all-reduce, an all-gather and a reduce-scatter (twice
+    each) after a matmul, against both alone."""
+    from types import SimpleNamespace
+
+    from autopar import calibration
+
+    asked, calls = [], []
+    monkeypatch.setattr(calibration, "_collective_body",
+                        lambda kind, axis, p: asked.append((kind, p)) or kind)
+    monkeypatch.setattr(calibration, "_chain", lambda mesh, body, spec, k: body)
+    monkeypatch.setattr(calibration, "_placed", lambda mesh, spec, elems: elems)
+    diffs = [1e-3, 4e-3, 2e-3, 9e-3, 3e-3, 5e-3]
+
+    def per_op(short, long, elems, k, limit):  # the collective alone, the matmul, both
+        calls.append(short)
+        n = len(calls) - 1
+        return {0: 1e-3, 1: 2e-3}.get(n % 3, 3e-3 + diffs[n // 3])
+
+    monkeypatch.setattr(calibration, "_per_op", per_op)
+    mesh = SimpleNamespace(shape={"g": 4})
+    assert calibration._barrier(mesh, None, 0.01) == pytest.approx(3.5e-3)
+    assert sorted(asked) == sorted((k, 4) for k in calibration._BARRIER_KINDS * 2)
+    assert len({k for k, _ in asked}) == 3 and len(calls) == 18
+
+
 def test_iteration_trace_agrees_with_the_plan():
     """Priced by the same rules: without overlap and with one all-reduce per gradient, the
     simulated iteration is the plan's predicted step (launch, operators, communication,
