@@ -22,9 +22,12 @@ file is versioned JSON written canonically (sorted keys, ``repr`` floats) throug
 atomic writer, so loading and saving it again gives the same bytes; a file that cannot be
 used raises :class:`ClusterFileError` naming the file and field.
 
-Under ``jax.distributed`` the resolution is process 0's on every process (its request, its
-cache; :mod:`autopar.multihost`): processes that priced plans on different clusters would
-run different programs. A process that asked for another cluster says so in one line.
+Under ``jax.distributed``, while the processes build a program together
+(:func:`autopar.multihost.together`: ``parallelize``, ``train_step``, the pipelined step),
+the resolution is process 0's on every process (its request, its cache): processes that
+priced plans on different clusters would run different programs. A process that asked for
+another cluster says so in one line. Elsewhere (``autopar.search`` on one process, say)
+each resolves its own. :func:`calibrate` is always measured by every process together.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from autopar.calibration import (CALIBRATION_VERSION, MESSAGE_SIZES, check_setti
                                  host_identity, measure, select_devices)
 from autopar.errors import AutoParallelError, AutoParallelTypeError, FileFieldError
 from autopar.files import read_json_document, validation_failure, write_text_atomic
-from autopar.multihost import agree_text, is_lead, several
+from autopar.multihost import agree_text, agreeing, is_lead, several
 from autopar.strategies.cost import CLUSTERS, Cluster, get_cluster
 
 __all__ = ["CACHE_ENV", "CLUSTER_ENV", "ClusterFileError", "FORMAT", "MAX_FILE_BYTES",
@@ -201,7 +204,7 @@ def calibrate(devices: Any = None, *, budget_s: float = 60.0, cache: bool = True
         if not isinstance(value, bool):
             raise AutoParallelTypeError(key, value, "must be a bool")
     devs = select_devices(devices)
-    hit = _process0s(cached_calibration(devs) if cache and not fresh else None)
+    hit = _process0s(cached_calibration(devs) if cache and not fresh else None, True)
     if hit is not None:
         return hit
     cluster = measure(devs, budget_s=budget_s, progress=progress,
@@ -271,10 +274,11 @@ def _measured_elsewhere(cluster: Cluster) -> Cluster:
 
 
 def resolve_cluster(cluster: Any = None) -> Cluster:
-    """The Cluster that prices a plan for ``cluster`` (see the module doc). Under
-    ``jax.distributed`` it is process 0's on every process (:mod:`autopar.multihost`)."""
+    """The Cluster that prices a plan for ``cluster`` (see the module doc). While a job of
+    several processes builds a program (:func:`autopar.multihost.together`) it is process
+    0's on every process."""
     request = _request(cluster)
-    if several():
+    if agreeing():
         request = _agreed_request(request)
     if request == "calibrated":
         return calibrate()
@@ -336,9 +340,9 @@ def _said(request: _Request) -> str:
         f"cluster {request.name!r}"  # type: ignore[union-attr]
 
 
-def _process0s(cluster: Cluster | None) -> Cluster | None:
-    """Process 0's cached calibration (or none) on every process of a job."""
-    if not several():
+def _process0s(cluster: Cluster | None, agree: bool) -> Cluster | None:
+    """Process 0's cached calibration (or none) on every process of a job, if ``agree``."""
+    if not (agree and several()):
         return cluster
     agreed = agree_text("" if cluster is None else cluster.model_dump_json())
     return Cluster.model_validate_json(agreed) if agreed else None
@@ -346,7 +350,7 @@ def _process0s(cluster: Cluster | None) -> Cluster | None:
 
 def _default_cluster() -> Cluster:
     devices = select_devices(None)
-    hit = _process0s(cached_calibration(devices))
+    hit = _process0s(cached_calibration(devices), agreeing())
     where = f"{len(devices)} {devices[0].platform} device(s)"
     if hit is not None:
         _notice(f"pricing plans on the calibration of these {where} ({hit.name}, cached; "

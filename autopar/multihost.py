@@ -9,7 +9,12 @@ the decisions are taken by process 0 and shared:
 - :func:`agree_flag` and :func:`agree_text`: process 0's value, on every process;
 - :func:`check_same`: every process's text compared with process 0's, by digest; where
   any differs, every process raises the same :class:`~autopar.errors.AutoParallelError`
-  (none of them goes on into a step the others would not run).
+  (none of them goes on into a step the others would not run);
+- :func:`together` / :func:`agreeing`: the scope where every process runs the same code in
+  step -- building one program (``parallelize``, ``train_step``, the pipelined step) -- so
+  the decisions taken there may be agreed. Outside it (``autopar.search``, a simulation, a
+  comparison, perhaps on process 0 alone) each process decides for itself: a collective
+  that only some processes reach would wait forever.
 
 In a single process (or before ``jax.distributed.initialize``) each is the identity and
 runs no JAX computation.
@@ -18,12 +23,18 @@ runs no JAX computation.
 from __future__ import annotations
 
 import hashlib
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Iterator
 
 import numpy as np
 
 from autopar.errors import AutoParallelError
 
-__all__ = ["agree_flag", "agree_text", "check_same", "is_lead", "several"]
+__all__ = ["agree_flag", "agree_text", "agreeing", "check_same", "is_lead", "several",
+           "together"]
+
+_TOGETHER: ContextVar[bool] = ContextVar("autopar_processes_together", default=False)
 
 
 def several() -> bool:
@@ -38,6 +49,21 @@ def is_lead() -> bool:
     import jax
 
     return not several() or jax.process_index() == 0
+
+
+@contextmanager
+def together() -> Iterator[None]:
+    """The scope of code every process of a job runs in step (see the module doc)."""
+    token = _TOGETHER.set(True)
+    try:
+        yield
+    finally:
+        _TOGETHER.reset(token)
+
+
+def agreeing() -> bool:
+    """True inside :func:`together` in a job of several processes: decide as process 0."""
+    return _TOGETHER.get() and several()
 
 
 def _broadcast(x: np.ndarray) -> np.ndarray:

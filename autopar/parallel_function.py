@@ -34,6 +34,7 @@ from autopar.graph.tracer import trace
 from autopar.inspection import ProgramInspection
 from autopar.kernel_rules import FusedKernels, check_fused_kernels
 from autopar.lower import LoweredFunction, lower
+from autopar.multihost import together
 from autopar.parallel_graph import ParallelGraph
 from autopar.rewrite import rewrite
 from autopar.strategies.plan import Plan
@@ -118,7 +119,8 @@ def parallel_function(fn: Callable[..., Any], example_args: tuple[Any, ...],
     context of its own (the search, :func:`autopar.search`, resolves it). ``uneven``: the
     uneven split :func:`autopar.uneven.plan_uneven` asked for, or None."""
     args = example_args if uneven is None else uneven.padded_args
-    with saves_on_success():  # the strategy file once the function is built
+    # every process builds it (under jax.distributed): the cluster is process 0's
+    with saves_on_success(), together():  # the strategy file once the function is built
         graph = trace(fn, *args)  # search() resolves the context (restrictions) once
         plan = search(graph, mode=mode, fixed=fixed, cluster=cluster)
         pg = rewrite(graph, plan, fused_kernels=fused_kernels, cluster=cluster)

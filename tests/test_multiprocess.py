@@ -196,6 +196,8 @@ params = {"w1": np.full((64, 256), 1 / 64, np.float32),
           "w2": np.full((256, 64), 1 / 256, np.float32)}
 x = np.ones((16, 64), np.float32)
 with ap.auto_parallel_context(device_num=4, parallel_mode="auto_parallel"):
+    if rank == 0:  # a look at a plan on one process alone: no collective to wait for
+        out["alone"] = ap.search(ap.trace(loss, params, x)).cluster
     out["default"] = ap.parallelize(loss, params, x).plan.cluster
     os.environ["AUTOPAR_CLUSTER"] = ("cpu-emulated", "accelerator-8x")[rank]
     f = ap.parallelize(loss, params, x)
@@ -214,9 +216,10 @@ def test_every_process_plans_on_process_0s_cluster(tmp_path):
     """Each process of a job resolved its own cluster (its AUTOPAR_CLUSTER, its cache, its
     clock): different plans, a job that hangs in a collective. Now `autopar calibrate
     --num-processes` measures together (process 0's loop lengths and fit; process 0 caches
-    and reports it), process 0's
-    cache and cluster price every process's plans (a notice where one asked for another),
-    and a plan that still differs raises the same error on every process."""
+    and reports it), process 0's cache and cluster price the plans every process builds
+    together (a notice where one asked for another), a search on one process alone runs
+    no collective, and a plan that still differs raises the same error on every
+    process."""
     outs, res = zip(*_workers(_AGREEMENT_WORKER, tmp_path))
     first, second = res
     assert (tmp_path / "cal0.json").is_file() and not (tmp_path / "cal1.json").exists()
@@ -226,6 +229,7 @@ def test_every_process_plans_on_process_0s_cluster(tmp_path):
     assert first["calibrated"][:2] == ["calibrated-cpu-2x2", 2]
     assert len(first["cached"]) == 1 and second["cached"] == []  # process 0 keeps it
     assert first["default"] == second["default"] == "calibrated-cpu-2x2"  # process 0's cache
+    assert first["alone"] == "calibrated-cpu-2x2" and "alone" not in second
     assert first["named"] == second["named"] == ["cpu-emulated", 1024.0]
     notice = "process 0's cluster 'cpu-emulated' prices the plans"
     assert notice in outs[1][1] and notice not in outs[0][1]

@@ -22,6 +22,7 @@ from autopar.clusters import resolve_cluster
 from autopar.config import AutoParallelConfig
 from autopar.errors import AutoParallelTypeError
 from autopar.graph.ir import Graph
+from autopar.multihost import together
 from autopar.parallel_graph import ParallelGraph
 from autopar.pipeline.schedules import Schedule
 from autopar.planner import check_same_plans, plan_graph, saves_on_success
@@ -94,7 +95,8 @@ def plan_stages(graph: Graph, p: int, *, config: AutoParallelConfig, micro_batch
     (each stage takes its own); ``config``: the step's configuration (its strategy-file
     paths become one file per stage)."""
     n = config.device_num
-    cluster = resolve_cluster(cluster)  # once: the partition and every stage price on it
+    with together():  # every process builds the step: process 0's cluster (jax.distributed)
+        cluster = resolve_cluster(cluster)  # once: the partition and every stage price on it
     part = partition_stages(graph, p, boundaries=boundaries, device_num=n,
                             micro_batches=micro_batches, cluster=cluster)
     fixed = dict(fixed or {}) if fixed is None or isinstance(fixed, Mapping) else fixed
