@@ -118,5 +118,5 @@ def plan_stages(graph: Graph, p: int, *, config: AutoParallelConfig, micro_batch
             plan.stages.update(dict.fromkeys(plan.nodes, s))  # (its strategy file says so)
             plans.append(plan)
             pgs.append(_rewrite_unfused(sg, plan))
-    check_same_plans(list(zip(plans, sgs, pgs)))  # (under jax.distributed)
+        check_same_plans(list(zip(plans, sgs, pgs)))  # (jax.distributed), before any save
     return StagePlans(part, tuple(sgs), tuple(plans), tuple(pgs))
