@@ -202,6 +202,8 @@ with ap.auto_parallel_context(device_num=4, parallel_mode="auto_parallel"):
     os.environ["AUTOPAR_CLUSTER"] = ("cpu-emulated", "accelerator-8x")[rank]
     f = ap.parallelize(loss, params, x)
     out["named"] = [f.plan.cluster, float(f(params, x))]
+    with ap.auto_parallel_context(pipeline_stages=2):  # the pipelined step's stages too
+        out["stages"] = [p.cluster for p in ap.train_step(loss, params, (x,)).plans]
     try:
         ap.parallelize(loss, params, x,
                        mode=("dynamic_programming", "recursive_programming")[rank])
@@ -231,6 +233,7 @@ def test_every_process_plans_on_process_0s_cluster(tmp_path):
     assert first["default"] == second["default"] == "calibrated-cpu-2x2"  # process 0's cache
     assert first["alone"] == "calibrated-cpu-2x2" and "alone" not in second
     assert first["named"] == second["named"] == ["cpu-emulated", 1024.0]
+    assert first["stages"] == second["stages"] == ["cpu-emulated"] * 2
     notice = "process 0's cluster 'cpu-emulated' prices the plans"
     assert notice in outs[1][1] and notice not in outs[0][1]
     for r in res:
