@@ -59,8 +59,9 @@ from autopar.strategies.layout import DeviceMesh, jax_mesh
 __all__ = ["CALIBRATION_VERSION", "calibrated_name", "check_settings", "fit_alpha_beta",
            "fit_with_knee", "group_sizes", "host_identity", "measure", "select_devices"]
 
-CALIBRATION_VERSION = 3  # 2: the barrier, op_overhead measured directly; 3: the barrier
-#                          pooled over three kinds (older ones are measured again)
+#: 2: the barrier, op_overhead measured directly; 3: the barrier pooled over three kinds.
+#: A calibration of an older version is measured again.
+CALIBRATION_VERSION = 3
 #: Message sizes (bytes, as the model counts them), in the order they are measured: the
 #: ends first, so a fit has its latency and its bandwidth whatever the budget cuts.
 MESSAGE_SIZES = (2 ** 12, 2 ** 24, 2 ** 20, 2 ** 16, 2 ** 22, 2 ** 25)
@@ -592,4 +593,6 @@ def measure(devs: Sequence[Any], *, budget_s: float = 60.0, progress: bool = Tru
         comp = _measure_compute(devs, 0.25 * clock.budget, bar)
         fits = _measure_collectives(devs, sizes, clock, bar) if cases else []
     mine = _cluster(devs, comp, fits, clock.elapsed())
+    if not several():
+        return mine
     return Cluster.model_validate_json(agree_text(mine.model_dump_json()))  # process 0's
