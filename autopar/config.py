@@ -13,6 +13,7 @@ autopar's typed errors by :func:`validate_config`, naming the key, the value and
 from __future__ import annotations
 
 import difflib
+import os
 from typing import Annotated, Any, ClassVar, Iterable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -43,7 +44,7 @@ __all__ = [
 ]
 
 DATASET_STRATEGY_NAMES = ("data_parallel", "full_batch")
-_STRATEGY_FILE_KEYS = (("strategy_ckpt_load_file", "load_file"),
+STRATEGY_FILE_KEYS = (("strategy_ckpt_load_file", "load_file"),
                        ("strategy_ckpt_save_file", "save_file"))
 AUTO_FUSION_THRESHOLD_MB = 64
 MAX_INDEX = 2**31 - 1
@@ -212,6 +213,15 @@ def _path(v: str) -> str:
     return v
 
 
+def fspath_setting(v: Any) -> Any:
+    """A ``pathlib.Path`` (any ``os.PathLike`` of text) is taken as its string, as JAX
+    users pass paths; MindSpore's str is kept as is and other types fail as not a str."""
+    if isinstance(v, os.PathLike):
+        path = os.fspath(v)
+        return path if isinstance(path, str) else v
+    return v
+
+
 class StrategyCkptConfig(BaseModel):
     """strategy_ckpt_config: MindSpore 2.x's one dict for the strategy files. ``load_file`` /
     ``save_file`` are the same settings as strategy_ckpt_load_file / strategy_ckpt_save_file
@@ -223,6 +233,11 @@ class StrategyCkptConfig(BaseModel):
     save_file: str = Field(default="", description="save the strategy to this file")
     only_trainable_params: bool = Field(
         default=True, description="only the trainable parameters' layouts are saved / loaded")
+
+    @field_validator("load_file", "save_file", mode="before")
+    @classmethod
+    def _pathlike(cls, v: Any) -> Any:
+        return fspath_setting(v)
 
     @field_validator("load_file", "save_file")
     @classmethod
@@ -502,6 +517,11 @@ class AutoParallelConfig(BaseModel):
         json_schema_extra=_meta("bool", "-", "with enable_parallel_optimizer",
                                 jax=_warned("optimizer_weight_shard_aggregated_save")))
 
+    @field_validator("group_ckpt_save_file", mode="before")
+    @classmethod
+    def _pathlike(cls, v: Any) -> Any:
+        return fspath_setting(v)  # (the strategy files': _strategy_files_one_setting)
+
     @field_validator("strategy_ckpt_load_file", "strategy_ckpt_save_file")
     @classmethod
     def _paths(cls, v: str) -> str:
@@ -550,20 +570,25 @@ class AutoParallelConfig(BaseModel):
         only, the other follows (a contradiction is refused after validation)."""
         if not isinstance(data, dict):
             return data
+        data = {**data, **{flat: fspath_setting(data[flat]) for flat, _ in STRATEGY_FILE_KEYS
+                           if flat in data}}
         nested = data.get("strategy_ckpt_config")
+        if isinstance(nested, dict):
+            nested = data["strategy_ckpt_config"] = {
+                k: fspath_setting(v) for k, v in nested.items()}
         if nested is None:  # (a value of the wrong type stays where it was given)
             data = {**data, "strategy_ckpt_config": {
-                key: data[flat] for flat, key in _STRATEGY_FILE_KEYS
+                key: data[flat] for flat, key in STRATEGY_FILE_KEYS
                 if isinstance(data.get(flat), str)}}
         elif isinstance(nested, dict):
-            for flat, key in _STRATEGY_FILE_KEYS:
+            for flat, key in STRATEGY_FILE_KEYS:
                 if flat not in data and isinstance(nested.get(key), str):
                     data = {**data, flat: nested[key]}
         return data
 
     @model_validator(mode="after")
     def _strategy_files_agree(self) -> "AutoParallelConfig":
-        for flat, key in _STRATEGY_FILE_KEYS:
+        for flat, key in STRATEGY_FILE_KEYS:
             if getattr(self, flat) != getattr(self.strategy_ckpt_config, key):
                 raise ValueError(f"{flat}={getattr(self, flat)!r} contradicts "
                                  f"strategy_ckpt_config[{key!r}]="

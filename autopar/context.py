@@ -33,11 +33,13 @@ from pydantic_core import PydanticCustomError
 from autopar.config import (
     GET_ONLY,
     KEYS,
+    STRATEGY_FILE_KEYS,
     OPTIMIZER_LEVELS,
     VIEWS,
     AllReduceFusion,
     AutoParallelConfig,
     _check_indices,
+    fspath_setting,
     no_effect_messages,
     shard_size_rule,
     unknown_key_error,
@@ -289,22 +291,21 @@ def _not_applied(key: str, value: int) -> str:
             "restores -1, the whole data-parallel group")
 
 
-_FILE_KEYS = (("strategy_ckpt_load_file", "load_file"), ("strategy_ckpt_save_file", "save_file"))
-
-
 def _strategy_files(kw: dict[str, Any], kwargs: dict[str, Any], data: dict[str, Any],
                     cur: AutoParallelConfig, explicit: set[str]) -> None:
     """strategy_ckpt_config and strategy_ckpt_load_file / strategy_ckpt_save_file are one
     setting under two names (as in MindSpore, where both write the same field): whichever is
     set last wins; both in one call must agree. Fills ``data`` with both sides."""
-    if "strategy_ckpt_config" not in kw and not any(f in kw for f, _ in _FILE_KEYS):
+    if "strategy_ckpt_config" not in kw and not any(f in kw for f, _ in STRATEGY_FILE_KEYS):
         return
     merged = _merge_dict("strategy_ckpt_config", kw.pop("strategy_ckpt_config", {}),
                          cur.strategy_ckpt_config)
+    merged = {k: fspath_setting(v) for k, v in merged.items()}  # (a pathlib.Path: its text)
     given = kwargs.get("strategy_ckpt_config") or {}
-    for flat, key in _FILE_KEYS:
+    given = {k: fspath_setting(v) for k, v in given.items()} if isinstance(given, dict) else {}
+    for flat, key in STRATEGY_FILE_KEYS:
         if flat in kw:
-            value = kw.pop(flat)
+            value = fspath_setting(kw.pop(flat))
             if key in given and given[key] != value:
                 raise AutoParallelError(
                     flat, value, f"it is the same setting as strategy_ckpt_config[{key!r}] and "

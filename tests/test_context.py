@@ -155,6 +155,27 @@ def test_deprecated_alias_sets_and_gets_search_mode():
             "recursive_programming"
 
 
+def test_file_settings_take_a_pathlib_path_as_its_text():
+    from pathlib import Path, PurePosixPath
+
+    ap.set_auto_parallel_context(strategy_ckpt_load_file=Path("a") / "s.json")
+    ap.set_auto_parallel_context(strategy_ckpt_config={"save_file": PurePosixPath("b.json")})
+    assert ap.get_auto_parallel_context("strategy_ckpt_config") == {
+        "load_file": "a/s.json", "save_file": "b.json", "only_trainable_params": True}
+    assert ap.get_auto_parallel_context("strategy_ckpt_save_file") == "b.json"
+    ap.set_auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=2)
+    assert ap.resolve_context().config.strategy_ckpt_load_file == "a/s.json"
+    with pytest.warns(ap.AutoParallelWarning):
+        ap.set_auto_parallel_context(group_ckpt_save_file=Path("g.ckpt"))
+    assert ap.get_auto_parallel_context("group_ckpt_save_file") == "g.ckpt"
+    with pytest.raises(ap.AutoParallelError, match="strategy_ckpt_save_file"):
+        ap.set_auto_parallel_context(strategy_ckpt_save_file=Path("c.json"),
+                                     strategy_ckpt_config={"save_file": "d.json"})
+    with pytest.raises(ap.AutoParallelTypeError, match="valid string"):
+        ap.set_auto_parallel_context(strategy_ckpt_load_file=b"bytes.json")
+    assert ap.get_auto_parallel_context("strategy_ckpt_save_file") == "b.json"
+
+
 def test_full_batch_and_dataset_strategy_stay_consistent():
     ap.set_auto_parallel_context(full_batch=True)
     assert ap.get_auto_parallel_context("dataset_strategy") == "full_batch"
