@@ -551,3 +551,23 @@ def test_calibrate_says_when_nothing_was_cached_and_fresh_replaces_only_on_succe
     files = sorted(cache.rglob("*.json"))
     assert main(["calibrate", "--devices", "2", "--quick", "--fresh"]) == 130
     assert sorted(cache.rglob("*.json")) == files  # the old calibration is kept
+
+
+def test_gloo_reports_and_their_fragments_leave_stdout_and_python_output_stays():
+    """Under jax.distributed on CPU, gloo's C++ threads write connection reports to fd 1 in
+    interleaved fragments (a line may be a lone "1"); the CLI's own lines must all remain."""
+    code = textwrap.dedent("""
+        import os
+        from autopar.cli_util import drop_gloo_lines
+        print("before")
+        drop_gloo_lines()
+        os.write(1, b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of ")
+        os.write(1, b"connected peer ranks is : 1\\n1\\n\\n")
+        print("1")
+        os.write(1, b"native line\\n")
+        print("row  2.5")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert sorted(out.splitlines()) == ["1", "before", "native line", "row  2.5"]
+    assert out.startswith("before\n1\n")  # Python's lines in their order
