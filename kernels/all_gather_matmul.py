@@ -38,6 +38,7 @@ and cast back to the input dtype in the final copy.
 
 Worked example (4 devices, m_local=2, k=3, n=5)::
 
+    >>> from jax.sharding import PartitionSpec as P
     >>> mesh = jax.make_mesh((4,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,),
     ...                      devices=jax.devices()[:4])
     >>> f = jax.shard_map(lambda x, w: all_gather_matmul(x, w, "tp"), mesh=mesh,

@@ -37,12 +37,13 @@ inputs), accumulators travel in fp32 and the result is cast back to the input dt
 
 Worked example (4 devices, m=8, k_local=3, n=5)::
 
+    >>> from jax.sharding import PartitionSpec as P
     >>> mesh = jax.make_mesh((4,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,),
     ...                      devices=jax.devices()[:4])
     >>> f = jax.shard_map(lambda x, w: mm_reduce_scatter(x, w, "tp"), mesh=mesh,
     ...                   in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None))
     >>> x = jnp.ones((8, 12)); w = jnp.ones((12, 5))      # global: k = 4 * 3
-    >>> f(x, w).shape, float(f(x, w)[0, 0])                # rows 0-1 on device 0, ...
+    >>> y = f(x, w); y.shape, float(y[0, 0])              # rows 0-1 on device 0, ...
     ((8, 5), 12.0)
 
 Each device received its ``(2, 5)`` block of ``x @ w``: three ``collective-permute`` ops

@@ -29,7 +29,7 @@ stage under it, as Alpa's stage-construction DP enumerates ``t_max``.
 >>> from autopar.models import transformer
 >>> m = transformer(layers=4, hidden=32, heads=2, seq=8, vocab=64, batch=4)
 >>> g = ap.trace(m.loss, *m.example_args(jax.random.key(0)))
->>> part = partition_stages(g, 2, device_num=8)
+>>> part = partition_stages(g, 2, device_num=8, cluster=ap.CLUSTERS["accelerator-8x"])
 >>> [u.name for u in part.units][:3]
 ['embed', 'block0', 'block1']
 >>> part.first_units()

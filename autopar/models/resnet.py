@@ -20,7 +20,7 @@ the gradient production order comes from the traced graph.
 >>> import jax
 >>> m = resnet50(num_classes=10, batch=2, image_size=32)
 >>> params, images, labels = m.example_args(jax.random.key(0))
->>> m.apply(params, images).shape
+>>> jax.eval_shape(m.apply, params, images).shape   # (running it eagerly takes seconds)
 (2, 10)
 """
 
