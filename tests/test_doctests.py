@@ -38,14 +38,8 @@ def test_the_examples_are_found():
 
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples_run(name):
+    reports: list[str] = []
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
     for test in _examples(name):
-        runner.run(test, out=_report)
-    assert runner.failures == 0, "\n".join(_REPORTS)
-
-
-_REPORTS: list[str] = []
-
-
-def _report(text: str) -> None:
-    _REPORTS.append(text)
+        runner.run(test, out=reports.append)
+    assert runner.failures == 0, "\n".join(reports)
