@@ -793,6 +793,32 @@ class Problem:
         total = sum(vert.cost.item(k) for vert, k in zip(self.vertices, picks))
         return b, total + sum(entries)
 
+    def pick_parameters(self, picks: list[int]) -> None:
+        """Each parameter takes the layout cheapest for its consumers as picked (in place; a
+        parameter only ever produces): its cost vector plus, per edge in order, the
+        redistribution from each of its layouts to the one its consumer reads (parameters of
+        one choice set -- one cost array -- share these columns)."""
+        verts, edges = self.vertices, self.edges
+        reads: dict[int, list[int]] = {}
+        for k, e in enumerate(edges):
+            if verts[e.u].kind == "param":
+                reads.setdefault(e.u, []).append(k)
+        columns: dict[tuple, np.ndarray] = {}
+        for i, v in enumerate(verts):
+            if v.kind != "param":
+                continue
+            total = v.cost.copy()
+            for k in reads.get(i, ()):
+                e = edges[k]
+                dst = verts[e.v].choices[picks[e.v]].in_layouts[e.in_index]
+                key = (id(v.cost), self._nbytes[e.value], self.requires_grad[e.value], dst)
+                col = columns.get(key)
+                if col is None:
+                    col = columns[key] = self._edge_costs(
+                        e.value, [c.out_layouts[0] for c in v.choices], [dst])[:, 0]
+                total = total + col
+            picks[i] = int(np.argmin(total))
+
     def pair_cost(self, e: Edge, a: int, b: int) -> float:
         """One entry of an edge's matrix, without building the matrix."""
         if e._matrix is not None:

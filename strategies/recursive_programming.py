@@ -500,33 +500,6 @@ def _settle(problem: Problem, splits: dict[int, Splits]) -> list[int]:
     return picks
 
 
-def _pick_parameters(problem: Problem, picks: list[int]) -> None:
-    """Each parameter takes the layout cheapest for its consumers as picked (a parameter
-    only ever produces): its cost vector plus, per edge in order, the redistribution from
-    each of its layouts to the one its consumer reads (parameters of one choice set --
-    one cost array -- share these columns)."""
-    verts, edges = problem.vertices, problem.edges
-    reads: dict[int, list[int]] = {}
-    for k, e in enumerate(edges):
-        if verts[e.u].kind == "param":
-            reads.setdefault(e.u, []).append(k)
-    columns: dict[tuple, np.ndarray] = {}
-    for i, v in enumerate(verts):
-        if v.kind != "param":
-            continue
-        total = v.cost.copy()
-        for k in reads.get(i, ()):
-            e = edges[k]
-            dst = verts[e.v].choices[picks[e.v]].in_layouts[e.in_index]
-            key = (id(v.cost), problem._nbytes[e.value], problem.requires_grad[e.value], dst)
-            col = columns.get(key)
-            if col is None:
-                col = columns[key] = _edge_costs(
-                    problem, e.value, [c.out_layouts[0] for c in v.choices], [dst])[:, 0]
-            total = total + col
-        picks[i] = int(np.argmin(total))
-
-
 def solve(problem: Problem) -> list[int]:
     """One choice index per vertex of ``problem`` (see the module docstring).
 
@@ -542,5 +515,5 @@ def _solve(problem: Problem) -> list[int]:
     cuts.recuts()
     picks = _settle(problem, cuts.splits())
     _widen_parameters(problem)
-    _pick_parameters(problem, picks)
+    problem.pick_parameters(picks)
     return picks
