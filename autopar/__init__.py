@@ -65,7 +65,7 @@ if TYPE_CHECKING:  # the facade, as type checkers and the import contracts see i
     from autopar.mindspore_import import import_mindspore_strategy
     from autopar.parallel_function import parallelize
     from autopar.pipeline import pipeline_train_step
-    from autopar.planner import search
+    from autopar.planner import explain, search
     from autopar.resolve import resolve_context
     from autopar.strategies import CLUSTERS, Cluster, Plan
     from autopar.train import train_step
@@ -80,7 +80,7 @@ __all__ = [
     "set_algo_parameters", "get_group_size", "get_rank",
     # trace, plan, run
     "Graph", "Layout", "matmul", "shard", "trace",
-    "CLUSTERS", "Cluster", "Plan", "calibrate", "compare_modes", "search",
+    "CLUSTERS", "Cluster", "Plan", "calibrate", "compare_modes", "explain", "search",
     "in_shardings", "parallelize", "pipeline_train_step", "to_jax_shardings", "train_step",
     # strategy files
     "import_mindspore_strategy", "load_strategy", "save_strategy",
@@ -113,7 +113,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "import_mindspore_strategy": ("autopar.mindspore_import", "import_mindspore_strategy"),
     "parallelize": ("autopar.parallel_function", "parallelize"),
     "pipeline_train_step": ("autopar.pipeline", "pipeline_train_step"),
-    "search": ("autopar.planner", "search"),
+    **{name: ("autopar.planner", name) for name in ("explain", "search")},
     "resolve_context": ("autopar.resolve", "resolve_context"),
     "train_step": ("autopar.train", "train_step"),
     "hccl": ("autopar.hccl", None),

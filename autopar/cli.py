@@ -120,10 +120,12 @@ def cmd_search(args: argparse.Namespace) -> int:
     load = str(args.load) if args.load else None
     with paused_gc():  # a one-shot command: its imports and graph are long-lived
         _, _, graph, desc = _graph(args)
+        _check_node_names(args.explain or (), graph)
         with _context(args, strategy_ckpt_save_file=save, strategy_ckpt_load_file=load):
             with Progress("search", 1) as bar:
                 plan = ap.search(graph, mode=args.mode, cluster=_cluster(args))
                 bar.advance(plan.mode)
+            explained = [ap.explain(graph, plan, name) for name in args.explain or ()]
     _out(f"{desc}: {len(graph.nodes)} operators, {len(graph.parameters())} parameters, "
          f"fingerprint {graph.fingerprint()[:12]}")
     _out(plan.summary())
@@ -138,9 +140,24 @@ def cmd_search(args: argparse.Namespace) -> int:
             _out(f"... {len(graph.parameters()) - args.limit} more (--limit, --full)")
     for note in plan.notes:
         _out(f"note: {note}")
+    for explanation in explained:
+        _out("\n" + explanation.text(limit=args.limit))
     if save:
         _out(f"\nstrategy file written: {save}")
     return 0
+
+
+def _check_node_names(names: Sequence[str], graph: Any) -> None:
+    """--explain's operators, checked before anything is searched or written."""
+    import difflib
+
+    known = [n.name for n in graph.nodes]
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            raise CLIError(f"--explain {name!r}: no such operator in the model"
+                           + (f" (did you mean {close[0]!r}?)" if close else
+                              " (`autopar search --full` lists them)"))
 
 
 # ---------------------------------------------------------------------------- compare
@@ -544,7 +561,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save", type=file_path, help="write the strategy file here")
     p.add_argument("--load", type=file_path, help="load the plan from this strategy file")
     p.add_argument("--full", action="store_true", help="print every operator's strategy")
-    p.add_argument("--limit", type=positive_int, default=20, help="parameter rows (default 20)")
+    p.add_argument("--limit", type=positive_int, default=20,
+                   help="parameter rows, and alternatives per --explain (default 20)")
+    p.add_argument("--explain", action="append", metavar="OPERATOR",
+                   help="why the plan gives this operator its strategy: its alternatives, "
+                        "the rest of the plan held, priced whole (repeatable)")
     p.set_defaults(func=cmd_search)
 
     p = sub.add_parser("compare", help="every search mode side by side")

@@ -31,15 +31,16 @@ from autopar.graph.ms_layout import to_strategy
 from autopar.limits import MAX_DEVICES
 from autopar.multihost import check_same, several
 from autopar.resolve import resolve_context
-from autopar.strategies.cost import Cluster
+from autopar.strategies.cost import Cluster, CostModel
+from autopar.strategies.explain import Explanation, alternatives
 from autopar.strategies.modes import PARALLEL_MODES, SOLVERS, USES_STRATEGY_FILES
 from autopar.strategies.plan import Plan
 from autopar.strategies.search import SearchSettings, search_plan
 from autopar.strategies.stages import StagePartition
 from autopar.strategies.stages import partition_stages as _partition_stages
 
-__all__ = ["check_same_plans", "partition_stages", "plan_graph", "save_plan", "saves_on_success",
-           "search"]
+__all__ = ["check_same_plans", "explain", "partition_stages", "plan_graph", "save_plan",
+           "saves_on_success", "search"]
 
 #: The strategy-file saves waiting for the entry point inside :func:`saves_on_success`.
 _PENDING: ContextVar[list[tuple[Plan, Graph, Any]] | None] = ContextVar("autopar_saves",
@@ -211,6 +212,50 @@ def partition_stages(graph: Graph, stages: int, *, boundaries: Sequence[str | in
     n = current_config().device_num if device_num is None else device_num
     return _partition_stages(graph, stages, device_num=n, cluster=resolve_cluster(cluster),
                              boundaries=boundaries, micro_batches=micro_batches)
+
+
+def explain(graph: Graph, plan: Plan, node: str, *,
+            cluster: str | Cluster | None = None) -> Explanation:
+    """Why ``plan`` gives operator ``node`` its strategy: every strategy the operator could
+    take (the search's space: ``fully_use_devices`` as set), the rest of the plan held, each
+    priced whole (:mod:`autopar.strategies.explain`), cheapest first. ``cluster``: price on
+    another cost model (default: the plan's own; a preset, ``"calibrated"``, a file or a
+    :class:`Cluster`) -- where the plan's choice is then not the cheapest, that is what the
+    other model would change. Data inputs are laid out by the context's dataset_strategy.
+    ``print(ap.explain(graph, plan, name))`` shows the table."""
+    if not isinstance(graph, Graph):
+        raise AutoParallelTypeError("graph", graph, "the Graph returned by autopar.trace")
+    if not isinstance(plan, Plan):
+        raise AutoParallelTypeError("plan", plan, "a Plan from autopar.search or "
+                                    "autopar.load_strategy")
+    if not isinstance(node, str) or node not in plan.nodes:
+        import difflib
+
+        close = difflib.get_close_matches(str(node), list(plan.nodes), n=1)
+        raise AutoParallelError("node", node, "not an operator of this plan (plan.nodes "
+                                "lists them)", f"Did you mean {close[0]!r}?" if close else None)
+    if not plan.searched_on(graph):
+        raise AutoParallelError("plan", f"fingerprint {plan.fingerprint[:12]}", "it was not "
+                                f"searched on this graph (fingerprint "
+                                f"{graph.fingerprint()[:12]})", "Trace the function the plan "
+                                "was searched for")
+    if plan.stages:
+        raise AutoParallelError("plan", f"{len(set(plan.stages.values()))} pipeline stages",
+                                "explain takes one stage's plan (a pipelined step's "
+                                "stage_plans)")
+    priced = plan.cluster_config if cluster is None and plan.cluster_config is not None \
+        else resolve_cluster(cluster)
+    rows = alternatives(graph, plan, node, CostModel(priced),
+                        full_use=current_algo_parameters().fully_use_devices,
+                        dataset_strategy=resolve_context().config.dataset_strategy)
+    notes = []
+    mine = next(a for a in rows if a.chosen)
+    if cluster is None and abs(mine.objective - plan.objective) > 1e-9 * abs(plan.objective):
+        notes.append(f"note: the plan re-priced here costs {mine.objective * 1e3:.4g} ms, "
+                     f"{plan.objective * 1e3:.4g} ms when it was searched (another "
+                     "dataset_strategy or search setting)")
+    return Explanation(node, plan.nodes[node].op, plan.mode, priced.name, tuple(rows),
+                       tuple(notes))
 
 
 def check_same_plans(parts: Sequence[tuple[Plan, Graph, Any]]) -> None:

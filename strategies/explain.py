@@ -1,0 +1,110 @@
+"""Why a plan gives an operator its strategy: every strategy the operator could take, the rest
+of the plan held, each priced whole.
+
+The operator's alternatives are the strategies its search space holds (``full_use``: as the
+search saw them). For each, every other operator keeps the plan's splits, the parameters take
+their cheapest layouts for the consumers as they then read them (as every search mode ends),
+and the whole step is priced by :meth:`Problem.evaluate
+<autopar.strategies.problem.Problem.evaluate>` -- the sums the searches minimise -- so an
+alternative's figures are the plan's own had the search picked it: its compute, the
+communication it brings (its own collectives, the redistributions on the values it reads and
+makes, the gradient syncs of the parameters it reads) and the memory per device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from autopar.graph.ir import Graph
+from autopar.strategies.cost import CostModel
+from autopar.strategies.plan import Plan
+from autopar.strategies.problem import Breakdown, Problem
+
+__all__ = ["Alternative", "Explanation", "alternatives"]
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """One strategy of the operator, priced with the rest of the plan held."""
+
+    strategy: tuple[tuple[int, ...], ...]  # MindSpore: one tuple of split counts per input
+    splits: tuple[int, ...]                # per loop dimension
+    cost: Breakdown                        # the whole step's
+    objective: float                       # what the search minimised (memory priced in)
+    chosen: bool                           # the plan's own
+
+
+def alternatives(graph: Graph, plan: Plan, node: str, cm: CostModel, *, full_use: bool,
+                 dataset_strategy: Any) -> list[Alternative]:
+    """Operator ``node``'s alternatives in ``plan`` (checked arguments: the entry point
+    validates them), cheapest first (ties: the plan's own first, then by splits)."""
+    held = {name: ns.splits for name, ns in plan.nodes.items() if name != node}
+    problem = Problem(graph, plan.mesh, cm, enable_alltoall=plan.enable_alltoall,
+                      dataset_strategy=dataset_strategy, memory_weight=plan.memory_weight,
+                      full_use=full_use, fixed_splits=held,
+                      parallel_optimizer_kb=plan.parallel_optimizer_kb,
+                      optimizer_weight_shard_size=plan.optimizer_weight_shard_size)
+    i = problem.index[node]
+    mine = plan.nodes[node].splits
+    out = []
+    for k, choice in enumerate(problem.vertices[i].choices):
+        picks = [0] * len(problem.vertices)  # (every other operator: its one choice)
+        picks[i] = k
+        problem.pick_parameters(picks)
+        cost, objective = problem.evaluate(picks)
+        out.append(Alternative(choice.strategy(plan.mesh), choice.splits, cost, objective,
+                               choice.splits == mine))
+    out.sort(key=lambda a: (a.objective, not a.chosen, a.splits))
+    return out
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """:func:`autopar.explain`'s answer: the operator's alternatives, cheapest first."""
+
+    node: str
+    op: str
+    mode: str                       # the plan's
+    cluster: str                    # the cost model that priced the alternatives
+    rows: tuple[Alternative, ...]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def chosen(self) -> Alternative:
+        return next(a for a in self.rows if a.chosen)
+
+    def text(self, limit: int = 10) -> str:
+        """A table of the ``limit`` cheapest alternatives (and the plan's own), in ms."""
+        c = self.chosen
+        lines = [f"{self.node} ({self.op}) takes {c.strategy} in plan[{self.mode}]: "
+                 f"{len(self.rows)} strategies, the rest of the plan held, priced on "
+                 f"{self.cluster}", *self.notes, ""]
+        head = ("strategy", "step ms", "vs chosen", "compute", "communication",
+                "redistribution", "gradient sync", "memory MiB")
+        table = [head]
+        shown = [a for k, a in enumerate(self.rows) if k < limit or a.chosen]
+        for a in shown:
+            b = a.cost
+            table.append((str(a.strategy) + (" *" if a.chosen else ""), _ms(b.total),
+                          f"{(a.objective - c.objective) * 1e3:+.4g}", _ms(b.compute),
+                          _ms(b.communication), _ms(b.redistribution), _ms(b.gradient_sync),
+                          f"{b.memory_bytes / 2**20:.4g}"))
+        widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+        for k, r in enumerate(table):
+            lines.append("  ".join(x.ljust(w) if i == 0 else x.rjust(w)
+                                   for i, (x, w) in enumerate(zip(r, widths))).rstrip())
+            if k == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        if len(shown) < len(self.rows):
+            lines.append(f"... {len(self.rows) - len(shown)} dearer strategies not shown")
+        lines.append("(* the plan's; 'vs chosen': the objective the search minimised, "
+                     "memory priced in where it was)")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.text()
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.4g}"

@@ -1,0 +1,99 @@
+"""autopar.explain: an operator's alternatives, the rest of the plan held, priced whole."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+import autopar as ap
+from autopar.cli import main
+from autopar.models import mlp, tfm_stack
+
+
+@pytest.fixture(scope="module")
+def graphs():
+    out = {}
+    for name, m in (("mlp", mlp(widths=(64, 256, 64), batch=64)),
+                    ("tfm", tfm_stack(blocks=1, batch=2, seq=16, hidden=64, heads=4))):
+        out[name] = ap.trace(m.loss, *jax.eval_shape(m.example_args, jax.random.key(0)))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _auto():
+    ap.set_auto_parallel_context(device_num=8, parallel_mode="auto_parallel")
+
+
+def _dots(plan):
+    return [n for n, s in plan.nodes.items() if s.op == "dot_general"]
+
+
+@pytest.mark.parametrize("name", ["mlp", "tfm"])
+def test_an_alternative_is_priced_as_the_search_prices_that_plan(graphs, name):
+    """Each row equals the plan the search returns with every operator fixed at the plan's
+    strategy but this one, fixed at the row's; the plan's own row equals the plan."""
+    g = graphs[name]
+    plan = ap.search(g, mode="recursive_programming")
+    node = _dots(plan)[0]
+    ex = ap.explain(g, plan, node)
+    assert ex.chosen.objective == plan.objective and ex.chosen.splits == plan.nodes[node].splits
+    assert len(ex.rows) > 3 and len({a.splits for a in ex.rows}) == len(ex.rows)
+    held = {n: s.strategy for n, s in plan.nodes.items() if n != node}
+    for alt in (ex.rows[0], ex.rows[len(ex.rows) // 2], ex.rows[-1]):
+        again = ap.search(g, parallel_mode="semi_auto_parallel",
+                          fixed={**held, node: alt.strategy})
+        assert again.nodes[node].splits == alt.splits
+        assert again.objective == pytest.approx(alt.objective, rel=1e-12)
+        assert again.cost.redistribution == pytest.approx(alt.cost.redistribution, rel=1e-12)
+        assert again.cost.memory_bytes == alt.cost.memory_bytes
+
+
+def test_an_exact_plan_holds_no_cheaper_alternative(graphs):
+    g = graphs["tfm"]
+    plan = ap.search(g, mode="dynamic_programming")
+    for node in _dots(plan):
+        ex = ap.explain(g, plan, node)
+        assert ex.rows[0].chosen  # (ties go to the plan's own)
+        assert all(a.objective >= ex.chosen.objective for a in ex.rows)
+    assert ex.cluster == "accelerator-8x" and ex.mode == "dynamic_programming"
+
+
+def test_another_cluster_reprices_and_the_table_shows_it(graphs):
+    g = graphs["mlp"]
+    plan = ap.search(g)
+    node = _dots(plan)[0]
+    mine, other = ap.explain(g, plan, node), ap.explain(g, plan, node, cluster="cpu-emulated")
+    assert other.cluster == "cpu-emulated" and other.chosen.splits == mine.chosen.splits
+    assert other.chosen.objective != mine.chosen.objective
+    text = mine.text(limit=2)
+    assert f"{node} (dot_general) takes {mine.chosen.strategy}" in text
+    assert text.count(" *") == 1 and "dearer strategies not shown" in text
+    assert str(mine) == mine.text()
+
+
+def test_bad_arguments_are_typed_errors(graphs):
+    g, other = graphs["mlp"], graphs["tfm"]
+    plan = ap.search(g)
+    with pytest.raises(ap.AutoParallelError, match="Did you mean 'layer0/dot_general_0'"):
+        ap.explain(g, plan, "layer0/dot_genral_0")
+    with pytest.raises(ap.AutoParallelError, match="not searched on this graph"):
+        ap.explain(other, plan, _dots(plan)[0])
+    with pytest.raises(ap.AutoParallelTypeError, match="plan"):
+        ap.explain(g, {"nodes": {}}, "x")
+    with pytest.raises(ap.AutoParallelTypeError, match="graph"):
+        ap.explain(None, plan, "x")
+
+
+def test_the_command_line_explains_and_checks_names_first(tmp_path, capsys):
+    args = ["search", "--model", "mlp", "-o", "widths=(16,32,16)", "-o", "batch=8",
+            "--devices", "4"]
+    assert main([*args, "--explain", "layer1/dot_general_0", "--limit", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "layer1/dot_general_0 (dot_general) takes" in out and "vs chosen" in out
+    saved = tmp_path / "plan.json"
+    assert main([*args, "--save", str(saved), "--explain", "layer1/dot_genral_0"]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error" in line]  # (progress lines aside)
+    assert len(errors) == 1 and "did you mean 'layer1/dot_general_0'" in errors[0]
+    assert "Traceback" not in err
+    assert not saved.exists()  # refused before anything was searched or written
