@@ -241,8 +241,8 @@ def explain(graph: Graph, plan: Plan, node: str, *,
                                 "was searched for")
     if plan.stages:
         raise AutoParallelError("plan", f"{len(set(plan.stages.values()))} pipeline stages",
-                                "explain takes one stage's plan (a pipelined step's "
-                                "stage_plans)")
+                                "explain takes one stage's plan and graph (a pipelined "
+                                "step's plans[s] and stage_graphs[s])")
     priced = plan.cluster_config if cluster is None and plan.cluster_config is not None \
         else resolve_cluster(cluster)
     rows = alternatives(graph, plan, node, CostModel(priced),
