@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import pytest
 
@@ -78,6 +80,9 @@ def test_bad_arguments_are_typed_errors(graphs):
         ap.explain(g, plan, "layer0/dot_genral_0")
     with pytest.raises(ap.AutoParallelError, match="not searched on this graph"):
         ap.explain(other, plan, _dots(plan)[0])
+    staged = dataclasses.replace(plan, stages={_dots(plan)[1]: 1})
+    with pytest.raises(ap.AutoParallelError, match="stage_graphs"):
+        ap.explain(g, staged, _dots(plan)[0])
     with pytest.raises(ap.AutoParallelTypeError, match="plan"):
         ap.explain(g, {"nodes": {}}, "x")
     with pytest.raises(ap.AutoParallelTypeError, match="graph"):
