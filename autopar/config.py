@@ -45,7 +45,7 @@ __all__ = [
 
 DATASET_STRATEGY_NAMES = ("data_parallel", "full_batch")
 STRATEGY_FILE_KEYS = (("strategy_ckpt_load_file", "load_file"),
-                       ("strategy_ckpt_save_file", "save_file"))
+                      ("strategy_ckpt_save_file", "save_file"))
 AUTO_FUSION_THRESHOLD_MB = 64
 MAX_INDEX = 2**31 - 1
 #: The largest size-mode fusion threshold (MB): 1 EiB, past any real gradient set.
@@ -567,7 +567,8 @@ class AutoParallelConfig(BaseModel):
     @classmethod
     def _strategy_files_one_setting(cls, data: Any) -> Any:
         """strategy_ckpt_config's files and the two flat keys are one setting: given one side
-        only, the other follows (a contradiction is refused after validation)."""
+        only, the other follows (a contradiction is refused after validation). A
+        ``pathlib.Path`` on either side is its text first (:func:`fspath_setting`)."""
         if not isinstance(data, dict):
             return data
         data = {**data, **{flat: fspath_setting(data[flat]) for flat, _ in STRATEGY_FILE_KEYS

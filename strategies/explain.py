@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from autopar.cli_util import table as text_table
 from autopar.graph.ir import Graph
 from autopar.strategies.cost import CostModel
 from autopar.strategies.plan import Plan
@@ -40,13 +41,16 @@ def alternatives(graph: Graph, plan: Plan, node: str, cm: CostModel, *, full_use
     """Operator ``node``'s alternatives in ``plan`` (checked arguments: the entry point
     validates them), cheapest first (ties: the plan's own first, then by splits)."""
     held = {name: ns.splits for name, ns in plan.nodes.items() if name != node}
-    problem = Problem(graph, plan.mesh, cm, enable_alltoall=plan.enable_alltoall,
-                      dataset_strategy=dataset_strategy, memory_weight=plan.memory_weight,
-                      full_use=full_use, fixed_splits=held,
-                      parallel_optimizer_kb=plan.parallel_optimizer_kb,
-                      optimizer_weight_shard_size=plan.optimizer_weight_shard_size)
-    i = problem.index[node]
     mine = plan.nodes[node].splits
+    for use in (full_use, False):  # (a plan's own strategy outside that space: all of them)
+        problem = Problem(graph, plan.mesh, cm, enable_alltoall=plan.enable_alltoall,
+                          dataset_strategy=dataset_strategy, memory_weight=plan.memory_weight,
+                          full_use=use, fixed_splits=held,
+                          parallel_optimizer_kb=plan.parallel_optimizer_kb,
+                          optimizer_weight_shard_size=plan.optimizer_weight_shard_size)
+        i = problem.index[node]
+        if any(c.splits == mine for c in problem.vertices[i].choices):
+            break
     out = []
     for k, choice in enumerate(problem.vertices[i].choices):
         picks = [0] * len(problem.vertices)  # (every other operator: its one choice)
@@ -90,12 +94,7 @@ class Explanation:
                           f"{(a.objective - c.objective) * 1e3:+.4g}", _ms(b.compute),
                           _ms(b.communication), _ms(b.redistribution), _ms(b.gradient_sync),
                           f"{b.memory_bytes / 2**20:.4g}"))
-        widths = [max(len(r[i]) for r in table) for i in range(len(head))]
-        for k, r in enumerate(table):
-            lines.append("  ".join(x.ljust(w) if i == 0 else x.rjust(w)
-                                   for i, (x, w) in enumerate(zip(r, widths))).rstrip())
-            if k == 0:
-                lines.append("  ".join("-" * w for w in widths))
+        lines.append(text_table(table))
         if len(shown) < len(self.rows):
             lines.append(f"... {len(self.rows) - len(shown)} dearer strategies not shown")
         lines.append("(* the plan's; 'vs chosen': the objective the search minimised, "

@@ -102,3 +102,15 @@ def test_the_command_line_explains_and_checks_names_first(tmp_path, capsys):
     assert len(errors) == 1 and "did you mean 'layer1/dot_general_0'" in errors[0]
     assert "Traceback" not in err
     assert not saved.exists()  # refused before anything was searched or written
+
+
+def test_a_strategy_outside_the_search_space_is_explained_among_all():
+    """A user-fixed strategy that leaves devices repeating a large operator's work is not in
+    fully_use_devices' space; the alternatives are then every legal strategy."""
+    m = mlp(widths=(64, 2048, 64), batch=1024)  # layer0's output: 8 MiB, not a small op
+    g = ap.trace(m.loss, *jax.eval_shape(m.example_args, jax.random.key(0)))
+    node = "layer0/dot_general_0"
+    plan = ap.search(g, parallel_mode="semi_auto_parallel", fixed={node: ((2, 1), (1, 1))})
+    ex = ap.explain(g, plan, node)
+    assert ex.chosen.splits == (2, 1, 1) and ex.chosen.objective == plan.objective
+    assert any(a.splits == (8, 1, 1) for a in ex.rows)
