@@ -22,13 +22,13 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar.context import current_config
-from autopar.errors import AutoParallelTypeError
+from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.graph.tracer import check_arrays
 from autopar.lower import jax_mesh
 from autopar.strategies.layout import DeviceMesh
 
 __all__ = ["DEFAULT_LEARNING_RATE", "broadcast_parameters", "check_arrays", "check_floating",
-           "check_opt_state", "step_arguments"]
+           "check_loss", "check_opt_state", "step_arguments"]
 
 #: The default optimizer of the training steps is ``optax.sgd(DEFAULT_LEARNING_RATE)``.
 DEFAULT_LEARNING_RATE = 0.1
@@ -44,6 +44,27 @@ def check_floating(key: str, tree: Any) -> None:
                                         jax.ShapeDtypeStruct(np.shape(leaf), dtype),
                                         f"a floating-point array (parameters are trained by "
                                         f"gradients), not {dtype}")
+
+
+def check_loss(loss_fn: Any, specs: list[Any]) -> None:
+    """The loss a training step differentiates: one real floating-point scalar (``specs``:
+    the traced outputs' shape-dtype specs); an integer or boolean loss has no gradient
+    (``jax.grad`` refuses it) and a complex one no order.
+
+    >>> import jax.numpy as jnp
+    >>> check_loss(jnp.sum, [jax.ShapeDtypeStruct((), jnp.int32)])
+    Traceback (most recent call last):
+    autopar.errors.AutoParallelTypeError: loss_fn='sum' is invalid: ...
+    """
+    name = getattr(loss_fn, "__name__", "fn")
+    if len(specs) != 1 or tuple(specs[0].shape) != ():
+        raise AutoParallelError("loss_fn", name, "must return one scalar loss",
+                                "Return jnp.mean(...) etc.")
+    if not jax.numpy.issubdtype(specs[0].dtype, jax.numpy.floating):
+        raise AutoParallelTypeError("loss_fn", name, "must return a floating-point loss (a "
+                                    "training step differentiates it); found "
+                                    f"{np.dtype(specs[0].dtype)}: cast it, e.g. "
+                                    ".astype(jnp.float32)")
 
 
 def check_opt_state(optimizer: optax.GradientTransformation, params: Any, opt_state: Any,

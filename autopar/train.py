@@ -95,7 +95,7 @@ from autopar.parallel_graph import ParallelGraph
 from autopar.parallel_function import parallel_function
 from autopar.pipeline.step import PipelineTrainStep
 from autopar.step_inputs import (DEFAULT_LEARNING_RATE, broadcast_parameters, check_arrays,
-                                 check_floating, check_opt_state, step_arguments)
+                                 check_floating, check_loss, check_opt_state, step_arguments)
 
 #: ``DEFAULT_LEARNING_RATE`` (defined with the other step inputs) stays part of this module's
 #: interface: train_step's default optimizer is ``optax.sgd(DEFAULT_LEARNING_RATE)``.
@@ -141,9 +141,7 @@ class TrainStep(ProgramInspection):
         self.parallel_graph = pg = self.function.parallel_graph
         self.mesh: Mesh = self.function.mesh
         self.device_num = pg.device_num
-        if len(pg.outputs) != 1 or pg.values[pg.outputs[0]].spec.shape != ():
-            raise AutoParallelError("loss_fn", getattr(loss_fn, "__name__", "fn"),
-                                    "must return one scalar loss", "Return jnp.mean(...) etc.")
+        check_loss(loss_fn, [pg.values[v].spec for v in pg.outputs])
         self._setup_inputs(params)
         self._setup_sync(self._threshold_kb)
         if backend == "pmap":

@@ -324,6 +324,15 @@ def test_bad_arguments_raise_typed_errors(ctx, kwargs, err, key):
         assert ap.get_auto_parallel_context("pipeline_stages") == before
 
 
+def test_an_integer_loss_is_refused():
+    model = small_tfm(batch=8, layers=1)
+    params, *batch = model.example_args(KEY)
+    with ap.auto_parallel_context(**(PIPE | dict(pipeline_stages=2))):
+        with pytest.raises(AutoParallelTypeError, match="floating-point loss.*found int32"):
+            pipeline_train_step(lambda p, *b: model.loss(p, *b).astype(jnp.int32), params,
+                                tuple(batch))
+
+
 def test_a_scalar_batch_input_is_named_as_such():
     """It was refused as 'batch size=0 ... does not divide'."""
     model = small_tfm(batch=8, layers=1)

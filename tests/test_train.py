@@ -356,6 +356,10 @@ def test_bad_arguments_are_refused():
         ap.train_step(m.loss, params, (x,), backend="xmap")
     with pytest.raises(ap.AutoParallelError, match="scalar"):
         ap.train_step(lambda p, x: x @ p["layer0"]["w"], params, (x,))
+    for cast in (jnp.int32, jnp.bool_):  # jax.grad refuses them; the step trained on zeros
+        with pytest.raises(ap.AutoParallelTypeError, match=f"floating-point loss.*found "
+                                                           f"{jnp.dtype(cast)}"):
+            ap.train_step(lambda p, x, cast=cast: m.loss(p, x).astype(cast), params, (x,))
     step = ap.train_step(m.loss, params, x)  # a bare array is a one-element batch
     assert "TrainStep" in repr(step)
 

@@ -77,7 +77,7 @@ from autopar.pipeline.buffers import (BoundaryCodec, PackedParams, StagePacking,
 from autopar.pipeline.plan import PipelinePlan, plan_stages
 from autopar.pipeline.schedules import FWD, IDLE, schedule as build_schedule
 from autopar.planner import saves_on_success
-from autopar.step_inputs import (broadcast_parameters, check_arrays, check_floating,
+from autopar.step_inputs import (broadcast_parameters, check_arrays, check_floating, check_loss,
                                  check_opt_state, step_arguments)
 from autopar.strategies.layout import DeviceMesh, Layout, axis_name, jax_mesh
 from autopar.strategies.redistribution import redistribute
@@ -217,9 +217,7 @@ class PipelineTrainStep(ProgramInspection):
         """The loss traced at micro-batch size; it must return one scalar."""
         graph = trace(loss_fn, jax.tree_util.tree_unflatten(self._p_tree, p_sds),
                       *jax.tree_util.tree_unflatten(self._b_tree, micro))
-        if len(graph.outputs) != 1 or graph.spec(graph.outputs[0]).shape != ():
-            raise AutoParallelError("loss_fn", getattr(loss_fn, "__name__", "fn"),
-                                    "must return one scalar loss", "Return jnp.mean(...) etc.")
+        check_loss(loss_fn, [graph.spec(v) for v in graph.outputs])
         return graph
 
     def _pipeline_mesh(self) -> Mesh:
