@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, NoReturn, Sequence
 
 from autopar.files import write_text_atomic
 from autopar.cli_util import (CLIError, Progress, compare_with_reference, drop_gloo_lines,
@@ -544,11 +544,19 @@ def _model_args(p: argparse.ArgumentParser, *, devices: bool = True,
                    + (" (the strategy file's with --load)" if load else ""))
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors in one line (the usage is in ``--help``); the subcommands'
+    parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from autopar.demo import add_demo_parser
 
-    parser = argparse.ArgumentParser(prog="autopar", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="autopar", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_demo_parser(sub)
 
@@ -637,7 +645,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         gc.freeze()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra:  # the subcommand's own usage line and name, as for its other errors
+    if extra:  # the subcommand's own name, as for its other errors
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     args.argv = list(sys.argv[1:] if argv is None else argv)
@@ -661,3 +669,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # a failure autopar did not foresee: one line, the cause named
+        if os.environ.get("AUTOPAR_DEBUG"):
+            raise
+        print(f"autopar {args.command}: internal error: {one_line(e)} (set AUTOPAR_DEBUG=1 "
+              "for the traceback)", file=sys.stderr)
+        return 1

@@ -175,10 +175,11 @@ def non_negative_float(text: str) -> float:
 
 
 def setup_devices(n: int) -> None:
-    """Emulate ``n`` CPU devices; must run before the first JAX computation. When JAX is
-    already running (``main()`` called from a program or a test), it must have ``n`` devices
-    or more."""
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    """Emulate ``n`` CPU devices; must run before the first JAX computation (the platform is
+    the CPU whatever ``JAX_PLATFORMS`` the shell holds: a command's devices are emulated).
+    When JAX is already running (``main()`` called from a program or a test), it must have
+    ``n`` devices or more."""
+    os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
     from jax._src import xla_bridge
 
@@ -187,6 +188,7 @@ def setup_devices(n: int) -> None:
             raise CLIError(f"JAX is already running with {jax.device_count()} devices; "
                            f"{n} are needed (run the autopar command in a fresh process)")
         return
+    jax.config.update("jax_platforms", "cpu")  # (read from the environment at import)
     current = jax.config.jax_num_cpu_devices
     jax.config.update("jax_num_cpu_devices", max(n, current if current > 0 else 1))
 

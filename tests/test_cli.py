@@ -571,3 +571,46 @@ def test_gloo_reports_and_their_fragments_leave_stdout_and_python_output_stays()
                          timeout=60, check=True).stdout
     assert sorted(out.splitlines()) == ["1", "before", "native line", "row  2.5"]
     assert out.startswith("before\n1\n")  # Python's lines in their order
+
+
+def test_argument_errors_are_one_line(capsys):
+    for argv in (["search", "--model", "mlp", "--devices", "0"], ["serch"],
+                 ["search", "--model", "mlp", "--bogus", "1"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "error:" in err and "--help" in err
+
+
+def test_an_unforeseen_failure_is_one_line_and_the_debug_switch_shows_it(monkeypatch, capsys):
+    import autopar.cli as cli
+
+    def broken(args):
+        raise ValueError("a bug\nwith two lines")
+
+    monkeypatch.setitem(cli._JOINS, broken, lambda args: None)  # (no devices needed)
+    monkeypatch.setattr(cli, "_distributed", lambda args: None)
+    parser = cli.build_parser
+    monkeypatch.setattr(cli, "build_parser", lambda: _with_func(parser(), broken))
+    assert main(["show", "x.json"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "internal error: ValueError: a bug" in err
+    monkeypatch.setenv("AUTOPAR_DEBUG", "1")
+    with pytest.raises(ValueError):
+        main(["show", "x.json"])
+
+
+def _with_func(parser, func):
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    sub.choices["show"].set_defaults(func=func)
+    return parser
+
+
+def test_an_inherited_jax_platforms_does_not_stop_emulated_devices(tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "cuda"}
+    p = subprocess.run([sys.executable, "-m", "autopar", "run", *SMALL_MLP, "--devices", "2",
+                        "--steps", "1"], capture_output=True, text=True, timeout=300,
+                       env=env, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert "Traceback" not in p.stderr
