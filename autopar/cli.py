@@ -24,8 +24,9 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
-from typing import Any, Iterator, NoReturn, Sequence
+from typing import Any, Callable, Iterator, NoReturn, Sequence
 
 from autopar.files import write_text_atomic
 from autopar.cli_util import (CLIError, Progress, compare_with_reference, drop_gloo_lines,
@@ -74,9 +75,11 @@ def _users_function(args: argparse.Namespace) -> Iterator[None]:
 def _context(args: argparse.Namespace, **extra: Any) -> Any:
     import autopar as ap
 
-    keys = dict(device_num=args.devices,
-                parallel_mode=getattr(args, "parallel_mode", None) or "auto_parallel")
+    pmode = getattr(args, "parallel_mode", None) or "auto_parallel"
+    keys = dict(device_num=args.devices, parallel_mode=pmode)
     keys.update({k: v for k, v in extra.items() if v is not None})
+    if pmode == "stand_alone":  # one device: the command's parallel defaults do not apply
+        keys = {k: v for k, v in keys.items() if k not in ("device_num", "gradients_mean")}
     return ap.auto_parallel_context(**keys)
 
 
@@ -366,7 +369,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         result.update(reference_losses=ref_losses, max_param_diff=diff,
                       max_loss_diff=loss_diff, match=ok)
     if lead:
-        _out(f"{desc} on {args.devices} devices ({jax.process_count()} process(es)): "
+        _out(f"{desc} on {step.device_num} device(s) ({jax.process_count()} process(es)): "
              f"{step.plan.summary()}")
         rows = [("step", "loss") + (("one device",) if args.check else ())]
         for k, loss in enumerate(losses):
@@ -639,7 +642,6 @@ _JOINS = {cmd_run: _run_arguments, cmd_calibrate: _calibrate_arguments}
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit status."""
-    from autopar.errors import AutoparError
 
     if argv is None:  # the command's own process: what it imported lives until it exits
         gc.freeze()
@@ -649,6 +651,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    with warnings.catch_warnings():
+        warnings.showwarning = _warning_line(args.command)
+        return _run_command(args)
+
+
+def _warning_line(command: str) -> Callable[..., None]:
+    """Warnings as the command's own lines on stderr (not Python's source-line format)."""
+    def show(message: Any, category: type, *_: Any, **__: Any) -> None:
+        print(f"autopar {command}: warning: {message}", file=sys.stderr)
+    return show
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    """:func:`main` once the arguments are parsed: the command, its errors in one line."""
+    from autopar.errors import AutoparError
+
     try:
         if args.func in _JOINS:
             _JOINS[args.func](args)  # before joining: a bad flag fails here, not its peers

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Callable, Literal
 
 from autopar.config import (AUTO_FUSION_THRESHOLD_MB, PIPELINE_SCHEDULERS, AutoParallelConfig,
                             reference_rows)
@@ -243,9 +243,10 @@ def check_restrictions(config: AutoParallelConfig, explicit: frozenset[str]) \
     values = public_dict(config)
     for r in RESTRICTIONS:
         if r.violated(config, explicit):
-            value: Any = values.get(r.key)
-            msg = f"[{r.key}] {r.rule} ({r.key}={value!r}, parallel_mode=" \
-                  f"{config.parallel_mode!r}, device_num={config.device_num}). Fix: {r.fix}."
+            shown = {r.key: values.get(r.key), "parallel_mode": config.parallel_mode,
+                     "device_num": config.device_num}  # (the key first, each once)
+            msg = f"[{r.key}] {r.rule} (" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) \
+                + f"). Fix: {r.fix}."
             (errors if r.severity == "error" else warns).append(msg)
     return errors, warns
 

@@ -614,3 +614,24 @@ def test_an_inherited_jax_platforms_does_not_stop_emulated_devices(tmp_path):
                        env=env, cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_warnings_are_the_commands_lines_and_not_about_its_own_defaults(tmp_path):
+    """Under stand_alone the command's parallel defaults (its device count, gradients_mean)
+    are not the user's settings: no warning; a real one is one 'autopar run: warning:' line
+    (Python's format showed autopar's source line)."""
+    base = [sys.executable, "-W", "default", "-m", "autopar", "run", *SMALL_MLP, "--steps", "1"]
+    p = subprocess.run([*base, "--parallel-mode", "stand_alone"], capture_output=True,
+                       text=True, timeout=300, cwd=tmp_path)
+    assert p.returncode == 0 and "warning" not in p.stderr.lower(), p.stderr
+    assert " on 1 device(s) " in p.stdout
+    (tmp_path / "warns.py").write_text(textwrap.dedent("""
+        import warnings, jax.numpy as jnp
+        def build():
+            warnings.warn("this model is an example")
+            return (lambda p, x: jnp.mean((x @ p) ** 2)), (jnp.ones((4, 4)), jnp.ones((8, 4)))
+    """))
+    p = subprocess.run([*base[:6], "--model", "warns:build", "--devices", "2", "--steps", "1"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    warned = [line for line in p.stderr.splitlines() if "warning" in line.lower()]
+    assert warned == ["autopar run: warning: this model is an example"], p.stderr
