@@ -596,8 +596,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MindSpore's parallel_mode (default auto_parallel)")
     p.add_argument("--steps", type=positive_int, default=3, help="training steps (default 3)")
     p.add_argument("--check", action="store_true", help="compare with one device")
-    p.add_argument("--atol", type=non_negative_float, default=1e-4,
-                   help="tolerance of --check (a finite number >= 0)")
+    p.add_argument("--atol", type=non_negative_float, default=None,
+                   help="tolerance of --check (a finite number >= 0; default per parameter "
+                        "dtype: 1e-4, four epsilons of bfloat16 / float16)")
     p.add_argument("--save", type=file_path, help="write the strategy file here")
     p.add_argument("--load", type=file_path, help="load the plan from this strategy file")
     p.add_argument("--json", type=file_path, help="write losses and parameter sums as JSON")

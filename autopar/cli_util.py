@@ -273,10 +273,13 @@ def one_device_steps(fn: Callable[..., Any], ex: tuple, steps: int, optimizer: A
 
 def compare_with_reference(losses: Sequence[float], params: Any,
                            ref_losses: Sequence[float], ref_params: Any, *,
-                           atol: float = 1e-4) -> tuple[float, float, bool]:
+                           atol: float | None = None) -> tuple[float, float, bool]:
     """The pass/fail rule of ``run --check`` and ``demo`` against one device:
     ``(max parameter difference, max loss difference, ok)``; ok when every parameter is within
-    ``atol`` and every step's loss within ``atol * max(1, |reference loss|)``.
+    its tolerance and every step's loss within the loosest one times
+    ``max(1, |reference loss|)``. The tolerance is ``atol``, or by default per parameter
+    dtype :func:`default_tolerance` (1e-4 in float32; a few units of the last place of a
+    16-bit float, whose every step rounds).
 
     >>> compare_with_reference([2.0, 1.0], [1.0], [2.0001, 1.5], [1.0])[2]
     False
@@ -285,12 +288,33 @@ def compare_with_reference(losses: Sequence[float], params: Any,
     import numpy as np
 
     leaves, ref_leaves = jax.tree.leaves(params), jax.tree.leaves(ref_params)
-    diff = max((float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-                for a, b in zip(leaves, ref_leaves)), default=0.0)
+    tols = [default_tolerance(np.asarray(a).dtype) if atol is None else atol for a in leaves]
+    diff, ok = 0.0, len(leaves) == len(ref_leaves) and len(losses) == len(ref_losses)
+    for a, b, tol in zip(leaves, ref_leaves, tols):
+        d = float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)),
+                         initial=0.0))
+        diff, ok = max(diff, d), ok and d <= tol
+    loss_tol = max(tols, default=1e-4 if atol is None else atol)
     loss_diff = max((abs(a - b) for a, b in zip(losses, ref_losses)), default=0.0)
-    ok = (len(leaves) == len(ref_leaves) and len(losses) == len(ref_losses) and diff <= atol
-          and all(abs(a - b) <= atol * max(1.0, abs(b)) for a, b in zip(losses, ref_losses)))
+    ok = ok and all(abs(a - b) <= loss_tol * max(1.0, abs(b))
+                    for a, b in zip(losses, ref_losses))
     return diff, loss_diff, ok
+
+
+def default_tolerance(dtype: Any) -> float:
+    """``run --check``'s tolerance for a parameter of ``dtype``: 1e-4, or four machine
+    epsilons of a coarser float (bfloat16: 0.03125, float16: 0.0039).
+
+    >>> default_tolerance("float32"), default_tolerance("float16")
+    (0.0001, 0.00390625)
+    """
+    import jax.numpy as jnp
+
+    try:
+        eps = float(jnp.finfo(dtype).eps)
+    except ValueError:  # not a float: compared exactly as float32 would be
+        return 1e-4
+    return max(1e-4, 4 * eps)
 
 
 #: The words of gloo's connection report (``[Gloo] Rank 0 is connected to 7 peer ranks.

@@ -335,6 +335,15 @@ def test_compare_with_reference_rule():
     assert not ok and loss_diff == pytest.approx(1e-3)
     assert not compare_with_reference([1.0], {"w": np.ones(3) + 1e-3}, [1.0], p)[2]
     assert not compare_with_reference([1.0], p, [1.0, 1.0], p)[2]  # lengths differ
+    # a 16-bit parameter one unit of its last place off (bf16 near 0.125) passes by default,
+    # not in float32 nor with --atol 1e-4; so does its loss two units off
+    import jax.numpy as jnp
+
+    b16, b16_off = {"w": jnp.full(3, 0.125, jnp.bfloat16)}, {"w": jnp.full(3, 0.126, jnp.bfloat16)}
+    assert compare_with_reference([0.4258], b16_off, [0.4277], b16)[2]
+    assert not compare_with_reference([0.4258], b16_off, [0.4277], b16, atol=1e-4)[2]
+    f32_off = {"w": np.full(3, 0.125 + 9.77e-4, np.float32)}
+    assert not compare_with_reference([1.0], f32_off, [1.0], {"w": np.full(3, 0.125)})[2]
 
 
 def test_demo_restores_the_callers_context(monkeypatch, tmp_path):
