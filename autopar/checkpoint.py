@@ -279,9 +279,12 @@ def read_strategy_file(path: str | os.PathLike[str]) -> StrategyFile:
     data = read_json_document(path, fmt=FORMAT, version=VERSION, limit=max_file_bytes(),
                               error=StrategyFileError)
     try:
-        return StrategyFile.model_validate(data)
+        f = StrategyFile.model_validate(data)
     except ValidationError as e:
         raise StrategyFileError(path, *validation_failure(e)) from None
+    if f.mode not in _known_modes():  # (a mode registered since the file was saved counts)
+        raise StrategyFileError(path, "mode", f"one of {sorted(_known_modes())}", f.mode)
+    return f
 
 
 def load_strategy(path: str | os.PathLike[str], graph: Graph, *,
@@ -345,8 +348,6 @@ def load_plan(path: str | os.PathLike[str], graph: Graph, *, device_num: int,
                                 "optimizer_weight_shard_size under enable_parallel_optimizer, "
                                 "-1 when absent; plans are priced with it)",
                                 f.optimizer_weight_shard_size)
-    if f.mode not in _known_modes():
-        raise StrategyFileError(p, "mode", f"one of {sorted(_known_modes())}", f.mode)
     if f.current_stage >= stages:
         raise StrategyFileError(p, "current_stage", f"a stage below pipeline_stages={stages}",
                                 f.current_stage)

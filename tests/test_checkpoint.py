@@ -221,6 +221,17 @@ def test_truncated_file(saved):
     assert e.field == "<json>" and "truncated" in str(e)
 
 
+def test_an_unknown_mode_is_refused_without_a_graph_too(saved):
+    """What needs no graph is checked where no graph is given (``autopar show``)."""
+    from autopar.checkpoint import read_strategy_file
+
+    _edit(saved, lambda d: d.update(mode="nosuch"))
+    with pytest.raises(StrategyFileError, match="field 'mode'") as info:
+        read_strategy_file(saved)
+    assert "nosuch" in str(info.value)
+    assert _load_error(saved).field == "mode"
+
+
 def test_unknown_field_is_an_error(saved):
     e = _load_error(_edit(saved, lambda d: d.update(extra=1)))
     assert e.field == "extra"
