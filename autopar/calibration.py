@@ -555,15 +555,17 @@ _MAX_BUDGET_S = 1e6  # a calibration's time budget (seconds) at most: about elev
 def check_settings(budget_s: Any, progress: Any, max_message_bytes: Any) -> tuple[int, ...]:
     """Check :func:`measure`'s settings (before anything is measured or read from a cache);
     the message sizes to measure."""
-    if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or \
-            not 0 < budget_s <= _MAX_BUDGET_S:  # (compared: isfinite overflows on huge ints)
+    if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)):
+        raise AutoParallelTypeError("budget_s", budget_s, "must be a number of seconds")
+    if not 0 < budget_s <= _MAX_BUDGET_S:  # (compared: isfinite overflows on huge ints)
         raise AutoParallelError("budget_s", budget_s, f"must be a positive number of seconds, "
                                 f"at most {_MAX_BUDGET_S:g}")
     if not isinstance(progress, bool):
         raise AutoParallelTypeError("progress", progress, "must be a bool")
-    sizes = tuple(n for n in MESSAGE_SIZES if n <= max_message_bytes) \
-        if isinstance(max_message_bytes, int) and not isinstance(max_message_bytes, bool) \
-        else ()
+    if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int):
+        raise AutoParallelTypeError("max_message_bytes", max_message_bytes, "must be an int "
+                                    "of bytes")
+    sizes = tuple(n for n in MESSAGE_SIZES if n <= max_message_bytes)
     if len(sizes) < _MIN_SAMPLES:
         raise AutoParallelError("max_message_bytes", max_message_bytes, f"must be an int >= "
                                 f"{sorted(MESSAGE_SIZES)[_MIN_SAMPLES - 1]} (a fit needs "

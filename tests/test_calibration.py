@@ -379,6 +379,9 @@ def test_calibrate_two_devices_measures_fits_and_caches(unpinned):
         ap.calibrate(99)
     with pytest.raises(ap.AutoParallelError, match="max_message_bytes"):
         ap.calibrate(2, cache=False, max_message_bytes=10)
+    for bad in (dict(budget_s="60"), dict(max_message_bytes=2.0 ** 16)):  # types: TypeError
+        with pytest.raises(ap.AutoParallelTypeError, match=next(iter(bad))):
+            ap.calibrate(2, cache=False, **bad)
 
 
 def test_the_barrier_is_the_median_over_three_collective_kinds(monkeypatch):
