@@ -63,8 +63,8 @@ def _target(path: Any, key: str) -> Path:
             target = Path(os.path.realpath(target))
         directory = target.parent if str(target.parent) else Path(".")
         if not directory.is_dir():
-            raise AutoParallelError(key, str(text), f"directory {str(directory)!r} does not "
-                                    "exist")
+            what = "is not a directory" if directory.exists() else "does not exist"
+            raise AutoParallelError(key, str(text), f"directory {str(directory)!r} {what}")
         st = target.stat()
     except FileNotFoundError:
         return target

@@ -23,7 +23,8 @@ def test_special_targets_are_refused_and_untouched(tmp_path):
     for target, why in ((fifo, "not a regular file"), ("/dev/null", "not a regular file"),
                         (tmp_path, "directory"), (str(tmp_path / "new") + os.sep, "directory"),
                         (str(tmp_path / "a\0b"), "NUL"),
-                        (tmp_path / "missing" / "x.json", "does not exist")):
+                        (tmp_path / "missing" / "x.json", "does not exist"),
+                        (fifo / "x.json", "'.*fifo.json' is not a directory")):
         with pytest.raises(ap.AutoParallelError, match=why) as info:
             write_text_atomic(target, "{}")
         assert ".tmp" not in str(info.value)
