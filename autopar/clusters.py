@@ -52,7 +52,7 @@ from autopar.strategies.cost import CLUSTERS, Cluster, get_cluster
 __all__ = ["CACHE_ENV", "CLUSTER_ENV", "ClusterFileError", "FORMAT", "MAX_FILE_BYTES",
            "PLATFORM_PRESETS", "cached_calibration", "calibrate", "cluster_for",
            "describe_cluster", "dumps_cluster", "forget_calibration", "load_cluster",
-           "resolve_cluster", "save_cluster", "store_calibration"]
+           "note_devices", "resolve_cluster", "save_cluster", "store_calibration"]
 
 FORMAT = "autopar-cluster"
 VERSION = 1
@@ -270,6 +270,18 @@ def _measured_elsewhere(cluster: Cluster) -> Cluster:
         _notice(f"pricing plans on {cluster.name}, measured on another host ({cal.host}; "
                 f"this one: {host_identity()}): the plans are fitted to that host; `autopar "
                 "calibrate` measures this one")
+    return cluster
+
+
+def note_devices(cluster: Cluster, device_num: int) -> Cluster:
+    """``cluster``, with a notice (once) when it is a calibration of fewer devices than the
+    plan it prices: collectives over more devices than it measured are extrapolated."""
+    cal = cluster.calibration
+    if cal is not None and cal.device_count < device_num:
+        _notice(f"pricing {device_num}-device plans on {cluster.name}, measured on "
+                f"{cal.device_count} device(s): collectives over more devices are "
+                f"extrapolated from its fits; `autopar calibrate --devices {device_num}` "
+                "measures them")
     return cluster
 
 

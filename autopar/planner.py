@@ -22,7 +22,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from autopar.algo import current_algo_parameters
 from autopar.checkpoint import dumps_strategy, load_plan, save_strategy, strategy_document
-from autopar.clusters import resolve_cluster
+from autopar.clusters import note_devices, resolve_cluster
 from autopar.errors import (AutoParallelError, AutoParallelTypeError, AutoParallelWarning,
                             user_stacklevel)
 from autopar.files import writable_target
@@ -121,7 +121,8 @@ def plan_graph(graph: Graph, cfg: Any, *, mode: str | None = None,
         plan = _load(graph, load, cfg.pipeline_stages, n,
                      None if cluster is None else resolve_cluster(cluster), fixed_map, settings)
     else:
-        plan = search_plan(graph, mode=m, device_num=n, cluster=resolve_cluster(cluster),
+        plan = search_plan(graph, mode=m, device_num=n,
+                           cluster=note_devices(resolve_cluster(cluster), n),
                            fixed=fixed_map, settings=settings)
     if files and save:
         save_plan(plan, graph, save)

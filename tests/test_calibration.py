@@ -331,6 +331,23 @@ def test_a_calibration_of_another_host_is_used_with_a_notice(unpinned, tmp_path,
     assert "autopar calibrate" in err
 
 
+def test_plans_for_more_devices_than_calibrated_say_so(unpinned, tmp_path, capsys):
+    """Collectives over more devices than a calibration measured are extrapolated."""
+    import jax.numpy as jnp
+
+    four = ap.clusters.save_cluster(_calibrated(device_count=4), tmp_path / "four.json")
+    g = ap.trace(lambda w, x: jnp.sum(x @ w), jnp.ones((8, 8)), jnp.ones((16, 8)))
+    with ap.auto_parallel_context(device_num=4, parallel_mode="auto_parallel"):
+        ap.search(g, cluster=four)
+    assert capsys.readouterr().err == ""
+    with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel"):
+        ap.search(g, cluster=four)
+        ap.search(g, cluster=four)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pricing 8-device plans on measured, measured on 4 " in err
+    assert "autopar calibrate --devices 8" in err
+
+
 def test_env_pin_and_explicit_forms(unpinned, tmp_path, monkeypatch, capsys):
     path = ap.clusters.save_cluster(_measured(), tmp_path / "mine.json")
     monkeypatch.setenv(clusters.CLUSTER_ENV, str(path))
