@@ -133,6 +133,8 @@ def parse_options(items: Sequence[str] | None) -> dict[str, Any]:
         except (RecursionError, MemoryError):  # (-----...1: nested too deep to parse)
             raise CLIError(f"model option {key.strip()!r}: the value is too deeply nested to "
                            "read") from None
+        if key.strip() in out:
+            raise CLIError(f"model option {key.strip()!r} is given twice; give it once")
         out[key.strip()] = value
     return out
 

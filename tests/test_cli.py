@@ -160,6 +160,7 @@ def test_show_pretty_prints(tmp_path, capsys):
 @pytest.mark.parametrize("argv,needle", [
     (["search", "--model", "vgg"], "not a zoo model"),
     (["search", "--model", "mlp", "-o", "layers"], "KEY=VALUE"),
+    (["search", "--model", "mlp", "-o", "batch=8", "-o", "batch=16"], "given twice"),
     (["search", "--model", "mlp", "-o", "depth=3"], "depth"),
     (["search", "--model", "nosuchmodule_xyz:f"], "cannot import"),
     (["search", "--model", "os:nothing_here"], "no function"),
