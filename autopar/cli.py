@@ -16,6 +16,7 @@ after the API functions they call: autopar.search, autopar.simulation.simulate, 
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import gc
 import json
@@ -123,10 +124,12 @@ def cmd_search(args: argparse.Namespace) -> int:
     load = str(args.load) if args.load else None
     with paused_gc():  # a one-shot command: its imports and graph are long-lived
         _, _, graph, desc = _graph(args)
-        _check_node_names(args.explain or (), graph)
+        _check_node_names("--explain", args.explain or (), graph)
+        fixed = _fixed_strategies(args.fix or (), graph)
         with _context(args, strategy_ckpt_save_file=save, strategy_ckpt_load_file=load):
             with Progress("search", 1) as bar:
-                plan = ap.search(graph, mode=args.mode, cluster=_cluster(args))
+                plan = ap.search(graph, mode=args.mode, cluster=_cluster(args),
+                                 fixed=fixed or None)
                 bar.advance(plan.mode)
             explained = [ap.explain(graph, plan, name) for name in args.explain or ()]
     _out(f"{desc}: {len(graph.nodes)} operators, {len(graph.parameters())} parameters, "
@@ -150,17 +153,37 @@ def cmd_search(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_node_names(names: Sequence[str], graph: Any) -> None:
-    """--explain's operators, checked before anything is searched or written."""
+def _check_node_names(flag: str, names: Sequence[str], graph: Any) -> None:
+    """Operators an option names, checked before anything is searched or written."""
     import difflib
 
     known = [n.name for n in graph.nodes]
     for name in names:
         if name not in known:
             close = difflib.get_close_matches(name, known, n=1)
-            raise CLIError(f"--explain {name!r}: no such operator in the model"
+            raise CLIError(f"{flag} {name!r}: no such operator in the model"
                            + (f" (did you mean {close[0]!r}?)" if close else
                               " (`autopar search --full` lists them)"))
+
+
+def _fixed_strategies(items: Sequence[str], graph: Any) -> dict[str, Any]:
+    """``--fix OPERATOR=STRATEGY`` -> ``fixed=``: MindSpore strategy tuples, one per input
+    (checked by the search itself, as ``autopar.search(fixed=...)``)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        try:
+            strategy = ast.literal_eval(raw) if sep else None
+        except (ValueError, SyntaxError, RecursionError, MemoryError):
+            strategy = None
+        if not name or strategy is None:
+            raise CLIError(f"--fix {item!r} must look like OPERATOR=STRATEGY, e.g. "
+                           "'layer0/dot_general_0=((1, 1), (1, 8))'")
+        if name in out:
+            raise CLIError(f"--fix {name!r} is given twice; give it once")
+        out[name] = strategy
+    _check_node_names("--fix", list(out), graph)
+    return out
 
 
 # ---------------------------------------------------------------------------- compare
@@ -574,6 +597,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--full", action="store_true", help="print every operator's strategy")
     p.add_argument("--limit", type=positive_int, default=20,
                    help="parameter rows, and alternatives per --explain (default 20)")
+    p.add_argument("--fix", action="append", metavar="OPERATOR=STRATEGY",
+                   help="fix an operator's strategy, MindSpore's tuples, e.g. "
+                        "'layer0/dot_general_0=((1, 1), (1, 8))' (repeatable; what "
+                        "sharding_propagation starts from)")
     p.add_argument("--explain", action="append", metavar="OPERATOR",
                    help="why the plan gives this operator its strategy: its alternatives, "
                         "the rest of the plan held, priced whole (repeatable)")

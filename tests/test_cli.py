@@ -161,6 +161,11 @@ def test_show_pretty_prints(tmp_path, capsys):
     (["search", "--model", "vgg"], "not a zoo model"),
     (["search", "--model", "mlp", "-o", "layers"], "KEY=VALUE"),
     (["search", "--model", "mlp", "-o", "batch=8", "-o", "batch=16"], "given twice"),
+    (["search", "--model", "mlp", "--fix", "layer0/dot_general_0"], "OPERATOR=STRATEGY"),
+    (["search", "--model", "mlp", "--fix", "layer0/dot_genral_0=((1, 1), (1, 8))"],
+     "did you mean 'layer0/dot_general_0'"),
+    (["search", "--model", "mlp", "--fix", "layer0/dot_general_0=((1, 1), (1, 3))"],
+     "does not divide"),
     (["search", "--model", "mlp", "-o", "depth=3"], "depth"),
     (["search", "--model", "nosuchmodule_xyz:f"], "cannot import"),
     (["search", "--model", "os:nothing_here"], "no function"),
@@ -645,3 +650,13 @@ def test_warnings_are_the_commands_lines_and_not_about_its_own_defaults(tmp_path
                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
     warned = [line for line in p.stderr.splitlines() if "warning" in line.lower()]
     assert warned == ["autopar run: warning: this model is an example"], p.stderr
+
+
+def test_fix_seeds_propagation_and_holds_in_the_plan(capsys, tmp_path):
+    f = tmp_path / "p.json"
+    assert main(["search", *SMALL_MLP, "--mode", "sharding_propagation", "--save", str(f),
+                 "--fix", "layer0/dot_general_0=((1, 1), (1, 8))"]) == 0
+    assert "plan[sharding_propagation]" in capsys.readouterr().out
+    doc = json.loads(f.read_text())
+    entry = doc["parallel_strategy_item"]["layer0/dot_general_0"]
+    assert entry["parallel_strategy"] == [[1, 1], [1, 8]]
