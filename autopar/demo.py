@@ -35,8 +35,9 @@ def add_demo_parser(sub: Any) -> None:
     p.add_argument("--devices", type=positive_int, default=8, help="emulated devices (default 8)")
     p.add_argument("--layers", type=positive_int, default=2, help="transformer layers (default 2)")
     p.add_argument("--steps", type=positive_int, default=3, help="training steps (default 3)")
-    p.add_argument("--pipeline-stages", type=positive_int, default=2,
-                   help="stages of the pipelined run (default 2; 1 skips it)")
+    p.add_argument("--pipeline-stages", type=positive_int, default=None,
+                   help="stages of the pipelined run (default 2, or 1 where 2 does not divide "
+                        "--devices; 1 skips it)")
     p.add_argument("--cluster", default=None,
                    help="cost model: a preset (accelerator-8x, cpu-emulated), 'calibrated' or "
                    "a calibration file; default: $AUTOPAR_CLUSTER when set, else 'calibrated' "
@@ -50,11 +51,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """The demo under its own auto-parallel context (the caller's context is restored)."""
     import autopar as ap
 
+    if args.pipeline_stages is None:
+        args.pipeline_stages = 2 if args.devices % 2 == 0 else 1
     if args.pipeline_stages > 1 and args.devices % args.pipeline_stages:
         raise CLIError(f"--pipeline-stages {args.pipeline_stages} must divide --devices "
                        f"{args.devices} (or be 1 to skip the pipelined run)")
-    t_start = time.perf_counter()
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise CLIError(f"--out {str(out)!r} is a file; give a directory for the strategy "
+                       "file and the trace")
+    t_start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     _out("autopar demo: configure the auto-parallel context as MindSpore users do\n")
     _out('  ap.set_auto_parallel_context(device_num=%d, parallel_mode="auto_parallel",\n'
@@ -212,8 +218,9 @@ def _train_pipeline(args: argparse.Namespace, mode: str) -> bool | None:
     if p == 1 or args.devices % p:
         _out(f"\npipeline: skipped (--pipeline-stages {p} with {args.devices} devices)")
         return None
-    small = transformer(layers=max(2, args.layers), hidden=64, heads=4, seq=16, vocab=128,
-                        batch=8)
+    # at least a block per stage, and a batch that makes p equal micro-batches
+    small = transformer(layers=_pipeline_layers(args), hidden=64, heads=4, seq=16, vocab=128,
+                        batch=8 if 8 % p == 0 else 8 * p)
     ex = tuple(small.example_args(jax.random.key(0)))
     with ap.auto_parallel_context(pipeline_stages=p), warnings.catch_warnings():
         # the demo's comm_fusion is not applied by a pipelined step (said below)
@@ -222,7 +229,8 @@ def _train_pipeline(args: argparse.Namespace, mode: str) -> bool | None:
             step = ap.train_step(small.loss, ex[0], tuple(ex[1:]), mode=mode,
                                  cluster=args.cluster)
             bar.advance(mode)
-    _out(f"\npipelined training: {p} stages x {args.devices // p} devices, "
+    _out(f"\npipelined training of a {_pipeline_layers(args)}-layer transformer: {p} stages "
+         f"x {args.devices // p} devices, "
          f"{step.plan.micro_batches} micro-batches, {step.plan.schedule.name} (comm_fusion "
          "is not applied here: one psum per stage's gradient-sync group)")
     _out(step.plan.summary())
@@ -232,6 +240,11 @@ def _train_pipeline(args: argparse.Namespace, mode: str) -> bool | None:
          f"{[round(x, 6) for x in ref_losses]}; max parameter difference {err:.2e} -> "
          f"{'OK' if ok else 'MISMATCH'}")
     return ok
+
+
+def _pipeline_layers(args: argparse.Namespace) -> int:
+    """The pipelined transformer's layers: --layers, at least 2 and one per stage."""
+    return max(2, args.layers, args.pipeline_stages)
 
 
 def _run_and_compare(step: Any, params: Any, loss_fn: Any, ex: tuple[Any, ...], steps: int,

@@ -660,3 +660,12 @@ def test_fix_seeds_propagation_and_holds_in_the_plan(capsys, tmp_path):
     doc = json.loads(f.read_text())
     entry = doc["parallel_strategy_item"]["layer0/dot_general_0"]
     assert entry["parallel_strategy"] == [[1, 1], [1, 8]]
+
+
+def test_demo_refuses_a_file_as_its_output_directory_before_any_work(tmp_path, capsys):
+    f = tmp_path / "p1.json"
+    f.write_text("{}")
+    assert main(["demo", "--out", str(f), "--cluster", "accelerator-8x"]) == 2
+    err = capsys.readouterr().err
+    assert "is a file; give a directory" in err and f.read_text() == "{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p1.json"]
