@@ -23,12 +23,14 @@ saves the plan and ``strategy_ckpt_load_file`` loads it instead of searching (se
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Mapping
 
 from jax.sharding import Mesh
 
 from autopar.context import current_config
-from autopar.errors import AutoParallelTypeError
+from autopar.errors import (AutoParallelError, AutoParallelTypeError, AutoParallelWarning,
+                            user_stacklevel)
 from autopar.graph.ir import Graph
 from autopar.graph.tracer import trace
 from autopar.inspection import ProgramInspection
@@ -37,6 +39,7 @@ from autopar.lower import LoweredFunction, lower
 from autopar.multihost import together
 from autopar.parallel_graph import ParallelGraph
 from autopar.rewrite import rewrite
+from autopar.strategies.modes import SOLVERS
 from autopar.strategies.plan import Plan
 from autopar.planner import check_same_plans, saves_on_success, search
 from autopar.uneven import UnevenBatch, UnevenRequest, check_uneven_batch, plan_uneven
@@ -99,7 +102,8 @@ def parallelize(fn: Callable[..., Any], *example_args: Any, mode: str | None = N
     (default) splits the batch by a divisor of it (6 rows on 4 devices run 2-way);
     ``"all_gather_v"`` splits a batch that does not divide the device count unevenly, pads
     each device's block, and gathers the outputs with ``all_gather_v`` -- forward only, and
-    refused (naming the node) when an operator mixes batch rows (:mod:`autopar.uneven`).
+    refused (naming the node) when an operator mixes batch rows (:mod:`autopar.uneven`;
+    a searched plan that does gives way to the data-parallel one, with a warning).
     """
     if not callable(fn):
         raise AutoParallelTypeError("fn", fn, "parallelize needs a callable JAX function")
@@ -124,8 +128,41 @@ def parallel_function(fn: Callable[..., Any], example_args: tuple[Any, ...],
         graph = trace(fn, *args)  # search() resolves the context (restrictions) once
         plan = search(graph, mode=mode, fixed=fixed, cluster=cluster)
         pg = rewrite(graph, plan, fused_kernels=fused_kernels, cluster=cluster)
+        adapter = None
+        if uneven is not None:
+            plan, pg, adapter = _rows_kept(uneven, graph, plan, pg, mode=mode, fixed=fixed,
+                                           cluster=cluster, fused_kernels=fused_kernels)
         check_same_plans([(plan, graph, pg)])  # (under jax.distributed)
-        adapter = None if uneven is None else uneven.check(graph, pg)
         f = ParallelFunction(fn, graph, plan, pg, lower(pg, mesh, adapter=adapter))
     f.uneven = adapter
     return f
+
+
+def _rows_kept(uneven: UnevenRequest, graph: Graph, plan: Plan, pg: ParallelGraph, *,
+               mode: str | None, fixed: Mapping[str, Any] | None, cluster: Any,
+               fused_kernels: FusedKernels) -> tuple[Plan, ParallelGraph, UnevenBatch]:
+    """The plan, its program and the uneven adapter, the batch rows proven apart
+    (:meth:`UnevenRequest.check`). A plan a search mode chose that mixes rows gives way,
+    with a warning, to the data-parallel one -- every operator split along the batch, saved
+    as the search's plan; a plan of the user's strategies (``fixed=``, annotations, a
+    strategy file loaded, a parallel mode that derives them) is refused as it is."""
+    try:
+        return plan, pg, uneven.check(graph, pg)
+    except AutoParallelError as refused:
+        if fixed or graph.annotations() or plan.source or plan.mode not in SOLVERS:
+            raise
+        mixing, searched = getattr(refused, "mixing", str(refused)), plan.mode
+    with warnings.catch_warnings():  # (a strategy file is the auto search's: saved below)
+        warnings.filterwarnings("ignore", "strategy files are used only",
+                                AutoParallelWarning)
+        rows = search(graph, parallel_mode="data_parallel", cluster=cluster)
+    plan = search(graph, mode=mode, cluster=cluster,
+                  fixed={name: ns.strategy for name, ns in rows.nodes.items()})
+    pg = rewrite(graph, plan, fused_kernels=fused_kernels, cluster=cluster)
+    adapter = uneven.check(graph, pg)
+    warnings.warn(f"uneven_batch='all_gather_v': in the {searched} plan {mixing}; the "
+                  "data-parallel plan runs instead, every operator split along the batch",
+                  AutoParallelWarning, stacklevel=user_stacklevel())
+    plan.notes.append("uneven_batch: every operator split along the batch (the searched "
+                      "plan mixed batch rows)")
+    return plan, pg, adapter

@@ -131,12 +131,13 @@ def plan_graph(graph: Graph, cfg: Any, *, mode: str | None = None,
 
 def save_plan(plan: Plan, graph: Graph, path: Any) -> None:
     """Save ``plan``'s strategy file now, or when the enclosing :func:`saves_on_success`
-    block succeeds."""
+    block succeeds (a later plan for the same path replaces one waiting)."""
     pending = _PENDING.get()
     if pending is None:
         save_strategy(plan, graph, path)
     else:
         writable_target(path, "strategy_ckpt_save_file")  # a bad path fails at once
+        pending[:] = [p for p in pending if str(p[2]) != str(path)]  # a later plan wins
         pending.append((plan, graph, path))
 
 

@@ -107,11 +107,13 @@ class UnevenRequest:
         return self.rows * self.ranks
 
     def _mixes(self, node: str, why: str) -> AutoParallelError:
-        return AutoParallelError(
+        err = AutoParallelError(
             "uneven_batch", "all_gather_v",
             f"the batch size {self.batch} does not divide the data-parallel degree "
             f"{self.ranks}, and node {node!r} mixes batch rows ({why}), so padded rows would "
             f"change the result", _HINT)
+        err.mixing = f"node {node!r} mixes batch rows ({why})"  # (said again by a fallback)
+        return err
 
     def check(self, graph: Graph, pg: ParallelGraph) -> "UnevenBatch":
         """Prove the parallel program row-wise (module docstring) and build its adapter."""

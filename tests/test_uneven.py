@@ -134,12 +134,22 @@ def test_batch_shaped_constants_do_not_mix_rows(fn):
         _uneven(lambda p, x: (fn(p, x), jnp.zeros_like(x)), p, x)
 
 
-def test_search_that_moves_the_batch_is_refused():
+def test_a_searched_plan_that_mixes_rows_gives_way_to_data_parallel(tmp_path):
+    """A search mode's plan that moves the batch is replaced, with a warning, by every
+    operator split along the batch (saved as the plan); a user's strategies are refused."""
     def rows_softmax(p, x):
         return jax.nn.softmax(x @ p["w1"], axis=-1)
 
-    with pytest.raises(AutoParallelError, match="mixes batch rows"):
-        _uneven(rows_softmax, _params(), _batch(6), mode="auto_parallel")
+    p, x, saved = _params(), _batch(6), tmp_path / "s.json"
+    with pytest.warns(ap.AutoParallelWarning, match="mixes batch rows.*data-parallel plan"):
+        with ap.auto_parallel_context(strategy_ckpt_save_file=str(saved)):
+            f = _uneven(rows_softmax, p, x, n=8, mode="auto_parallel")
+    assert all(s.splits[0] == 8 for s in f.plan.nodes.values() if len(s.splits) == 2)
+    numerics.assert_close(f(p, x), rows_softmax, p, x)
+    assert ap.load_strategy(saved, f.graph, device_num=8).nodes == f.plan.nodes  # it runs
+    dot = next(n for n in f.plan.nodes if n.startswith("dot_general"))
+    with pytest.raises(AutoParallelError, match="mixes batch rows"):  # the user's, refused
+        _uneven(rows_softmax, p, x, n=8, mode="auto_parallel", fixed={dot: ((1, 1), (1, 8))})
 
 
 def test_divisor_default_unchanged():
