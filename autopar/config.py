@@ -522,7 +522,8 @@ class AutoParallelConfig(BaseModel):
     def _pathlike(cls, v: Any) -> Any:
         return fspath_setting(v)  # (the strategy files': _strategy_files_one_setting)
 
-    @field_validator("strategy_ckpt_load_file", "strategy_ckpt_save_file")
+    @field_validator("strategy_ckpt_load_file", "strategy_ckpt_save_file",
+                     "group_ckpt_save_file")
     @classmethod
     def _paths(cls, v: str) -> str:
         return _path(v)

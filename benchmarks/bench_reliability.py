@@ -494,7 +494,7 @@ def bad_values() -> dict[str, list[Any]]:
         out[key] = ["", good.upper(), good.replace("_", "-"), f" {good}", f"{good}\0",
                     "\udcff", None, 1, [good], (good,), good.encode()]
     for key in PATH_KEYS:
-        out[key] = [None, 1, b"f.json", Path("f.json"), ["f.json"], True]
+        out[key] = [None, 1, b"f.json", Path("f\0.json"), ["f.json"], True]
     out.update(dataset_strategy=DATASET_BAD, parallel_optimizer_config=OPTIMIZER_BAD,
                comm_fusion=FUSION_BAD, all_reduce_fusion_config=FUSION_INDEX_BAD,
                strategy_ckpt_config=STRATEGY_CKPT_BAD, pipeline_config=PIPELINE_BAD,
