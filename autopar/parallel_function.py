@@ -151,7 +151,7 @@ def _rows_kept(uneven: UnevenRequest, graph: Graph, plan: Plan, pg: ParallelGrap
     except AutoParallelError as refused:
         if fixed or graph.annotations() or plan.source or plan.mode not in SOLVERS:
             raise
-        mixing, searched = getattr(refused, "mixing", str(refused)), plan.mode
+        first, mixing, searched = refused, getattr(refused, "mixing", ""), plan.mode
     with warnings.catch_warnings():  # (a strategy file is the auto search's: saved below)
         warnings.filterwarnings("ignore", "strategy files are used only",
                                 AutoParallelWarning)
@@ -159,7 +159,10 @@ def _rows_kept(uneven: UnevenRequest, graph: Graph, plan: Plan, pg: ParallelGrap
     plan = search(graph, mode=mode, cluster=cluster,
                   fixed={name: ns.strategy for name, ns in rows.nodes.items()})
     pg = rewrite(graph, plan, fused_kernels=fused_kernels, cluster=cluster)
-    adapter = uneven.check(graph, pg)
+    try:
+        adapter = uneven.check(graph, pg)
+    except AutoParallelError:
+        raise first from None  # (the function itself mixes rows: said of the searched plan)
     warnings.warn(f"uneven_batch='all_gather_v': in the {searched} plan {mixing}; the "
                   "data-parallel plan runs instead, every operator split along the batch",
                   AutoParallelWarning, stacklevel=user_stacklevel())

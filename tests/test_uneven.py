@@ -150,6 +150,8 @@ def test_a_searched_plan_that_mixes_rows_gives_way_to_data_parallel(tmp_path):
     dot = next(n for n in f.plan.nodes if n.startswith("dot_general"))
     with pytest.raises(AutoParallelError, match="mixes batch rows"):  # the user's, refused
         _uneven(rows_softmax, p, x, n=8, mode="auto_parallel", fixed={dot: ((1, 1), (1, 8))})
+    with pytest.raises(AutoParallelError, match="mixes batch rows"):  # no plan keeps rows
+        _uneven(lambda p, x: jnp.mean(x @ p["w1"], axis=0), p, x, n=8, mode="auto_parallel")
 
 
 def test_divisor_default_unchanged():
