@@ -39,9 +39,10 @@ def _auto():
     ap.set_auto_parallel_context(device_num=8, parallel_mode="auto_parallel")
 
 
+# (resnet50 at 4 devices: the integer program took 33 s at 8, 8 s at 4)
 @pytest.mark.parametrize("name,devices", [("mlp", 8), ("mlp", 64), ("tfm_stack", 8),
                                           ("tfm_small", 64), ("transformer", 8),
-                                          ("transformer", 64), ("resnet50", 8)])
+                                          ("transformer", 64), ("resnet50", 4)])
 def test_dynamic_programming_equals_exact(name, devices):
     g = graph(name)
     dp = ap.search(g, mode="dynamic_programming", device_num=devices)
