@@ -702,10 +702,7 @@ def _run_command(args: argparse.Namespace) -> int:
         else:  # the plans are for --devices devices: emulate them (CPU), as a run would
             setup_devices(getattr(args, "devices", 8))
         return int(args.func(args))
-    except CLIError as e:
-        print(f"autopar {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except AutoparError as e:
+    except (CLIError, AutoparError) as e:
         print(f"autopar {args.command}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a file that cannot be read or written: the path and the reason
