@@ -404,12 +404,13 @@ def plan_communication(graph: Any, plan: Any, cm: Any) -> tuple[float, float, fl
     cluster: the plan's own figures when that is the cluster it was priced on, else the plan
     re-priced there as :func:`autopar.load_strategy` re-prices a saved plan (the search's
     problem with every operator fixed to the plan's splits; the same sums, in the same order,
-    as :meth:`~autopar.strategies.problem.Problem.evaluate`), so one cluster prices all."""
+    as :meth:`~autopar.strategies.problem.Problem.evaluate`: a value moved to one layout once),
+    so one cluster prices all."""
     own = plan.cluster_config
     if (own == cm.cluster) if own is not None else plan.cluster == cm.cluster.name:
         c = plan.cost
         return c.communication, c.redistribution, c.gradient_sync
-    from autopar.strategies.problem import Problem
+    from autopar.strategies.problem import Problem, redistribution_once
 
     missing = [n.name for n in graph.nodes if n.name not in plan.nodes]
     if missing:
@@ -427,11 +428,13 @@ def plan_communication(graph: Any, plan: Any, cm: Any) -> tuple[float, float, fl
         comm += vert.comm.item(0)
         sync += vert.grad_sync.item(0)
     verts = problem.vertices
-    entries = [problem.edge_cost(e.value, verts[e.u].choices[0].out_layouts[e.out_index]
-                                 if verts[e.u].kind == "op" else plan.layouts[e.value],
-                                 verts[e.v].choices[0].in_layouts[e.in_index])
-               for e in problem.edges]
-    return comm, sum(entries), sync
+    moves = []
+    for e in problem.edges:
+        dst = verts[e.v].choices[0].in_layouts[e.in_index]
+        src = verts[e.u].choices[0].out_layouts[e.out_index] if verts[e.u].kind == "op" \
+            else plan.layouts[e.value]
+        moves.append((e.value, dst, problem.edge_cost(e.value, src, dst)))
+    return comm, redistribution_once(moves), sync
 
 
 def _ends_of(model: _Model, buckets: Any) -> tuple[list[int], str]:

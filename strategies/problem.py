@@ -9,6 +9,11 @@ synchronisation — and memory); an edge's matrix prices the redistribution of o
 the producer's layout to the consumer's (forward steps and, when the value carries a
 gradient, their transposes in backward). Costs are cached by operator signature, so the 96
 identical blocks of a transformer cost one block's work.
+
+A plan's price (:meth:`Problem.evaluate`) counts a value moved to one layout once however
+many operators read it there, as the rewrite runs it (:func:`redistribution_once`); the
+searches' objective adds every edge's entry, an upper bound (an edge's matrix cannot see
+the other readers' choices).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from autopar.strategies.op_pricing import OpPricer
 from autopar.strategies.optimizer_rule import decide_sharding
 from autopar.strategies.opspec import OpSpec, legal_splits, op_spec, tensor_spec
 
-__all__ = ["Choice", "Vertex", "Edge", "Problem", "Breakdown"]
+__all__ = ["Choice", "Vertex", "Edge", "Problem", "Breakdown", "redistribution_once"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +130,26 @@ class Breakdown:
     @property
     def total(self) -> float:
         return self.compute + self.communication + self.redistribution + self.gradient_sync
+
+
+def redistribution_once(moves: Iterable[tuple[str, Layout, float]]) -> float:
+    """Seconds of a plan's redistributions, from each edge's ``(value, layout it is read in,
+    seconds)``: a value moved to one layout is moved once, whatever number of operators read
+    it there (the rewrite reuses it, :mod:`autopar.rewrite`; a value has one producer, so
+    its source layout is the same on every edge). The one rule :meth:`Problem.evaluate`
+    and the iteration simulator price a plan's redistributions by.
+
+    >>> r = Layout.replicated(2)
+    >>> redistribution_once([("x", r, 1.0), ("x", r, 1.0), ("y", r, 2.0)])
+    3.0
+    """
+    seen: set[tuple[str, Layout]] = set()
+    total = 0.0
+    for value, dst, seconds in moves:
+        if (value, dst) not in seen:
+            seen.add((value, dst))
+            total += seconds
+    return total
 
 
 def _divisors_of(n: int) -> list[int]:
@@ -781,7 +806,9 @@ class Problem:
     def evaluate(self, picks: Sequence[int]) -> tuple[Breakdown, float]:
         """The cost breakdown of one choice index per vertex, and the search's objective
         (every vertex's cost, then every edge's entry: the same sums, in the same order, as
-        the searches add them). Each edge's entry is looked up once for both."""
+        the searches add them). Each edge's entry is looked up once for both; the
+        breakdown's redistribution counts a value moved to one layout once
+        (:func:`redistribution_once`), the objective every edge."""
         b = Breakdown(compute=self.cm.cluster.step_overhead)  # the step's launch
         for vert, k in zip(self.vertices, picks):  # (item: the entry as a Python float)
             b.compute += vert.compute.item(k)
@@ -789,7 +816,10 @@ class Problem:
             b.gradient_sync += vert.grad_sync.item(k)
             b.memory_bytes += vert.memory.item(k)
         entries = [self.pair_cost(e, picks[e.u], picks[e.v]) for e in self.edges]
-        b.redistribution = sum(entries)
+        verts = self.vertices
+        b.redistribution = redistribution_once(
+            (e.value, verts[e.v].choices[picks[e.v]].in_layouts[e.in_index], x)
+            for e, x in zip(self.edges, entries))
         total = sum(vert.cost.item(k) for vert, k in zip(self.vertices, picks))
         return b, total + sum(entries)
 

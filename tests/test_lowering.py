@@ -357,6 +357,27 @@ def test_redistribution_is_shared_between_consumers():
     pg = ap.rewrite.rewrite(g, plan)
     assert pg.comm_counts() == {"all_reduce": 1, "slice": 1}  # both muls read one all-reduced h
     close(ap.lower.lower(pg)(w, x), f(w, x))
+    # the plan's price is the program's: h's all-reduce once (the objective: once per reader)
+    assert plan.cost.redistribution == pytest.approx(_priced_comm(g, plan, pg), rel=1e-12)
+    assert plan.cost.redistribution < plan.objective - (plan.cost.total -
+                                                         plan.cost.redistribution) - 1e-9
+
+
+def _priced_comm(g, plan, pg):
+    """The rewritten program's communication nodes, each priced by the plan's cost model
+    (with its transpose in backward when the value carries a gradient)."""
+    from autopar.strategies.cost import CostModel, get_cluster
+    from autopar.strategies.problem import requires_grad
+    from autopar.strategies.redistribution import transpose_step
+
+    cm, grad = CostModel(get_cluster(plan.cluster)), requires_grad(g)
+    total = 0.0
+    for n in pg.comm_nodes():
+        total += cm.step_time(n.step, plan.mesh)
+        back = transpose_step(n.step)
+        if back is not None and grad[pg.values[n.outputs[0]].origin]:
+            total += cm.step_time(back, plan.mesh)
+    return total
 
 
 def test_single_device_program_has_no_communication():
