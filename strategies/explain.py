@@ -5,10 +5,12 @@ The operator's alternatives are the strategies its search space holds (``full_us
 search saw them). For each, every other operator keeps the plan's splits, the parameters take
 their cheapest layouts for the consumers as they then read them (as every search mode ends),
 and the whole step is priced by :meth:`Problem.evaluate
-<autopar.strategies.problem.Problem.evaluate>` -- the sums the searches minimise -- so an
-alternative's figures are the plan's own had the search picked it: its compute, the
-communication it brings (its own collectives, the redistributions on the values it reads and
-makes, the gradient syncs of the parameters it reads) and the memory per device.
+<autopar.strategies.problem.Problem.evaluate>`, so an alternative's figures are the plan's own
+had the search picked it: its compute, the communication it brings (its own collectives, the
+redistributions on the values it reads and makes, the gradient syncs of the parameters it
+reads) and the memory per device. The step is the plan's price (a value moved to one layout
+counted once); the order and 'vs chosen' are the objective the searches minimise (every
+reader's move counted, memory priced in where it was).
 """
 
 from __future__ import annotations

@@ -817,9 +817,9 @@ class Problem:
             b.memory_bytes += vert.memory.item(k)
         entries = [self.pair_cost(e, picks[e.u], picks[e.v]) for e in self.edges]
         verts = self.vertices
-        b.redistribution = redistribution_once(
-            (e.value, verts[e.v].choices[picks[e.v]].in_layouts[e.in_index], x)
-            for e, x in zip(self.edges, entries))
+        b.redistribution = redistribution_once(  # (an edge that moves nothing adds nothing)
+            [(e.value, verts[e.v].choices[picks[e.v]].in_layouts[e.in_index], x)
+             for e, x in zip(self.edges, entries) if x])
         total = sum(vert.cost.item(k) for vert, k in zip(self.vertices, picks))
         return b, total + sum(entries)
 
