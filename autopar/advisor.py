@@ -235,11 +235,12 @@ def _advise(model: _Model, max_segments: int) -> SplitAdvice:
 
 def advise_split(graph: Any, plan: Any = None, *, cluster: Any = None,
                  device_num: int | None = None, max_segments: int = MAX_SEGMENTS,
-                 overlap: bool = True) -> SplitAdvice:
+                 overlap: bool | None = None) -> SplitAdvice:
     """The split of at most ``max_segments`` segments that minimises the simulated iteration
     time (exact; see the module doc), as HCCL percentages and indices.
 
-    ``device_num`` defaults to the plan's, else the context's.
+    ``device_num`` defaults to the plan's, else the context's. ``overlap``: as
+    :func:`autopar.simulation.simulate`'s (``None``: as the cluster measured).
     """
     if plan is None and device_num is None:
         device_num = current_config().device_num
@@ -323,7 +324,7 @@ class SplitComparison:
 
 def compare_splits(graph: Any, plan: Any = None, *, cluster: Any = None,
                    device_num: int | None = None, max_segments: int = MAX_SEGMENTS,
-                   overlap: bool = True,
+                   overlap: bool | None = None,
                    extra: dict[str, GradientBuckets] | None = None) -> SplitComparison:
     """Simulate the advice and the usual alternatives side by side (see the module doc).
 

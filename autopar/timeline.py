@@ -15,7 +15,10 @@ The model (all times from :class:`~autopar.strategies.cost.CostModel`):
   ``overlap=False`` and one bucket per gradient, ``step_time`` is the plan's predicted step.
 - **communication**: the buckets in order on one communication stream. Bucket k starts at
   ``max(its last gradient ready, end of bucket k-1)`` with ``overlap=True`` (HCCL's
-  ``hcom_parallel``), or ``max(bp_end, end of bucket k-1)`` with ``overlap=False``, and takes
+  ``hcom_parallel``), or ``max(bp_end, end of bucket k-1)`` with ``overlap=False`` (the
+  default follows the cluster: :attr:`CostModel.overlaps_communication
+  <autopar.strategies.cost.CostModel.overlaps_communication>`; emulated CPU devices, whose
+  cores compute and move the data, measure no overlap), and takes
   the alpha-beta all-reduce time of its bytes over the data-parallel group: every device
   without a plan (gradient bytes = full parameter bytes), and with a plan, per group of
   gradients sharing the axes where they are replicated, their local bytes over those axes.
@@ -263,12 +266,13 @@ class _Model:
 
         if not isinstance(graph, Graph):
             raise AutoParallelTypeError("graph", graph, "an autopar.Graph from autopar.trace")
-        if not isinstance(overlap, bool):
-            raise AutoParallelTypeError("overlap", overlap, "must be a bool")
+        if overlap is not None and not isinstance(overlap, bool):
+            raise AutoParallelTypeError("overlap", overlap, "must be a bool, or None (as the "
+                                        "cluster measured)")
         grads = gradients(graph, plan) if plan is not None else None  # checks the plan
         clus = cluster_for(plan, cluster)  # before pricing on its cluster
         self.cm = CostModel(clus)
-        self.overlap = overlap
+        self.overlap = self.cm.overlaps_communication if overlap is None else overlap
         if device_num is not None and (isinstance(device_num, bool) or
                                        not isinstance(device_num, int)):
             raise AutoParallelTypeError("device_num", device_num, "must be an int")
@@ -469,7 +473,7 @@ def _ends_of(model: _Model, buckets: Any) -> tuple[list[int], str]:
 
 def simulate(graph: Any, plan: Any = None, *, buckets: Any = None,
              cluster: Any = None, device_num: int | None = None,
-             overlap: bool = True) -> IterationTrace:
+             overlap: bool | None = None) -> IterationTrace:
     """Simulate one iteration (see the module doc) and return its trace.
 
     ``buckets``: ``None`` or a policy name (``"context"``, ``"hccl"``, ``"none"``) to build
@@ -477,7 +481,9 @@ def simulate(graph: Any, plan: Any = None, *, buckets: Any = None,
     boundaries are used; bytes are those of this simulation). ``device_num``: with a plan, the
     plan's; without, the context's unless given. ``cluster``: with a plan, the plan's own unless
     given; on another, everything is priced there (the plan's communication re-priced:
-    :func:`plan_communication`).
+    :func:`plan_communication`). ``overlap``: whether the gradient all-reduces run beside
+    backward; ``None``: as the cluster measured
+    (:attr:`~autopar.strategies.cost.CostModel.overlaps_communication`).
     """
     from autopar.context import current_config
 

@@ -229,6 +229,21 @@ class CostModel:
         return (c.op_overhead if launch else 0.0) + max(flops / c.peak_flops,
                                                          nbytes / c.memory_bandwidth)
 
+    @property
+    def overlaps_communication(self) -> bool:
+        """Whether the simulators run gradient communication beside the computation on this
+        cluster (a stream of its own, as HCCL's ``hcom_parallel``) or after it: the nearer of
+        the two to the cluster's ``overlap``, the measured fraction of a transfer that hides
+        behind compute (at least half: beside). Emulated devices measure 0 (the cores that
+        compute move the data): their communication waits for the computation.
+
+        >>> CostModel(CLUSTERS["accelerator-8x"]).overlaps_communication
+        True
+        >>> CostModel(CLUSTERS["cpu-emulated"]).overlaps_communication
+        False
+        """
+        return self.cluster.overlap >= 0.5
+
     def alpha_beta(self, kind: str, p: int, intra: bool) -> tuple[float, float, float, float]:
         """(seconds, seconds per byte, knee bytes, extra seconds per byte past the knee) of
         one ``kind`` collective over ``p`` devices: its time for ``n`` bytes (counted as

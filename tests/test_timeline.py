@@ -15,7 +15,7 @@ from autopar.advisor import horovod_buckets, round_percentages
 from autopar.fusion import (buckets_by_index, buckets_by_percent, buckets_from_ends,
                             gradients)
 from autopar.models import mlp, resnet50, transformer
-from autopar.strategies.cost import CostModel
+from autopar.strategies.cost import CLUSTERS, CostModel
 from autopar.strategies.problem import requires_grad
 from autopar.timeline import CommSegment
 
@@ -88,6 +88,24 @@ def test_trace_consistency_resnet(resnet, devices, overlap, policy):
     t = ap.simulation.simulate(resnet, buckets=policy, device_num=devices, overlap=overlap)
     check_trace(t)
     assert t.device_num == devices and t.overlap is overlap
+
+
+def test_overlap_follows_the_cluster_unless_given():
+    """The gradient all-reduces run beside backward only where the cluster measured that a
+    transfer hides behind compute: not on emulated CPU devices (overlap 0), where the
+    iteration is then the plan's predicted step."""
+    g = _three_matmuls()
+    with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel"):
+        plan = ap.search(g, cluster="cpu-emulated")
+    cpu = ap.simulation.simulate(g, plan, buckets="none")
+    assert cpu.overlap is False and cpu.step_time == pytest.approx(plan.cost.total, rel=1e-12)
+    assert ap.simulation.simulate(g, plan, buckets="none", overlap=True).overlap is True
+    assert ap.simulation.simulate(g, plan, cluster="accelerator-8x").overlap is True
+    half = CLUSTERS["accelerator-8x"].model_copy(update={"name": "h", "overlap": 0.4})
+    assert ap.simulation.simulate(g, plan, cluster=half).overlap is False
+    assert ap.simulation.advise_split(g, plan).trace.overlap is False
+    with pytest.raises(ap.AutoParallelTypeError, match="overlap"):
+        ap.simulation.simulate(g, plan, overlap="yes")
 
 
 def test_overlap_never_hurts_and_seed_events(resnet):
