@@ -14,7 +14,10 @@ on it (summed over the arrays' shards); ``temp_MB`` / ``arg_MB`` = the compiled 
 ``memory_analysis()`` (temporaries: activations, stashed micro-batch inputs, gradients;
 arguments: parameters, state, batch). ``step_ms``: median wall time of a step, the configurations timed
 round-robin (7 rounds) so that they share the machine's noise (2 CPU cores shared by 8
-emulated devices: compare ratios, not absolutes).
+emulated devices: compare ratios, not absolutes). ``sim_ms``: the same step simulated on the
+cluster it was planned for (the default path: this machine's cached calibration, else the
+``cpu-emulated`` preset): :func:`autopar.simulation.simulate` for ``dp8``,
+:func:`autopar.simulation.simulate_pipeline` with the step's own stage plans for the others.
 
 Simulated: :func:`autopar.simulation.simulate` (data parallel, HCCL default split, all-reduce overlapped
 with backward) vs :func:`autopar.simulation.simulate_pipeline` (1F1B, the stage search's cuts,
@@ -55,6 +58,8 @@ def _measured_table(rows: list[dict[str, Any]]) -> str:
         Col("config (8 CPU devices)", "config"), "schedule", Col("m", "micro_batches"),
         Col("parallel optimizer", _yes_no("parallel_optimizer")),
         Col("step ms", "step_ms", ".0f"), Col("step / dp8", lambda r: r["step_ms"] / dp8, ".2f"),
+        Col("simulated ms", "sim_ms", ".0f"),
+        Col("simulated / measured", lambda r: r["sim_ms"] / r["step_ms"], ".2f"),
         Col("params + Adam state MB", "state_MB", ".2f"), Col("temp MB", "temp_MB", ".2f"),
         Col("loss = 1 device", _yes_no("loss_ok"))])
 
@@ -97,15 +102,17 @@ def measured(quick: bool) -> list[dict[str, Any]]:
     params, *batch = model.example_args(jax.random.key(0))
     opt = optax.adam(1e-3)
     ref_loss = float(model.loss(params, *batch))
+    graph = ap.trace(model.loss, params, *batch)
     dev0 = jax.devices()[0]
 
     runs: list[tuple[dict[str, Any], Any]] = []
 
     def row(config: str, sched: str, m: Any, po: bool, fn: Any, state: Any, lowered: Any,
-            loss: float) -> None:
+            loss: float, sim: Any) -> None:
         stats = lowered.compile().memory_analysis()
         runs.append(({"kind": "measured", "config": config, "devices": 8, "schedule": sched,
                       "micro_batches": m, "parallel_optimizer": po,
+                      "sim_ms": round(sim.step_time * 1e3, 3),
                       "state_MB": _mb(device_bytes(state, dev0)),
                       "temp_MB": _mb(stats.temp_size_in_bytes),
                       "arg_MB": _mb(stats.argument_size_in_bytes),
@@ -122,7 +129,8 @@ def measured(quick: bool) -> list[dict[str, Any]]:
         def run(step: Any = step, p: Any = p, s: Any = s) -> None:
             jax.block_until_ready(step(p, s, *batch))
 
-        row("dp8", "-", 1, po, run, (p, s), step.lower(p, s, *batch), float(loss))
+        row("dp8", "-", 1, po, run, (p, s), step.lower(p, s, *batch), float(loss),
+            ap.simulation.simulate(graph, step.plan))
 
     configs = [(2, "1f1b", False), (2, "1f1b", True), (4, "1f1b", False), (4, "1f1b", True),
                (4, "gpipe", False)]
@@ -142,7 +150,9 @@ def measured(quick: bool) -> list[dict[str, Any]]:
             jax.block_until_ready(step(p, s, *batch))
 
         row(f"dp{8 // stages} x pp{stages}", sched, m, po, run, (p, s),
-            step.lower(p, s, *batch), float(loss))
+            step.lower(p, s, *batch), float(loss),
+            ap.simulation.simulate_pipeline(step.graph, stages, micro_batches=m,
+                                            schedule=sched, device_num=8, plans=step.plans))
     # time side by side: round-robin over the configurations, median per configuration
     samples: list[list[float]] = [[] for _ in runs]
     for _ in range(3 if quick else 7):

@@ -362,13 +362,26 @@ def test_not_callable_loss_and_bad_call_arguments(tfm_step):
 
 
 @pytest.mark.parametrize("p,m", [(2, 2), (4, 4), (4, 8), (8, 32)])
-def test_simulated_gpipe_bubble_is_p_minus_1_over_m_plus_p_minus_1(p, m):
+def test_simulated_pipeline_runs_the_tick_table_in_lockstep(p, m):
     from autopar.pipeline.simulation import simulate_schedule
 
-    for sched in ("gpipe", "1f1b"):   # equal stages, free transfers: the same bubble
-        t = simulate_schedule([1.0] * p, [2.0] * p, micro_batches=m, schedule=sched)
-        assert t.bubble == pytest.approx((p - 1) / (m + p - 1))
-        assert t.makespan == pytest.approx(3.0 * (m + p - 1))
+    ticks = 2 * (m + p - 1)
+    # GPipe's forward and backward ticks never mix: its bubble is (p - 1) / (m + p - 1)
+    g = simulate_schedule([1.0] * p, [2.0] * p, micro_batches=m, schedule="gpipe")
+    assert g.bubble == pytest.approx((p - 1) / (m + p - 1))
+    assert g.makespan == pytest.approx(3.0 * (m + p - 1))
+    # 1F1B with ops of one length: every tick lasts one op, the tick table's bubble
+    one = simulate_schedule([1.0] * p, [1.0] * p, micro_batches=m, schedule="1f1b")
+    assert one.makespan == pytest.approx(ticks)
+    assert one.bubble == pytest.approx(schedule("1f1b", p, m).tick_bubble())
+    # a longer backward: a tick where one stage runs it lasts it, so 1F1B is slower
+    f1 = simulate_schedule([1.0] * p, [2.0] * p, micro_batches=m, schedule="1f1b")
+    assert f1.makespan > g.makespan and f1.bubble > g.bubble
+    # every tick moves the boundary buffers both ways, padded to the largest boundary
+    sends = [0.25] + [0.0] * (p - 2)
+    moved = simulate_schedule([1.0] * p, [2.0] * p, micro_batches=m, schedule="gpipe",
+                              sends=sends)
+    assert moved.iteration_time == pytest.approx(g.makespan + ticks * 2 * 0.25)
 
 
 def test_simulated_pipeline_trace_is_consistent_and_exports_chrome_json(tmp_path):
@@ -388,6 +401,9 @@ def test_simulated_pipeline_trace_is_consistent_and_exports_chrome_json(tmp_path
         mine = sorted((b for b in t.blocks if b.stage == s), key=lambda b: b.start)
         assert all(a.end <= b.start + 1e-15 for a, b in zip(mine, mine[1:]))
     assert t.iteration_time >= t.makespan and 0 < t.bubble < 1
+    # the step: its launch, the iteration and the slowest stage's optimizer update
+    assert t.update > 0 and t.launch == ap.CLUSTERS["accelerator-8x"].step_overhead
+    assert t.step_time == t.launch + t.iteration_time + t.update
     trace = json.loads(t.write_chrome_trace(tmp_path / "pipe.json").read_text())
     xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert sum(e["cat"] in ("forward", "backward") for e in xs) == 64

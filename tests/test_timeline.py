@@ -463,7 +463,7 @@ def test_pipeline_simulator_takes_any_sequence_and_empty_work():
 
     t = simulate_schedule([1.0, 1.0], [2.0, 2.0], micro_batches=2, sends=np.array([0.5]),
                           sync=(np.float32(1.0), 0))
-    assert t.iteration_time == t.makespan + 1.0
+    assert t.iteration_time == t.makespan + 2 * 0.5 + 1.0  # the last tick's transfers, sync
     idle = simulate_schedule([0.0, 0.0], [0.0, 0.0], micro_batches=2)
     assert idle.bubble == 0.0 and idle.to_chrome_trace()["otherData"]["bubble"] == 0.0
 
