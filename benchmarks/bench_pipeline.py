@@ -20,7 +20,7 @@ cluster it was planned for (the default path: this machine's cached calibration,
 :func:`autopar.simulation.simulate_pipeline` with the step's own stage plans for the others.
 
 Simulated: :func:`autopar.simulation.simulate` (data parallel, HCCL default split, all-reduce overlapped
-with backward) vs :func:`autopar.simulation.simulate_pipeline` (1F1B, the stage search's cuts,
+with backward) vs :func:`autopar.simulation.simulate_pipeline` (1F1B and GPipe, the stage search's cuts,
 data parallel inside stages, gradient all-reduce after the last backward), a 24-layer GPT
 (hidden 1024, seq 512), global batch 4 x devices sequences in every configuration
 (``m = 2p`` micro-batches, 2 sequences per device per micro-batch).
@@ -66,7 +66,8 @@ def _measured_table(rows: list[dict[str, Any]]) -> str:
 
 def _simulated_table(rows: list[dict[str, Any]]) -> str:
     return markdown_table(rows, [
-        Col("simulated (accelerator-8x)", "config"), "devices", Col("m", "micro_batches"),
+        Col("simulated (accelerator-8x)", "config"), "devices", "schedule",
+        Col("m", "micro_batches"),
         Col("bubble", fmt=".1%"), Col("step ms", "sim_ms", ".1f"),
         Col("step / data parallel", "sim_vs_dp", ".3f")])
 
@@ -166,6 +167,16 @@ def measured(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def _simulated_row(dp: int, pp: int, n: int, sched: str, m: int, sim: float, bubble: float,
+                   base: float) -> dict[str, Any]:
+    row = {"kind": "simulated", "config": f"dp{dp}" + (f" x pp{pp}" if pp > 1 else ""),
+           "devices": n, "schedule": sched, "micro_batches": m, "parallel_optimizer": False,
+           "bubble": round(bubble, 4), "sim_ms": round(sim * 1e3, 3),
+           "sim_vs_dp": round(sim / base, 3)}
+    print(row, flush=True)
+    return row
+
+
 def simulated(quick: bool) -> list[dict[str, Any]]:
     import jax
 
@@ -187,20 +198,14 @@ def simulated(quick: bool) -> list[dict[str, Any]]:
                 with ap.auto_parallel_context(device_num=n, parallel_mode="data_parallel"):
                     plan = ap.search(g, device_num=n, cluster="accelerator-8x")
                 t = ap.simulation.simulate(g, plan, buckets="hccl", cluster="accelerator-8x")
-                sim, bubble = t.iteration_time, 0.0
+                sim, bubble = t.step_time, 0.0  # (launch, iteration, optimizer update)
                 base = sim
-                sched = "-"
-            else:
-                t = ap.simulation.simulate_pipeline(g, pp, micro_batches=m, schedule="1f1b",
-                                         device_num=n, cluster="accelerator-8x")
-                sim, bubble, sched = t.iteration_time, t.bubble, "1f1b"
-            rows.append({"kind": "simulated", "config": f"dp{dp}" + (f" x pp{pp}" if pp > 1
-                                                                      else ""),
-                         "devices": n, "schedule": sched, "micro_batches": m,
-                         "parallel_optimizer": False, "bubble": round(bubble, 4),
-                         "sim_ms": round(sim * 1e3, 3),
-                         "sim_vs_dp": round(sim / base, 3) if base else 1.0})
-            print(rows[-1], flush=True)
+                rows.append(_simulated_row(dp, pp, n, "-", m, sim, bubble, base))
+                continue
+            for sched in ("1f1b", "gpipe"):
+                t = ap.simulation.simulate_pipeline(g, pp, micro_batches=m, schedule=sched,
+                                                    device_num=n, cluster="accelerator-8x")
+                rows.append(_simulated_row(dp, pp, n, sched, m, t.step_time, t.bubble, base))
     return rows
 
 

@@ -17,8 +17,8 @@ one stage back, which every stage joins:
 So GPipe, whose forward and backward ticks never mix, takes ``(m + p - 1)`` ticks of each,
 while 1F1B, whose steady state runs forwards beside backwards, pays a backward's length for
 most of its ``2 (m + p - 1)`` ticks: it holds fewer activations, not less time. (Measured on
-8 emulated CPU devices at ``pp4``, ``m = 8``, 1F1B's step took 3-9 % longer than GPipe's in
-five runs: two of ``python -m benchmarks pipeline`` and three side-by-side timings.)
+8 emulated CPU devices at ``pp4``, ``m = 8``, 1F1B's step took 0.5-9 % longer than GPipe's
+in six runs: three of ``python -m benchmarks pipeline`` and three side-by-side timings.)
 
 Stage times come from the cost model: the roofline time of each operator with its work
 divided by its split product (every operator split ``D = device_num / p`` ways without
