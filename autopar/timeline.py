@@ -381,7 +381,7 @@ def _node_times(graph: Any, plan: Any, cm: Any, mesh: Any
     optimizer update of the parameters (the end of backward)."""
     from autopar.strategies.cost import BACKWARD_FACTOR
     from autopar.strategies.layout import Layout
-    from autopar.strategies.problem import (fused_values, local_bytes, operator_time,
+    from autopar.strategies.problem import (fused_values, operator_time,
                                             requires_grad)
 
     fused, grad = fused_values(graph), requires_grad(graph)
@@ -397,10 +397,20 @@ def _node_times(graph: Any, plan: Any, cm: Any, mesh: Any
         fwd.append(t)
         back.append(BACKWARD_FACTOR * t if any(grad[v] for v in n.inputs) else 0.0)
     extra = 0.0 if plan is None else sum(plan_communication(graph, plan, cm)[:2])
-    tail = sum(cm.update_time(local_bytes(graph, v, plan.layouts[v] if plan is not None else
-                                          Layout.replicated(graph.spec(v).rank), mesh))
-               for v in graph.parameters() if grad.get(v, False))
-    return fwd, back, extra, tail
+    return fwd, back, extra, update_time(graph, graph.parameters(), plan, cm)
+
+
+def update_time(graph: Any, params: Any, plan: Any, cm: Any) -> float:
+    """Seconds of the optimizer update of ``params`` on one device: each trained one's block
+    under the plan's layout (without a plan: whole), :meth:`CostModel.update_time
+    <autopar.strategies.cost.CostModel.update_time>`. The rule both simulators price the
+    update by."""
+    from autopar.strategies.problem import local_bytes, requires_grad
+
+    grad = requires_grad(graph)
+    return sum(cm.update_time(local_bytes(graph, v, plan.layouts[v], plan.mesh)
+                              if plan is not None else graph.spec(v).nbytes)
+               for v in params if grad.get(v, False))
 
 
 def plan_communication(graph: Any, plan: Any, cm: Any) -> tuple[float, float, float]:

@@ -276,22 +276,15 @@ def simulate_pipeline(graph: Any, stages: int, *, micro_batches: int | None = No
 
 def _stage_update(graph: Any, stage_nodes: Sequence[Sequence[str]],
                   plans: Sequence[Any] | None, cm: Any) -> float:
-    """The optimizer update of the slowest stage: its trained parameters' blocks (the stage
-    plan's layouts; replicated over the stage without plans), priced as the iteration
-    simulator prices them (:meth:`CostModel.update_time
-    <autopar.strategies.cost.CostModel.update_time>`)."""
-    from autopar.strategies.problem import local_bytes, requires_grad
+    """The optimizer update of the slowest stage: its trained parameters' blocks under the
+    stage plan's layouts (whole without plans), by the iteration simulator's rule
+    (:func:`autopar.timeline.update_time`)."""
+    from autopar.timeline import update_time
 
-    grad = requires_grad(graph)
-    worst = 0.0
-    for s, names in enumerate(stage_nodes):
-        plan = plans[s] if plans is not None else None
-        params = dict.fromkeys(v for name in names for v in graph.node(name).inputs
-                               if graph.values[v].kind == "param" and grad[v])
-        t = sum(cm.update_time(local_bytes(graph, v, plan.layouts[v], plan.mesh)
-                               if plan is not None else graph.spec(v).nbytes) for v in params)
-        worst = max(worst, t)
-    return worst
+    return max(update_time(graph, dict.fromkeys(
+        v for name in names for v in graph.node(name).inputs
+        if graph.values[v].kind == "param"), plans[s] if plans is not None else None, cm)
+        for s, names in enumerate(stage_nodes))
 
 
 def _cuts_of(graph: Any, part: Any, plans: Any) -> tuple[int, ...] | None:
