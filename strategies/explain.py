@@ -9,8 +9,8 @@ and the whole step is priced by :meth:`Problem.evaluate
 had the search picked it: its compute, the communication it brings (its own collectives, the
 redistributions on the values it reads and makes, the gradient syncs of the parameters it
 reads) and the memory per device. The step is the plan's price (a value moved to one layout
-counted once); the order and 'vs chosen' are the objective the searches minimise (every
-reader's move counted, memory priced in where it was).
+counted once); the order and 'vs chosen' are the objective, that price with memory priced in
+where it was.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class Alternative:
     strategy: tuple[tuple[int, ...], ...]  # MindSpore: one tuple of split counts per input
     splits: tuple[int, ...]                # per loop dimension
     cost: Breakdown                        # the whole step's
-    objective: float                       # what the search minimised (memory priced in)
+    objective: float                       # the price, memory priced in where it was
     chosen: bool                           # the plan's own
 
 

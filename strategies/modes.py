@@ -10,7 +10,10 @@ the search drives them (data, not special cases in the search):
 - ``lazy_choices``: it builds each operator's choices itself, round by round, so the problem
   is built without the full choice lists;
 - ``memory_constraint``: it takes the memory budget as a hard constraint
-  (``solve(problem, memory_limit=...)``), so the search does not re-price memory and retry.
+  (``solve(problem, memory_limit=...)``), so the search does not re-price memory and retry;
+- ``polish``: it minimises every edge's entry, an upper bound of the price, so its plan is
+  then polished under the price (:func:`~autopar.strategies.shared_moves.polish`), with
+  ``moves`` its neighbourhood (None: every choice of the vertex).
 
 >>> SEARCH_MODES
 ('recursive_programming', 'dynamic_programming', 'sharding_propagation', 'exact')
@@ -25,6 +28,7 @@ from typing import Any, Callable
 
 from autopar.strategies import (dynamic_programming, exact, recursive_programming,
                                 sharding_propagation)
+from autopar.strategies.shared_moves import Neighbourhood, polish
 
 __all__ = ["DEFAULT_PARALLEL_MODE", "DEFAULT_SEARCH_MODE", "PARALLEL_MODES", "PIPELINE_MODES",
            "SEARCH_MODES",
@@ -40,20 +44,24 @@ class Solver:
     summary: str
     lazy_choices: bool = False
     memory_constraint: bool = False
+    polish: bool = False
+    moves: Neighbourhood | None = None
 
     def picks(self, problem: Any, memory_limit: float) -> list[int]:
         """The solver's pick per vertex of ``problem``."""
         if self.memory_constraint:
             return self.solve(problem, memory_limit=memory_limit)
-        return self.solve(problem)
+        picks = self.solve(problem)
+        return polish(problem, picks, self.moves) if self.polish else picks
 
 
 SOLVERS: dict[str, Solver] = {s.name: s for s in (
     Solver("recursive_programming", recursive_programming.solve,
            "one prime factor of device_num per round (SAPP); for very large graphs or devices",
-           lazy_choices=True),
+           lazy_choices=True, polish=True, moves=recursive_programming.neighbourhood),
     Solver("dynamic_programming", dynamic_programming.solve,
-           "eliminations plus an exact solve of the core: optimal for the cost model"),
+           "eliminations plus an exact solve of the core, then shared moves priced once",
+           polish=True),
     Solver("sharding_propagation", sharding_propagation.solve,
            "propagates the fixed strategies to their neighbours (needs at least one)"),
     Solver("exact", exact.solve,

@@ -10,10 +10,11 @@ the producer's layout to the consumer's (forward steps and, when the value carri
 gradient, their transposes in backward). Costs are cached by operator signature, so the 96
 identical blocks of a transformer cost one block's work.
 
-A plan's price (:meth:`Problem.evaluate`) counts a value moved to one layout once however
-many operators read it there, as the rewrite runs it (:func:`redistribution_once`); the
-searches' objective adds every edge's entry, an upper bound (an edge's matrix cannot see
-the other readers' choices).
+A plan's price (:meth:`Problem.evaluate`, the objective) counts a value moved to one layout
+once however many operators read it there, as the rewrite runs it
+(:func:`redistribution_once`); the searches minimise an upper bound, every edge's entry (an
+edge's matrix cannot see the other readers' choices), and
+:mod:`~autopar.strategies.shared_moves` then moves single operators while the price drops.
 """
 
 from __future__ import annotations
@@ -475,6 +476,10 @@ class Problem:
                 pricer.recipe(key[0], self.graph.node(name), self.specs[name]), splits)
         return hit
 
+    def choice_costs(self, name: str, choices: Sequence[Choice]) -> np.ndarray:
+        """Operator ``name``'s cost per choice, as its vertex's ``cost`` array prices it."""
+        return self._vertex_arrays([self.split_costs(name, c.splits) for c in choices])["cost"]
+
     def edge_cost(self, value: str, src: Layout, dst: Layout) -> float:
         """Seconds to move ``value`` from layout src to dst (forward + backward transposes)."""
         if src == dst:
@@ -780,7 +785,8 @@ class Problem:
         vert.choices = vert.choices + [c]
         for key in ("cost", "compute", "comm", "grad_sync", "memory"):
             setattr(vert, key, np.concatenate([getattr(vert, key), row[key]]))
-        for e in self.edges:
+        for k in self.adjacency()[i]:
+            e = self.edges[k]
             if e._matrix is None:
                 continue  # built lazily later, from the grown choice lists
             if e.u == i:
@@ -797,57 +803,72 @@ class Problem:
 
     # ------------------------------------------------------------------ evaluation
     def neighbours(self) -> list[list[int]]:
-        adj: list[list[int]] = [[] for _ in self.vertices]
-        for k, e in enumerate(self.edges):
-            adj[e.u].append(k)
-            adj[e.v].append(k)
+        """Per vertex, the edges at it (in edge order; a new list)."""
+        return [list(ks) for ks in self.adjacency()]
+
+    def adjacency(self) -> list[list[int]]:
+        """:meth:`neighbours`, kept (the edges never change once built; do not modify)."""
+        adj = self.__dict__.get("_adjacency")
+        if adj is None:
+            adj = [[] for _ in self.vertices]
+            for k, e in enumerate(self.edges):
+                adj[e.u].append(k)
+                adj[e.v].append(k)
+            self._adjacency = adj
         return adj
 
     def evaluate(self, picks: Sequence[int]) -> tuple[Breakdown, float]:
-        """The cost breakdown of one choice index per vertex, and the search's objective
-        (every vertex's cost, then every edge's entry: the same sums, in the same order, as
-        the searches add them). Each edge's entry is looked up once for both; the
-        breakdown's redistribution counts a value moved to one layout once
-        (:func:`redistribution_once`), the objective every edge."""
+        """The cost breakdown of one choice index per vertex, and the objective: the plan's
+        price with memory priced in where it is (every vertex's cost, then each value's
+        moves, a value moved to one layout counted once: :func:`redistribution_once`). The
+        searches minimise an upper bound of it, every edge's entry
+        (:mod:`~autopar.strategies.shared_moves` then prices the shared moves once)."""
         b = Breakdown(compute=self.cm.cluster.step_overhead)  # the step's launch
         for vert, k in zip(self.vertices, picks):  # (item: the entry as a Python float)
             b.compute += vert.compute.item(k)
             b.communication += vert.comm.item(k)
             b.gradient_sync += vert.grad_sync.item(k)
             b.memory_bytes += vert.memory.item(k)
-        entries = [self.pair_cost(e, picks[e.u], picks[e.v]) for e in self.edges]
         verts = self.vertices
         b.redistribution = redistribution_once(  # (an edge that moves nothing adds nothing)
             [(e.value, verts[e.v].choices[picks[e.v]].in_layouts[e.in_index], x)
-             for e, x in zip(self.edges, entries) if x])
+             for e in self.edges if (x := self.pair_cost(e, picks[e.u], picks[e.v]))])
         total = sum(vert.cost.item(k) for vert, k in zip(self.vertices, picks))
-        return b, total + sum(entries)
+        return b, total + b.redistribution
+
+    def param_totals(self, i: int, dsts: Iterable[Layout],
+                     columns: dict[tuple, np.ndarray]) -> np.ndarray:
+        """Parameter vertex ``i``'s cost per choice with its consumers reading it in
+        ``dsts``: its cost vector plus the move to each distinct layout read, once (the
+        rewrite moves it once per layout); ``columns`` keeps the moves (parameters of one
+        choice set, one cost array, share them)."""
+        v = self.vertices[i]
+        total = v.cost
+        value = v.value
+        for dst in dict.fromkeys(dsts):
+            key = (id(v.cost), self._nbytes[value], self.requires_grad[value], dst)
+            col = columns.get(key)
+            if col is None:
+                col = columns[key] = self._edge_costs(
+                    value, [c.out_layouts[0] for c in v.choices], [dst])[:, 0]
+            total = total + col
+        return total
 
     def pick_parameters(self, picks: list[int]) -> None:
         """Each parameter takes the layout cheapest for its consumers as picked (in place; a
-        parameter only ever produces): its cost vector plus, per edge in order, the
-        redistribution from each of its layouts to the one its consumer reads (parameters of
-        one choice set -- one cost array -- share these columns)."""
+        parameter only ever produces): :meth:`param_totals` at the layouts they read."""
         verts, edges = self.vertices, self.edges
+        columns: dict[tuple, np.ndarray] = {}
         reads: dict[int, list[int]] = {}
         for k, e in enumerate(edges):
             if verts[e.u].kind == "param":
                 reads.setdefault(e.u, []).append(k)
-        columns: dict[tuple, np.ndarray] = {}
         for i, v in enumerate(verts):
             if v.kind != "param":
                 continue
-            total = v.cost.copy()
-            for k in reads.get(i, ()):
-                e = edges[k]
-                dst = verts[e.v].choices[picks[e.v]].in_layouts[e.in_index]
-                key = (id(v.cost), self._nbytes[e.value], self.requires_grad[e.value], dst)
-                col = columns.get(key)
-                if col is None:
-                    col = columns[key] = self._edge_costs(
-                        e.value, [c.out_layouts[0] for c in v.choices], [dst])[:, 0]
-                total = total + col
-            picks[i] = int(np.argmin(total))
+            dsts = [verts[edges[k].v].choices[picks[edges[k].v]].in_layouts[edges[k].in_index]
+                    for k in reads.get(i, ())]
+            picks[i] = int(np.argmin(self.param_totals(i, dsts, columns)))
 
     def pair_cost(self, e: Edge, a: int, b: int) -> float:
         """One entry of an edge's matrix, without building the matrix."""

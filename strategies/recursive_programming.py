@@ -57,7 +57,7 @@ from autopar.strategies.opspec import legal_splits
 from autopar.gc_pause import paused_gc
 from autopar.strategies.problem import Choice, Problem, enumerate_splits
 
-__all__ = ["solve"]
+__all__ = ["neighbourhood", "solve"]
 
 Splits = tuple[int, ...]
 
@@ -113,6 +113,13 @@ def _moves(problem: Problem, i: int, cur: Splits, peers: tuple[Splits, ...] = ()
                 offer(cur[:a] + (cur[a] * p,) + cur[a + 1:], (a,))
     out += [t for t in peers if t not in out]
     return out
+
+
+def neighbourhood(problem: Problem, i: int, current: Choice) -> list[Choice]:
+    """Operator ``i``'s re-cut moves from ``current`` (:func:`_moves`) as choices, ``current``
+    first: the moves :mod:`~autopar.strategies.shared_moves` tries after the search."""
+    name = problem.vertices[i].name
+    return [problem._op_choice(name, s) for s in _moves(problem, i, current.splits)]
 
 
 class _Rounds:

@@ -1,0 +1,229 @@
+"""Shared moves priced once: single-operator moves under the plan's price.
+
+The rewrite moves a value to a layout once, whatever number of operators read it there
+(:func:`~autopar.strategies.problem.redistribution_once`), but a search's edge matrices price
+each reader's move: an edge cannot see the other readers' choices. So the searches minimise
+an upper bound of the price, and where several readers share a move they over-price it: a
+fused QKV matmul keeping the batch split, its output moved once for its three readers, is
+priced three moves.
+
+:func:`polish` takes a solved plan and moves single operators while that lowers the price
+(:meth:`Problem.evaluate <autopar.strategies.problem.Problem.evaluate>`'s objective): each
+operator in turn takes the choice of its neighbourhood (every strategy of its vertex, or the
+mode's own moves) that prices lowest, the parameters it reads re-picked for their readers
+(:meth:`~autopar.strategies.problem.Problem.param_totals`), the rest of the plan held. Only
+what the operator touches is priced: its own cost, and each value it reads or makes at the
+layouts its readers then want, each distinct move once.
+
+Which operators: first those where sharing can make the two objectives differ -- the maker
+of a value read in one layout by more than one edge, the readers of a value another reader
+reads moved, the readers of a parameter read more than once; then the neighbours of every
+operator moved (first in, first out, in vertex order: the same plan always polishes the same
+way). Every move lowers the price, so it ends. Fixed operators never move.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Callable
+
+import numpy as np
+
+from autopar.strategies.layout import Layout
+from autopar.strategies.problem import Choice, Problem
+
+__all__ = ["Neighbourhood", "polish"]
+
+#: A mode's moves for operator vertex ``i`` from its current choice: choices, that one first.
+Neighbourhood = Callable[[Problem, int, Choice], list[Choice]]
+
+_RELATIVE = 1e-12  # a move must lower the price by more than float noise
+
+
+def polish(problem: Problem, picks: list[int],
+           neighbourhood: Neighbourhood | None = None) -> list[int]:
+    """``picks`` after single-operator moves that lower the price (a new list; the
+    parameters picked by :meth:`Problem.pick_parameters` at the end). ``neighbourhood``:
+    the choices an operator may take (default: every choice of its vertex)."""
+    moves = _Moves(problem, list(picks), neighbourhood)
+    work = deque(sorted(moves.sharing()))
+    queued = set(work)
+    budget = 4 * len(problem.vertices) + 16  # (each move lowers the price: a guard only)
+    while work and budget:
+        i = work.popleft()
+        queued.discard(i)
+        if moves.improve(i):
+            budget -= 1
+            for j in sorted(moves.near(i) - queued):
+                work.append(j)
+                queued.add(j)
+    problem.pick_parameters(moves.picks)
+    return moves.picks
+
+
+class _Moves:
+    """The plan being polished: per value its edges, per vertex the values it touches."""
+
+    def __init__(self, problem: Problem, picks: list[int],
+                 neighbourhood: Neighbourhood | None) -> None:
+        self.problem, self.picks, self.neighbourhood = problem, picks, neighbourhood
+        self.verts, self.edges = problem.vertices, problem.edges
+        self.by_value: dict[str, list[int]] = {}
+        self.touches: list[dict[str, None]] = [{} for _ in self.verts]
+        for k, e in enumerate(self.edges):
+            self.by_value.setdefault(e.value, []).append(k)
+            self.touches[e.v][e.value] = None
+            self.touches[e.u][e.value] = None
+        fixed = {problem.index[name] for name in problem.fixed}
+        self.movable = [v.kind == "op" and i not in fixed for i, v in enumerate(self.verts)]
+        self.columns: dict[tuple, np.ndarray] = {}
+        self.memo: dict[tuple, tuple[Any, list[int]]] = {}  # situation -> best, params
+
+    def dst(self, k: int) -> Layout:
+        e = self.edges[k]
+        return self.verts[e.v].choices[self.picks[e.v]].in_layouts[e.in_index]
+
+    def src(self, k: int) -> Layout:
+        e = self.edges[k]
+        return self.verts[e.u].choices[self.picks[e.u]].out_layouts[e.out_index]
+
+    def sharing(self) -> set[int]:
+        """The operators where a shared move can make the price differ from the edge sum."""
+        out: set[int] = set()
+        for ks in self.by_value.values():
+            if len(ks) < 2:
+                continue
+            u = self.edges[ks[0]].u
+            dsts = [self.dst(k) for k in ks]
+            readers = {self.edges[k].v for k in ks}
+            if len(set(dsts)) < len(dsts):
+                out.add(u)          # a layout read more than once: its maker may move it once
+            if self.verts[u].kind == "param" or any(d != self.src(ks[0]) for d in dsts):
+                out |= readers      # a reader may join another's moved layout
+        return {i for i in out if self.movable[i]}
+
+    def near(self, i: int) -> set[int]:
+        """The movable vertices that share a value with ``i``."""
+        out = set()
+        for x in self.touches[i]:
+            ks = self.by_value[x]
+            out.add(self.edges[ks[0]].u)
+            out.update(self.edges[k].v for k in ks)
+        out.discard(i)
+        return {j for j in out if self.movable[j]}
+
+    def improve(self, i: int) -> bool:
+        """Move operator ``i`` to its cheapest choice if that lowers the price."""
+        problem, vert = self.problem, self.verts[i]
+        here = vert.choices[self.picks[i]]
+        if self.neighbourhood is None:
+            mine: object = id(vert.cost)  # (the vertex's choices and their costs)
+        else:
+            mine = (problem._sig[vert.name], here.splits)
+        key, roles = self.situation(i, mine)
+        hit = self.memo.get(key)
+        if hit is None:
+            if self.neighbourhood is None:
+                cs, cur = vert.choices, self.picks[i]
+            else:
+                cs, cur = self.neighbourhood(problem, i, here), 0
+            hit = self.memo[key] = self.local(i, cs, roles, cur) if len(cs) > 1 else \
+                (None, [])
+        best, params = hit
+        if best is None:
+            return False
+        self.picks[i] = best if self.neighbourhood is None else \
+            problem.choice_index(i, best)
+        for p, q in zip((p for role, _, _, p in roles if role == "p"), params):
+            self.picks[p] = q
+        return True
+
+    def situation(self, i: int, mine: object) -> tuple[tuple, list[tuple]]:
+        """What operator ``i``'s best move depends on (its choices, and per value it
+        touches the value's size and the layouts around it: identical blocks share it), and
+        each value's role: made ("m"), read ("r") or a parameter read ("p")."""
+        problem, edges = self.problem, self.edges
+        key: list = [mine]
+        roles = []
+        for x in self.touches[i]:
+            ks = self.by_value[x]
+            u = edges[ks[0]].u
+            size = (problem._nbytes[x], problem.requires_grad[x])
+            if u == i:
+                roles.append(("m", x, ks, u))
+                key.append(("m", size, edges[ks[0]].out_index,
+                            tuple(dict.fromkeys(self.dst(k) for k in ks))))
+            elif self.verts[u].kind == "param":
+                roles.append(("p", x, ks, u))
+                key.append(("p", size, id(self.verts[u].cost), tuple(
+                    edges[k].in_index if edges[k].v == i else self.dst(k) for k in ks)))
+            else:
+                roles.append(("r", x, ks, u))
+                key.append(("r", size, self.src(ks[0]),
+                            frozenset(self.dst(k) for k in ks if edges[k].v != i),
+                            tuple(edges[k].in_index for k in ks if edges[k].v == i)))
+        return tuple(key), roles
+
+    def local(self, i: int, cs: list[Choice], roles: list[tuple], cur: int
+              ) -> tuple[Any, list[int]]:
+        """Operator ``i``'s cheapest choice of ``cs`` if it lowers the price (else None),
+        and the parameters' picks there: per choice its cost plus the price of every value
+        it reads or makes (each distinct move once, parameters re-picked)."""
+        vert = self.verts[i]
+        own = vert.cost if self.neighbourhood is None else \
+            self.problem.choice_costs(vert.name, cs)
+        total = np.array(own, dtype=np.float64)
+        args = []
+        for role, x, ks, u in roles:
+            if role == "m":
+                total += self._made(x, ks, cs)
+            elif role == "p":
+                price, arg = self._parameter(i, u, ks, cs)
+                total += price
+                args.append(arg)
+            else:
+                total += self._read(i, x, ks, cs)
+        best = int(np.argmin(total))
+        if not total[best] < total[cur] - _RELATIVE * abs(total[cur]):
+            return None, []
+        params = [int(arg[best]) for arg in args]
+        return (best if self.neighbourhood is None else cs[best].splits), params
+
+    def _made(self, x: str, ks: list[int], cs: list[Choice]) -> np.ndarray:
+        """Value ``x`` made by the moving operator: moved once to each layout read."""
+        groups = list(dict.fromkeys(self.dst(k) for k in ks))
+        j = self.edges[ks[0]].out_index
+        srcs, inv = _distinct([c.out_layouts[j] for c in cs])
+        return self.problem._edge_costs(x, srcs, groups).sum(axis=1)[inv]
+
+    def _read(self, i: int, x: str, ks: list[int], cs: list[Choice]) -> np.ndarray:
+        """Value ``x`` read by the moving operator: its layouts the others do not read yet,
+        moved once each."""
+        src, others = self.src(ks[0]), {self.dst(k) for k in ks if self.edges[k].v != i}
+        mine = [self.edges[k].in_index for k in ks if self.edges[k].v == i]
+        reads, inv = _distinct([tuple(c.in_layouts[j] for j in mine) for c in cs])
+        cost = self.problem.edge_cost
+        extra = [sum(cost(x, src, t) for t in dict.fromkeys(r) if t not in others)
+                 for r in reads]
+        return np.array(extra, dtype=np.float64)[inv]
+
+    def _parameter(self, i: int, p: int, ks: list[int], cs: list[Choice]
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        """Parameter vertex ``p`` read by the moving operator: per choice, its cheapest
+        layout's cost with its readers as they would read it, and that layout."""
+        edges = self.edges
+        reads, inv = _distinct([tuple(c.in_layouts[edges[k].in_index] if edges[k].v == i
+                                      else self.dst(k) for k in ks) for c in cs])
+        price, arg = np.empty(len(reads)), np.empty(len(reads), dtype=np.int64)
+        for n, r in enumerate(reads):
+            totals = self.problem.param_totals(p, r, self.columns)
+            arg[n] = k = int(np.argmin(totals))
+            price[n] = totals[k]
+        return price[inv], arg[inv]
+
+
+def _distinct(items: list) -> tuple[list, np.ndarray]:
+    """The distinct items (first-seen order) and, per item, its index among them."""
+    index: dict = {}
+    inv = [index.setdefault(t, len(index)) for t in items]
+    return list(index), np.array(inv, dtype=np.int64)
