@@ -10,7 +10,9 @@ Series-parallel graphs (chains, residual blocks, attention, layer norm) reduce t
 per connected component, whose best choice is then replayed backwards through the recorded
 eliminations. What does not reduce (a core where every vertex has three or more neighbours)
 is solved exactly by the integer program of :mod:`autopar.strategies.exact` on the reduced
-graph, so the result is optimal under the cost model in every case.
+graph, so the result is optimal for the pairwise objective (every edge's entry: a move
+several readers share counted once per reader) in every case; the search then polishes it
+under the plan's price (:mod:`~autopar.strategies.shared_moves`).
 
 The order of the eliminations depends on the graph's structure only (degrees and indices):
 :class:`Order` finds it, :func:`eliminate` replays it on cost vectors and matrices. Both are

@@ -116,8 +116,8 @@ class _Moves:
         """Move operator ``i`` to its cheapest choice if that lowers the price."""
         problem, vert = self.problem, self.verts[i]
         here = vert.choices[self.picks[i]]
-        if self.neighbourhood is None:
-            mine: object = id(vert.cost)  # (the vertex's choices and their costs)
+        if self.neighbourhood is None:  # (the vertex's choices and costs, the current one)
+            mine: object = (id(vert.cost), self.picks[i])
         else:
             mine = (problem._sig[vert.name], here.splits)
         key, roles = self.situation(i, mine)
