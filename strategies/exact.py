@@ -40,12 +40,12 @@ class _Program:
     """The integer program's columns (objective) and rows (constraints), built up."""
 
     def __init__(self, costs: Sequence[np.ndarray]) -> None:
-        self.offs, self.c = [], []
+        self.offs: list[int] = []
         n = 0
         for cv in costs:
             self.offs.append(n)
             n += len(cv)
-        self.n, self.nx = n, n
+        self.n, self.nx = n, n  # columns; the first nx pick choices (binary)
         self.c = [np.asarray(cv, dtype=np.float64) for cv in costs]
         self.rows: list[int] = []
         self.cols: list[int] = []
