@@ -802,12 +802,9 @@ class Problem:
         return len(vert.choices) - 1
 
     # ------------------------------------------------------------------ evaluation
-    def neighbours(self) -> list[list[int]]:
-        """Per vertex, the edges at it (in edge order; a new list)."""
-        return [list(ks) for ks in self.adjacency()]
-
     def adjacency(self) -> list[list[int]]:
-        """:meth:`neighbours`, kept (the edges never change once built; do not modify)."""
+        """Per vertex, the edges at it in edge order (kept: the edges never change once
+        built; do not modify)."""
         adj = self.__dict__.get("_adjacency")
         if adj is None:
             adj = [[] for _ in self.vertices]

@@ -20,7 +20,7 @@ __all__ = ["solve"]
 
 def solve(problem: Problem) -> list[int]:
     verts, edges = problem.vertices, problem.edges
-    adj = problem.neighbours()
+    adj = problem.adjacency()
     seeds = sorted(problem.index[name] for name in problem.fixed)
     if not seeds:
         raise AutoParallelError(
