@@ -52,7 +52,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError
-from autopar.multihost import agree_flag, agree_text, is_lead, several
+from autopar.multihost import agree_flag, agree_made, agree_text, is_lead, several
 from autopar.strategies.cost import (COLLECTIVE_KINDS, Calibration, Cluster, CollectiveFit)
 from autopar.strategies.layout import DeviceMesh, jax_mesh
 
@@ -594,7 +594,8 @@ def measure(devs: Sequence[Any], *, budget_s: float = 60.0, progress: bool = Tru
     with Progress("calibrate", total, quiet=not (progress and is_lead())) as bar:
         comp = _measure_compute(devs, 0.25 * clock.budget, bar)
         fits = _measure_collectives(devs, sizes, clock, bar) if cases else []
-    mine = _cluster(devs, comp, fits, clock.elapsed())
     if not several():
-        return mine
-    return Cluster.model_validate_json(agree_text(mine.model_dump_json()))  # process 0's
+        return _cluster(devs, comp, fits, clock.elapsed())
+    # process 0's figures make the cluster (another's might not even validate)
+    made = agree_made(lambda: _cluster(devs, comp, fits, clock.elapsed()).model_dump_json())
+    return Cluster.model_validate_json(made)

@@ -7,6 +7,7 @@ own cluster (its own ``AUTOPAR_CLUSTER``, its own calibration cache, its own clo
 the decisions are taken by process 0 and shared:
 
 - :func:`agree_flag` and :func:`agree_text`: process 0's value, on every process;
+  :func:`agree_made`: what process 0 alone makes (its error, raised on every process);
 - :func:`check_same`: every process's text compared with process 0's, by digest; where
   any differs, every process raises the same :class:`~autopar.errors.AutoParallelError`
   (none of them goes on into a step the others would not run);
@@ -25,13 +26,13 @@ from __future__ import annotations
 import hashlib
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
 from autopar.errors import AutoParallelError
 
-__all__ = ["agree_flag", "agree_text", "agreeing", "check_same", "is_lead", "several",
+__all__ = ["agree_flag", "agree_made", "agree_text", "agreeing", "check_same", "is_lead", "several",
            "together"]
 
 _TOGETHER: ContextVar[bool] = ContextVar("autopar_processes_together", default=False)
@@ -89,6 +90,28 @@ def agree_text(text: str) -> str:
     if is_lead():
         buf[:] = data
     return bytes(_broadcast(buf).astype(np.uint8)).decode()
+
+
+def agree_made(make: Callable[[], str]) -> str:
+    """Process 0's ``make()``, made on process 0 alone, on every process (a collective).
+
+    Where ``make`` raises on process 0, every process raises (the others an
+    :class:`~autopar.errors.AutoParallelError` with process 0's message): none waits for a
+    text that will not come."""
+    if not several():
+        return make()
+    text, error = "", None
+    if is_lead():
+        try:
+            text = "ok " + make()
+        except Exception as e:  # every process must leave the collective below
+            text, error = f"error {e}", e
+    agreed = agree_text(text)
+    if error is not None:
+        raise error
+    if agreed.startswith("error "):
+        raise AutoParallelError(f"on process 0: {agreed[len('error '):]}")
+    return agreed[len("ok "):]
 
 
 def check_same(text: str, key: str, what: str) -> None:

@@ -35,27 +35,33 @@ def _autopar(*args: str) -> list[str]:
 def _launch(n: int, tmp_path) -> list[subprocess.CompletedProcess]:
     """Start ``n`` processes of one job; wait for all (timeout), fail with their output."""
     port = _free_port()
+    return _job([_autopar("--num-processes", str(n), "--process-id", str(i), "--coordinator",
+                          f"127.0.0.1:{port}", "--json", str(tmp_path / f"p{i}.json"))
+                 for i in range(n)], tmp_path)
+
+
+def _job(cmds: list[list[str]], tmp_path) -> list[subprocess.CompletedProcess]:
+    """Run the processes of one job to the end. Where one fails, or the time runs out, kill
+    the others (they would wait for it in a collective) and fail with each one's output."""
+    logs = [(tmp_path / f"out{i}.txt", tmp_path / f"err{i}.txt") for i in range(len(cmds))]
     procs = []
-    for i in range(n):
-        cmd = _autopar("--num-processes", str(n), "--process-id", str(i), "--coordinator",
-                       f"127.0.0.1:{port}", "--json", str(tmp_path / f"p{i}.json"))
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
+    for cmd, (out, err) in zip(cmds, logs):
+        with out.open("w") as o, err.open("w") as e:  # (the child keeps its own copies)
+            procs.append(subprocess.Popen(cmd, stdout=o, stderr=e))
     deadline = time.monotonic() + TIMEOUT
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            outs.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        logs = "\n".join(f"--- process {i}\n{(p.communicate()[1] or '')[-2000:]}"
-                         for i, p in enumerate(procs))
-        pytest.fail(f"multi-process run did not finish in {TIMEOUT} s\n{logs}")
-    for i, r in enumerate(outs):
-        assert r.returncode == 0, f"process {i} failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
-    return outs
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline and \
+            not any(p.poll() for p in procs):
+        time.sleep(0.2)
+    for p in procs:
+        p.kill()
+    done = [subprocess.CompletedProcess(p.args, p.wait(), out.read_text(), err.read_text())
+            for p, (out, err) in zip(procs, logs)]
+    if any(r.returncode for r in done):
+        why = "failed" if time.monotonic() < deadline else f"did not finish in {TIMEOUT} s"
+        pytest.fail(f"multi-process run {why}\n" + "\n".join(
+            f"--- process {i} (exit {r.returncode})\n{r.stdout[-1000:]}\n{r.stderr[-3000:]}"
+            for i, r in enumerate(done)))
+    return done
 
 
 def _reference() -> numerics.Reference:
@@ -101,16 +107,9 @@ def _workers(source: str, tmp_path) -> list[tuple[tuple[str, str], dict]]:
     script = tmp_path / "worker.py"
     script.write_text(source)
     where = f"127.0.0.1:{_free_port()}"
-    procs = [subprocess.Popen([sys.executable, str(script), where, str(i), str(tmp_path)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
-    try:
-        outs = [p.communicate(timeout=TIMEOUT) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for (out, err), p in zip(outs, procs):
-        assert p.returncode == 0, err[-3000:]
+    outs = [(r.stdout, r.stderr) for r in _job(
+        [[sys.executable, str(script), where, str(i), str(tmp_path)] for i in range(2)],
+        tmp_path)]
     return [(o, json.loads(o[0].split("RESULT ", 1)[1])) for o in outs]
 
 
@@ -210,6 +209,18 @@ with ap.auto_parallel_context(device_num=4, parallel_mode="auto_parallel"):
         out["differs"] = "built"
     except ap.AutoParallelError as e:
         out["differs"] = str(e)
+from autopar.multihost import agree_made
+out["made"] = agree_made(lambda: f"made on {rank}")
+
+
+def fails() -> str:
+    raise ap.AutoParallelError("figure", -rank - 1, "must be >= 0")
+
+
+try:
+    agree_made(fails)
+except ap.AutoParallelError as e:
+    out["fails"] = str(e)
 print("RESULT " + json.dumps(out))
 """
 
@@ -238,3 +249,5 @@ def test_every_process_plans_on_process_0s_cluster(tmp_path):
     assert notice in outs[1][1] and notice not in outs[0][1]
     for r in res:
         assert "plan='process(es) [1]' is invalid" in r["differs"], r["differs"]
+        # what process 0 alone makes (a calibration's cluster), and its error, everywhere
+        assert r["made"] == "made on 0" and "figure=-1 is invalid" in r["fails"], r
