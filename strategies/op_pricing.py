@@ -7,16 +7,17 @@ passes of its local blocks, its launch), the backward all-reduce of each input g
 the axes where that input is replicated while the operator is split (gradient
 synchronisation for a parameter or a value computed from parameters alone, which the training
 step reduces with the parameters' gradients; activation communication otherwise), and the
-memory of its outputs. Every term depends on the operator's signature and split counts only: a tensor's
-local block has each dim's size over the split of the loop dim it follows, and the axes are
-the mesh's canonical assignment (:meth:`DeviceMesh.assign
+memory of its outputs. Every term depends on the operator's signature and split counts only:
+a tensor's local block has each dim's size over the split of the loop dim it follows, and the
+axes are the mesh's canonical assignment (:meth:`DeviceMesh.assign
 <autopar.strategies.layout.DeviceMesh.assign>`). So :class:`OpRecipe` reads what an
 operator's price needs from the graph once per signature, and :class:`OpPricer` prices a
 split vector with a few integer products and the cost model's own formulas
 (``compute_time``, ``all_reduce_time``, ``gradient_sync_time``, ``update_time``): the very
 same arithmetic, in the same order, as pricing through the Choice's layouts
-(tests/test_op_pricing.py checks it bit for bit), several times cheaper -- recursive_programming prices hundreds of candidates per
-round, and Layout objects were most of that.
+(tests/test_op_pricing.py checks it bit for bit), several times cheaper --
+recursive_programming prices hundreds of candidates per round, and Layout objects were most
+of that.
 
 >>> import jax.numpy as jnp, autopar
 >>> from autopar.strategies.cost import CLUSTERS, CostModel

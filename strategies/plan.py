@@ -145,7 +145,8 @@ class Plan:
                 layouts[v] = Layout.replicated(val.spec.rank)
         cost, objective = problem.evaluate(picks)
         return Plan(mode, mesh, problem.cm.cluster.name, Fingerprint(g), nodes,
-                    dict(sorted(layouts.items())), cost, objective, seconds, parameters=g.parameters(),
+                    dict(sorted(layouts.items())), cost, objective, seconds,
+                    parameters=g.parameters(),
                     enable_alltoall=problem.enable_alltoall,
                     memory_weight=problem.memory_weight,
                     parallel_optimizer_kb=problem.parallel_optimizer_kb,

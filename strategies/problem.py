@@ -14,7 +14,8 @@ A plan's price (:meth:`Problem.evaluate`, the objective) counts a value moved to
 once however many operators read it there, as the rewrite runs it
 (:func:`redistribution_once`); the searches minimise an upper bound, every edge's entry (an
 edge's matrix cannot see the other readers' choices), and
-:mod:`~autopar.strategies.shared_moves` then moves single operators while the price drops.
+:mod:`~autopar.strategies.shared_moves` then moves single operators (and regions) while the
+price drops.
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ def solve(problem: Problem) -> list[int]:
     if not seeds:
         raise AutoParallelError(
             "search_mode", "sharding_propagation", "propagation needs at least one operator "
-            "with a fixed strategy", "Pass fixed={node name: strategy} to autopar.search (`autopar search "
-            "--fix NODE=STRATEGY`), or annotate operators with autopar.shard / "
+            "with a fixed strategy", "Pass fixed={node name: strategy} to autopar.search "
+            "(`autopar search --fix NODE=STRATEGY`), or annotate operators with autopar.shard / "
             "autopar.matmul(strategy=...)")
     picks = [-1] * len(verts)
     for i, v in enumerate(verts):
