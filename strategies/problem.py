@@ -21,6 +21,7 @@ price drops.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
@@ -78,15 +79,21 @@ class Vertex:
 @dataclass
 class Edge:
     """A value read by an operator. ``matrix`` ([len(u.choices), len(v.choices)] seconds) is
-    built on first use: recursive_programming and sharding_propagation never need all of it."""
+    built on first use: recursive_programming and sharding_propagation never need all of it.
+    The edge refers to its problem weakly: a problem and its edges in a cycle outlived every
+    search until the cyclic collector walked them."""
 
     u: int
     v: int
     value: str
     in_index: int                   # position in the consumer's inputs
     out_index: int                  # position in the producer's outputs (0 for inputs)
-    problem: "Problem" = field(repr=False)
+    owner: "weakref.ReferenceType[Problem]" = field(repr=False)
     _matrix: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def problem(self) -> "Problem":
+        return self.owner()  # type: ignore[return-value]
 
     @property
     def matrix(self) -> np.ndarray:
@@ -154,6 +161,23 @@ def redistribution_once(moves: Iterable[tuple[str, Layout, float]]) -> float:
     return total
 
 
+class KeptAssign:
+    """``mesh.assign(splits)`` kept per split counts (the mesh's own cache hashes the mesh
+    at every call; the searches ask for the same split counts again and again)."""
+
+    __slots__ = ("mesh", "kept")
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+        self.kept: dict[tuple[int, ...], tuple[tuple[str, ...], ...] | None] = {}
+
+    def __call__(self, splits: tuple[int, ...]) -> tuple[tuple[str, ...], ...] | None:
+        hit = self.kept.get(splits, False)
+        if hit is False:
+            hit = self.kept[splits] = self.mesh.assign(splits)
+        return hit  # type: ignore[return-value]
+
+
 def _divisors_of(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -167,19 +191,11 @@ def enumerate_splits(spec: OpSpec, device_num: int, full_use: bool) -> list[tupl
     none does."""
     divs = _divisors_of(device_num)
     cands = [[c for c in divs if spec.allows(d, c)] for d in range(len(spec.sizes))]
-    out: list[tuple[int, ...]] = []
-
-    def rec(d: int, prod: int, acc: list[int]) -> None:
-        if d == len(cands):
-            out.append(tuple(acc))
-            return
-        for c in cands[d]:
-            if device_num % (prod * c) == 0:
-                acc.append(c)
-                rec(d + 1, prod * c, acc)
-                acc.pop()
-
-    rec(0, 1, [])
+    grown: list[tuple[tuple[int, ...], int]] = [((), 1)]  # (splits so far, their product)
+    for options in cands:  # (in order: the vectors come out lexicographically)
+        grown = [(acc + (c,), prod * c) for acc, prod in grown for c in options
+                 if device_num % (prod * c) == 0]
+    out = [acc for acc, _ in grown]
     if full_use:
         full = [s for s in out if math.prod(s) == device_num]
         if full:
@@ -336,7 +352,9 @@ class Problem:
         self._pair_cache: dict[tuple, tuple] = {}
         self._cost_cache: dict[tuple, tuple[float, float, float, float]] = {}
         self._vector_cache: dict[tuple, np.ndarray] = {}
-        self._axes: dict[tuple[int, ...], Any] = {}
+        #: ``mesh.assign(splits)``, kept per problem (not a bound method: the pricers keep
+        #: it, and a problem they referred back to would outlive its search in a cycle)
+        self.axes_of = KeptAssign(mesh)
         self._reprs: dict[int, tuple[Any, str]] = {}
         with paused_gc():
             self.requires_grad = requires_grad(graph)
@@ -376,14 +394,6 @@ class Problem:
         c = Choice(splits, ins, outs, frozenset(a for ax in axes for a in ax))
         self._choice_cache[key] = c
         return c
-
-    def axes_of(self, splits: tuple[int, ...]) -> tuple[tuple[str, ...], ...] | None:
-        """``mesh.assign(splits)``, kept per problem (the mesh's own cache hashes the mesh at
-        every call; the searches ask for the same split counts again and again)."""
-        hit = self._axes.get(splits, False)
-        if hit is False:
-            hit = self._axes[splits] = self.mesh.assign(splits)
-        return hit  # type: ignore[return-value]
 
     def may_repeat(self, node: Node) -> bool:
         """Whether the operator may leave devices repeating its work (product of splits below
@@ -617,6 +627,7 @@ class Problem:
         """Producer (op or input vertex) -> consumer op, one edge per consumed value."""
         values, index, vertices, edges = self.graph.values, self.index, self.vertices, \
             self.edges
+        owner = weakref.ref(self)
         for node in self.graph.nodes:
             vi = index[node.name]
             for j, v in enumerate(node.inputs):
@@ -630,7 +641,7 @@ class Problem:
                 else:
                     ui = index[("<param>" if kind == "param" else "<data>") + v]
                     out_index = 0
-                edges.append(Edge(ui, vi, v, j, out_index, self))
+                edges.append(Edge(ui, vi, v, j, out_index, owner))
 
     def settle(self, splits: Mapping[int, tuple[int, ...]], *, params: bool = True
                ) -> list[int]:
