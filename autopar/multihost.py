@@ -32,8 +32,8 @@ import numpy as np
 
 from autopar.errors import AutoParallelError
 
-__all__ = ["agree_flag", "agree_made", "agree_text", "agreeing", "check_same", "is_lead", "several",
-           "together"]
+__all__ = ["agree_flag", "agree_made", "agree_text", "agreeing", "check_same", "is_lead",
+           "several", "together"]
 
 _TOGETHER: ContextVar[bool] = ContextVar("autopar_processes_together", default=False)
 

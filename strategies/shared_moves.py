@@ -60,9 +60,11 @@ def polish(problem: Problem, picks: list[int],
     moves = _Moves(problem, list(picks), neighbourhood)
     work = deque(sorted(moves.sharing()))
     budget = 4 * len(problem.vertices) + 16  # (each move lowers the price: a guard only)
-    while work and budget > 0:
+    while budget > 0:  # (a plan where no operator shares a move may still move a region)
         budget = _single_moves(moves, work, budget)
         work = deque(sorted(moves.region_moves()))
+        if not work:
+            break
     problem.pick_parameters(moves.picks)
     return moves.picks
 
