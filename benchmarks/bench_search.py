@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Iterable
 
 from benchmarks._common import (
     DocTables,
@@ -180,6 +181,18 @@ def time_command(runs: int = 5, limit: float = 300.0) -> dict:
             "median_s": statistics.median(walls), "status": "ok"}
 
 
+#: Fresh processes per anchors cell, the fastest kept: one search of tens of milliseconds
+#: ranged 1.5x between two runs minutes apart on this kind of machine (loaded by others).
+ANCHOR_RUNS = 3
+
+
+def fastest(results: Iterable[dict]) -> dict:
+    """The run with the least search seconds (the first failure, if any run failed)."""
+    done = list(results)
+    bad = [r for r in done if r.get("status") != "ok"]
+    return bad[0] if bad else min(done, key=lambda r: r["search_s"])
+
+
 def run(model: str, size: int, devices: int, mode: str, limit: float) -> dict:
     t0 = time.perf_counter()
     try:
@@ -255,7 +268,8 @@ def main(quick: bool = False) -> None:
     for blocks in ((2,) if quick else (4, 16, 48)):
         for devices in ((8,) if quick else (8, 64)):
             for mode in MODES:
-                r = run("tfm_stack", blocks, devices, mode, limit)
+                r = fastest(run("tfm_stack", blocks, devices, mode, limit)
+                            for _ in range(1 if quick else ANCHOR_RUNS))
                 ms = MINDSPORE.get((blocks, devices, mode), "")
                 speedup = ms / r["search_s"] if isinstance(ms, float) and r.get(
                     "status") == "ok" else ""
@@ -265,7 +279,8 @@ def main(quick: bool = False) -> None:
                              "mindspore_search_s": ms, "mindspore/autopar": speedup,
                              "step_ms": r.get("step_ms", ""), "status": r["status"]})
     write_results("search_anchors", rows, ANCHOR_COLUMNS,
-                  meta={"note": "MindSpore 2.10.0 figures from ANCHORS.md (search seconds)",
+                  meta={"note": "MindSpore 2.10.0 figures from ANCHORS.md (search seconds); "
+                        f"autopar's the fastest of {ANCHOR_RUNS} fresh processes",
                         "command": time_command(runs=2 if quick else 5, limit=limit)})
 
     import jax
