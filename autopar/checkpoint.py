@@ -453,7 +453,8 @@ def _check_operators(f: StrategyFile, graph: Graph, mesh: DeviceMesh, path: str,
         implied = tuple(tuple(mesh.size_of(axes[m]) if m is not None else 1 for m in mp)
                         for mp in spec.in_maps)
         if implied != strategy:
-            raise StrategyFileError(path, f"{where}.parallel_strategy", f"{[list(s) for s in implied]} "
+            raise StrategyFileError(path, f"{where}.parallel_strategy",
+                                    f"{[list(s) for s in implied]} "
                                     f"(the strategy of splits {list(splits)})",
                                     [list(s) for s in strategy])
         out[node.name] = splits

@@ -217,8 +217,12 @@ def calibrate(devices: Any = None, *, budget_s: float = 60.0, cache: bool = True
 def describe_cluster(cluster: Cluster) -> str:
     """A plain-text summary: the compute figures and each measured collective's fit.
 
-    >>> print(describe_cluster(CLUSTERS["cpu-emulated"]).splitlines()[0])
-    cpu-emulated (preset): 4.00 GFLOP/s, 2.00 GB/s memory, 0.0 us per operator, overlap 0.00, barrier 0.0 us
+    >>> print(describe_cluster(CLUSTERS["cpu-emulated"]).splitlines()[0].replace(", ", "\\n"))
+    cpu-emulated (preset): 4.00 GFLOP/s
+    2.00 GB/s memory
+    0.0 us per operator
+    overlap 0.00
+    barrier 0.0 us
     """
     _check_cluster(cluster)
     from autopar.cli_util import table

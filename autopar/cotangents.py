@@ -47,7 +47,8 @@ def alike_axes(pg: ParallelGraph) -> dict[str, frozenset[str]]:
     >>> import jax.numpy as jnp, autopar
     >>> g = autopar.trace(lambda w, x: jnp.tanh(x @ w).sum(), jnp.ones((4, 4)), jnp.ones((2, 4)))
     >>> plan = autopar.search(g, mode="dynamic_programming", device_num=2,
-    ...                       parallel_mode="auto_parallel", fixed={"dot_general_0": ((1, 1), (1, 1))})
+    ...                       parallel_mode="auto_parallel",
+    ...                       fixed={"dot_general_0": ((1, 1), (1, 1))})
     >>> sorted(alike_axes(autopar.rewrite.rewrite(g, plan))["w"])   # w's matmul is repeated
     ['a0']
     """

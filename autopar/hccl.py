@@ -295,7 +295,8 @@ def check_percentages(values: Any, key: str = "dataSizeList") -> list[float]:
     return values
 
 
-def set_split_strategy_by_size(dataSizeList: list[float], group: str = WORLD_GROUP) -> None:  # noqa: N803
+def set_split_strategy_by_size(dataSizeList: list[float],  # noqa: N803
+                               group: str = WORLD_GROUP) -> None:
     """Split backward gradients into AllReduce segments by percentage of data size.
 
     Percentages are non-negative, at most 8, and sum to 100. Example: 150 MB of gradients

@@ -112,8 +112,8 @@ def broadcast_parameters(params: Any, mesh: Mesh | None = None) -> Any:
     A leaf whose per-device copies differ (e.g. built with
     ``jax.make_array_from_single_device_arrays``) comes back equal to rank 0's copy on every
     device; a split leaf is gathered whole first. Under ``jax.distributed`` each process's
-    host values are replaced by process 0's (every process calls this, as a collective). ``mesh`` defaults to the first
-    ``device_num`` devices of the current context.
+    host values are replaced by process 0's (every process calls this, as a collective).
+    ``mesh`` defaults to the first ``device_num`` devices of the current context.
     """
     if mesh is None:
         mesh = jax_mesh(DeviceMesh.for_devices(current_config().device_num))

@@ -10,7 +10,8 @@ from pathlib import Path
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks")
-    parser.add_argument("names", nargs="*", help="benchmark names (bench_<name>.py); all when empty")
+    parser.add_argument("names", nargs="*",
+                        help="benchmark names (bench_<name>.py); all when empty")
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     args = parser.parse_args()
     here = Path(__file__).resolve().parent

@@ -9,20 +9,20 @@ Measured (one run, side by side; the zoo transformer, Adam):
   ``m = 2p`` micro-batches), data parallel inside each stage, parameters as packed
   stage buffers, with and without ``enable_parallel_optimizer`` (default threshold 64 KB).
 
-Per device (device 0): ``state_MB`` = bytes of parameters + optimizer state actually stored
-on it (summed over the arrays' shards); ``temp_MB`` / ``arg_MB`` = the compiled step's
+Per device (device 0): ``state_MB`` = bytes of parameters + optimizer state actually stored on
+it (summed over the arrays' shards); ``temp_MB`` / ``arg_MB`` = the compiled step's
 ``memory_analysis()`` (temporaries: activations, stashed micro-batch inputs, gradients;
-arguments: parameters, state, batch). ``step_ms``: median wall time of a step, the configurations timed
-round-robin (7 rounds) so that they share the machine's noise (2 CPU cores shared by 8
-emulated devices: compare ratios, not absolutes). ``sim_ms``: the same step simulated on the
-cluster it was planned for (the default path: this machine's cached calibration, else the
-``cpu-emulated`` preset): :func:`autopar.simulation.simulate` for ``dp8``,
+arguments: parameters, state, batch). ``step_ms``: median wall time of a step, the
+configurations timed round-robin (7 rounds) so that they share the machine's noise (2 CPU cores
+shared by 8 emulated devices: compare ratios, not absolutes). ``sim_ms``: the same step
+simulated on the cluster it was planned for (the default path: this machine's cached
+calibration, else the ``cpu-emulated`` preset): :func:`autopar.simulation.simulate` for ``dp8``,
 :func:`autopar.simulation.simulate_pipeline` with the step's own stage plans for the others.
 
-Simulated: :func:`autopar.simulation.simulate` (data parallel, HCCL default split, all-reduce overlapped
-with backward) vs :func:`autopar.simulation.simulate_pipeline` (1F1B and GPipe, the stage search's cuts,
-data parallel inside stages, gradient all-reduce after the last backward), a 24-layer GPT
-(hidden 1024, seq 512), global batch 4 x devices sequences in every configuration
+Simulated: :func:`autopar.simulation.simulate` (data parallel, HCCL default split, all-reduce
+overlapped with backward) vs :func:`autopar.simulation.simulate_pipeline` (1F1B and GPipe, the
+stage search's cuts, data parallel inside stages, gradient all-reduce after the last backward),
+a 24-layer GPT (hidden 1024, seq 512), global batch 4 x devices sequences in every configuration
 (``m = 2p`` micro-batches, 2 sequences per device per micro-batch).
 
     .venv/bin/python -m benchmarks pipeline [--quick]

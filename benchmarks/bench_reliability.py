@@ -618,7 +618,8 @@ def hccl_cases() -> list[Case]:
                         partial(ap.hccl.set_split_strategy_by_size, [50, 50], g), ("group",), [g]),
                   _hccl(f"set_split_strategy_by_idx([1, 2], {shown})",
                         partial(ap.hccl.set_split_strategy_by_idx, [1, 2], g), ("group",), [g]),
-                  _hccl(f"destroy_group({shown})", partial(ap.hccl.destroy_group, g), ("group",), [g]),
+                  _hccl(f"destroy_group({shown})", partial(ap.hccl.destroy_group, g),
+                        ("group",), [g]),
                   _hccl(f"get_rank_size({shown})", partial(ap.hccl.get_rank_size, g), ("group",),
                         [g])]
         if g != "nosuch":
@@ -640,11 +641,12 @@ def hccl_rule_cases() -> list[Case]:
     return [
         _hccl("create_group('tp0', ...) again", partial(ap.hccl.create_group, "tp0", [0, 1]),
               ("tp0",)),
-        _hccl("create_group(hccl_world_group)", partial(ap.hccl.create_group, ap.hccl.WORLD_GROUP, [0]),
-              (ap.hccl.WORLD_GROUP,)),
-        _hccl("destroy_group(hccl_world_group)", partial(ap.hccl.destroy_group, ap.hccl.WORLD_GROUP),
-              (ap.hccl.WORLD_GROUP,)),
-        _hccl("get_rank_id('evens') from rank 1", partial(ap.hccl.get_rank_id, "evens"), ("evens",)),
+        _hccl("create_group(hccl_world_group)",
+              partial(ap.hccl.create_group, ap.hccl.WORLD_GROUP, [0]), (ap.hccl.WORLD_GROUP,)),
+        _hccl("destroy_group(hccl_world_group)",
+              partial(ap.hccl.destroy_group, ap.hccl.WORLD_GROUP), (ap.hccl.WORLD_GROUP,)),
+        _hccl("get_rank_id('evens') from rank 1", partial(ap.hccl.get_rank_id, "evens"),
+              ("evens",)),
         _hccl("set_split_strategy_by_size on a group the caller is not in",
               partial(ap.hccl.set_split_strategy_by_size, [50, 50], "evens"), ("evens",)),
         _hccl("set_split_strategy_by_idx on a group the caller is not in",
@@ -655,8 +657,8 @@ def hccl_rule_cases() -> list[Case]:
         *(_hccl(f"get_world_rank_from_group_rank('tp0', {r!r})",
                 partial(ap.hccl.get_world_rank_from_group_rank, "tp0", r), ("group_rank_id",))
           for r in (4, -1, 1.0, True, "0", None)),
-        _hccl("get_rank_size('tp0') after device_num=2", shrunk(partial(ap.hccl.get_rank_size, "tp0")),
-              ("tp0",)),
+        _hccl("get_rank_size('tp0') after device_num=2",
+              shrunk(partial(ap.hccl.get_rank_size, "tp0")), ("tp0",)),
         _hccl("set_split_strategy_by_idx on 'tp0' after device_num=2",
               shrunk(partial(ap.hccl.set_split_strategy_by_idx, [1, 2], "tp0")), ("tp0",)),
     ]
@@ -960,7 +962,8 @@ def savers() -> dict[str, tuple[str, Callable[[Any], Any], bytes]]:
         "write_text_atomic": ("path", lambda p: write_text_atomic(p, "{}\n"), b"{}\n"),
         "save_strategy": ("strategy_ckpt_save_file",
                           lambda p: ap.save_strategy(fx.plan, fx.graph, p), fx.valid),
-        "save_cluster": ("path", lambda p: ap.clusters.save_cluster(fx.cluster, p), fx.cluster_bytes),
+        "save_cluster": ("path", lambda p: ap.clusters.save_cluster(fx.cluster, p),
+                         fx.cluster_bytes),
         "search(strategy_ckpt_save_file)": ("strategy_ckpt_save_file", via_search, fx.valid),
     }
 
@@ -1029,7 +1032,8 @@ def error_targets() -> list[tuple[str, Any, dict[str, Any]]]:
          ("a symlink loop", "t-loop.json", "loop"),
          ("a symlink into a missing directory", "t-dangling.json", "dangling")]
     out: list[tuple[str, Any, dict[str, Any]]] = [
-        (label, name, _fields(setup=_special(kind, name), names=(name,))) for label, name, kind in t]
+        (label, name, _fields(setup=_special(kind, name), names=(name,)))
+        for label, name, kind in t]
     out += [
         ("an existing directory with a trailing slash", "t-dir.json/",
          _fields(setup=_special("directory", "t-dir.json"), names=("t-dir.json",))),

@@ -2,8 +2,8 @@
 
 Every import counts, function-local ones included: layers (a module never imports a layer
 above its own), no cycles, the context read only at the public entry points, and no function
-longer than ``max_function_lines``. Each check also runs on a small bad example, so it can
-fail.
+longer than ``max_function_lines`` (and no line of any Python file longer than
+``max_line_length``). Each check also runs on a small bad example, so it can fail.
 """
 
 from __future__ import annotations
@@ -142,6 +142,11 @@ def long_functions(module: str, tree: ast.AST, limit: int) -> list[str]:
             and n.end_lineno - n.lineno + 1 > limit]
 
 
+def long_lines(name: str, text: str, limit: int) -> list[str]:
+    return [f"{name}:{k}: {len(line)} characters"
+            for k, line in enumerate(text.splitlines(), 1) if len(line) > limit]
+
+
 # ------------------------------------------------------------------------------ the contracts
 
 def test_every_module_has_a_layer():
@@ -172,6 +177,15 @@ def test_no_function_is_longer_than_the_limit():
     assert bad == []
 
 
+def test_no_line_is_longer_than_the_limit():
+    limit = CONTRACTS["max_line_length"]
+    files = [f for d in ("autopar", "strategies", "kernels", "tests", "benchmarks")
+             for f in sorted((ROOT / d).rglob("*.py"))]
+    bad = [x for f in files
+           for x in long_lines(str(f.relative_to(ROOT)), f.read_text(encoding="utf-8"), limit)]
+    assert bad == []
+
+
 # ------------------------------------------------------------------------ the checks can fail
 
 def test_the_checks_find_what_they_look_for():
@@ -184,6 +198,7 @@ def test_the_checks_find_what_they_look_for():
     assert context_reads("m", ast.parse(src)) == [("m.entry", 2), ("m.Step.__init__", 5)]
     assert long_functions("m", ast.parse("def f():\n" + "    x = 1\n" * 3), 3) == [
         "m.f: 4 lines"]
+    assert long_lines("m.py", "ok\n" + "x" * 6 + "\n", 5) == ["m.py:2: 6 characters"]
 
 
 @pytest.mark.parametrize("source, expected", [

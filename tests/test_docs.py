@@ -92,7 +92,8 @@ def test_doc_runs(path, tmp_path, monkeypatch, capsys):
 
 
 def test_shell_commands_are_parsed_as_a_reader_types_them():
-    source = "autopar run --model mlp \\\n    -o layers=2   # two layers\n\nautopar show plan.json\n"
+    source = ("autopar run --model mlp \\\n    -o layers=2   # two layers\n\n"
+              "autopar show plan.json\n")
     assert shell_commands(source) == [["autopar", "run", "--model", "mlp", "-o", "layers=2"],
                                       ["autopar", "show", "plan.json"]]
 

@@ -435,7 +435,8 @@ def test_operator_strategy_file_with_layouts(tmp_path):
     assert imp.skipped == {}
     assert imp.fixed == {"dot_general_0": ((4, 1), (1, 2)), "dot_general_1": ((4, 2), (2, 1))}
     k1, k2, kx = jax.random.split(jax.random.key(1), 3)
-    params = {"w1": jax.random.normal(k1, shapes[1]) / 8, "w2": jax.random.normal(k2, shapes[2]) / 16}
+    params = {"w1": jax.random.normal(k1, shapes[1]) / 8,
+              "w2": jax.random.normal(k2, shapes[2]) / 16}
     x = jax.random.normal(kx, shapes[0])
     with ap.auto_parallel_context(device_num=8, parallel_mode="semi_auto_parallel"):
         f = ap.parallelize(ms_loss, params, x, fixed=imp.fixed)

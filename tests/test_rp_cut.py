@@ -1,7 +1,7 @@
-"""recursive_programming's compiled cut (cut_solver.CutSolver) replays dynamic_programming's elimination:
-the same picks as ``eliminate`` on random cut problems (chains, extra, parallel and reversed
-links, many exact ties, arrays shared between vertices and links so the memo hits), round
-after round through one cut, and on large node eliminations."""
+"""recursive_programming's compiled cut (cut_solver.CutSolver) replays dynamic_programming's
+elimination: the same picks as ``eliminate`` on random cut problems (chains, extra, parallel and
+reversed links, many exact ties, arrays shared between vertices and links so the memo hits),
+round after round through one cut, and on large node eliminations."""
 
 from __future__ import annotations
 

@@ -201,8 +201,8 @@ def test_advisor_is_exact_by_brute_force(small_tfm_plan, devices, overlap):
     n = len(g.parameters())
     best = {}
     for ends in all_splits(n, 3):
-        t = ap.simulation.simulate(g, buckets=buckets_from_ends(gradients(g), ends), device_num=devices,
-                        overlap=overlap)
+        t = ap.simulation.simulate(g, buckets=buckets_from_ends(gradients(g), ends),
+                                   device_num=devices, overlap=overlap)
         best[len(ends)] = min(best.get(len(ends), float("inf")), t.iteration_end)
     for s in (1, 2, 3):
         adv = ap.simulation.advise_split(g, device_num=devices, max_segments=s, overlap=overlap)
@@ -280,11 +280,14 @@ def test_round_percentages_and_horovod():
 
 @pytest.mark.parametrize("call, exc, match", [
     (lambda g: ap.simulation.simulate("graph"), ap.AutoParallelTypeError, "Graph"),
-    (lambda g: ap.simulation.simulate(g, device_num=8, overlap=1), ap.AutoParallelTypeError, "bool"),
+    (lambda g: ap.simulation.simulate(g, device_num=8, overlap=1), ap.AutoParallelTypeError,
+     "bool"),
     (lambda g: ap.simulation.simulate(g, device_num=8.0), ap.AutoParallelTypeError, "int"),
     (lambda g: ap.simulation.simulate(g, device_num=0), ap.AutoParallelError, "4096"),
-    (lambda g: ap.simulation.simulate(g, device_num=8, cluster="tpu"), ap.AutoParallelError, "preset"),
-    (lambda g: ap.simulation.simulate(g, device_num=8, buckets=42), ap.AutoParallelTypeError, "policy"),
+    (lambda g: ap.simulation.simulate(g, device_num=8, cluster="tpu"), ap.AutoParallelError,
+     "preset"),
+    (lambda g: ap.simulation.simulate(g, device_num=8, buckets=42), ap.AutoParallelTypeError,
+     "policy"),
     (lambda g: ap.simulation.simulate(g, device_num=8, buckets="fast"), ap.AutoParallelError,
      "buckets='fast'"),
     (lambda g: ap.simulation.simulate(g, device_num=8, buckets=buckets_from_ends(
@@ -295,12 +298,13 @@ def test_round_percentages_and_horovod():
      r"\[1, 8\]"),
     (lambda g: ap.simulation.advise_split(g, device_num=8, max_segments=0), ap.AutoParallelError,
      r"\[1, 8\]"),
-    (lambda g: ap.simulation.advise_split(g, device_num=8, max_segments=True), ap.AutoParallelTypeError,
-     "int"),
+    (lambda g: ap.simulation.advise_split(g, device_num=8, max_segments=True),
+     ap.AutoParallelTypeError, "int"),
     (lambda g: ap.simulation.simulate(g, object()), ap.AutoParallelTypeError, "Plan"),
-    (lambda g: ap.simulation.plot_timeline("trace", "x.png"), ap.AutoParallelTypeError, "IterationTrace"),
-    (lambda g: ap.simulation.compare_splits(g, device_num=8, extra={"x": [1]}), ap.AutoParallelTypeError,
-     "GradientBuckets"),
+    (lambda g: ap.simulation.plot_timeline("trace", "x.png"), ap.AutoParallelTypeError,
+     "IterationTrace"),
+    (lambda g: ap.simulation.compare_splits(g, device_num=8, extra={"x": [1]}),
+     ap.AutoParallelTypeError, "GradientBuckets"),
     (lambda g: ap.simulation.compare_splits(g, device_num=8, extra=[1]), ap.AutoParallelTypeError,
      "extra"),  # (was AttributeError: 'list' object has no attribute 'items')
     (lambda g: horovod_buckets([("a", 1)], [0.0, 1.0]), ap.AutoParallelError, "ready"),

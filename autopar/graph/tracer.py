@@ -171,8 +171,8 @@ class _Builder:
                                              "docs/graph.md), or keep it outside the function "
                                              "that autopar parallelises")
                 raise UnsupportedOperatorError(
-                    f"JAX primitive {prim!r} at {_source(eqn, source)} is not supported by autopar's "
-                    f"tracer. How to proceed: {hint}.")
+                    f"JAX primitive {prim!r} at {_source(eqn, source)} is not supported by "
+                    f"autopar's tracer. How to proceed: {hint}.")
             self.emit(eqn, env, stack, _source(eqn, source))
 
     def inline(self, eqn: Any, env: dict[Any, str], stack: list[str], source: str) -> None:
