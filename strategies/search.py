@@ -111,8 +111,10 @@ def search_plan(graph: Graph, *, mode: str, device_num: int, cluster: Cluster,
     t0 = time.perf_counter()
     for weight in _MEMORY_WEIGHTS:
         with paused_gc():  # no cycles are made: the collections a traced heap owes wait
-            plan, follows = _planned(graph, mesh, cm, fixed_map, settings, weight, solver,
-                                     cluster.memory_bytes, label, t0)
+            problem, picks, follows = _solve(graph, mesh, cm, fixed_map, settings, weight,
+                                             solver, cluster.memory_bytes)
+            plan = Plan.from_picks(problem, picks, label, time.perf_counter() - t0)
+            del problem  # freed inside the pause: the collector then has nothing of it to walk
         if follows:
             plan.notes.append("elementwise_op_strategy_follow: elementwise operators take the "
                               "split counts of the value they read")
@@ -125,16 +127,6 @@ def search_plan(graph: Graph, *, mode: str, device_num: int, cluster: Cluster,
         f"no plan found within the {cluster.name} budget of "
         f"{cluster.memory_bytes / 2**30:.2f} GiB per device", "Use more devices, a smaller "
         "model or batch, or a cluster with more memory")
-
-
-def _planned(graph: Graph, mesh: DeviceMesh, cm: CostModel, fixed: dict,
-             settings: SearchSettings, weight: float, solver: Any, memory: float, label: str,
-             t0: float) -> tuple[Plan, bool]:
-    """The plan :func:`_solve` picks, and whether operators followed their inputs. The
-    problem is freed on return, inside the collector's pause: what it allocated is given
-    back before the collector runs again, which then has nothing of it to walk."""
-    problem, picks, follows = _solve(graph, mesh, cm, fixed, settings, weight, solver, memory)
-    return Plan.from_picks(problem, picks, label, time.perf_counter() - t0), follows
 
 
 def _problem(graph: Graph, mesh: DeviceMesh, cm: CostModel, fixed: dict, settings: SearchSettings,
