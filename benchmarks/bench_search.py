@@ -208,11 +208,13 @@ def run(model: str, size: int, devices: int, mode: str, limit: float) -> dict:
     return out
 
 
-PRICE_MODELS = {  # small graphs the integer program solves in seconds under the price
-    "tfm_block": (dict(blocks=1, batch=4, seq=64, hidden=256, heads=4), 8),
-    "tfm_stack2": (dict(blocks=2, batch=4, seq=64, hidden=256, heads=4), 8),
-    "tfm_tiny": (dict(blocks=1, batch=2, seq=8, hidden=32, heads=2), 64),
-}
+_BLOCK = dict(blocks=1, batch=4, seq=64, hidden=256, heads=4)
+PRICE_MODELS = (  # (name, tfm_stack keywords, devices): graphs the integer program solves
+    ("tfm_block", _BLOCK, 8),
+    ("tfm_stack2", dict(_BLOCK, blocks=2), 8),
+    ("tfm_block", _BLOCK, 64),
+    ("tfm_tiny", dict(blocks=1, batch=2, seq=8, hidden=32, heads=2), 64),
+)
 
 
 def price_rows(quick: bool) -> list[dict]:
@@ -228,7 +230,7 @@ def price_rows(quick: bool) -> list[dict]:
     from autopar.strategies.layout import DeviceMesh
 
     rows = []
-    for name, (kw, devices) in list(PRICE_MODELS.items())[:1 if quick else None]:
+    for name, kw, devices in PRICE_MODELS[:1 if quick else None]:
         m = tfm_stack(**kw)
         g = ap.trace(m.loss, *jax.eval_shape(m.example_args, jax.random.key(0)))
         problem = search._problem(g, DeviceMesh.for_devices(devices),
