@@ -102,6 +102,7 @@ class _Moves:
         self.columns: dict[tuple, np.ndarray] = {}
         self.memo: dict[tuple, tuple[Any, list[int]]] = {}  # situation -> best, params
         self.drops: dict[tuple, Choice | None] = {}  # (signature, splits, axes) -> dropped
+        self.region_memo: dict[tuple, Any] = {}  # region situation -> its move (None: none)
 
     def dst(self, k: int) -> Layout:
         e = self.edges[k]
@@ -172,31 +173,87 @@ class _Moves:
                 parent[i] = i = parent[parent[i]]
             return i
 
-        for k, e in enumerate(self.edges):
-            if self.movable[e.u] and self.movable[e.v] and self.src(k) == self.dst(k):
-                parent[root(e.u)] = root(e.v)
+        movable, here = self.movable, self.current()
+        for e in self.edges:
+            if movable[e.u] and movable[e.v]:
+                a, b = here[e.u].out_layouts[e.out_index], here[e.v].in_layouts[e.in_index]
+                if a is b or a == b:
+                    parent[root(e.u)] = root(e.v)
         out: dict[int, list[int]] = {}
-        for i, v in enumerate(self.verts):
-            if self.movable[i] and v.choices[self.picks[i]].used_axes:
+        for i, c in enumerate(here):
+            if movable[i] and c.used_axes:
                 out.setdefault(root(i), []).append(i)
         return [r for r in out.values() if len(r) > 1]
+
+    def current(self) -> list[Choice]:
+        """Every vertex's choice at its pick."""
+        return [v.choices[k] for v, k in zip(self.verts, self.picks)]
 
     def region_moves(self) -> set[int]:
         """Each region drops one mesh axis (or all it uses) at once where that lowers the
         price (its operators then repeat their work on it): what single moves cannot reach,
-        where the first operator to drop it alone would add a move on each side. Returns
-        the operators in and next to every region moved (for single moves again)."""
+        where the first operator to drop it alone would add a move on each side. A region's
+        move is decided once per situation (:meth:`region_situation`): the identical blocks
+        of a deep network share it. Returns the operators in and next to every region moved
+        (for single moves again)."""
         moved: set[int] = set()
         for region in self.regions():
             here = {i: self.verts[i].choices[self.picks[i]] for i in region}
-            used = sorted(set().union(*(c.used_axes for c in here.values())))
-            for axes in [frozenset({a}) for a in used] + \
-                    ([frozenset(used)] if len(used) > 1 else []):
-                new = self._dropped(here, axes)
-                if new and self._joint(new):
-                    moved.update(self.near_all(new))
-                    break
+            key, params = self.region_situation(region, here)
+            hit = self.region_memo.get(key, False)
+            if hit is False:
+                hit = self.region_memo[key] = self._region_move(region, here, params)
+            if hit is not None:
+                splits, picked = hit
+                changed = [i for i, t in zip(region, splits) if t != here[i].splits]
+                for i, t in zip(region, splits):
+                    self.picks[i] = self.problem.choice_index(i, t)
+                for p, q in zip(params, picked):
+                    if q >= 0:
+                        self.picks[p] = q
+                moved.update(self.near_all(dict.fromkeys(changed)))
         return moved
+
+    def _region_move(self, region: list[int], here: dict[int, Choice], params: list[int]
+                     ) -> tuple[tuple, tuple[int, ...]] | None:
+        """The region's first axis drop that lowers the price (single axes, then all it
+        uses): every operator's splits there, and each parameter's pick (-1: kept)."""
+        used = sorted(set().union(*(c.used_axes for c in here.values())))
+        for axes in [frozenset({a}) for a in used] + \
+                ([frozenset(used)] if len(used) > 1 else []):
+            new = self._dropped(here, axes)
+            picked = self._gain(new) if new else None
+            if picked is not None:
+                return (tuple(new.get(i, here[i]).splits for i in region),
+                        tuple(picked.get(p, -1) for p in params))
+        return None
+
+    def region_situation(self, region: list[int], here: dict[int, Choice]
+                         ) -> tuple[tuple, list[int]]:
+        """What a region's move depends on: its operators' signatures and splits, and per
+        value they touch its size, who makes it (a region operator, a parameter's costs, or
+        its layout as made) and who reads it (a region operator's input, or the layout
+        read). Also the parameters it reads, in that order."""
+        problem, edges, verts = self.problem, self.edges, self.verts
+        pos = {i: n for n, i in enumerate(region)}
+        key: list = [tuple((problem._sig[verts[i].name], here[i].splits) for i in region)]
+        params = []
+        for x in dict.fromkeys(x for i in region for x in self.touches[i]):
+            reads = []
+            for k in self.by_value[x]:
+                e = edges[k]
+                n = pos.get(e.v)
+                reads.append((n, e.in_index) if n is not None else self.dst(k))
+            u, j = e.u, e.out_index
+            if u in pos:
+                maker: tuple = ("m", pos[u], j)
+            elif verts[u].kind == "param":
+                maker = ("p", id(verts[u].cost))
+                params.append(u)
+            else:
+                maker = ("r", verts[u].choices[self.picks[u]].out_layouts[j])
+            key.append((problem._nbytes[x], problem.requires_grad[x], maker, tuple(reads)))
+        return tuple(key), params
 
     def _dropped(self, here: dict[int, Choice], drop: frozenset[str]
                  ) -> dict[int, Choice] | None:
@@ -229,28 +286,29 @@ class _Moves:
             return None
         return problem._op_choice(name, new)
 
-    def _joint(self, new: dict[int, Choice]) -> bool:
-        """Move the operators of ``new`` together if that lowers the price: their own costs
-        and every value they touch, priced before and after (parameters re-picked)."""
+    def _gain(self, new: dict[int, Choice]) -> dict[int, int] | None:
+        """Whether moving the operators of ``new`` together lowers the price (their own
+        costs and every value they touch, priced before and after, parameters re-picked):
+        the parameters' picks there if so, else None. Prices are never negative, so the
+        sum after stops as soon as it reaches the price before (a region of a whole deep
+        network dropping an axis repeats so much work that its own costs alone do)."""
         problem = self.problem
-        values = dict.fromkeys(x for i in new for x in self.touches[i])
+        values = list(dict.fromkeys(x for i in new for x in self.touches[i]))
         before = sum(self.verts[i].cost.item(self.picks[i]) for i in new)
         after = sum(problem.choice_costs(self.verts[i].name, [c]).item(0)
                     for i, c in new.items())
-        params = {}
         for x in values:
             before += self._value(x, {})[0]
+        bar = before - _RELATIVE * abs(before)
+        params = {}
+        for x in values:
+            if not after < bar:
+                return None
             price, param = self._value(x, new)
             after += price
             if param is not None:
                 params[param[0]] = param[1]
-        if not after < before - _RELATIVE * abs(before):
-            return False
-        for i, c in new.items():
-            self.picks[i] = problem.choice_index(i, c.splits)
-        for p, q in params.items():
-            self.picks[p] = q
-        return True
+        return params if after < bar else None
 
     def _value(self, x: str, new: dict[int, Choice]) -> tuple[float, tuple[int, int] | None]:
         """Value ``x``'s price with the operators of ``new`` moved there: each distinct
@@ -267,7 +325,7 @@ class _Moves:
         cost = self.problem.edge_cost
         return sum(cost(x, src, t) for t in dict.fromkeys(dsts) if t != src), None
 
-    def near_all(self, group: dict[int, Choice]) -> set[int]:
+    def near_all(self, group: dict[int, Any]) -> set[int]:
         """The movable vertices that share a value with any of ``group``, and the group."""
         return set(group).union(*(self.near(i) for i in group))
 

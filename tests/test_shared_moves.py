@@ -103,6 +103,54 @@ def test_a_split_carried_along_a_chain_is_dropped_at_once():
     assert problem.evaluate(moves.picks)[1] < single * 0.9
 
 
+def _region_moves(monkeypatch, problem, start, memo=None, share=True):
+    """Single moves from ``start``, then one round of region moves (``memo``: a region memo
+    to start from; ``share=False``: every region its own situation). Returns the picks,
+    the regions priced and the regions there were."""
+    moves = _Moves(problem, list(start), None)
+    _single_moves(moves, deque(i for i, _ in problem.iter_ops()), 10 ** 6)
+    if memo is not None:
+        moves.region_memo = memo
+    priced, situation, original = [], _Moves.region_situation, _Moves._region_move
+
+    def unique(self, region, here):
+        key, params = situation(self, region, here)
+        return (key if share else (key, len(priced))), params
+
+    def counted(self, region, here, params):
+        priced.append(region)
+        return original(self, region, here, params)
+
+    with monkeypatch.context() as m:
+        m.setattr(_Moves, "region_situation", unique)
+        m.setattr(_Moves, "_region_move", counted)
+        regions = len(moves.regions())
+        moves.region_moves()
+    return moves, len(priced), regions
+
+
+def test_identical_blocks_share_their_region_moves(monkeypatch):
+    """Four identical blocks: their regions are priced once per situation, not once per
+    block, and the plan is the one pricing every region on its own gives."""
+    problem = _problem(_graph(blocks=4), 8)
+    start = dynamic_programming.solve(problem)
+    shared, priced, regions = _region_moves(monkeypatch, problem, start)
+    alone, priced_alone, _ = _region_moves(monkeypatch, problem, start, share=False)
+    assert shared.picks == alone.picks
+    assert priced_alone == regions >= 12 and priced <= regions // 2, (priced, regions)
+
+
+def test_a_region_move_kept_for_its_situation_is_made_again(monkeypatch):
+    """The carried region of one block (above) moved from the memo, not priced again: the
+    same plan as pricing it."""
+    problem = _problem(_graph(blocks=1, batch=4, seq=64, hidden=256, heads=4), 8)
+    start = dynamic_programming.solve(problem)
+    first, priced, _ = _region_moves(monkeypatch, problem, start)
+    assert priced == 1 and any(first.region_memo.values())  # (it moved)
+    again, priced_again, _ = _region_moves(monkeypatch, problem, start, memo=first.region_memo)
+    assert priced_again == 0 and again.picks == first.picks != start
+
+
 def test_exact_is_the_least_price_of_every_plan():
     """A value read by three operators, every plan enumerated on 2 devices (the parameters
     picked for their readers, as every plan ends): the integer program's price is the least
