@@ -27,7 +27,9 @@ repeat their work on it). A split carried along a chain cannot be dropped one op
 time -- each would add a move on both its sides -- so single moves stop above the optimum
 there: one transformer block on accelerator-8x, batch-split 2-way through its attention and
 layer norm and gathered before its MLP, priced 1.13x the exact optimum, which dropping that
-region reaches. After a region moves, single moves resume around it.
+region reaches. After a region moves, single moves resume around it. Like an operator's
+move, a region's is decided once per situation (its operators' signatures and splits, the
+layouts around it), so the identical blocks of a deep network price theirs once.
 
 Every move lowers the price, so it ends. Fixed operators never move.
 """
