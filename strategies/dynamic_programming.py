@@ -29,7 +29,7 @@ import numpy as np
 
 from autopar.strategies.problem import Problem
 
-__all__ = ["solve", "Order", "Memo", "eliminate"]
+__all__ = ["solve", "solve_shared", "Order", "Memo", "eliminate"]
 
 _CHUNK = 2_000_000  # floats per temporary in node elimination
 _SMALL = 16_384     # node eliminations of at most this many sums: one temporary, as laid out
@@ -244,10 +244,38 @@ def eliminate(order: Order, costs: Sequence[np.ndarray], mats: Sequence[np.ndarr
 
 
 def solve(problem: Problem) -> list[int]:
-    edges = problem.edges
-    order = Order(len(problem.vertices), [(e.u, e.v) for e in edges])
-    mats = [e.matrix if e.u != e.v else None for e in edges]
+    """The least sum of every vertex's cost and every edge's entry: an upper bound of the
+    price, which counts a move that k readers share k times."""
+    return _solve(problem, [e.matrix if e.u != e.v else None for e in problem.edges])
+
+
+def solve_shared(problem: Problem) -> list[int]:
+    """The same elimination with each value's moves shared by all its readers: every edge's
+    entry divided by the number of edges reading its value (below the price where readers
+    want different layouts). Where the edge sum over-prices a layout several readers share
+    (a reshape reading a reduce-scattered partial sum beside the other readers of the
+    residual stream), this solve finds it; the search polishes both under the price and
+    keeps the cheaper (:mod:`~autopar.strategies.modes`)."""
+    readers: dict[str, int] = {}
+    for e in problem.edges:
+        readers[e.value] = readers.get(e.value, 0) + 1
+    shared: dict[tuple[int, int], np.ndarray] = {}  # (matrix, readers) -> shared matrix
+    mats = []
+    for e in problem.edges:
+        m, r = e.matrix, readers[e.value]
+        if e.u == e.v or r == 1:
+            mats.append(None if e.u == e.v else m)
+            continue
+        hit = shared.get((id(m), r))  # (one array per matrix: the blocks still share them)
+        if hit is None:
+            hit = shared[id(m), r] = m / r
+        mats.append(hit)
+    return _solve(problem, mats)
+
+
+def _solve(problem: Problem, mats: list) -> list[int]:
+    order = Order(len(problem.vertices), [(e.u, e.v) for e in problem.edges])
     # the blocks of a deep network share their cost vectors and edge matrices (the same
     # cached arrays): the memo computes each block's eliminations once
     costs = [v.cost.astype(np.float64, copy=False) for v in problem.vertices]
-    return eliminate(order, costs, mats, Memo())  # type: ignore[arg-type]
+    return eliminate(order, costs, mats, Memo())

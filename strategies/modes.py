@@ -13,7 +13,9 @@ the search drives them (data, not special cases in the search):
   (``solve(problem, memory_limit=...)``), so the search does not re-price memory and retry;
 - ``polish``: it minimises every edge's entry, an upper bound of the price, so its plan is
   then polished under the price (:func:`~autopar.strategies.shared_moves.polish`), with
-  ``moves`` its neighbourhood (None: every choice of the vertex).
+  ``moves`` its neighbourhood (None: every choice of the vertex);
+- ``starts``: more plans to polish the same way (other objectives than the edge sum); the
+  cheapest under the price is kept, the solve's own on a tie.
 
 >>> SEARCH_MODES
 ('recursive_programming', 'dynamic_programming', 'sharding_propagation', 'exact')
@@ -46,13 +48,23 @@ class Solver:
     memory_constraint: bool = False
     polish: bool = False
     moves: Neighbourhood | None = None
+    starts: tuple[Callable[[Any], list[int]], ...] = ()
 
     def picks(self, problem: Any, memory_limit: float) -> list[int]:
         """The solver's pick per vertex of ``problem``."""
         if self.memory_constraint:
             return self.solve(problem, memory_limit=memory_limit)
         picks = self.solve(problem)
-        return polish(problem, picks, self.moves) if self.polish else picks
+        if not self.polish:
+            return picks
+        best = polish(problem, picks, self.moves)
+        price = problem.evaluate(best)[1]
+        for start in self.starts:
+            other = polish(problem, start(problem), self.moves)
+            other_price = problem.evaluate(other)[1]
+            if other_price < price:
+                best, price = other, other_price
+        return best
 
 
 SOLVERS: dict[str, Solver] = {s.name: s for s in (
@@ -61,7 +73,7 @@ SOLVERS: dict[str, Solver] = {s.name: s for s in (
            lazy_choices=True, polish=True, moves=recursive_programming.neighbourhood),
     Solver("dynamic_programming", dynamic_programming.solve,
            "eliminations plus an exact solve of the core, then shared moves priced once",
-           polish=True),
+           polish=True, starts=(dynamic_programming.solve_shared,)),
     Solver("sharding_propagation", sharding_propagation.solve,
            "propagates the fixed strategies to their neighbours (needs at least one)"),
     Solver("exact", exact.solve,

@@ -176,3 +176,23 @@ def test_exact_is_the_least_price_of_every_plan():
                             [(e.u, e.v, e.matrix) for e in problem.edges])
     problem.pick_parameters(edge)
     assert problem.evaluate(edge)[1] >= best
+
+
+def test_the_shared_solve_finds_the_layout_the_edge_sum_over_prices():
+    """One tiny block on 16 devices: the edge sum prices a layout its readers share once per
+    reader, and its polished plan stops 1.3x above exact's price; the solve with each
+    value's moves shared by its readers, polished, reaches it, and dynamic_programming
+    keeps the cheaper of the two."""
+    g = _graph(blocks=1, batch=2, seq=8, hidden=32, heads=2)
+    problem = _problem(g, 16)
+
+    def price(picks):
+        return problem.evaluate(picks)[1]
+
+    edge = price(polish(problem, dynamic_programming.solve(problem)))
+    shared = price(polish(problem, dynamic_programming.solve_shared(problem)))
+    best = price(exact.solve(problem))
+    assert shared == pytest.approx(best, rel=1e-9) and edge > 1.2 * best, (edge, shared, best)
+    with ap.auto_parallel_context(device_num=16, parallel_mode="auto_parallel"):
+        plan = ap.search(g, mode="dynamic_programming", cluster=CLUSTER)
+    assert plan.objective == pytest.approx(shared, rel=1e-12)
