@@ -12,7 +12,9 @@ eliminations. What does not reduce (a core where every vertex has three or more 
 is solved exactly by the integer program of :mod:`autopar.strategies.exact` on the reduced
 graph, so the result is optimal for the pairwise objective (every edge's entry: a move
 several readers share counted once per reader) in every case; the search then polishes it
-under the plan's price (:mod:`~autopar.strategies.shared_moves`).
+under the plan's price (:mod:`~autopar.strategies.shared_moves`). :func:`solve_shared` runs
+the same elimination with each value's moves shared by its readers, a second plan the search
+polishes, keeping the cheaper.
 
 The order of the eliminations depends on the graph's structure only (degrees and indices):
 :class:`Order` finds it, :func:`eliminate` replays it on cost vectors and matrices. Both are
