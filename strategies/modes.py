@@ -58,6 +58,8 @@ class Solver:
         if not self.polish:
             return picks
         best = polish(problem, picks, self.moves)
+        if not self.starts:
+            return best
         price = problem.evaluate(best)[1]
         for start in self.starts:
             other = polish(problem, start(problem), self.moves)
@@ -72,7 +74,8 @@ SOLVERS: dict[str, Solver] = {s.name: s for s in (
            "one prime factor of device_num per round (SAPP); for very large graphs or devices",
            lazy_choices=True, polish=True, moves=recursive_programming.neighbourhood),
     Solver("dynamic_programming", dynamic_programming.solve,
-           "eliminations plus an exact solve of the core, then shared moves priced once",
+           "eliminations plus an exact solve of the core, then shared moves priced once "
+           "(from it and from the solve with each move shared by its readers)",
            polish=True, starts=(dynamic_programming.solve_shared,)),
     Solver("sharding_propagation", sharding_propagation.solve,
            "propagates the fixed strategies to their neighbours (needs at least one)"),

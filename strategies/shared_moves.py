@@ -207,13 +207,13 @@ class _Moves:
                 hit = self.region_memo[key] = self._region_move(region, here, params)
             if hit is not None:
                 splits, picked = hit
-                changed = [i for i, t in zip(region, splits) if t != here[i].splits]
-                for i, t in zip(region, splits):
+                changed = {i: t for i, t in zip(region, splits) if t != here[i].splits}
+                for i, t in changed.items():
                     self.picks[i] = self.problem.choice_index(i, t)
                 for p, q in zip(params, picked):
                     if q >= 0:
                         self.picks[p] = q
-                moved.update(self.near_all(dict.fromkeys(changed)))
+                moved.update(self.near_all(changed))
         return moved
 
     def _region_move(self, region: list[int], here: dict[int, Choice], params: list[int]
