@@ -25,6 +25,7 @@ order once) and which memoises the arithmetic (:class:`Memo`).
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 from typing import Sequence
 
 import numpy as np
@@ -258,9 +259,7 @@ def solve_shared(problem: Problem) -> list[int]:
     (a reshape reading a reduce-scattered partial sum beside the other readers of the
     residual stream), this solve finds it; the search polishes both under the price and
     keeps the cheaper (:mod:`~autopar.strategies.modes`)."""
-    readers: dict[str, int] = {}
-    for e in problem.edges:
-        readers[e.value] = readers.get(e.value, 0) + 1
+    readers = Counter(e.value for e in problem.edges)
     shared: dict[tuple[int, int], np.ndarray] = {}  # (matrix, readers) -> shared matrix
     mats = []
     for e in problem.edges:

@@ -406,15 +406,13 @@ class _Rounds:
             nxt, before, after = self.cut_once(
                 lambda i, cur: _moves(problem, i, cur, peers.get(sig[verts[i].name], ())),
                 final_data, "final", score=True, peers=peers)
-            if not after < before - 1e-9 * abs(before):
-                if replicated:
-                    break
+            if not _lowers(before, after) and not replicated:
                 replicated = True
                 nxt, before, after = self.cut_once(
                     lambda i, cur: _replicate(problem, i, cur), final_data, "replicate",
                     score=True)
-                if not after < before - 1e-9 * abs(before):
-                    break
+            if not _lowers(before, after):
+                break
             self.op_state = nxt
 
     def peers(self) -> dict[int, tuple[Splits, ...]]:
@@ -429,6 +427,11 @@ class _Rounds:
 
     def splits(self) -> dict[int, Splits]:
         return {i: self.state_keys[st][1] for i, st in zip(self.ops, self.op_state.tolist())}
+
+
+def _lowers(before: float, after: float) -> bool:
+    """Whether a cut's objective dropped by more than float noise."""
+    return after < before - 1e-9 * abs(before)
 
 
 def _edge_costs(problem: Problem, value: str, srcs: list[Layout],

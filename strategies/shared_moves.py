@@ -241,12 +241,10 @@ class _Moves:
         key: list = [tuple((problem._sig[verts[i].name], here[i].splits) for i in region)]
         params = []
         for x in dict.fromkeys(x for i in region for x in self.touches[i]):
-            reads = []
-            for k in self.by_value[x]:
-                e = edges[k]
-                n = pos.get(e.v)
-                reads.append((n, e.in_index) if n is not None else self.dst(k))
-            u, j = e.u, e.out_index
+            ks = self.by_value[x]
+            reads = tuple((pos[edges[k].v], edges[k].in_index) if edges[k].v in pos
+                          else self.dst(k) for k in ks)
+            u, j = edges[ks[0]].u, edges[ks[0]].out_index
             if u in pos:
                 maker: tuple = ("m", pos[u], j)
             elif verts[u].kind == "param":
@@ -254,7 +252,7 @@ class _Moves:
                 params.append(u)
             else:
                 maker = ("r", verts[u].choices[self.picks[u]].out_layouts[j])
-            key.append((problem._nbytes[x], problem.requires_grad[x], maker, tuple(reads)))
+            key.append((problem._nbytes[x], problem.requires_grad[x], maker, reads))
         return tuple(key), params
 
     def _dropped(self, here: dict[int, Choice], drop: frozenset[str]
