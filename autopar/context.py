@@ -234,8 +234,8 @@ def _parallel_optimizer(kw: dict[str, Any], data: dict[str, Any], cur: AutoParal
     top-level optimizer_weight_shard_size is the same setting; a top-level size <= 1 (-1
     included) and a size of 1 or -1 in the dict are not applied (MindSpore applies only an
     int > 1), warned about unless the size is that already (-1, the default, set again);
-    optimizer_level sets gradient_accumulation_shard (a contradicting value in the same dict
-    is refused)."""
+    optimizer_level sets gradient_accumulation_shard (a contradicting value, in the same dict
+    or later alone against the level set before, is refused)."""
     if "parallel_optimizer_config" not in kw and "optimizer_weight_shard_size" not in kw:
         return
     given = kw.pop("parallel_optimizer_config", {})
@@ -281,6 +281,16 @@ def _parallel_optimizer(kw: dict[str, Any], data: dict[str, Any], cur: AutoParal
                 given["gradient_accumulation_shard"], f"optimizer_level={level!r} sets it to "
                 f"{shard} in the same call (only level2 shards the accumulated gradients)")
         merged["gradient_accumulation_shard"] = shard
+    elif "gradient_accumulation_shard" in given:
+        level = merged.get("optimizer_level")
+        if level in OPTIMIZER_LEVELS and given["gradient_accumulation_shard"] is not \
+                OPTIMIZER_LEVELS[level]:
+            raise AutoParallelError(
+                "parallel_optimizer_config.gradient_accumulation_shard",
+                given["gradient_accumulation_shard"], f"optimizer_level={level!r}, set "
+                f"before, sets it to {OPTIMIZER_LEVELS[level]} (only level2 shards the "
+                "accumulated gradients)", "Set optimizer_level in the same call, or "
+                "reset_auto_parallel_context()")
     data["parallel_optimizer_config"] = merged
     explicit.add("parallel_optimizer_config")
 

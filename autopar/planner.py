@@ -34,7 +34,8 @@ from autopar.multihost import check_same, several
 from autopar.resolve import resolve_context
 from autopar.strategies.cost import Cluster, CostModel
 from autopar.strategies.explain import Explanation, alternatives
-from autopar.strategies.modes import PARALLEL_MODES, SOLVERS, USES_STRATEGY_FILES
+from autopar.strategies.modes import (PARALLEL_MODES, SOLVERS, USES_STRATEGY_FILES,
+                                      USES_USER_STRATEGIES)
 from autopar.strategies.plan import Plan
 from autopar.strategies.search import SearchSettings, search_plan
 from autopar.strategies.stages import StagePartition
@@ -88,7 +89,7 @@ def plan_graph(graph: Graph, cfg: Any, *, mode: str | None = None,
         cfg.device_num if device_num is None else device_num)
     if fixed is not None and not isinstance(fixed, Mapping):
         raise AutoParallelTypeError("fixed", fixed, "a mapping of node name -> strategy")
-    used = pmode not in ("stand_alone", "data_parallel")  # Layouts: the product is device_num
+    used = pmode in USES_USER_STRATEGIES  # Layouts: the product is device_num
     for name in fixed or {}:
         if not isinstance(name, str):
             raise AutoParallelTypeError("fixed", name, "its keys are node names (str); see "
@@ -99,11 +100,19 @@ def plan_graph(graph: Graph, cfg: Any, *, mode: str | None = None,
         if count != n:  # (shard / parameter_plan / annotate Layouts: as fixed= above)
             raise AutoParallelError(f"Layout of {name!r}", count, f"its device matrix has "
                                     f"{count} devices; it must have device_num={n}")
+    unused = (f"under parallel_mode={pmode!r} ("
+              + ("one device: nothing is split" if pmode == "stand_alone" else
+                 "every operator is data parallel there")
+              + "); use semi_auto_parallel or auto_parallel to honour them")
     if fixed_map and not used:
-        warnings.warn(f"fixed strategies are not used under parallel_mode={pmode!r} (every "
-                      "operator is data parallel there); use semi_auto_parallel or "
-                      "auto_parallel to honour them", AutoParallelWarning, stacklevel=2)
+        warnings.warn(f"fixed strategies are not used {unused}", AutoParallelWarning,
+                      stacklevel=2)
         fixed_map = {}  # (nor checked against the devices: they are not used)
+    annotated = graph.annotations()
+    if annotated and not used:
+        warnings.warn(f"the strategies of {len(annotated)} annotated operator(s) (autopar."
+                      f"shard, Graph.annotate) are not used {unused}", AutoParallelWarning,
+                      stacklevel=user_stacklevel())
     if mode is not None and pmode != "auto_parallel":
         warnings.warn(f"mode={mode!r} is only used by auto_parallel: parallel_mode={pmode!r} "
                       "(as the context's search_mode)", AutoParallelWarning,
@@ -120,7 +129,9 @@ def plan_graph(graph: Graph, cfg: Any, *, mode: str | None = None,
                           if v), AutoParallelWarning, stacklevel=user_stacklevel())
     if files and load:  # priced on the file's own cluster unless named
         plan = _load(graph, load, cfg.pipeline_stages, n,
-                     None if cluster is None else resolve_cluster(cluster), fixed_map, settings)
+                     None if cluster is None else resolve_cluster(cluster), fixed_map, settings,
+                     {name: to_strategy(a, f"annotated node {name!r}", n)
+                      for name, a in annotated.items() if name not in fixed_map})
     else:
         plan = search_plan(graph, mode=m, device_num=n,
                            cluster=note_devices(resolve_cluster(cluster), n),
@@ -187,17 +198,20 @@ def _check_device_num(n: Any) -> int:
 
 
 def _load(graph: Graph, path: str, stages: int, n: int, cluster: Cluster | None,
-          fixed_map: dict, settings: SearchSettings) -> Plan:
-    """The plan of the strategy file ``path``; fixed strategies must agree with it."""
+          fixed_map: dict, settings: SearchSettings, annotated: dict) -> Plan:
+    """The plan of the strategy file ``path``; the user's strategies (``fixed=``, then the
+    annotations ``fixed=`` does not replace) must agree with it."""
     plan = load_plan(path, graph, device_num=n, cluster=cluster, settings=settings,
                      pipeline_stages=stages)
-    for name, strategy in sorted(fixed_map.items()):
-        graph.node(name)
-        if check_strategy_shape(strategy, None, name) != plan.nodes[name].strategy:
-            raise AutoParallelError(
-                f"fixed strategy of node {name!r}", strategy,
-                f"conflicts with {plan.nodes[name].strategy} in strategy_ckpt_load_file "
-                f"{path!r}", "Drop fixed= or the load file")
+    for what, given, drop in (("fixed strategy", fixed_map, "fixed="),
+                              ("annotated strategy", annotated, "the annotation")):
+        for name, strategy in sorted(given.items()):
+            graph.node(name)
+            if check_strategy_shape(strategy, None, name) != plan.nodes[name].strategy:
+                raise AutoParallelError(
+                    f"{what} of node {name!r}", strategy,
+                    f"conflicts with {plan.nodes[name].strategy} in strategy_ckpt_load_file "
+                    f"{path!r}", f"Drop {drop} or the load file")
     return plan
 
 

@@ -331,7 +331,7 @@ class Problem:
                  fixed: Mapping[str, Any] | None = None,
                  fixed_splits: Mapping[str, tuple[int, ...]] | None = None,
                  lazy: bool = False, parallel_optimizer_kb: int | None = None,
-                 optimizer_weight_shard_size: int = -1) -> None:
+                 optimizer_weight_shard_size: int = -1, annotations: bool = True) -> None:
         self.graph, self.mesh, self.cm = graph, mesh, cost_model
         self.enable_alltoall = enable_alltoall
         self.memory_weight = memory_weight
@@ -368,7 +368,8 @@ class Problem:
                 itemsize.get(val.spec.dtype) or itemsize.setdefault(val.spec.dtype,
                                                                     val.spec.itemsize))
                 for v, val in graph.values.items()}
-            self._build(dataset_strategy, dict(fixed or {}), dict(fixed_splits or {}))
+            self._build(dataset_strategy, dict(fixed or {}), dict(fixed_splits or {}),
+                        annotations)
 
     # ------------------------------------------------------------------ choices
     def op_choice(self, node: Node, splits: Sequence[int]) -> Choice:
@@ -547,13 +548,15 @@ class Problem:
         return Layout.from_strategy((s,) + (1,) * (spec.rank - 1), self.mesh)
 
     def _build(self, dataset_strategy: Any, fixed: dict[str, Any],
-               given_splits: dict[str, tuple[int, ...]]) -> None:
+               given_splits: dict[str, tuple[int, ...]], annotations: bool) -> None:
+        """The vertices and edges; ``annotations``: the graph's annotated strategies are
+        fixed too (the parallel modes that use the user's strategies)."""
         g, mesh = self.graph, self.mesh
         self._choice_cache: dict[tuple, Choice] = {}
         self._intern_signatures()
         for name in fixed:
             g.node(name)  # unknown names fail here, with suggestions
-        for node in g.nodes:
+        for node in g.nodes if annotations else ():
             if node.annotation is not None and node.name not in fixed and \
                     node.name not in given_splits:
                 fixed[node.name] = node.annotation

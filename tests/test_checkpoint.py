@@ -141,6 +141,23 @@ def test_semi_auto_parallel_saves_and_loads(tmp_path):
     assert same_plan(plan, loaded) and same_plan(plan, again)
 
 
+def test_an_annotation_that_conflicts_with_the_load_file_is_refused(tmp_path):
+    """An annotation is a user strategy as fixed= is: the file's plan replaced it silently."""
+    g = graph("mlp")
+    first = next(n.name for n in g.nodes if n.op == "dot_general")
+    path = tmp_path / "s.json"
+    with ap.auto_parallel_context(parallel_mode="semi_auto_parallel",
+                                  strategy_ckpt_save_file=str(path)):
+        plan = ap.search(g.annotate({first: ((1, 1), (1, 8))}))
+    with ap.auto_parallel_context(parallel_mode="semi_auto_parallel",
+                                  strategy_ckpt_load_file=str(path)):
+        assert same_plan(plan, ap.search(g.annotate({first: ((1, 1), (1, 8))})))
+        with pytest.raises(ap.AutoParallelError, match="annotated strategy.*conflicts"):
+            ap.search(g.annotate({first: ((8, 1), (1, 1))}))
+        # fixed= replaces the annotation, and is what must agree
+        ap.search(g.annotate({first: ((8, 1), (1, 1))}), fixed={first: ((1, 1), (1, 8))})
+
+
 def test_data_parallel_mode_ignores_the_files_with_a_warning(tmp_path):
     g = graph("mlp")
     path = tmp_path / "never.json"

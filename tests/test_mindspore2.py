@@ -279,6 +279,20 @@ def test_optimizer_level_sets_gradient_accumulation_shard():
         "gradient_accumulation_shard"] is False
 
 
+def test_gradient_accumulation_shard_alone_cannot_contradict_the_level_set_before():
+    ap.set_auto_parallel_context(parallel_optimizer_config={"optimizer_level": "level2"})
+    before = ap.get_auto_parallel_context("parallel_optimizer_config")
+    with pytest.raises(ap.AutoParallelError, match="gradient_accumulation_shard=False.*level2"):
+        ap.set_auto_parallel_context(
+            parallel_optimizer_config={"gradient_accumulation_shard": False})
+    assert ap.get_auto_parallel_context("parallel_optimizer_config") == before
+    ap.set_auto_parallel_context(parallel_optimizer_config={"gradient_accumulation_shard": True})
+    ap.set_auto_parallel_context(parallel_optimizer_config={
+        "optimizer_level": "level1", "gradient_accumulation_shard": False})
+    assert ap.get_auto_parallel_context("parallel_optimizer_config")[
+        "gradient_accumulation_shard"] is False
+
+
 # --------------------------------------------------------------------------- strategy files
 def test_strategy_ckpt_config_and_the_two_keys_are_one_setting():
     ap.set_auto_parallel_context(strategy_ckpt_load_file="a.json")

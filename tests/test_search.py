@@ -262,6 +262,21 @@ def test_fixed_strategies_under_data_parallel_warn():
                 ap.search(g, fixed={first: ((2, 1), (1, 4))})
 
 
+def test_annotations_are_not_used_where_user_strategies_are_not():
+    """stand_alone and data_parallel ignore annotations as they ignore fixed=, with a warning
+    (an 8-way annotation failed on one device, and data parallel dropped it silently)."""
+    g = graph("mlp")
+    first = [n.name for n in g.nodes if n.op == "dot_general"][0]
+    annotated = g.annotate({first: ((2, 1), (1, 4))})
+    for pmode, n in (("stand_alone", 1), ("data_parallel", 1), ("data_parallel", 8)):
+        with ap.auto_parallel_context(parallel_mode=pmode, device_num=n):
+            with pytest.warns(ap.AutoParallelWarning, match="1 annotated operator.*not used"):
+                plan = ap.search(annotated)
+            assert plan.nodes == ap.search(g).nodes
+    with ap.auto_parallel_context(parallel_mode="semi_auto_parallel", device_num=8):
+        assert ap.search(annotated).strategy(first) == ((2, 1), (1, 4))
+
+
 @pytest.mark.parametrize("pmode", ["data_parallel", "semi_auto_parallel"])
 def test_a_mode_argument_outside_auto_parallel_warns_as_the_context_key(pmode):
     """search(mode=...) / parallelize(mode=...) were ignored silently there."""
