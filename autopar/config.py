@@ -664,6 +664,10 @@ def raise_for_validation_error(err: ValidationError, where: str) -> None:
         raise err
     if kind.endswith("_type") or kind == "autopar_type":
         raise AutoParallelTypeError(key, value, f"{msg}{more}")
+    if kind == "missing":  # (no value to show: the key is not there)
+        err = AutoParallelError(f"{key} is missing: it is required{more}.")
+        err.key = key
+        raise err
     raise AutoParallelError(key, value, f"{msg}{more}")
 
 

@@ -60,7 +60,19 @@ def found(item: Any, at: str = "") -> str:
     >>> found("a", "[1]")
     "found 'a' (str) at [1]"
     """
-    return f"found {_shown(item, 80)} ({type(item).__name__})" + (f" at {at}" if at else "")
+    return f"found {_shown(item, 80)} ({type_name(item)})" + (f" at {at}" if at else "")
+
+
+def type_name(value: Any) -> str:
+    """The name of ``value``'s type, with its module where that is not Python's own:
+    numpy's bool is ``numpy.bool``, not a ``bool``.
+
+    >>> type_name(True), type_name(range(2)), type_name(Ellipsis)
+    ('bool', 'range', 'ellipsis')
+    """
+    t = type(value)
+    mod = t.__module__.split(".")[0]
+    return t.__name__ if mod == "builtins" else f"{mod}.{t.__name__}"
 
 
 class _Keyed(AutoparError):
@@ -93,7 +105,7 @@ class AutoParallelTypeError(_Keyed, TypeError):
     def _rule(rule: str | None, value: Any) -> str:
         if rule and "found " in rule:  # the rule names the offending element (see found())
             return rule
-        return f"{rule or 'wrong type'} (got {type(value).__name__})"
+        return f"{rule or 'wrong type'} (got {type_name(value)})"
 
 
 class UnknownKeyError(AutoParallelError):

@@ -205,13 +205,18 @@ def _read(path: str | os.PathLike[str]) -> dict[str, Any]:
     ``parallel_layout_value_item`` merged into ``parallel_strategy_item`` as strategies."""
     data = _load(path)
     if not isinstance(data, dict):
-        raise StrategyFileError(path, "parallel_strategy_item", _ITEMS, type(data).__name__)
+        raise StrategyFileError(path, "<root>", "an object with parallel_strategy_item",
+                                type(data).__name__)
     values = "parallel_layout_value_item" in data
     items = _section(path, data, "parallel_strategy_item", _ITEMS, optional=values)
     for name, item in items.items():
         if not isinstance(item, dict) or "parallel_strategy" not in item:
             raise StrategyFileError(path, f"parallel_strategy_item.{name}",
                                     "{stage, parallel_strategy}", item)
+        stage = item.get("stage", 0)
+        if type(stage) is not int or stage < 0:
+            raise StrategyFileError(path, f"parallel_strategy_item.{name}.stage",
+                                    "an int >= 0 (the operator's pipeline stage)", stage)
     if values:
         items = {**items, **_layout_values(path, _section(
             path, data, "parallel_layout_value_item", "an object of node name -> {input "

@@ -429,6 +429,15 @@ def test_message_names_value_and_rule():
     with pytest.raises(TypeError) as info:
         ap.set_auto_parallel_context(device_num=True)
     assert "device_num=True" in str(info.value) and "bool" in str(info.value)
+    # numpy's scalars are named with their module (numpy's bool is named "bool")
+    import numpy as np
+    for key, value, name in (("gradients_mean", np.True_, "numpy.bool"),
+                             ("device_num", np.int64(8), "numpy.int64")):
+        with pytest.raises(ap.AutoParallelTypeError, match=rf"\(got {name}\)"):
+            ap.set_auto_parallel_context(**{key: value})
+    # a nested key left out is missing, not None
+    with pytest.raises(ap.AutoParallelError, match=r"^comm_fusion.allreduce.mode is missing"):
+        ap.set_auto_parallel_context(comm_fusion={"allreduce": {"config": 1}})
 
 
 # --------------------------------------------------------------------------- hypothesis ranges

@@ -534,6 +534,13 @@ GOOD = {"parallel_strategy_item": {"MatMul_w1": {"parallel_strategy": [[1, 1], [
     ({"parallel_strategy_item": {}, "parallel_layout_value_item": [1]},
      "parallel_layout_value_item"),
     ({**GOOD, "parallel_layout_item": []}, "parallel_layout_item"),
+    ([GOOD], "<root>"),
+    ({"parallel_strategy_item": {"MatMul_w1": {"stage": -1, "parallel_strategy": [[1, 1],
+                                                                              [1, 4]]}}},
+     "parallel_strategy_item.MatMul_w1.stage"),
+    ({"parallel_strategy_item": {"MatMul_w1": {"stage": True, "parallel_strategy": [[1, 1],
+                                                                                [1, 4]]}}},
+     "parallel_strategy_item.MatMul_w1.stage"),
 ])
 def test_sections_of_the_wrong_type_are_refused(tmp_path, doc, field):
     with pytest.raises(StrategyFileError, match=f"field '{field}'"):
