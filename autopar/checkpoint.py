@@ -107,13 +107,13 @@ class Predicted(BaseModel):
     """The plan's predicted cost when it was saved (seconds, bytes per device)."""
 
     model_config = _STRICT
-    step_seconds: float
-    compute: float
-    communication: float
-    redistribution: float
-    gradient_sync: float
-    memory_bytes: float
-    objective: float
+    step_seconds: float = Field(ge=0)
+    compute: float = Field(ge=0)
+    communication: float = Field(ge=0)
+    redistribution: float = Field(ge=0)
+    gradient_sync: float = Field(ge=0)
+    memory_bytes: float = Field(ge=0)
+    objective: float = Field(ge=0)
 
 
 class StrategyFile(BaseModel):
@@ -284,6 +284,9 @@ def read_strategy_file(path: str | os.PathLike[str]) -> StrategyFile:
         raise StrategyFileError(path, *validation_failure(e)) from None
     if f.mode not in _known_modes():  # (a mode registered since the file was saved counts)
         raise StrategyFileError(path, "mode", f"one of {sorted(_known_modes())}", f.mode)
+    if math.prod(a.size for a in f.mesh) != f.device_num:
+        raise StrategyFileError(path, "mesh", f"axes whose sizes multiply to device_num="
+                                f"{f.device_num}", [a.model_dump() for a in f.mesh])
     return f
 
 

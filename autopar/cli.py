@@ -95,6 +95,15 @@ def _cluster(args: argparse.Namespace) -> Any:
     return resolve_cluster(args.cluster)
 
 
+def _inputs_first(args: argparse.Namespace) -> None:
+    """A --load file read and checked as far as it can be without the graph, before the
+    trace: a bad file fails at once."""
+    if getattr(args, "load", None):
+        from autopar.checkpoint import read_strategy_file
+
+        read_strategy_file(args.load)
+
+
 def _check_plan_files(args: argparse.Namespace) -> None:
     """--save / --load only where the search reads them; --mode only where a search mode is
     used (auto_parallel, the default) and not with a load."""
@@ -122,14 +131,15 @@ def cmd_search(args: argparse.Namespace) -> int:
                                                    ("--cluster", args.cluster)))
     save = str(args.save) if args.save else None
     load = str(args.load) if args.load else None
+    _inputs_first(args)
+    cluster = _cluster(args)
     with paused_gc():  # a one-shot command: its imports and graph are long-lived
         _, _, graph, desc = _graph(args)
         _check_node_names("--explain", args.explain or (), graph)
         fixed = _fixed_strategies(args.fix or (), graph)
         with _context(args, strategy_ckpt_save_file=save, strategy_ckpt_load_file=load):
             with Progress("search", 1) as bar:
-                plan = ap.search(graph, mode=args.mode, cluster=_cluster(args),
-                                 fixed=fixed or None)
+                plan = ap.search(graph, mode=args.mode, cluster=cluster, fixed=fixed or None)
                 bar.advance(plan.mode)
             explained = [ap.explain(graph, plan, name) for name in args.explain or ()]
     _out(f"{desc}: {len(graph.nodes)} operators, {len(graph.parameters())} parameters, "
@@ -237,6 +247,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
                                  write_comparison)
 
     modes = args.modes or list(MODES)
+    if args.steps is not None and not args.measure:
+        raise CLIError("--steps applies with --measure only (the timed steps); add --measure "
+                       "or drop --steps")
+    args.steps = 3 if args.steps is None else args.steps
     check_comparison_dir(args.out, "--out")  # before any work: nothing written on a refusal
     args.cluster = _cluster(args)
     fn, ex, graph, desc = _graph(args, concrete=args.measure)
@@ -348,6 +362,10 @@ def _global_numpy(tree: Any) -> Any:
 def _run_arguments(args: argparse.Namespace) -> None:
     """run's checks that need no device: before a multi-process run joins its cluster."""
     _check_plan_files(args)
+    _inputs_first(args)
+    if args.atol is not None and not args.check:
+        raise CLIError("--atol applies with --check only (its tolerance); add --check or drop "
+                       "--atol")
     _outputs_first(("--json", args.json), ("--save", args.save),
                    inputs=(("--load", args.load), ("--cluster", args.cluster)))
 
@@ -515,7 +533,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 def _calibrate_arguments(args: argparse.Namespace) -> None:
     """calibrate's checks that need no device: before a multi-process run joins its cluster."""
     if not (args.budget > 0 and args.budget < 1e6):
-        raise CLIError(f"--budget: must be a positive number of seconds, got {args.budget}")
+        raise CLIError(f"--budget: must be a number of seconds in (0, 1e6), got {args.budget}")
     _outputs_first(("--out", args.out))  # before the cache is touched or anything measured
 
 
@@ -611,7 +629,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", nargs="+", choices=MODES, help="default: all four")
     p.add_argument("--measure", action="store_true",
                    help="also run each plan's training step on emulated devices")
-    p.add_argument("--steps", type=positive_int, default=3, help="timed steps with --measure")
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help="timed steps with --measure (default 3)")
     p.add_argument("--out", type=file_path, default=Path("autopar-compare"),
                    help="directory for compare.json / .md / .png (default autopar-compare)")
     p.set_defaults(func=cmd_compare)
@@ -681,7 +700,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     with warnings.catch_warnings():
         warnings.showwarning = _warning_line(args.command)
-        return _run_command(args)
+        status = _run_command(args)
+    if status == 130 and argv is None:  # interrupted, all unwound: JAX's threads may still
+        sys.stdout.flush()              # run, and the interpreter's shutdown under them
+        sys.stderr.flush()              # crashed (exit 139): leave at once
+        os._exit(130)
+    return status
 
 
 def _warning_line(command: str) -> Callable[..., None]:

@@ -165,6 +165,17 @@ def file_path(text: str) -> Path:
     return Path(text)
 
 
+def dir_path(text: str) -> Path:
+    """An argparse type: a non-empty directory path (``Path("")`` would be ``.``, silently).
+
+    >>> dir_path("out").name
+    'out'
+    """
+    if not text or "\0" in text:
+        raise argparse.ArgumentTypeError(f"expected a directory path, got {text!r}")
+    return Path(text)
+
+
 def non_negative_float(text: str) -> float:
     """An argparse type: a finite number ``>= 0`` (a tolerance)."""
     try:

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from autopar.cli_util import (CLIError, Progress, compare_with_reference, one_device_steps,
-                              positive_int, table)
+from autopar.cli_util import (CLIError, Progress, compare_with_reference, dir_path,
+                              one_device_steps, positive_int, table)
 
 __all__ = ["add_demo_parser", "cmd_demo"]
 
@@ -42,7 +42,7 @@ def add_demo_parser(sub: Any) -> None:
                    help="cost model: a preset (accelerator-8x, cpu-emulated), 'calibrated' or "
                    "a calibration file; default: $AUTOPAR_CLUSTER when set, else 'calibrated' "
                    "(these devices, measured once, then cached)")
-    p.add_argument("--out", type=Path, default=Path("autopar-demo"),
+    p.add_argument("--out", type=dir_path, default=Path("autopar-demo"),
                    help="directory for the strategy file and trace (default autopar-demo)")
     p.set_defaults(func=cmd_demo)
 
@@ -56,10 +56,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.pipeline_stages > 1 and args.devices % args.pipeline_stages:
         raise CLIError(f"--pipeline-stages {args.pipeline_stages} must divide --devices "
                        f"{args.devices} (or be 1 to skip the pipelined run)")
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise CLIError(f"--out {str(out)!r} is a file; give a directory for the strategy "
-                       "file and the trace")
+    out = _out_dir(args.out)
+    args.cluster = _demo_cluster(args.cluster)  # a bad --cluster fails before anything is made
     t_start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     _out("autopar demo: configure the auto-parallel context as MindSpore users do\n")
@@ -70,6 +68,34 @@ def cmd_demo(args: argparse.Namespace) -> int:
                                   search_mode="dynamic_programming", gradients_mean=True,
                                   comm_fusion={"allreduce": {"mode": "size", "config": 32}}):
         return _demo(args, out, t_start)
+
+
+#: What the demo writes into --out (strategy.reloaded.json only for a moment).
+_WRITES = ("strategy.json", "strategy.reloaded.json", "trace.json")
+
+
+def _out_dir(out: Path) -> Path:
+    """``--out``: a directory (made if absent) whose files the demo writes are each
+    writable, checked before any work."""
+    from autopar.files import writable_target
+
+    if out.exists() and not out.is_dir():
+        raise CLIError(f"--out {str(out)!r} is not a directory; give a directory for the "
+                       "strategy file and the trace")
+    if out.is_dir():
+        for name in _WRITES:
+            writable_target(out / name, f"--out {name}")
+    return out
+
+
+def _demo_cluster(cluster: str | None) -> Any:
+    """The cost model (these devices, measured once, then cached, unless named)."""
+    import autopar as ap
+    from autopar.clusters import CLUSTER_ENV
+
+    if cluster is None and not os.environ.get(CLUSTER_ENV):
+        cluster = "calibrated"
+    return ap.clusters.resolve_cluster(cluster)
 
 
 def _demo(args: argparse.Namespace, out: Path, t_start: float) -> int:
@@ -103,16 +129,13 @@ def _demo(args: argparse.Namespace, out: Path, t_start: float) -> int:
 
 
 def _show_context(args: argparse.Namespace) -> None:
-    """1. The resolved context, the cost model (these devices, measured once, then cached;
-    ``args.cluster`` becomes the resolved Cluster) and the HCCL gradient split."""
+    """1. The resolved context, the cost model (``args.cluster``, resolved) and the HCCL
+    gradient split."""
     import autopar as ap
-    from autopar.clusters import CLUSTER_ENV, describe_cluster
+    from autopar.clusters import describe_cluster
 
     resolved = ap.resolve_context()
     _out(resolved.table())
-    if args.cluster is None and not os.environ.get(CLUSTER_ENV):
-        args.cluster = "calibrated"
-    args.cluster = ap.clusters.resolve_cluster(args.cluster)
     _out(f"\ncost model: {describe_cluster(args.cluster).splitlines()[0]}")
     split = ap.hccl.get_split_strategy()
     _out(f"\nHCCL gradient split ({split.group}): {split.mode} {list(split.values)}"

@@ -5,12 +5,14 @@ Writing (:func:`write_bytes_atomic`, :func:`write_text_atomic`): the bytes go to
 file of a unique name beside the target (``.<name>.<random>.tmp``), are flushed to disk, and
 replace the target in one ``os.replace``: a reader sees the old file or the new one, never a
 part. The target must be a regular file or absent: a directory (or a path ending in a
-separator), a FIFO, a device or a socket is refused before anything is written. A symlink is
-written through (its target is replaced, the link stays). An existing file keeps its mode; a
-new one gets ``0o666`` less the umask. On any failure the temporary file is removed and the
-target is untouched; temporaries of the same name pattern left by a killed writer (older
-than a minute) are removed by the next save. Errors are :class:`AutoParallelError` naming the
-target and the reason, never the hidden temporary.
+separator), a FIFO, a device or a socket is refused before anything is written, and so is a
+path under /dev or /proc or a link leading there (``/dev/stdout`` resolves to the file the
+output is redirected to). A symlink is written through (its target is replaced, the link
+stays). An existing file keeps its mode; a new one gets ``0o666`` less the umask. On any
+failure the temporary file is removed and the target is untouched; temporaries of the same
+name pattern left by a killed writer (older than a minute) are removed by the next save.
+Errors are :class:`AutoParallelError` naming the target and the reason, never the hidden
+temporary.
 
 Reading (:func:`read_bytes_capped`): regular files only (a FIFO would block, a device never
 end), at most ``limit`` bytes (checked before reading, and while reading).
@@ -57,6 +59,10 @@ def _target(path: Any, key: str) -> Path:
                                 "byte")
     if str(text).endswith((os.sep, os.altsep or os.sep)):
         raise AutoParallelError(key, str(text), "names a directory; give a file name")
+    if _through_system(str(text)):
+        raise AutoParallelError(key, str(text), "is a system file (under /dev or /proc: a "
+                                "stream or a process's open file); files are written only "
+                                "over regular files")
     try:
         target = Path(text)
         if target.is_symlink():  # write through the link: its target is what gets replaced
@@ -76,6 +82,24 @@ def _target(path: Any, key: str) -> Path:
         raise AutoParallelError(key, str(text), f"is {kind}; files are written only over "
                                 "regular files")
     return target
+
+
+_SYSTEM = ("/dev", "/proc")
+
+
+def _through_system(text: str) -> bool:
+    """Whether ``text``, or a link it leads through, is under /dev or /proc: /dev/stdout
+    leads to /proc/self/fd/1, which resolves to the file the output is redirected to, and a
+    write there would replace that file instead of writing to the stream."""
+    p = os.path.abspath(text)
+    for _ in range(40):  # (a loop of links ends the walk)
+        where = os.path.realpath(os.path.dirname(p))
+        if any(x == d or x.startswith(d + "/") for x in (p, where) for d in _SYSTEM):
+            return True
+        if not os.path.islink(p):
+            return False
+        p = os.path.normpath(os.path.join(os.path.dirname(p), os.readlink(p)))
+    return False
 
 
 def writable_target(path: Any, key: str) -> Path:

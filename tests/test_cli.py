@@ -181,6 +181,10 @@ def test_show_pretty_prints(tmp_path, capsys):
     (["run", *SMALL_MLP, "--coordinator", "127.0.0.1:1"], "--num-processes > 1"),
     (["run", *SMALL_MLP, "--parallel-mode", "data_parallel", "--save", "x.json"],
      "--save needs"),
+    (["run", *SMALL_MLP, "--atol", "0.1"], "--atol applies with --check only"),
+    (["compare", *SMALL_MLP, "--steps", "3"], "--steps applies with --measure only"),
+    (["calibrate", "--budget", "1e9"], "in (0, 1e6)"),
+    (["search", *SMALL_MLP, "--save", "/dev/stdout"], "is a system file"),
 ])
 def test_bad_input_in_process(argv, needle, capsys):
     assert main(argv) == 2
@@ -195,6 +199,23 @@ def test_bad_strategy_file_is_a_clean_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "version" in err and "99" in err
     assert main(["search", *SMALL_MLP, "--load", str(f)]) == 2
+
+
+def test_show_refuses_a_file_that_contradicts_itself(tmp_path, capsys):
+    """A mesh of 12 devices beside device_num 8, a negative predicted step: shown as read."""
+    plan = tmp_path / "p.json"
+    assert main(["search", *SMALL_MLP, "--save", str(plan)]) == 0
+    capsys.readouterr()
+    for edit, field in ((lambda d: d["mesh"][0].update(size=3), "'mesh'"),
+                        (lambda d: d["predicted"].update(step_seconds=-1.0),
+                         "'predicted.step_seconds'")):
+        doc = json.loads(plan.read_text())
+        edit(doc)
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps(doc))
+        assert main(["show", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and field in err, err
 
 
 def test_argparse_rejects_bad_values():
@@ -366,8 +387,8 @@ def test_demo_restores_the_callers_context(monkeypatch, tmp_path):
 
     monkeypatch.setattr(demo, "_demo", fake)
     with ap.auto_parallel_context(device_num=2, parallel_mode="data_parallel"):
-        assert demo.cmd_demo(argparse.Namespace(devices=8, out=tmp_path,
-                                                pipeline_stages=2)) == 0
+        assert demo.cmd_demo(argparse.Namespace(devices=8, out=tmp_path, pipeline_stages=2,
+                                                cluster="accelerator-8x")) == 0
         assert seen["device_num"] == 8
         assert ap.get_auto_parallel_context("device_num") == 2
         assert ap.get_auto_parallel_context("parallel_mode") == "data_parallel"
@@ -669,5 +690,54 @@ def test_demo_refuses_a_file_as_its_output_directory_before_any_work(tmp_path, c
     f.write_text("{}")
     assert main(["demo", "--out", str(f), "--cluster", "accelerator-8x"]) == 2
     err = capsys.readouterr().err
-    assert "is a file; give a directory" in err and f.read_text() == "{}"
+    assert "is not a directory; give a directory" in err and f.read_text() == "{}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p1.json"]
+
+
+def test_demo_checks_its_files_and_cluster_before_any_work(tmp_path, capsys):
+    """They were checked after the searches and the training (20 s), leaving a strategy
+    file behind; a bad --cluster printed the context and left its directory."""
+    out = tmp_path / "d"
+    out.mkdir()
+    os.mkfifo(out / "trace.json")
+    (out / "strategy.json").mkdir()
+    for argv, needle in ((["--out", str(out)], "strategy.json"),
+                         (["--out", str(tmp_path / "new"), "--cluster", "nosuch"],
+                          "unknown cluster")):
+        assert main(["demo", *argv]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and needle in captured.err
+    (out / "strategy.json").rmdir()
+    assert main(["demo", "--out", str(out), "--cluster", "accelerator-8x"]) == 2
+    assert "trace.json" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
+    assert sorted(p.name for p in out.iterdir()) == ["trace.json"]
+    with pytest.raises(SystemExit):
+        main(["demo", "--out", ""])
+    assert "expected a directory path" in capsys.readouterr().err
+
+
+def test_inputs_are_checked_before_the_trace(tmp_path, capsys):
+    """A bad --cluster or --load file fails before the progress lines of the trace."""
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    for argv in (["--cluster", "nosuch"], ["--load", str(bad)]):
+        assert main(["search", *SMALL_MLP, *argv]) == 2
+        assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_an_interrupt_while_the_command_loads_is_one_line(monkeypatch, capsys):
+    import importlib.abc
+
+    import autopar.__main__ as entry
+
+    class Interrupt(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "autopar.cli":
+                raise KeyboardInterrupt
+            return None
+
+    monkeypatch.delitem(sys.modules, "autopar.cli")
+    monkeypatch.setattr(sys, "meta_path", [Interrupt(), *sys.meta_path])
+    assert entry.run() == 130
+    assert capsys.readouterr().err == "interrupted\n"

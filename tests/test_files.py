@@ -20,7 +20,11 @@ def _litter(d) -> list[str]:
 def test_special_targets_are_refused_and_untouched(tmp_path):
     fifo = tmp_path / "fifo.json"
     os.mkfifo(fifo)
-    for target, why in ((fifo, "not a regular file"), ("/dev/null", "not a regular file"),
+    stdout = tmp_path / "out.txt"  # /dev/stdout when the output goes to a file: the file
+    stdout.symlink_to("/dev/stdout")  # replaced, the output lost (it was written)
+    for target, why in ((fifo, "not a regular file"), ("/dev/null", "system file"),
+                        ("/dev/stdout", "system file"), ("/proc/self/fd/1", "system file"),
+                        (stdout, "system file"),
                         (tmp_path, "directory"), (str(tmp_path / "new") + os.sep, "directory"),
                         (str(tmp_path / "a\0b"), "NUL"),
                         (tmp_path / "missing" / "x.json", "does not exist"),
