@@ -49,7 +49,8 @@ def alternatives(graph: Graph, plan: Plan, node: str, cm: CostModel, *, full_use
                           dataset_strategy=dataset_strategy, memory_weight=plan.memory_weight,
                           full_use=use, fixed_splits=held,
                           parallel_optimizer_kb=plan.parallel_optimizer_kb,
-                          optimizer_weight_shard_size=plan.optimizer_weight_shard_size)
+                          optimizer_weight_shard_size=plan.optimizer_weight_shard_size,
+                          annotations=False)  # (an annotated operator's every alternative)
         i = problem.index[node]
         if any(c.splits == mine for c in problem.vertices[i].choices):
             break

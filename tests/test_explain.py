@@ -114,3 +114,19 @@ def test_a_strategy_outside_the_search_space_is_explained_among_all():
     ex = ap.explain(g, plan, node)
     assert ex.chosen.splits == (2, 1, 1) and ex.chosen.objective == plan.objective
     assert any(a.splits == (8, 1, 1) for a in ex.rows)
+
+
+def test_an_annotated_operator_is_explained_among_all_its_alternatives(graphs):
+    """The annotation does not narrow the table: under data_parallel (which does not use it)
+    the plan's own strategy is a row; under auto_parallel the annotation is the plan's."""
+    g = graphs["mlp"]
+    node = [n.name for n in g.nodes if n.op == "dot_general"][0]
+    annotated = g.annotate({node: ((2, 1), (1, 4))})
+    with ap.auto_parallel_context(parallel_mode="data_parallel"):
+        with pytest.warns(ap.AutoParallelWarning, match="annotated"):
+            plan = ap.search(annotated)
+        ex = ap.explain(annotated, plan, node)
+    assert ex.chosen.splits == plan.nodes[node].splits == (8, 1, 1) and len(ex.rows) > 1
+    plan = ap.search(annotated)
+    ex = ap.explain(annotated, plan, node)
+    assert ex.chosen.splits == plan.nodes[node].splits == (2, 4, 1) and len(ex.rows) > 1
