@@ -30,9 +30,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn, Sequence
 
 from autopar.files import write_text_atomic
-from autopar.cli_util import (CLIError, Progress, compare_with_reference, drop_gloo_lines,
-                              file_path, load_model, non_negative_float, one_device_steps,
-                              one_line, parse_options, positive_int, setup_devices, table)
+from autopar.cli_util import (CLIError, Progress, compare_with_reference, dir_path,
+                              drop_gloo_lines, file_path, load_model, non_negative_float,
+                              one_device_steps, one_line, parse_options, positive_int,
+                              setup_devices, table)
 from autopar.gc_pause import paused_gc
 
 with paused_gc():  # the planning modules bring JAX, NumPy and SciPy: most of the start-up
@@ -631,7 +632,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run each plan's training step on emulated devices")
     p.add_argument("--steps", type=positive_int, default=None,
                    help="timed steps with --measure (default 3)")
-    p.add_argument("--out", type=file_path, default=Path("autopar-compare"),
+    p.add_argument("--out", type=dir_path, default=Path("autopar-compare"),
                    help="directory for compare.json / .md / .png (default autopar-compare)")
     p.set_defaults(func=cmd_compare)
 
@@ -688,7 +689,8 @@ _JOINS = {cmd_run: _run_arguments, cmd_calibrate: _calibrate_arguments}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the console script; returns the exit status."""
+    """The command (``argv``: its arguments, default ``sys.argv[1:]``); returns the exit
+    status (the console script is :func:`autopar.__main__.run`)."""
 
     if argv is None:  # the command's own process: what it imported lives until it exits
         gc.freeze()
@@ -700,12 +702,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     with warnings.catch_warnings():
         warnings.showwarning = _warning_line(args.command)
-        status = _run_command(args)
-    if status == 130 and argv is None:  # interrupted, all unwound: JAX's threads may still
-        sys.stdout.flush()              # run, and the interpreter's shutdown under them
-        sys.stderr.flush()              # crashed (exit 139): leave at once
-        os._exit(130)
-    return status
+        return _run_command(args)
 
 
 def _warning_line(command: str) -> Callable[..., None]:

@@ -154,26 +154,24 @@ def positive_int(text: str) -> int:
     return n
 
 
-def file_path(text: str) -> Path:
+def file_path(text: str, what: str = "file") -> Path:
     """An argparse type: a non-empty path (``Path("")`` would be ``.``, the directory).
 
     >>> file_path("plan.json").name
     'plan.json'
     """
     if not text or "\0" in text:
-        raise argparse.ArgumentTypeError(f"expected a file path, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a {what} path, got {text!r}")
     return Path(text)
 
 
 def dir_path(text: str) -> Path:
-    """An argparse type: a non-empty directory path (``Path("")`` would be ``.``, silently).
+    """:func:`file_path` for a directory (``--out DIR``).
 
     >>> dir_path("out").name
     'out'
     """
-    if not text or "\0" in text:
-        raise argparse.ArgumentTypeError(f"expected a directory path, got {text!r}")
-    return Path(text)
+    return file_path(text, "directory")
 
 
 def non_negative_float(text: str) -> float:

@@ -289,8 +289,8 @@ def _parallel_optimizer(kw: dict[str, Any], data: dict[str, Any], cur: AutoParal
                 "parallel_optimizer_config.gradient_accumulation_shard",
                 given["gradient_accumulation_shard"], f"optimizer_level={level!r}, set "
                 f"before, sets it to {OPTIMIZER_LEVELS[level]} (only level2 shards the "
-                "accumulated gradients)", "Set optimizer_level in the same call, or "
-                "reset_auto_parallel_context()")
+                "accumulated gradients)", "Set optimizer_level in the same call (None "
+                "clears it), or reset_auto_parallel_context()")
     data["parallel_optimizer_config"] = merged
     explicit.add("parallel_optimizer_config")
 

@@ -70,8 +70,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return _demo(args, out, t_start)
 
 
-#: What the demo writes into --out (strategy.reloaded.json only for a moment).
-_WRITES = ("strategy.json", "strategy.reloaded.json", "trace.json")
+#: What the demo writes into --out (the reloaded plan's file only for a moment).
+_STRATEGY, _RELOADED, _TRACE = _WRITES = ("strategy.json", "strategy.reloaded.json",
+                                          "trace.json")
 
 
 def _out_dir(out: Path) -> Path:
@@ -108,7 +109,7 @@ def _demo(args: argparse.Namespace, out: Path, t_start: float) -> int:
     ok, predicted, measured = _train(args, best.mode)         # 4. train vs one device
     piped = _train_pipeline(args, best.mode)                  # 4b. the same, pipelined
     it = ap.simulation.simulate(graph, plan, cluster=args.cluster)       # 5. iteration trace
-    trace_path = it.write_chrome_trace(out / "trace.json")
+    trace_path = it.write_chrome_trace(out / _TRACE)
     _out(f"\niteration trace of the best plan: {it.summary()}")
     _out(f"Chrome trace written: {trace_path} (open in ui.perfetto.dev)")
     _out("\nsummary:")                                         # 6. summary
@@ -175,10 +176,10 @@ def _strategy_round_trip(graph: Any, plan: Any, out: Path) -> tuple[Path, bool]:
     bytes)``."""
     import autopar as ap
 
-    path = ap.save_strategy(plan, graph, out / "strategy.json")
+    path = ap.save_strategy(plan, graph, out / _STRATEGY)
     loaded = ap.load_strategy(path, graph)
     same = (loaded.nodes, loaded.layouts, loaded.cost) == (plan.nodes, plan.layouts, plan.cost)
-    again = ap.save_strategy(loaded, graph, out / "strategy.reloaded.json")
+    again = ap.save_strategy(loaded, graph, out / _RELOADED)
     same_bytes = path.read_bytes() == again.read_bytes()
     again.unlink()
     _out(f"\nstrategy file {path} ({path.stat().st_size / 1024:.0f} KiB): reloaded -> same "

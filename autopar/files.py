@@ -6,7 +6,7 @@ file of a unique name beside the target (``.<name>.<random>.tmp``), are flushed 
 replace the target in one ``os.replace``: a reader sees the old file or the new one, never a
 part. The target must be a regular file or absent: a directory (or a path ending in a
 separator), a FIFO, a device or a socket is refused before anything is written, and so is a
-path under /dev or /proc or a link leading there (``/dev/stdout`` resolves to the file the
+path through a link under /dev or into /proc (``/dev/stdout`` resolves to the file the
 output is redirected to). A symlink is written through (its target is replaced, the link
 stays). An existing file keeps its mode; a new one gets ``0o666`` less the umask. On any
 failure the temporary file is removed and the target is untouched; temporaries of the same
@@ -60,9 +60,9 @@ def _target(path: Any, key: str) -> Path:
     if str(text).endswith((os.sep, os.altsep or os.sep)):
         raise AutoParallelError(key, str(text), "names a directory; give a file name")
     if _through_system(str(text)):
-        raise AutoParallelError(key, str(text), "is a system file (under /dev or /proc: a "
-                                "stream or a process's open file); files are written only "
-                                "over regular files")
+        raise AutoParallelError(key, str(text), "leads to a stream or a process's open file "
+                                "(a link under /dev, or /proc); files are written only over "
+                                "regular files")
     try:
         target = Path(text)
         if target.is_symlink():  # write through the link: its target is what gets replaced
@@ -84,21 +84,23 @@ def _target(path: Any, key: str) -> Path:
     return target
 
 
-_SYSTEM = ("/dev", "/proc")
-
-
 def _through_system(text: str) -> bool:
-    """Whether ``text``, or a link it leads through, is under /dev or /proc: /dev/stdout
-    leads to /proc/self/fd/1, which resolves to the file the output is redirected to, and a
-    write there would replace that file instead of writing to the stream."""
-    p = os.path.abspath(text)
+    """Whether writing to ``text`` would go through a link under /dev (``/dev/stdout``,
+    ``/dev/fd/1``) or into /proc (``/proc/self/fd/1``): such a link resolves to the file the
+    output is redirected to, and a write there would replace that file instead of writing to
+    the stream. Each step resolves its directory first (``d/../x`` with ``d`` a link is
+    where the system finds it); a regular file under /dev (``/dev/shm/plan.json``) is fine."""
+    p = os.path.join(os.getcwd(), text)
     for _ in range(40):  # (a loop of links ends the walk)
         where = os.path.realpath(os.path.dirname(p))
-        if any(x == d or x.startswith(d + "/") for x in (p, where) for d in _SYSTEM):
+        p = os.path.join(where, os.path.basename(p))
+        if p.startswith("/proc/"):
             return True
         if not os.path.islink(p):
             return False
-        p = os.path.normpath(os.path.join(os.path.dirname(p), os.readlink(p)))
+        if p.startswith("/dev/"):
+            return True
+        p = os.path.join(where, os.readlink(p))
     return False
 
 

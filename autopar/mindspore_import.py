@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from autopar.checkpoint import StrategyFileError, max_file_bytes
-from autopar.errors import AutoParallelError, AutoParallelTypeError
+from autopar.errors import AutoParallelError, AutoParallelTypeError, type_name
 from autopar.errors import found as _found
 from autopar.files import read_json
 from autopar.graph.ir import Graph, Node, Strategy, check_strategy_shape
@@ -206,7 +206,7 @@ def _read(path: str | os.PathLike[str]) -> dict[str, Any]:
     data = _load(path)
     if not isinstance(data, dict):
         raise StrategyFileError(path, "<root>", "an object with parallel_strategy_item",
-                                type(data).__name__)
+                                type_name(data))
     values = "parallel_layout_value_item" in data
     items = _section(path, data, "parallel_strategy_item", _ITEMS, optional=values)
     for name, item in items.items():

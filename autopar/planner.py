@@ -87,32 +87,7 @@ def plan_graph(graph: Graph, cfg: Any, *, mode: str | None = None,
     m = _check_search_mode(cfg.search_mode if mode is None else mode)
     n = 1 if pmode == "stand_alone" else _check_device_num(
         cfg.device_num if device_num is None else device_num)
-    if fixed is not None and not isinstance(fixed, Mapping):
-        raise AutoParallelTypeError("fixed", fixed, "a mapping of node name -> strategy")
-    used = pmode in USES_USER_STRATEGIES  # Layouts: the product is device_num
-    for name in fixed or {}:
-        if not isinstance(name, str):
-            raise AutoParallelTypeError("fixed", name, "its keys are node names (str); see "
-                                        "graph.summary()")
-    fixed_map = {name: to_strategy(strategy, f"fixed node {name!r}", n if used else None)
-                 for name, strategy in (fixed or {}).items()}
-    for name, count in graph.layout_devices.items() if used else ():
-        if count != n:  # (shard / parameter_plan / annotate Layouts: as fixed= above)
-            raise AutoParallelError(f"Layout of {name!r}", count, f"its device matrix has "
-                                    f"{count} devices; it must have device_num={n}")
-    unused = (f"under parallel_mode={pmode!r} ("
-              + ("one device: nothing is split" if pmode == "stand_alone" else
-                 "every operator is data parallel there")
-              + "); use semi_auto_parallel or auto_parallel to honour them")
-    if fixed_map and not used:
-        warnings.warn(f"fixed strategies are not used {unused}", AutoParallelWarning,
-                      stacklevel=2)
-        fixed_map = {}  # (nor checked against the devices: they are not used)
-    annotated = graph.annotations()
-    if annotated and not used:
-        warnings.warn(f"the strategies of {len(annotated)} annotated operator(s) (autopar."
-                      f"shard, Graph.annotate) are not used {unused}", AutoParallelWarning,
-                      stacklevel=user_stacklevel())
+    fixed_map, annotated = _user_strategies(graph, fixed, pmode, n)
     if mode is not None and pmode != "auto_parallel":
         warnings.warn(f"mode={mode!r} is only used by auto_parallel: parallel_mode={pmode!r} "
                       "(as the context's search_mode)", AutoParallelWarning,
@@ -130,8 +105,7 @@ def plan_graph(graph: Graph, cfg: Any, *, mode: str | None = None,
     if files and load:  # priced on the file's own cluster unless named
         plan = _load(graph, load, cfg.pipeline_stages, n,
                      None if cluster is None else resolve_cluster(cluster), fixed_map, settings,
-                     {name: to_strategy(a, f"annotated node {name!r}", n)
-                      for name, a in annotated.items() if name not in fixed_map})
+                     annotated)
     else:
         plan = search_plan(graph, mode=m, device_num=n,
                            cluster=note_devices(resolve_cluster(cluster), n),
@@ -139,6 +113,43 @@ def plan_graph(graph: Graph, cfg: Any, *, mode: str | None = None,
     if files and save:
         save_plan(plan, graph, save)
     return plan
+
+
+def _user_strategies(graph: Graph, fixed: Any, pmode: str, n: int) -> tuple[dict, dict]:
+    """The user's strategies a search on ``n`` devices under ``pmode`` honours: ``fixed=``
+    (checked, Layouts made split counts) and the graph's annotations ``fixed=`` does not
+    replace. Under a mode that uses none (stand_alone, data_parallel) they are not checked,
+    and a warning says they are not used; so for parameter_plan's layouts on one device
+    (stand_alone: data_parallel stores parameters as they say)."""
+    if fixed is not None and not isinstance(fixed, Mapping):
+        raise AutoParallelTypeError("fixed", fixed, "a mapping of node name -> strategy")
+    for name in fixed or {}:
+        if not isinstance(name, str):
+            raise AutoParallelTypeError("fixed", name, "its keys are node names (str); see "
+                                        "graph.summary()")
+    used = pmode in USES_USER_STRATEGIES  # Layouts: the product is device_num
+    if not used:
+        given = [f"fixed strategies for {len(fixed)} operator(s)"] if fixed else []
+        given += [f"{len(d)} {what}" for d, what in (
+            (graph.annotations(), "annotated operator(s) (autopar.shard, Graph.annotate)"),
+            (graph.parameter_layouts() if pmode == "stand_alone" else {},
+             "parameter layout(s) (parameter_plan)")) if d]
+        if given:
+            warnings.warn(
+                f"{' and '.join(given)} are not used under parallel_mode={pmode!r} ("
+                + ("one device: nothing is split" if pmode == "stand_alone" else
+                   "every operator is data parallel there") + "); use "
+                + ", ".join(USES_USER_STRATEGIES) + " to honour them", AutoParallelWarning,
+                stacklevel=user_stacklevel())
+        return {}, {}
+    fixed_map = {name: to_strategy(strategy, f"fixed node {name!r}", n)
+                 for name, strategy in (fixed or {}).items()}
+    for name, count in graph.layout_devices.items():
+        if count != n:  # (shard / parameter_plan / annotate Layouts: as fixed= above)
+            raise AutoParallelError(f"Layout of {name!r}", count, f"its device matrix has "
+                                    f"{count} devices; it must have device_num={n}")
+    return fixed_map, {name: to_strategy(a, f"annotated node {name!r}", n)
+                       for name, a in graph.annotations().items() if name not in fixed_map}
 
 
 def save_plan(plan: Plan, graph: Graph, path: Any) -> None:

@@ -331,7 +331,8 @@ class Problem:
                  fixed: Mapping[str, Any] | None = None,
                  fixed_splits: Mapping[str, tuple[int, ...]] | None = None,
                  lazy: bool = False, parallel_optimizer_kb: int | None = None,
-                 optimizer_weight_shard_size: int = -1, annotations: bool = True) -> None:
+                 optimizer_weight_shard_size: int = -1, annotations: bool = True,
+                 parameter_plan: bool = True) -> None:
         self.graph, self.mesh, self.cm = graph, mesh, cost_model
         self.enable_alltoall = enable_alltoall
         self.memory_weight = memory_weight
@@ -369,7 +370,7 @@ class Problem:
                                                                     val.spec.itemsize))
                 for v, val in graph.values.items()}
             self._build(dataset_strategy, dict(fixed or {}), dict(fixed_splits or {}),
-                        annotations)
+                        annotations, parameter_plan)
 
     # ------------------------------------------------------------------ choices
     def op_choice(self, node: Node, splits: Sequence[int]) -> Choice:
@@ -548,9 +549,11 @@ class Problem:
         return Layout.from_strategy((s,) + (1,) * (spec.rank - 1), self.mesh)
 
     def _build(self, dataset_strategy: Any, fixed: dict[str, Any],
-               given_splits: dict[str, tuple[int, ...]], annotations: bool) -> None:
-        """The vertices and edges; ``annotations``: the graph's annotated strategies are
-        fixed too (the parallel modes that use the user's strategies)."""
+               given_splits: dict[str, tuple[int, ...]], annotations: bool,
+               parameter_plan: bool) -> None:
+        """The vertices and edges; ``annotations`` / ``parameter_plan``: the graph's
+        annotated strategies / parameter layouts are fixed too (the parallel modes that use
+        the user's strategies)."""
         g, mesh = self.graph, self.mesh
         self._choice_cache: dict[tuple, Choice] = {}
         self._intern_signatures()
@@ -564,7 +567,7 @@ class Problem:
                         for name, strategy in sorted(fixed.items())}
         fixed_splits.update(given_splits)
         self.fixed = fixed_splits
-        self.fixed_params = self._fixed_params()
+        self.fixed_params = self._fixed_params() if parameter_plan else {}
         # data inputs: one fixed layout each
         for pos, v in enumerate(g.data_inputs()):
             lay = self._data_layout(v, pos, dataset_strategy)

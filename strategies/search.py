@@ -142,7 +142,8 @@ def _problem(graph: Graph, mesh: DeviceMesh, cm: CostModel, fixed: dict, setting
                   full_use=settings.fully_use_devices,
                   parallel_optimizer_kb=settings.parallel_optimizer_kb,
                   optimizer_weight_shard_size=settings.optimizer_weight_shard_size,
-                  annotations=pmode in USES_USER_STRATEGIES)
+                  annotations=pmode in USES_USER_STRATEGIES,
+                  parameter_plan=pmode != "stand_alone")
     # (a derived mode only needs this first problem's loop nests and checked fixed strategies,
     # so it is built lazily: no choice lists)
     problem = Problem(graph, mesh, cm, fixed=fixed, fixed_splits=follow, lazy=derived or lazy,
@@ -150,7 +151,7 @@ def _problem(graph: Graph, mesh: DeviceMesh, cm: CostModel, fixed: dict, setting
     if not derived:
         return problem
     dp = data_parallel_splits(problem.specs, graph, mesh.device_num, mesh)
-    keep = set(problem.fixed) if pmode in ("semi_auto_parallel", "hybrid_parallel") else set()
+    keep = set(problem.fixed) if pmode in USES_USER_STRATEGIES else set()
     return Problem(graph, mesh, cm, fixed={k: v for k, v in fixed.items() if k in keep},
                    fixed_splits={k: v for k, v in dp.items() if k not in keep}, **common)
 

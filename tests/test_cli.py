@@ -184,7 +184,7 @@ def test_show_pretty_prints(tmp_path, capsys):
     (["run", *SMALL_MLP, "--atol", "0.1"], "--atol applies with --check only"),
     (["compare", *SMALL_MLP, "--steps", "3"], "--steps applies with --measure only"),
     (["calibrate", "--budget", "1e9"], "in (0, 1e6)"),
-    (["search", *SMALL_MLP, "--save", "/dev/stdout"], "is a system file"),
+    (["search", *SMALL_MLP, "--save", "/dev/stdout"], "leads to a stream"),
 ])
 def test_bad_input_in_process(argv, needle, capsys):
     assert main(argv) == 2

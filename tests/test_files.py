@@ -22,9 +22,11 @@ def test_special_targets_are_refused_and_untouched(tmp_path):
     os.mkfifo(fifo)
     stdout = tmp_path / "out.txt"  # /dev/stdout when the output goes to a file: the file
     stdout.symlink_to("/dev/stdout")  # replaced, the output lost (it was written)
-    for target, why in ((fifo, "not a regular file"), ("/dev/null", "system file"),
-                        ("/dev/stdout", "system file"), ("/proc/self/fd/1", "system file"),
-                        (stdout, "system file"),
+    (tmp_path / "dev").symlink_to("/dev/shm")  # dev/../stdout is /dev/stdout
+    stream = "leads to a stream"
+    for target, why in ((fifo, "not a regular file"), ("/dev/null", "not a regular file"),
+                        ("/dev/stdout", stream), ("/proc/self/fd/1", stream), (stdout, stream),
+                        (tmp_path / "dev" / ".." / "stdout", stream),
                         (tmp_path, "directory"), (str(tmp_path / "new") + os.sep, "directory"),
                         (str(tmp_path / "a\0b"), "NUL"),
                         (tmp_path / "missing" / "x.json", "does not exist"),
@@ -34,6 +36,15 @@ def test_special_targets_are_refused_and_untouched(tmp_path):
         assert ".tmp" not in str(info.value)
     assert stat.S_ISFIFO(fifo.stat().st_mode) and not (tmp_path / "new").exists()
     assert _litter(tmp_path) == []
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm here")
+def test_a_regular_file_under_dev_is_written():
+    path = f"/dev/shm/autopar-test-{os.getpid()}.json"
+    try:
+        assert write_text_atomic(path, "{}").read_text() == "{}"
+    finally:
+        os.unlink(path)
 
 
 def test_symlinks_are_written_through_and_modes_kept(tmp_path):

@@ -282,7 +282,8 @@ def test_parameter_plan_trains_a_parameter_stored_apart_from_its_reader():
         h = ap.shard(jnp.tanh, in_strategy=((8, 1),), parameter_plan={"w1": (2, 1)})(x @ p["w1"])
         return jnp.mean((h @ p["w2"]) ** 2)
 
-    step = ap.train_step(loss, params, (x,))
+    with pytest.warns(ap.AutoParallelWarning, match="annotated operator"):  # (tanh's)
+        step = ap.train_step(loss, params, (x,))
     assert step.plan.split_counts("p/w1") == (2, 1)
     assert step.plan.strategy("dot_general_0") == ((8, 1), (1, 1))
     run = numerics.optimizer_steps(loss, steps=2)
@@ -336,3 +337,24 @@ def test_no_warning_without_out_strategy():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ap.shard(jnp.matmul, in_strategy=((2, 1), (1, 4)))
+
+
+def test_shard_strategies_are_not_used_where_no_user_strategy_is():
+    """stand_alone and data_parallel use no operator strategy of the user's: the shard's
+    in_strategy is left out with a warning (it failed on one device); its parameter_plan
+    too on one device, while data parallel stores the parameter as it says."""
+    params, x = _args()
+    g = ap.trace(_laid_out_loss(ap.Layout((2, 4), ("dp", "mp"))), params, x)
+    plain = ap.trace(_loss, params, x)
+    with pytest.warns(ap.AutoParallelWarning, match="1 annotated operator.*and 1 parameter "
+                                                     "layout.*not used"):
+        plan = ap.search(g, parallel_mode="stand_alone")
+    assert plan.nodes == ap.search(plain, parallel_mode="stand_alone").nodes
+    assert plan.split_counts("p/w2") == (1, 1)
+    with pytest.warns(ap.AutoParallelWarning, match="1 annotated operator.*not used") as seen:
+        plan = ap.search(g, device_num=8, parallel_mode="data_parallel")
+    assert "parameter layout" not in str(seen[0].message)
+    want = ap.search(plain, device_num=8, parallel_mode="data_parallel")
+    assert plan.nodes == want.nodes and plan.split_counts("p/w2") == (4, 1)
+    plan = ap.search(g, device_num=8, parallel_mode="semi_auto_parallel")
+    assert plan.split_counts("p/w2") == (4, 1)
