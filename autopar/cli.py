@@ -316,6 +316,23 @@ def _distributed(args: argparse.Namespace) -> None:
         raise CLIError(f"--devices {args.devices}: the {args.num_processes} processes hold "
                        f"{jax.device_count()} devices in all; give every process the same "
                        "--devices")
+    _same_arguments(args)
+
+
+#: Arguments each process of a job may give its own: who it is, and the files it writes or
+#: reads (process 0 writes; a plan loaded is compared by its text, :mod:`autopar.multihost`).
+_OWN_ARGUMENTS = frozenset({"process_id", "func", "argv", "json", "save", "load", "out"})
+
+
+def _same_arguments(args: argparse.Namespace) -> None:
+    """Every process of the job was given the same command (other --steps, --mode or
+    --model options made one process wait for the others forever): where any differs,
+    every process fails at once, naming it."""
+    from autopar.multihost import check_same
+
+    given = sorted((k, repr(v)) for k, v in vars(args).items() if k not in _OWN_ARGUMENTS)
+    check_same(repr(given), "arguments", f"the arguments of `autopar {args.command}` (all but "
+               "--process-id and the files it writes or reads)")
 
 
 def _probe_coordinator(args: argparse.Namespace, host: str, port: int) -> None:

@@ -291,7 +291,7 @@ def check_percentages(values: Any, key: str = "dataSizeList") -> list[float]:
         total = math.inf
     if abs(total - 100.0) > _SUM_TOLERANCE:
         raise AutoParallelError(key, values, f"percentages must sum to 100, they sum to "
-                                f"{total:g}")
+                                f"{total!r}")
     return values
 
 

@@ -216,7 +216,8 @@ def _read(path: str | os.PathLike[str]) -> dict[str, Any]:
         stage = item.get("stage", 0)
         if type(stage) is not int or stage < 0:
             raise StrategyFileError(path, f"parallel_strategy_item.{name}.stage",
-                                    "an int >= 0 (the operator's pipeline stage)", stage)
+                                    "an int >= 0 (the operator's pipeline stage)",
+                                    f"{stage!r} ({type_name(stage)})")
     if values:
         items = {**items, **_layout_values(path, _section(
             path, data, "parallel_layout_value_item", "an object of node name -> {input "
@@ -302,6 +303,15 @@ def _check_layout(path: Any, name: str, lay: Any) -> None:
         if lay.get(key) is not None:
             _check_sizes(path, f"parallel_layout_item.{name}.{key}", lay[key],
                          devices=key == "dev_matrix")
+    tmap, mat = lay.get("tensor_map"), lay.get("dev_matrix")
+    if tmap is not None and isinstance(mat, list):
+        dims = [x for e in tmap for x in (e if isinstance(e, list) else [e])] \
+            if isinstance(tmap, list) else None
+        if dims is None or any(type(x) is not int or not -1 <= x < len(mat) for x in dims):
+            raise StrategyFileError(path, f"parallel_layout_item.{name}.tensor_map",
+                                    f"per tensor dim -1 or a dim of the {len(mat)}-dim "
+                                    f"dev_matrix, 0 to {len(mat) - 1} (or a list of them)",
+                                    tmap)
 
 
 def _file_devices(data: Mapping[str, Any]) -> int | None:

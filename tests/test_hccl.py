@@ -152,6 +152,7 @@ BAD = [
     # (function name, args, kwargs, exception, text in message)
     ("set_split_strategy_by_size", ([50, 40],), {}, V, "sum to 100"),
     ("set_split_strategy_by_size", ([50, 50.1],), {}, V, "sum to 100"),
+    ("set_split_strategy_by_size", ([50, 50.00001],), {}, V, "they sum to 100.00001"),
     ("set_split_strategy_by_size", ([],), {}, V, "dataSizeList"),
     ("set_split_strategy_by_size", ([10] * 9 + [10],), {}, V, "at most 8"),
     ("set_split_strategy_by_size", ([12.5] * 7 + [12.4, 0.1],), {}, V, "at most 8"),

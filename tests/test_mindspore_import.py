@@ -541,9 +541,22 @@ GOOD = {"parallel_strategy_item": {"MatMul_w1": {"parallel_strategy": [[1, 1], [
     ({"parallel_strategy_item": {"MatMul_w1": {"stage": True, "parallel_strategy": [[1, 1],
                                                                                 [1, 4]]}}},
      "parallel_strategy_item.MatMul_w1.stage"),
+    ({**GOOD, "parallel_layout_item": {"w1": {"dev_matrix": [4, 2], "tensor_map": [-1, 7],
+                                               "tensor_shape": [64, 128]}}},
+     "parallel_layout_item.w1.tensor_map"),
+    ({**GOOD, "parallel_layout_item": {"w1": {"dev_matrix": [4, 2], "tensor_map": [[0, 2], -1],
+                                               "tensor_shape": [64, 128]}}},
+     "parallel_layout_item.w1.tensor_map"),
 ])
 def test_sections_of_the_wrong_type_are_refused(tmp_path, doc, field):
     with pytest.raises(StrategyFileError, match=f"field '{field}'"):
+        import_mindspore_strategy(_doc_file(tmp_path, doc), _two_matmuls())
+
+
+def test_a_stage_given_as_text_is_shown_as_text(tmp_path):
+    doc = {"parallel_strategy_item": {"MatMul_w1": {"stage": "0", "parallel_strategy": [
+        [1, 1], [1, 4]]}}}
+    with pytest.raises(StrategyFileError, match=r"found '0' \(str\)"):
         import_mindspore_strategy(_doc_file(tmp_path, doc), _two_matmuls())
 
 

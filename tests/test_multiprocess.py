@@ -251,3 +251,23 @@ def test_every_process_plans_on_process_0s_cluster(tmp_path):
         assert "plan='process(es) [1]' is invalid" in r["differs"], r["differs"]
         # what process 0 alone makes (a calibration's cluster), and its error, everywhere
         assert r["made"] == "made on 0" and "figure=-1 is invalid" in r["fails"], r
+
+
+def test_processes_given_different_arguments_fail_together_at_once(tmp_path):
+    """Another --steps on one process (or another --mode, where only one process's search
+    failed) left every process waiting for the others forever: they now compare their
+    arguments when the job forms, and each fails in one line."""
+    port = _free_port()
+    procs = [subprocess.Popen(
+        _autopar("--num-processes", "2", "--process-id", str(i), "--coordinator",
+                 f"127.0.0.1:{port}", *(["--steps", "3"] if i else [])),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=TIMEOUT) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 2, err
+        lines = [x for x in err.splitlines() if "error:" in x]
+        assert len(lines) == 1 and "arguments='process(es) [1]'" in lines[0], err

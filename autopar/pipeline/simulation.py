@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import numbers
 import os
 from dataclasses import dataclass
@@ -223,6 +224,10 @@ def simulate_schedule(forward: Sequence[float], backward: Sequence[float], *,
             longest = max(longest, dur)
         now += longest + exchange  # every stage waits for the tick's slowest, then sends
     sync_ev = tuple((now, now + syn[s]) for s in range(p))
+    if not math.isfinite(now + max(syn)):
+        raise AutoParallelError("forward / backward / sends / sync", f"up to {max(f + b):g} s",
+                                "the iteration they add up to overflows a float: give stage "
+                                "times in seconds")
     blocks.sort(key=lambda x: (x.stage, x.start))
     return PipelineTrace(sched.name, p, micro_batches, tuple(blocks), sync_ev, cluster,
                          device_num)
