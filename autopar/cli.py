@@ -319,9 +319,11 @@ def _distributed(args: argparse.Namespace) -> None:
     _same_arguments(args)
 
 
-#: Arguments each process of a job may give its own: who it is, and the files it writes or
-#: reads (process 0 writes; a plan loaded is compared by its text, :mod:`autopar.multihost`).
-_OWN_ARGUMENTS = frozenset({"process_id", "func", "argv", "json", "save", "load", "out"})
+#: Arguments each process of a job may give its own: who it is, the files it writes or reads
+#: (process 0 writes; a plan loaded is compared by its text) and its cluster (process 0's
+#: prices every plan, with a notice): :mod:`autopar.multihost`.
+_OWN_ARGUMENTS = frozenset({"process_id", "func", "argv", "json", "save", "load", "out",
+                            "cluster"})
 
 
 def _same_arguments(args: argparse.Namespace) -> None:
@@ -332,7 +334,7 @@ def _same_arguments(args: argparse.Namespace) -> None:
 
     given = sorted((k, repr(v)) for k, v in vars(args).items() if k not in _OWN_ARGUMENTS)
     check_same(repr(given), "arguments", f"the arguments of `autopar {args.command}` (all but "
-               "--process-id and the files it writes or reads)")
+               "--process-id, --cluster and the files it writes or reads)")
 
 
 def _probe_coordinator(args: argparse.Namespace, host: str, port: int) -> None:

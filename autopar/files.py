@@ -90,17 +90,20 @@ def _through_system(text: str) -> bool:
     output is redirected to, and a write there would replace that file instead of writing to
     the stream. Each step resolves its directory first (``d/../x`` with ``d`` a link is
     where the system finds it); a regular file under /dev (``/dev/shm/plan.json``) is fine."""
-    p = os.path.join(os.getcwd(), text)
-    for _ in range(40):  # (a loop of links ends the walk)
-        where = os.path.realpath(os.path.dirname(p))
-        p = os.path.join(where, os.path.basename(p))
-        if p.startswith("/proc/"):
-            return True
-        if not os.path.islink(p):
-            return False
-        if p.startswith("/dev/"):
-            return True
-        p = os.path.join(where, os.readlink(p))
+    try:
+        p = os.path.join(os.getcwd(), text)
+        for _ in range(40):  # (a loop of links ends the walk)
+            where = os.path.realpath(os.path.dirname(p))
+            p = os.path.join(where, os.path.basename(p))
+            if p.startswith("/proc/"):
+                return True
+            if not os.path.islink(p):
+                return False
+            if p.startswith("/dev/"):
+                return True
+            p = os.path.join(where, os.readlink(p))
+    except OSError:  # (no working directory, a link gone meanwhile: the checks after say)
+        pass
     return False
 
 
