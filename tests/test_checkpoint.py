@@ -125,37 +125,32 @@ def test_loaded_plan_runs_like_the_saved_one(tmp_path):
     assert h.collective_counts(*args) == f.collective_counts(*args)
 
 
-def test_semi_auto_parallel_saves_and_loads(tmp_path):
+@pytest.mark.parametrize("how", ["fixed", "annotation"])
+def test_semi_auto_parallel_saves_and_loads_the_users_strategies(tmp_path, how):
+    """The user's strategy must agree with the file loaded; an annotation is one as fixed=
+    is (the file's plan replaced a conflicting annotation silently)."""
     g = graph("mlp")
     first = next(n.name for n in g.nodes if n.op == "dot_general")
+
+    def search(strategy):
+        if how == "fixed":
+            return ap.search(g, fixed={first: strategy})
+        return ap.search(g.annotate({first: strategy}))
+
     path = tmp_path / "s.json"
     with ap.auto_parallel_context(parallel_mode="semi_auto_parallel",
                                   strategy_ckpt_save_file=str(path)):
-        plan = ap.search(g, fixed={first: ((1, 1), (1, 8))})
+        plan = search(((1, 1), (1, 8)))
     with ap.auto_parallel_context(parallel_mode="semi_auto_parallel",
                                   strategy_ckpt_load_file=str(path)):
         loaded = ap.search(g)
-        again = ap.search(g, fixed={first: ((1, 1), (1, 8))})  # agrees with the file
-        with pytest.raises(ap.AutoParallelError, match="conflicts"):
-            ap.search(g, fixed={first: ((8, 1), (1, 1))})
-    assert same_plan(plan, loaded) and same_plan(plan, again)
-
-
-def test_an_annotation_that_conflicts_with_the_load_file_is_refused(tmp_path):
-    """An annotation is a user strategy as fixed= is: the file's plan replaced it silently."""
-    g = graph("mlp")
-    first = next(n.name for n in g.nodes if n.op == "dot_general")
-    path = tmp_path / "s.json"
-    with ap.auto_parallel_context(parallel_mode="semi_auto_parallel",
-                                  strategy_ckpt_save_file=str(path)):
-        plan = ap.search(g.annotate({first: ((1, 1), (1, 8))}))
-    with ap.auto_parallel_context(parallel_mode="semi_auto_parallel",
-                                  strategy_ckpt_load_file=str(path)):
-        assert same_plan(plan, ap.search(g.annotate({first: ((1, 1), (1, 8))})))
-        with pytest.raises(ap.AutoParallelError, match="annotated strategy.*conflicts"):
-            ap.search(g.annotate({first: ((8, 1), (1, 1))}))
-        # fixed= replaces the annotation, and is what must agree
+        again = search(((1, 1), (1, 8)))  # agrees with the file
+        word = "fixed" if how == "fixed" else "annotated"
+        with pytest.raises(ap.AutoParallelError, match=f"{word} strategy.*conflicts"):
+            search(((8, 1), (1, 1)))
+        # fixed= replaces an annotation, and is what must agree
         ap.search(g.annotate({first: ((8, 1), (1, 1))}), fixed={first: ((1, 1), (1, 8))})
+    assert same_plan(plan, loaded) and same_plan(plan, again)
 
 
 def test_data_parallel_mode_ignores_the_files_with_a_warning(tmp_path):
