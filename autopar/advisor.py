@@ -43,7 +43,7 @@ from autopar.context import current_config
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.fusion import (MB, Gradient, GradientBuckets, buckets_by_percent, buckets_by_size,
                             buckets_from_ends, buckets_per_gradient, buckets_pytorch_ddp,
-                            percent_ends)
+                            fusion_config, percent_ends)
 from autopar.timeline import IterationTrace, _Model
 
 __all__ = ["SplitAdvice", "SplitComparison", "advise_split", "compare_splits",
@@ -229,7 +229,7 @@ def _advise(model: _Model, max_segments: int) -> SplitAdvice:
         notes.append(f"more than {max_segments} segments would finish "
                      f"{(end_t - unb_t) * 1e3:.3f} ms earlier ({len(unb_ends)} segments; "
                      f"usable through all_reduce_fusion_config, not HCCL)")
-    return SplitAdvice(pct, tuple(e - 1 for e in ends), tuple(ends[:-1]), buckets, trace,
+    return SplitAdvice(pct, tuple(e - 1 for e in ends), fusion_config(ends), buckets, trace,
                        lower, tight, max(model.bp_end, unb_t), tuple(unb_ends), tuple(notes))
 
 

@@ -69,6 +69,7 @@ from autopar.limits import finite
 
 __all__ = [
     "MB",
+    "fusion_config",
     "MAX_GRADIENT_BYTES",
     "BUCKET_POLICIES",
     "Gradient",
@@ -119,6 +120,17 @@ class Bucket:
         return len(self.gradients)
 
 
+def fusion_config(ends: Sequence[int]) -> tuple[int, ...]:
+    """The ``all_reduce_fusion_config`` split points of buckets ending (exclusive) at
+    ``ends``: every end but the last (the number of gradients, which closes the last bucket
+    anyway), or that one alone for a single bucket (an empty list is not a setting).
+
+    >>> fusion_config((5, 12, 21)), fusion_config((21,))
+    ((5, 12), (21,))
+    """
+    return tuple(ends[:-1]) or tuple(ends[-1:])
+
+
 @dataclass(frozen=True, slots=True)
 class GradientBuckets:
     """The buckets of one collective kind, with where the setting came from.
@@ -158,7 +170,7 @@ class GradientBuckets:
     @property
     def fusion_config(self) -> tuple[int, ...]:
         """MindSpore ``all_reduce_fusion_config`` split points giving these buckets."""
-        return tuple(b.last + 1 for b in self.buckets[:-1])
+        return fusion_config(self.ends)
 
     @property
     def percentages(self) -> tuple[float, ...]:
@@ -382,7 +394,8 @@ def buckets_by_index(grads: Any, indices: Sequence[int], *,
             raise AutoParallelError(
                 key, idx, f"split indices must be in [1, {n}] for {n} gradients (index i "
                 f"closes a bucket before gradient i, in backward order); {bad} out of range",
-                f"Use indices below {n}; see autopar.simulation.gradient_buckets(...).table()")
+                f"Use indices from 1 to {n}; see autopar.simulation.gradient_buckets(...)"
+                ".table()")
         ends = [i for i in idx if i < n] + [n]
         src = source or f"MindSpore index split points {idx}"
     elif convention == "hccl":

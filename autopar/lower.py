@@ -399,7 +399,19 @@ class LoweredFunction:
         return put_on(placed, self.in_shardings)
 
     def __call__(self, *args: Any) -> Any:
-        outs = self.flat(*self.place(*args))
+        try:
+            outs = self.flat(*self.place(*args))
+        except AutoparError:
+            raise
+        except Exception as e:  # under a transformation that cannot carry the placed arrays
+            if not any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(args)):
+                raise
+            raise AutoParallelError(
+                "arguments", "traced by a JAX transformation", "the parallel function runs "
+                "under jax.jit, grad, jvp and value_and_grad; batching transformations (vmap, "
+                "and jacfwd and hessian, which use it) cannot carry its placed arguments: "
+                "apply them to the function before autopar.parallelize (JAX said: "
+                f"{str(e).strip().splitlines()[0][:200]})") from e
         tree = self.parallel_graph.out_tree
         return jax.tree_util.tree_unflatten(tree, list(outs)) if tree is not None else outs
 

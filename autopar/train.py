@@ -132,7 +132,8 @@ class TrainStep(ProgramInspection):
         self.backend = backend
         self.sync_method = sync_method
         self._read_config(config)
-        self.batch_shapes = [tuple(np.shape(x)) for x in jax.tree_util.tree_leaves(batch)]
+        b_leaves, self._b_tree = jax.tree_util.tree_flatten(tuple(batch))
+        self.batch_shapes = [tuple(np.shape(x)) for x in b_leaves]
         micro = _micro_batch(batch, self.accumulation)
         self.function = parallel_function(loss_fn, (params, *micro), None, mode=mode,
                                           fixed=fixed, cluster=cluster, mesh=mesh,
@@ -406,7 +407,10 @@ class TrainStep(ProgramInspection):
         if tree != self._p_tree:
             raise AutoParallelError("params", f"{len(leaves)} leaves", f"must have the "
                                     f"structure of the example parameters ({self._p_tree})")
-        b_leaves = jax.tree_util.tree_leaves(tuple(batch))
+        b_leaves, b_tree = jax.tree_util.tree_flatten(tuple(batch))
+        if b_tree != self._b_tree:  # (the same shapes in another order: a silent swap)
+            raise AutoParallelError("batch", f"{len(b_leaves)} leaves", f"must have the "
+                                    f"structure of the example batch ({self._b_tree})")
         if [tuple(np.shape(x)) for x in b_leaves] != self.batch_shapes:
             raise AutoParallelError("batch", [tuple(np.shape(x)) for x in b_leaves],
                                     f"shapes must be {self.batch_shapes}, as in the example")
@@ -542,7 +546,7 @@ class TrainStep(ProgramInspection):
 
     def _check_state(self, params: Any, opt_state: Any) -> None:
         """``opt_state`` must be what ``init(params)`` makes (:func:`check_opt_state`)."""
-        check_arrays("params", params)
+        check_arrays("params", params, none=True)
         check_opt_state(self.optimizer, params, opt_state,
                         self.__dict__.setdefault("_state_specs", {}))
 
@@ -635,7 +639,7 @@ def train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
     """
     batch, optimizer = step_arguments(loss_fn, batch, optimizer,
                                       "train_step needs a callable loss")
-    check_arrays("params", params)
+    check_arrays("params", params, none=True)
     check_floating("params", params)
     if backend not in BACKENDS:
         raise AutoParallelError("backend", backend, f"must be one of {BACKENDS}")

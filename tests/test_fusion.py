@@ -82,6 +82,13 @@ def test_all_reduce_fusion_config_20_35(grads):
     assert b.mode == "index" and "all_reduce_fusion_config" in b.source
     assert [(x.first, x.last) for x in b] == [(0, 19), (20, 34), (35, 160)]
     assert b.fusion_config == (20, 35)
+    # one bucket: its split point is the number of gradients (an empty list is not a setting)
+    n = len(grads)
+    ap.set_auto_parallel_context(all_reduce_fusion_config=[n])
+    one = ap.simulation.gradient_buckets(grads)
+    assert len(one.buckets) == 1 and one.fusion_config == (n,)
+    ap.set_auto_parallel_context(all_reduce_fusion_config=list(one.fusion_config))
+    assert ap.simulation.gradient_buckets(grads).ends == one.ends
     check_partition(b, 161)
     # comm_fusion's index mode is the same setting
     ap.reset_auto_parallel_context()

@@ -325,7 +325,7 @@ def test_every_call_checks_the_parameters_and_batch_against_the_example(backend)
     cases = [((short, x), r"argument 'params/layer0/b'=\(1,\).*shape must be \(32,\)"),
              ((params, x[:12]), r"batch=\[\(12, 16\)\].*shapes must be"),
              ((params, x.astype(jnp.int32)), r"dtype must be float32"),
-             ((params,), r"batch=\[\].*shapes must be")]
+             ((params,), r"batch='0 leaves'.*structure of the example batch")]
     for (p, *batch), text in cases:
         for call in (lambda: step(p, state, *batch), lambda: step.grads(p, *batch)):
             with pytest.raises(ap.AutoParallelError, match=text):
@@ -549,3 +549,35 @@ def test_a_steps_own_outputs_are_fed_back_without_placing_them_again():
     sh = NamedSharding(jax_mesh(DeviceMesh.for_devices(8)), P("a0"))
     out = put_on([host, placed[0]], [sh, step.storage_shardings[0]])
     assert out[0].sharding == sh and out[1] is placed[0]
+
+
+def test_a_batch_of_another_structure_is_refused_and_none_leaves_are_empty():
+    """The batch's leaves were checked by shape alone: a dict with its keys in another order
+    swapped x and y silently (loss 1.0 for 64.0). None in the parameters is an empty
+    subtree, as in jax.grad and optax (it was refused)."""
+    ap.set_auto_parallel_context(device_num=8, parallel_mode="auto_parallel")
+
+    def loss(p, x, y):
+        return jnp.mean((x @ p["w"] - y) ** 2)
+
+    p = {"w": jnp.ones((8, 8)), "frozen": None}
+    x, y = jnp.ones((16, 8)), jnp.zeros((16, 8))
+    step = ap.train_step(loss, p, (x, y))
+    state = step.init(p)
+    new, _, value = step(p, state, x, y)
+    assert float(value) == 64.0 and new["frozen"] is None
+    for batch in (({"b": x, "a": y},), ((x, y),)):
+        with pytest.raises(ap.AutoParallelError, match="structure of the example batch"):
+            step(p, state, *batch)
+
+
+def test_a_batching_transformation_of_a_parallel_function_is_a_typed_error():
+    """vmap / jacfwd of a parallel function failed inside JAX's sharding checks."""
+    ap.set_auto_parallel_context(device_num=8, parallel_mode="auto_parallel")
+    w, x = jnp.ones((8, 8)) / 8, jnp.arange(128.0).reshape(16, 8) / 100
+    f = ap.parallelize(lambda p, x: jnp.mean(jnp.tanh(x @ p) ** 2), w, x)
+    for transformed in (lambda: jax.vmap(f, in_axes=(None, 0))(w, jnp.stack([x, x])),
+                        lambda: jax.jacfwd(f)(w, x)):
+        with pytest.raises(ap.AutoParallelError, match="batching transformations"):
+            transformed()
+    assert jax.grad(f)(w, x).shape == (8, 8)
