@@ -546,7 +546,7 @@ class TrainStep(ProgramInspection):
 
     def _check_state(self, params: Any, opt_state: Any) -> None:
         """``opt_state`` must be what ``init(params)`` makes (:func:`check_opt_state`)."""
-        check_arrays("params", params, none=True)
+        check_arrays("params", params)
         check_opt_state(self.optimizer, params, opt_state,
                         self.__dict__.setdefault("_state_specs", {}))
 
@@ -639,7 +639,7 @@ def train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
     """
     batch, optimizer = step_arguments(loss_fn, batch, optimizer,
                                       "train_step needs a callable loss")
-    check_arrays("params", params, none=True)
+    check_arrays("params", params)
     check_floating("params", params)
     if backend not in BACKENDS:
         raise AutoParallelError("backend", backend, f"must be one of {BACKENDS}")
