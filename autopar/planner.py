@@ -34,8 +34,8 @@ from autopar.multihost import check_same, several
 from autopar.resolve import resolve_context
 from autopar.strategies.cost import Cluster, CostModel
 from autopar.strategies.explain import Explanation, alternatives
-from autopar.strategies.modes import (PARALLEL_MODES, SOLVERS, USES_STRATEGY_FILES,
-                                      USES_USER_STRATEGIES)
+from autopar.strategies.modes import (PARALLEL_MODES, SOLVERS, USES_PARAMETER_PLANS,
+                                      USES_STRATEGY_FILES, USES_USER_STRATEGIES)
 from autopar.strategies.plan import Plan
 from autopar.strategies.search import SearchSettings, search_plan
 from autopar.strategies.stages import StagePartition
@@ -132,7 +132,7 @@ def _user_strategies(graph: Graph, fixed: Any, pmode: str, n: int) -> tuple[dict
         given = [f"fixed strategies for {len(fixed)} operator(s)"] if fixed else []
         given += [f"{len(d)} {what}" for d, what in (
             (graph.annotations(), "annotated operator(s) (autopar.shard, Graph.annotate)"),
-            (graph.parameter_layouts() if pmode == "stand_alone" else {},
+            (graph.parameter_layouts() if pmode not in USES_PARAMETER_PLANS else {},
              "parameter layout(s) (parameter_plan)")) if d]
         if given:
             warnings.warn(

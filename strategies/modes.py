@@ -34,7 +34,8 @@ from autopar.strategies.shared_moves import Neighbourhood, polish
 
 __all__ = ["DEFAULT_PARALLEL_MODE", "DEFAULT_SEARCH_MODE", "PARALLEL_MODES", "PIPELINE_MODES",
            "SEARCH_MODES",
-           "SOLVERS", "Solver", "USES_STRATEGY_FILES", "USES_USER_STRATEGIES"]
+           "SOLVERS", "Solver", "USES_PARAMETER_PLANS", "USES_STRATEGY_FILES",
+           "USES_USER_STRATEGIES"]
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,9 @@ DEFAULT_PARALLEL_MODE = "stand_alone"
 #: The modes that honour the user's strategies (``fixed=``, annotations).
 USES_USER_STRATEGIES: tuple[str, ...] = ("hybrid_parallel", "semi_auto_parallel",
                                          "auto_parallel")
+#: The modes that store parameters as a ``parameter_plan`` says: every one with more than one
+#: device (data parallel too: a parameter stored split, gathered where it is read).
+USES_PARAMETER_PLANS: tuple[str, ...] = tuple(m for m in PARALLEL_MODES if m != "stand_alone")
 #: The modes a pipelined step (pipeline_stages > 1) runs under.
 PIPELINE_MODES: tuple[str, ...] = ("semi_auto_parallel", "auto_parallel")
 #: The modes whose plans strategy files load and save (MindSpore's rule).

@@ -28,7 +28,7 @@ from autopar.graph.ir import Graph
 from autopar.graph.ops import KINDS
 from autopar.strategies.cost import Cluster, CostModel
 from autopar.strategies.layout import DeviceMesh
-from autopar.strategies.modes import SOLVERS, USES_USER_STRATEGIES
+from autopar.strategies.modes import SOLVERS, USES_PARAMETER_PLANS, USES_USER_STRATEGIES
 from autopar.strategies.plan import Plan
 from autopar.gc_pause import paused_gc
 from autopar.strategies.problem import Problem
@@ -143,7 +143,7 @@ def _problem(graph: Graph, mesh: DeviceMesh, cm: CostModel, fixed: dict, setting
                   parallel_optimizer_kb=settings.parallel_optimizer_kb,
                   optimizer_weight_shard_size=settings.optimizer_weight_shard_size,
                   annotations=pmode in USES_USER_STRATEGIES,
-                  parameter_plan=pmode != "stand_alone")
+                  parameter_plan=pmode in USES_PARAMETER_PLANS)
     # (a derived mode only needs this first problem's loop nests and checked fixed strategies,
     # so it is built lazily: no choice lists)
     problem = Problem(graph, mesh, cm, fixed=fixed, fixed_splits=follow, lazy=derived or lazy,
