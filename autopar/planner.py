@@ -18,7 +18,7 @@ from __future__ import annotations
 import warnings
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Iterator, Mapping, Sequence
 
 from autopar.algo import current_algo_parameters
@@ -37,12 +37,12 @@ from autopar.strategies.explain import Explanation, alternatives
 from autopar.strategies.modes import (PARALLEL_MODES, SOLVERS, USES_PARAMETER_PLANS,
                                       USES_STRATEGY_FILES, USES_USER_STRATEGIES)
 from autopar.strategies.plan import Plan
-from autopar.strategies.search import SearchSettings, search_plan
+from autopar.strategies.search import SearchSettings, ranked_plans, search_plan
 from autopar.strategies.stages import StagePartition
 from autopar.strategies.stages import partition_stages as _partition_stages
 
-__all__ = ["check_same_plans", "explain", "partition_stages", "plan_graph", "save_plan",
-           "saves_on_success", "search"]
+__all__ = ["check_same_plans", "explain", "partition_stages", "plan_graph",
+           "ranked_candidates", "save_plan", "saves_on_success", "search"]
 
 #: The strategy-file saves waiting for the entry point inside :func:`saves_on_success`.
 _PENDING: ContextVar[list[tuple[Plan, Graph, Any]] | None] = ContextVar("autopar_saves",
@@ -73,6 +73,58 @@ def plan_graph(graph: Graph, cfg: Any, *, mode: str | None = None,
     """:func:`search` on a configuration its caller's entry point has read (the pipelined
     step's, once for all its stages). ``load_file`` / ``save_file`` replace the
     configuration's strategy-file paths (a stage's own files)."""
+    load = cfg.strategy_ckpt_load_file if load_file is None else load_file
+    save = cfg.strategy_ckpt_save_file if save_file is None else save_file
+    s = _search_inputs(graph, cfg, mode=mode, device_num=device_num, fixed=fixed,
+                       parallel_mode=parallel_mode, fully_use_devices=fully_use_devices)
+    files = s.pmode in USES_STRATEGY_FILES
+    if (load or save) and not files and cfg.parallel_mode in USES_STRATEGY_FILES:
+        warnings.warn(f"strategy files are used only in semi_auto_parallel and auto_parallel: "
+                      f"parallel_mode={s.pmode!r} (the argument) ignores "
+                      + " and ".join(f"{k}={v!r}" for k, v in (
+                          ("strategy_ckpt_load_file", load), ("strategy_ckpt_save_file", save))
+                          if v), AutoParallelWarning, stacklevel=user_stacklevel())
+    if files and load:  # priced on the file's own cluster unless named
+        plan = _load(graph, load, cfg.pipeline_stages, s.n,
+                     None if cluster is None else resolve_cluster(cluster), s.fixed_map,
+                     s.settings, s.annotated)
+    else:
+        plan = search_plan(graph, mode=s.mode, device_num=s.n,
+                           cluster=note_devices(resolve_cluster(cluster), s.n),
+                           fixed=s.fixed_map, settings=s.settings)
+    if files and save:
+        save_plan(plan, graph, save)
+    return plan
+
+
+def ranked_candidates(graph: Graph, cfg: Any, *, mode: str | None = None,
+                      cluster: str | Cluster | None = None,
+                      fixed: Mapping[str, Any] | None = None) -> list[tuple[str, Plan]]:
+    """The plans a search weighs, cheapest first, as (name, plan): the search's own and the
+    hand plans (:func:`autopar.strategies.search.ranked_plans`), on a configuration its
+    caller's entry point has read; no strategy file is read or written."""
+    s = _search_inputs(graph, cfg, mode=mode, device_num=None, fixed=fixed,
+                       parallel_mode=None, fully_use_devices=None)
+    return ranked_plans(graph, mode=s.mode, device_num=s.n,
+                        cluster=note_devices(resolve_cluster(cluster), s.n),
+                        fixed=s.fixed_map, settings=s.settings)
+
+
+@dataclass(frozen=True)
+class _SearchInputs:
+    pmode: str
+    mode: str
+    n: int
+    fixed_map: dict
+    annotated: dict
+    settings: SearchSettings
+
+
+def _search_inputs(graph: Graph, cfg: Any, *, mode: str | None, device_num: int | None,
+                   fixed: Mapping[str, Any] | None, parallel_mode: str | None,
+                   fully_use_devices: bool | None) -> _SearchInputs:
+    """The checked values a search takes from its arguments, else the configuration and the
+    algorithm parameters."""
     algo = current_algo_parameters()
     if fully_use_devices is None:
         fully_use_devices = algo.fully_use_devices
@@ -81,8 +133,6 @@ def plan_graph(graph: Graph, cfg: Any, *, mode: str | None = None,
     if not isinstance(graph, Graph):
         raise AutoParallelTypeError("graph", graph, "autopar.search takes the Graph returned "
                                     "by autopar.trace")
-    load = cfg.strategy_ckpt_load_file if load_file is None else load_file
-    save = cfg.strategy_ckpt_save_file if save_file is None else save_file
     pmode = _check_parallel_mode(cfg.parallel_mode if parallel_mode is None else parallel_mode)
     m = _check_search_mode(cfg.search_mode if mode is None else mode)
     n = 1 if pmode == "stand_alone" else _check_device_num(
@@ -95,24 +145,7 @@ def plan_graph(graph: Graph, cfg: Any, *, mode: str | None = None,
     settings = SearchSettings.from_config(
         cfg, parallel_mode=pmode, fully_use_devices=fully_use_devices,
         elementwise_op_strategy_follow=algo.elementwise_op_strategy_follow)
-    files = pmode in USES_STRATEGY_FILES
-    if (load or save) and not files and cfg.parallel_mode in USES_STRATEGY_FILES:
-        warnings.warn(f"strategy files are used only in semi_auto_parallel and auto_parallel: "
-                      f"parallel_mode={pmode!r} (the argument) ignores "
-                      + " and ".join(f"{k}={v!r}" for k, v in (
-                          ("strategy_ckpt_load_file", load), ("strategy_ckpt_save_file", save))
-                          if v), AutoParallelWarning, stacklevel=user_stacklevel())
-    if files and load:  # priced on the file's own cluster unless named
-        plan = _load(graph, load, cfg.pipeline_stages, n,
-                     None if cluster is None else resolve_cluster(cluster), fixed_map, settings,
-                     annotated)
-    else:
-        plan = search_plan(graph, mode=m, device_num=n,
-                           cluster=note_devices(resolve_cluster(cluster), n),
-                           fixed=fixed_map, settings=settings)
-    if files and save:
-        save_plan(plan, graph, save)
-    return plan
+    return _SearchInputs(pmode, m, n, fixed_map, annotated, settings)
 
 
 def _user_strategies(graph: Graph, fixed: Any, pmode: str, n: int) -> tuple[dict, dict]:

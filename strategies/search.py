@@ -20,20 +20,22 @@ memory priced into the objective; if none fits, the error says how much is missi
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from autopar.errors import AutoParallelError
 from autopar.graph.ir import Graph
 from autopar.graph.ops import KINDS
 from autopar.strategies.cost import Cluster, CostModel
+from autopar.strategies.baselines import megatron_degrees, megatron_splits
 from autopar.strategies.layout import DeviceMesh
 from autopar.strategies.modes import SOLVERS, USES_PARAMETER_PLANS, USES_USER_STRATEGIES
 from autopar.strategies.plan import Plan
 from autopar.gc_pause import paused_gc
 from autopar.strategies.problem import Problem
 
-__all__ = ["SearchSettings", "data_parallel_splits", "search_plan"]
+__all__ = ["SearchSettings", "data_parallel_splits", "hand_plans", "ranked_plans",
+           "search_plan"]
 
 _MEMORY_WEIGHTS = (0.0, 1e-12, 1e-11, 1e-10, 1e-9, 1e-8, 1e-7)
 _FOLLOW_ROUNDS = 4
@@ -103,30 +105,92 @@ def search_plan(graph: Graph, *, mode: str, device_num: int, cluster: Cluster,
                 fixed: Mapping[str, Any] | None = None,
                 settings: SearchSettings = SearchSettings()) -> Plan:
     """The plan of ``graph`` on ``device_num`` devices priced on ``cluster`` (checked values:
-    the entry point validates them)."""
+    the entry point validates them): the cheapest of :func:`ranked_plans`."""
+    return ranked_plans(graph, mode=mode, device_num=device_num, cluster=cluster, fixed=fixed,
+                        settings=settings)[0][1]
+
+
+def ranked_plans(graph: Graph, *, mode: str, device_num: int, cluster: Cluster,
+                 fixed: Mapping[str, Any] | None = None,
+                 settings: SearchSettings = SearchSettings()) -> list[tuple[str, Plan]]:
+    """The search's own plan and, under ``auto_parallel`` on several devices, the hand plans
+    (:func:`hand_plans`), as (name, plan) cheapest first (the search's own first on a tie),
+    each within the cluster's memory budget; the first is the plan the search returns, its
+    notes naming every price. Memory is priced into the objective, at growing weights,
+    until the first fits; if none does, the error says how much is missing."""
     pmode = settings.parallel_mode
     solver = SOLVERS[mode] if pmode == "auto_parallel" else SOLVERS["dynamic_programming"]
     label = mode if pmode == "auto_parallel" else pmode
     mesh, cm, fixed_map = DeviceMesh.for_devices(device_num), CostModel(cluster), dict(fixed or {})
+    budget = cluster.memory_bytes
     t0 = time.perf_counter()
     for weight in _MEMORY_WEIGHTS:
         with paused_gc():  # no cycles are made: the collections a traced heap owes wait
             problem, picks, follows = _solve(graph, mesh, cm, fixed_map, settings, weight,
-                                             solver, cluster.memory_bytes)
-            plan = Plan.from_picks(problem, picks, label, time.perf_counter() - t0)
+                                             solver, budget)
+            plan = Plan.from_picks(problem, picks, label, 0.0)
             del problem  # freed inside the pause: the collector then has nothing of it to walk
+            hands = hand_plans(graph, mesh, cm, fixed_map, settings, weight, label, budget) \
+                if pmode == "auto_parallel" and device_num > 1 else []
+        ranked = _ranked(label, plan, hands, budget)
+        best = ranked[0][1]
+        best.search_seconds = time.perf_counter() - t0
         if follows:
-            plan.notes.append("elementwise_op_strategy_follow: elementwise operators take the "
+            best.notes.append("elementwise_op_strategy_follow: elementwise operators take the "
                               "split counts of the value they read")
-        if plan.cost.memory_bytes <= cluster.memory_bytes or solver.memory_constraint:
+        if best.cost.memory_bytes <= budget or solver.memory_constraint:
             if weight:
-                plan.notes.append(f"memory priced at {weight:g} s/byte to fit the budget")
-            return plan
+                best.notes.append(f"memory priced at {weight:g} s/byte to fit the budget")
+            return ranked
     raise AutoParallelError(
         "memory", f"{plan.cost.memory_bytes / 2**30:.2f} GiB per device",
         f"no plan found within the {cluster.name} budget of "
         f"{cluster.memory_bytes / 2**30:.2f} GiB per device", "Use more devices, a smaller "
         "model or batch, or a cluster with more memory")
+
+
+def _ranked(label: str, plan: Plan, hands: list[tuple[str, Plan]],
+            memory: float) -> list[tuple[str, Plan]]:
+    """The search's plan and the hand plans that fit ``memory``, cheapest first (a hand plan
+    must be cheaper by more than rounding to go before the search's); the first's notes
+    name every price."""
+    fits = [(name, hand) for name, hand in hands if hand.cost.memory_bytes <= memory]
+    ranked = sorted([(label, plan), *fits], key=lambda item: (
+        item[1].objective * (1 + 1e-9 * (item[1] is not plan)),))
+    if hands:
+        prices = ", ".join(f"{name} {hand.cost.total * 1e3:.4g} ms" for name, hand in hands)
+        kept = ranked[0][0]
+        ranked[0][1].notes.append(
+            f"hand plans priced: {prices}; the search's own {plan.cost.total * 1e3:.4g} ms"
+            + ("" if ranked[0][1] is plan else f": kept {kept}, the cheapest"))
+    return ranked
+
+
+def hand_plans(graph: Graph, mesh: DeviceMesh, cm: CostModel, fixed: dict,
+               settings: SearchSettings, weight: float, label: str,
+               memory: float) -> list[tuple[str, Plan]]:
+    """The hand plans (:mod:`autopar.strategies.baselines`) priced as the search prices its
+    own: ``data_parallel`` (the user's fixed strategies kept, as ``semi_auto_parallel``) and
+    Megatron's layout at each tensor-parallel degree that fits a node (its weight matmuls
+    fixed unless the user fixed them, the rest propagated). Each is (name, plan)."""
+    out: list[tuple[str, Plan]] = []
+    semi = replace(settings, parallel_mode="semi_auto_parallel")
+    out.append(("data_parallel", _hand_plan(_problem(graph, mesh, cm, fixed, semi, weight,
+                                                     lazy=False), "dynamic_programming",
+                                            label, memory)))
+    user = set(fixed) | set(graph.annotations())
+    for tp in megatron_degrees(mesh.device_num, cm.cluster.devices_per_node):
+        splits = {k: v for k, v in megatron_splits(graph, mesh, tp).items() if k not in user}
+        if splits:
+            problem = _problem(graph, mesh, cm, fixed, settings, weight, lazy=False,
+                               follow=splits)
+            out.append((f"megatron tp{tp}", _hand_plan(problem, "sharding_propagation",
+                                                       label, memory)))
+    return out
+
+
+def _hand_plan(problem: Problem, solver: str, label: str, memory: float) -> Plan:
+    return Plan.from_picks(problem, SOLVERS[solver].picks(problem, memory), label, 0.0)
 
 
 def _problem(graph: Graph, mesh: DeviceMesh, cm: CostModel, fixed: dict, settings: SearchSettings,

@@ -1,0 +1,121 @@
+"""The hand plans a user would otherwise write, as split counts every search prices beside
+its own plan (DESIGN: the hand plan is the bar).
+
+- ``data_parallel``: every operator splits the batch over all devices, parameters
+  replicated (``jax.jit`` + ``NamedSharding`` on the batch; MindSpore's ``data_parallel``).
+  :func:`autopar.strategies.search.data_parallel_splits` derives it.
+- ``megatron tpT``: Megatron-LM's tensor parallelism over ``T`` devices (inside a node) x data
+  parallelism over the rest. Each matmul with a weight (a parameter, or a parameter's
+  transpose or cast) is split as Megatron splits it: *column* (the weight's output dim over
+  ``T``) where its input is the residual stream, *row* (the contracted dim over ``T``, a
+  partial sum) where its input comes from a column-split matmul (through any operators but
+  another weight matmul) -- q, k, v column and the attention output row; an MLP's first
+  matmul column and its second row; a tied output projection column. The batch (dim 0 of
+  the activation) is split over the data-parallel rest. :func:`megatron_splits` gives those
+  matmuls' split counts; the search propagates them to the other operators
+  (``sharding_propagation``), as a MindSpore user fixes the matmuls and propagates.
+
+The parameter-sharded hand plan (ZeRO / FSDP) is ``data_parallel`` with the parallel optimizer
+(``enable_parallel_optimizer``): the same layouts, the parameters stored split over the
+data-parallel group; the search prices it so whenever the context turns it on.
+
+>>> import jax.numpy as jnp, autopar
+>>> from autopar.strategies.layout import DeviceMesh
+>>> def mlp(p, x):
+...     return jnp.sum(jnp.tanh(x @ p["w1"]) @ p["w2"])
+>>> g = autopar.trace(mlp, {"w1": jnp.ones((16, 64)), "w2": jnp.ones((64, 16))},
+...                   jnp.ones((8, 16)))
+>>> megatron_splits(g, DeviceMesh.for_devices(8), 4)  # (batch, out, contracted)
+{'dot_general_0': (2, 4, 1), 'dot_general_1': (2, 1, 4)}
+"""
+
+from __future__ import annotations
+
+from autopar.graph.ir import Graph, Node
+from autopar.graph.ops import op_spec
+from autopar.strategies.layout import DeviceMesh
+
+__all__ = ["megatron_degrees", "megatron_splits", "weight_input"]
+
+#: Operators through which a parameter is still a weight (its transpose, cast or reshape).
+_WEIGHT_VIEWS = frozenset({"transpose", "convert_element_type", "reshape"})
+
+
+def weight_input(graph: Graph, node: Node) -> int | None:
+    """Which input of a two-operand matmul is its weight: a parameter, or a view of one
+    (:data:`_WEIGHT_VIEWS`) read by nothing derived from data; None when neither is."""
+    if node.op != "dot_general" or len(node.inputs) != 2:
+        return None
+    found = []
+    for i, v in enumerate(node.inputs):
+        value = graph.values[v]
+        while value.kind == "activation":
+            maker = graph.node(value.producer)
+            if maker.op not in _WEIGHT_VIEWS or len(maker.inputs) != 1:
+                break
+            value = graph.values[maker.inputs[0]]
+        if value.kind == "param":
+            found.append(i)
+    return found[0] if len(found) == 1 else None
+
+
+def megatron_degrees(device_num: int, devices_per_node: int) -> list[int]:
+    """The tensor-parallel degrees Megatron's layout is tried at: every divisor >= 2 of
+    ``device_num`` that fits in a node, largest first (the rest data parallel).
+
+    >>> megatron_degrees(8, 8), megatron_degrees(64, 8), megatron_degrees(6, 8)
+    ([8, 4, 2], [8, 4, 2], [6, 3, 2])
+    """
+    top = min(device_num, devices_per_node)
+    return [t for t in range(top, 1, -1) if device_num % t == 0]
+
+
+def megatron_splits(graph: Graph, mesh: DeviceMesh, tp: int) -> dict[str, tuple[int, ...]]:
+    """Split counts (per iteration dim) of every weight matmul under Megatron's layout at
+    tensor-parallel degree ``tp`` (see the module docstring); matmuls whose dims allow no
+    such split are left out (the search decides them). Empty when the graph has no weight
+    matmul or ``tp`` does not divide the devices."""
+    if mesh.device_num % tp:
+        return {}
+    dp = mesh.device_num // tp
+    column_made: set[str] = set()  # values downstream of a column split, no row split between
+    out: dict[str, tuple[int, ...]] = {}
+    for node in graph.nodes:
+        w = weight_input(graph, node)
+        if w is None:
+            if any(v in column_made for v in node.inputs):
+                column_made.update(node.outputs)
+            continue
+        x = 1 - w
+        row = node.inputs[x] in column_made
+        splits = _matmul_splits(graph, node, w, row, tp, dp, mesh)
+        if splits is None:
+            continue
+        out[node.name] = splits
+        if not row:
+            column_made.update(node.outputs)
+    return out
+
+
+def _matmul_splits(graph: Graph, node: Node, w: int, row: bool, tp: int, dp: int,
+                   mesh: DeviceMesh) -> tuple[int, ...] | None:
+    """One weight matmul's split counts: ``tp`` on the weight's first output dim (column) or
+    first contracted dim (row) that allows it, ``dp`` on the activation's dim 0 where it
+    allows it; None when no dim takes ``tp``."""
+    spec = op_spec(node, graph)
+    x_dims = {d for d in spec.in_maps[1 - w] if d is not None}
+    out_dims = {d for m in spec.out_maps for d in m if d is not None}
+    w_dims = [d for d in spec.in_maps[w] if d is not None]
+    pick = [d for d in w_dims if (d in x_dims and d not in out_dims) == row
+            and (row or d not in x_dims)]
+    splits = [1] * len(spec.sizes)
+    for d in pick:
+        if spec.allows(d, tp):
+            splits[d] = tp
+            break
+    else:
+        return None
+    batch = spec.in_maps[1 - w][0] if spec.in_maps[1 - w] else None
+    if dp > 1 and batch is not None and batch not in w_dims and spec.allows(batch, dp):
+        splits[batch] = dp
+    return tuple(splits) if mesh.assign(splits) is not None else None
