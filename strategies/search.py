@@ -131,7 +131,7 @@ def ranked_plans(graph: Graph, *, mode: str, device_num: int, cluster: Cluster,
             plan = Plan.from_picks(problem, picks, label, 0.0)
             del problem  # freed inside the pause: the collector then has nothing of it to walk
             hands = hand_plans(graph, mesh, cm, fixed_map, settings, weight, label, budget) \
-                if pmode == "auto_parallel" and device_num > 1 else []
+                if _weighs_hand_plans(settings, device_num) else []
         ranked = _ranked(label, plan, hands, budget)
         best = ranked[0][1]
         best.search_seconds = time.perf_counter() - t0
@@ -149,14 +149,22 @@ def ranked_plans(graph: Graph, *, mode: str, device_num: int, cluster: Cluster,
         "model or batch, or a cluster with more memory")
 
 
+def _weighs_hand_plans(settings: SearchSettings, device_num: int) -> bool:
+    """Whether a search weighs the hand plans: under ``auto_parallel`` on several devices,
+    unless ``elementwise_op_strategy_follow`` asks for MindSpore's rule, which they do not
+    keep."""
+    return settings.parallel_mode == "auto_parallel" and device_num > 1 and \
+        not settings.elementwise_op_strategy_follow
+
+
 def _ranked(label: str, plan: Plan, hands: list[tuple[str, Plan]],
             memory: float) -> list[tuple[str, Plan]]:
     """The search's plan and the hand plans that fit ``memory``, cheapest first (a hand plan
     must be cheaper by more than rounding to go before the search's); the first's notes
     name every price."""
     fits = [(name, hand) for name, hand in hands if hand.cost.memory_bytes <= memory]
-    ranked = sorted([(label, plan), *fits], key=lambda item: (
-        item[1].objective * (1 + 1e-9 * (item[1] is not plan)),))
+    ranked = sorted([(label, plan), *fits],
+                    key=lambda item: item[1].objective * (1 + 1e-9 * (item[1] is not plan)))
     if hands:
         prices = ", ".join(f"{name} {hand.cost.total * 1e3:.4g} ms" for name, hand in hands)
         kept = ranked[0][0]
