@@ -70,6 +70,8 @@ DEFAULT, AUTOPAR_DP, JIT_DP = "default", "data_parallel mode", "jax.jit DP"
 GOALS = {"default/autopar_dp": 1.00, "default/jit_dp": 1.05, "spearman": 0.8,
          "pooled_spearman": 0.9, "median_abs_err": 0.20}
 NONE = "-"
+#: The terms of a plan's price, kept in the JSON rows (``<term>_ms``) beside the total.
+TERMS = ("compute", "communication", "redistribution", "gradient_sync")
 COMMAND = "python -m benchmarks models"
 
 
@@ -139,6 +141,8 @@ class Entry:
     call: Callable[[], None] | None = None
     predicted: float | None = None  # seconds on the calibrated cluster
     key: tuple | None = None  # plan_key of an autopar plan
+    terms: dict[str, float] = field(default_factory=dict)  # the price's terms, ms
+    collectives: int | None = None  # forward collectives of the program (slices aside)
     error: str = ""
     times: list[float] = field(default_factory=list)
 
@@ -178,7 +182,9 @@ def autopar_entry(label: str, role: str, model: Any, pmode: str, *,
         step = ap.train_step(model.loss, model.params, model.batch, optax.adam(1e-3), **extra)
     state = [step.prepare(model.params), step.init(model.params)]
     call = _runner(step, state, lambda: model.batch)
-    return Entry(label, role, call, key=plan_key(step.plan)), step.plan
+    comm = step.parallel_graph.comm_counts()
+    return Entry(label, role, call, key=plan_key(step.plan),
+                 collectives=sum(n for k, n in comm.items() if k != "slice")), step.plan
 
 
 def jit_entry(model: Any) -> Entry:
@@ -204,13 +210,15 @@ def jit_entry(model: Any) -> Entry:
     return Entry(JIT_DP, JIT_DP, _runner(step, state, lambda: jax.device_put(model.batch, split)))
 
 
-def _price(plan: Any, graph: Any, calibrated: Any, path: Path) -> float:
-    """The plan's cost.total on the calibrated cluster (saved, then loaded there)."""
+def _price(plan: Any, graph: Any, calibrated: Any, path: Path) -> tuple[float, dict]:
+    """The plan's cost.total on the calibrated cluster (saved, then loaded there), and its
+    terms in ms."""
     import autopar as ap
 
     ap.save_strategy(plan, graph, path)
     with _context("auto_parallel"):
-        return ap.load_strategy(path, graph, device_num=8, cluster=calibrated).cost.total
+        cost = ap.load_strategy(path, graph, device_num=8, cluster=calibrated).cost
+    return cost.total, {k: getattr(cost, k) * 1e3 for k in TERMS}
 
 
 def _attempt(label: str, role: str, build: Callable[[], Entry]) -> Entry:
@@ -233,7 +241,7 @@ def build_entries(model: Any, graph: Any, calibrated: Any, tmp: Path) -> list[En
 
     def mode_entry(role: str, pmode: str) -> Entry:
         entry, plan = autopar_entry(role, role, model, pmode)
-        entry.predicted = _price(plan, graph, calibrated, tmp / f"{pmode}.json")
+        entry.predicted, entry.terms = _price(plan, graph, calibrated, tmp / f"{pmode}.json")
         return entry
 
     entries.append(_attempt(DEFAULT, DEFAULT, lambda: mode_entry(DEFAULT, "auto_parallel")))
@@ -250,10 +258,10 @@ def build_entries(model: Any, graph: Any, calibrated: Any, tmp: Path) -> list[En
         path = tmp / f"candidate{k}.json"
 
         def candidate(name: str = name, plan: Any = plan, path: Path = path) -> Entry:
-            predicted = _price(plan, graph, calibrated, path)
+            predicted, terms = _price(plan, graph, calibrated, path)
             entry, _ = autopar_entry(name, "", model, "auto_parallel", load=path,
                                      cluster=calibrated)
-            entry.predicted = predicted
+            entry.predicted, entry.terms = predicted, terms
             return entry
 
         entries.append(_attempt(name, "", candidate))
@@ -318,7 +326,9 @@ def plan_rows(model: Any, entries: list[Entry]) -> list[dict[str, Any]]:
              "measured_ms": _ms(statistics.median(e.times) if e.times else None),
              "/autopar_dp": paired(e, dp), "/jit_dp": paired(e, jit),
              "default_pick": "yes" if pick is not None and e.key == pick else "",
-             "status": e.error or "ok"} for e in entries]
+             "status": e.error or "ok", "collectives": e.collectives if e.collectives
+             is not None else NONE, **{f"{k}_ms": e.terms.get(k, NONE) for k in TERMS}}
+            for e in entries]
 
 
 def distinct_plans(entries: list[Entry]) -> list[Entry]:
