@@ -68,7 +68,7 @@ if TYPE_CHECKING:  # the facade, as type checkers and the import contracts see i
     from autopar.planner import explain, search
     from autopar.resolve import resolve_context
     from autopar.strategies import CLUSTERS, Cluster, Plan
-    from autopar.train import train_step
+    from autopar.tune import train_step
 
 __version__ = "0.1.0"
 
@@ -115,7 +115,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "pipeline_train_step": ("autopar.pipeline", "pipeline_train_step"),
     **{name: ("autopar.planner", name) for name in ("explain", "search")},
     "resolve_context": ("autopar.resolve", "resolve_context"),
-    "train_step": ("autopar.train", "train_step"),
+    "train_step": ("autopar.tune", "train_step"),  # autopar.train's, plus tune=
     "hccl": ("autopar.hccl", None),
     "pipeline": ("autopar.pipeline", None),
     "simulation": ("autopar.simulation", None),

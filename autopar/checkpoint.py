@@ -9,10 +9,14 @@ autopar needs to rebuild the plan exactly: the graph fingerprint, device_num and
 operator's split per loop dimension, the data inputs' layouts, the cluster the plan was priced
 on, ``enable_alltoall``, the memory weight of the objective and the parallel optimizer's
 threshold (``parallel_optimizer_kb``) and, only when it is not -1 (so files of the default stay
-as they were), its shard group size (``optimizer_weight_shard_size``).
+as they were), its shard group size (``optimizer_weight_shard_size``). A plan chosen by measured
+tuning (:mod:`autopar.tune`) also keeps its measurements (``tuning``: the candidates' predicted
+and measured step times, the chosen one, the machine they were measured on); files without it
+are the files of before, byte for byte.
 
 Writes are atomic (a temporary file in the same directory, then ``os.replace``), and the same
-plan always gives the same bytes (sorted keys, ``repr`` floats, no timings). Loading checks
+plan always gives the same bytes (sorted keys, ``repr`` floats, no timings but a tuning's
+measurements, written only when given). Loading checks
 everything before anything is used and raises :class:`StrategyFileError` (an
 ``AutoParallelError``) naming the file, the field, what was expected and what was found.
 
@@ -40,7 +44,8 @@ from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from autopar.errors import AutoParallelError, AutoParallelTypeError, FileFieldError
+from autopar.errors import (AutoParallelError, AutoParallelTypeError, FileFieldError,
+                            from_validation_problem, validation_problems)
 from autopar.files import (read_json_document, validation_failure, write_bytes_atomic,
                            write_text_atomic)
 from autopar.graph.ir import Graph, check_strategy_shape
@@ -52,8 +57,9 @@ from autopar.strategies.plan import Plan
 from autopar.strategies.problem import Problem, splits_from_strategy
 from autopar.strategies.search import SearchSettings
 
-__all__ = ["FORMAT", "VERSION", "StrategyFile", "StrategyFileError", "save_strategy",
-           "load_strategy", "read_strategy_file", "strategy_document", "dumps_strategy",
+__all__ = ["FORMAT", "VERSION", "StrategyFile", "StrategyFileError", "TuningEntry",
+           "save_strategy", "load_strategy", "read_strategy_file", "strategy_document",
+           "dumps_strategy",
            "layout_entry", "layout_from_entry", "write_bytes_atomic", "write_text_atomic"]
 
 FORMAT = "autopar-strategy"
@@ -116,6 +122,44 @@ class Predicted(BaseModel):
     objective: float = Field(ge=0)
 
 
+class TuningRowEntry(BaseModel):
+    """One candidate plan a tuning measured: its name (``dynamic_programming``,
+    ``data_parallel``, ``megatron tp4``, ...), predicted and measured step (ms; measured is
+    null when only one distinct plan was there to run) and whether it was kept."""
+
+    model_config = _STRICT
+    name: str = Field(min_length=1, max_length=200)
+    predicted_ms: float = Field(ge=0)
+    measured_ms: float | None = Field(ge=0)
+    chosen: bool
+
+
+class TuningEntry(BaseModel):
+    """The measurements of a tuning (:mod:`autopar.tune`): the machine and cost model they
+    were taken on, the timed rounds and one row per candidate, in priced order, one chosen
+    (the plan of the file)."""
+
+    model_config = _STRICT
+    machine: str = Field(min_length=1, max_length=1000)
+    cluster: str = Field(min_length=1, max_length=1000)
+    steps: int = Field(ge=1)
+    rows: list[TuningRowEntry] = Field(min_length=1, max_length=1000)
+
+    @field_validator("rows")
+    @classmethod
+    def _one_chosen(cls, rows: list[TuningRowEntry]) -> list[TuningRowEntry]:
+        chosen = [r.name for r in rows if r.chosen]
+        if len(chosen) != 1:
+            raise ValueError(f"exactly one row is chosen (found {len(chosen)})")
+        if len({r.name for r in rows}) != len(rows):
+            raise ValueError("the rows' names are distinct")
+        return rows
+
+    @property
+    def chosen(self) -> TuningRowEntry:
+        return next(r for r in self.rows if r.chosen)
+
+
 class StrategyFile(BaseModel):
     """The whole file (format ``autopar-strategy``, version 1)."""
 
@@ -137,6 +181,8 @@ class StrategyFile(BaseModel):
     parallel_layout_item: dict[str, LayoutEntry]
     data_layout_item: dict[str, LayoutEntry]
     predicted: Predicted
+    # written only by a tuning (autopar.tune): files without it keep their bytes
+    tuning: TuningEntry | None = None
 
     @field_validator("optimizer_weight_shard_size")
     @classmethod
@@ -191,8 +237,10 @@ def layout_from_entry(entry: LayoutEntry, mesh: DeviceMesh, where: str,
 # ---------------------------------------------------------------------------- save
 
 
-def strategy_document(plan: Plan, graph: Graph) -> dict[str, Any]:
-    """The JSON document of a plan (a plain dict, validated by :class:`StrategyFile`)."""
+def strategy_document(plan: Plan, graph: Graph,
+                      tuning: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The JSON document of a plan (a plain dict, validated by :class:`StrategyFile`);
+    ``tuning``: the measurements that chose it (:class:`TuningEntry`'s fields), or None."""
     if not isinstance(plan, Plan):
         raise AutoParallelTypeError("plan", plan, "a Plan from autopar.search")
     if not isinstance(graph, Graph):
@@ -233,7 +281,32 @@ def strategy_document(plan: Plan, graph: Graph) -> dict[str, Any]:
     }
     if plan.optimizer_weight_shard_size != -1:  # absent from files of the default
         doc["optimizer_weight_shard_size"] = int(plan.optimizer_weight_shard_size)
+    if tuning is not None:  # absent from files of a plan that was not tuned
+        doc["tuning"] = _tuning_document(tuning, float(c.total))
     return doc
+
+
+def _tuning_document(tuning: Mapping[str, Any], step_seconds: float) -> dict[str, Any]:
+    """``tuning`` checked (:class:`TuningEntry`, its chosen row the plan's prediction) as
+    the file's ``tuning`` field."""
+    if not isinstance(tuning, Mapping):
+        raise AutoParallelTypeError("tuning", tuning, "a mapping of TuningEntry's fields")
+    try:
+        entry = TuningEntry.model_validate(dict(tuning))
+    except ValidationError as e:
+        raise from_validation_problem(validation_problems(e), "tuning",
+                                      TuningEntry.model_fields) from None
+    if not _same_prediction(entry, step_seconds):
+        raise AutoParallelError("tuning", entry.chosen.name, "its chosen row must be the "
+                                f"plan saved (predicted {step_seconds * 1e3!r} ms, the row "
+                                f"{entry.chosen.predicted_ms!r} ms)")
+    return entry.model_dump(mode="json")
+
+
+def _same_prediction(entry: TuningEntry, step_seconds: float) -> bool:
+    """Whether a tuning's chosen row is the plan predicted at ``step_seconds``."""
+    return math.isclose(entry.chosen.predicted_ms, step_seconds * 1e3, rel_tol=1e-9,
+                        abs_tol=1e-12)
 
 
 def _preset_names() -> set[str]:
@@ -247,11 +320,14 @@ def dumps_strategy(doc: Mapping[str, Any]) -> str:
     return json.dumps(doc, sort_keys=True, indent=1, allow_nan=False) + "\n"
 
 
-def save_strategy(plan: Plan, graph: Graph, path: str | os.PathLike[str]) -> Path:
-    """Write ``plan`` to ``path`` atomically; the same plan always gives the same bytes."""
+def save_strategy(plan: Plan, graph: Graph, path: str | os.PathLike[str], *,
+                  tuning: Mapping[str, Any] | None = None) -> Path:
+    """Write ``plan`` to ``path`` atomically; the same plan always gives the same bytes.
+    ``tuning``: the measurements that chose the plan, kept in the file (see
+    :func:`strategy_document`)."""
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise AutoParallelTypeError("strategy_ckpt_save_file", path, "a non-empty path")
-    text = dumps_strategy(strategy_document(plan, graph))
+    text = dumps_strategy(strategy_document(plan, graph, tuning))
     return write_text_atomic(path, text, key="strategy_ckpt_save_file")
 
 
@@ -287,6 +363,10 @@ def read_strategy_file(path: str | os.PathLike[str]) -> StrategyFile:
     if math.prod(a.size for a in f.mesh) != f.device_num:
         raise StrategyFileError(path, "mesh", f"axes whose sizes multiply to device_num="
                                 f"{f.device_num}", [a.model_dump() for a in f.mesh])
+    if f.tuning is not None and not _same_prediction(f.tuning, f.predicted.step_seconds):
+        raise StrategyFileError(path, "tuning.rows", "a chosen row predicted as the file's "
+                                f"plan ({f.predicted.step_seconds * 1e3!r} ms)",
+                                f"{f.tuning.chosen.name} {f.tuning.chosen.predicted_ms!r} ms")
     return f
 
 

@@ -1,10 +1,11 @@
-"""The `autopar` command: demo, search, compare, run, simulate, show, calibrate (verbs named
-after the API functions they call: autopar.search, autopar.simulation.simulate, ...).
+"""The `autopar` command: demo, search, compare, run, tune, simulate, show, calibrate (verbs
+named after the API functions they call: autopar.search, autopar.simulation.simulate, ...).
 
     autopar demo                                   the main job end to end on 8 emulated devices
     autopar search  --model transformer -o layers=2 --devices 8 --mode dynamic_programming
     autopar compare --model mlp --devices 8 [--measure] [--out DIR]
     autopar run     --model mlp --devices 8 --steps 3 --check [--save FILE | --load FILE]
+    autopar tune    --model mlp --devices 8 -k 4 [--steps 5] [--save FILE | --load FILE]
     autopar simulate --model transformer --devices 8 [--out trace.json] [--png trace.png]
     autopar show    strategy.json
 
@@ -448,6 +449,42 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+# ---------------------------------------------------------------------------- tune
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    import jax
+    import numpy as np
+
+    from autopar.tune import check_tune, tuned_train_step
+
+    check_tune(args.k, "k", 2)  # before any work
+    if args.load and args.mode:
+        raise CLIError("--mode does not apply with --load: the plan comes from the file "
+                       "(drop --mode, or drop --load to measure)")
+    _outputs_first(("--save", args.save), inputs=(("--load", args.load),
+                                                   ("--cluster", args.cluster)))
+    _inputs_first(args)
+    fn, ex, desc = load_model(args.model, parse_options(args.option), concrete=True)
+    if not ex:
+        raise CLIError(f"--model {args.model!r}: tune trains fn(params, *batch): the example "
+                       "arguments are empty")
+    ex = tuple(jax.tree.map(np.asarray, ex))
+    save = str(args.save) if args.save else None
+    load = str(args.load) if args.load else None
+    with _context(args, strategy_ckpt_save_file=save, strategy_ckpt_load_file=load,
+                  gradients_mean=True):
+        with _users_function(args):
+            step = tuned_train_step(fn, ex[0], tuple(ex[1:]), k=args.k, steps=args.steps,
+                                    mode=args.mode, cluster=_cluster(args))
+    _out(f"{desc} on {step.device_num} devices: kept {step.tuning.chosen.name}")
+    _out(str(step.tuning))
+    _out("\n" + step.plan.summary())
+    if save:
+        _out(f"strategy file written: {save}")
+    return 0
+
+
 # ---------------------------------------------------------------------------- trace / show
 
 
@@ -528,6 +565,12 @@ def cmd_show(args: argparse.Namespace) -> int:
                 ("operators", len(f.parallel_strategy_item)),
                 ("parameters", len(f.parallel_layout_item)),
                 ("data inputs", len(f.data_layout_item))], align="ll"))
+    if f.tuning is not None:
+        t = f.tuning
+        _out(f"\ntuning: median of {t.steps} round(s) on {t.machine}; priced on {t.cluster}")
+        _out(table([("plan", "predicted ms", "measured ms", "chosen")] + [
+            (r.name, f"{r.predicted_ms:.4g}", "-" if r.measured_ms is None else
+             f"{r.measured_ms:.4g}", "*" if r.chosen else "") for r in t.rows], align="lrrl"))
     ops = list(f.parallel_strategy_item.items())
     rows = [("operator", "op", "stage", "strategy", "splits")]
     rows += [(k, e.op, e.stage, str([tuple(s) for s in e.parallel_strategy]).replace(" ", ""),
@@ -670,6 +713,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=file_path, help="write losses and parameter sums as JSON")
     _process_args(p)
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("tune", help="measure the k cheapest priced plans' training steps on "
+                       "these devices and keep the fastest")
+    _model_args(p, load=True)
+    p.add_argument("-k", type=int, default=4,
+                   help="plans to measure, the cheapest priced first (default 4; 2 to 16)")
+    p.add_argument("--mode", choices=MODES, help="search mode of the search's own plan")
+    p.add_argument("--steps", type=positive_int, default=5,
+                   help="timed rounds, each running every plan once (default 5)")
+    p.add_argument("--save", type=file_path,
+                   help="write the chosen plan's strategy file here, with the measurements")
+    p.add_argument("--load", type=file_path,
+                   help="a strategy file saved by tune: its plan and measurements, nothing "
+                   "measured")
+    p.set_defaults(func=cmd_tune)
 
     p = sub.add_parser("simulate", help="simulate one iteration (autopar.simulation.simulate): "
                        "the seed's trace points")

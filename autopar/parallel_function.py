@@ -118,24 +118,47 @@ def parallelize(fn: Callable[..., Any], *example_args: Any, mode: str | None = N
 def parallel_function(fn: Callable[..., Any], example_args: tuple[Any, ...],
                       uneven: UnevenRequest | None, *, mode: str | None,
                       fixed: Mapping[str, Any] | None, cluster: Any, mesh: Mesh | None,
-                      fused_kernels: FusedKernels) -> ParallelFunction:
+                      fused_kernels: FusedKernels, plan: Plan | None = None
+                      ) -> ParallelFunction:
     """:func:`parallelize` after its checks: trace, search, rewrite and lower, reading no
     context of its own (the search, :func:`autopar.search`, resolves it). ``uneven``: the
-    uneven split :func:`autopar.uneven.plan_uneven` asked for, or None."""
+    uneven split :func:`autopar.uneven.plan_uneven` asked for, or None. ``plan``: a plan
+    searched on this function at these shapes, run as it is instead of searching (no
+    strategy file read or written, ``mode`` and ``fixed`` unused): a tuning's candidates."""
     args = example_args if uneven is None else uneven.padded_args
     # every process builds it (under jax.distributed): the cluster is process 0's
     with saves_on_success(), together():  # the strategy file once the function is built
         graph = trace(fn, *args)  # search() resolves the context (restrictions) once
-        plan = search(graph, mode=mode, fixed=fixed, cluster=cluster)
+        given = plan is not None
+        if given:
+            _check_given_plan(plan, graph)
+        else:
+            plan = search(graph, mode=mode, fixed=fixed, cluster=cluster)
         pg = rewrite(graph, plan, fused_kernels=fused_kernels, cluster=cluster)
         adapter = None
-        if uneven is not None:
+        if uneven is not None and given:  # (the given plan runs as it is, or is refused)
+            adapter = uneven.check(graph, pg)
+        elif uneven is not None:
             plan, pg, adapter = _rows_kept(uneven, graph, plan, pg, mode=mode, fixed=fixed,
                                            cluster=cluster, fused_kernels=fused_kernels)
         check_same_plans([(plan, graph, pg)])  # (under jax.distributed)
         f = ParallelFunction(fn, graph, plan, pg, lower(pg, mesh, adapter=adapter))
     f.uneven = adapter
     return f
+
+
+def _check_given_plan(plan: Any, graph: Graph) -> None:
+    """A plan given to run (``plan=``) must be a one-stage :class:`Plan` searched on
+    ``graph``."""
+    if not isinstance(plan, Plan):
+        raise AutoParallelTypeError("plan", plan, "a Plan from autopar.search (or None)")
+    if not plan.searched_on(graph):
+        raise AutoParallelError("plan", f"fingerprint {plan.fingerprint[:12]}", "it was not "
+                                f"searched on this function at these shapes (fingerprint "
+                                f"{graph.fingerprint()[:12]})", "Search the function it runs")
+    if plan.stages:
+        raise AutoParallelError("plan", f"{len(set(plan.stages.values()))} pipeline stages",
+                                "a pipelined plan runs in the pipelined step")
 
 
 def _rows_kept(uneven: UnevenRequest, graph: Graph, plan: Plan, pg: ParallelGraph, *,

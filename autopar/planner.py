@@ -45,8 +45,8 @@ __all__ = ["check_same_plans", "explain", "partition_stages", "plan_graph",
            "ranked_candidates", "save_plan", "saves_on_success", "search"]
 
 #: The strategy-file saves waiting for the entry point inside :func:`saves_on_success`.
-_PENDING: ContextVar[list[tuple[Plan, Graph, Any]] | None] = ContextVar("autopar_saves",
-                                                                         default=None)
+_PENDING: ContextVar[list[tuple[Plan, Graph, Any, Any]] | None] = ContextVar(
+    "autopar_saves", default=None)
 
 
 def search(graph: Graph, *, mode: str | None = None, device_num: int | None = None,
@@ -185,16 +185,18 @@ def _user_strategies(graph: Graph, fixed: Any, pmode: str, n: int) -> tuple[dict
                        for name, a in graph.annotations().items() if name not in fixed_map}
 
 
-def save_plan(plan: Plan, graph: Graph, path: Any) -> None:
+def save_plan(plan: Plan, graph: Graph, path: Any,
+              tuning: Mapping[str, Any] | None = None) -> None:
     """Save ``plan``'s strategy file now, or when the enclosing :func:`saves_on_success`
-    block succeeds (a later plan for the same path replaces one waiting)."""
+    block succeeds (a later plan for the same path replaces one waiting). ``tuning``: the
+    measurements that chose the plan (:mod:`autopar.tune`), kept in the file."""
     pending = _PENDING.get()
     if pending is None:
-        save_strategy(plan, graph, path)
+        save_strategy(plan, graph, path, tuning=tuning)
     else:
         writable_target(path, "strategy_ckpt_save_file")  # a bad path fails at once
         pending[:] = [p for p in pending if str(p[2]) != str(path)]  # a later plan wins
-        pending.append((plan, graph, path))
+        pending.append((plan, graph, path, tuning))
 
 
 @contextmanager
@@ -206,16 +208,16 @@ def saves_on_success() -> Iterator[None]:
     if _PENDING.get() is not None:
         yield
         return
-    pending: list[tuple[Plan, Graph, Any]] = []
+    pending: list[tuple[Plan, Graph, Any, Any]] = []
     token = _PENDING.set(pending)
     try:
         yield
     finally:
         _PENDING.reset(token)
-    for _, _, path in pending:
+    for _, _, path, _ in pending:
         writable_target(path, "strategy_ckpt_save_file")
-    for plan, graph, path in pending:
-        save_strategy(plan, graph, path)
+    for plan, graph, path, tuning in pending:
+        save_strategy(plan, graph, path, tuning=tuning)
 
 
 def _check_parallel_mode(pmode: Any) -> str:

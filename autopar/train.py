@@ -94,12 +94,14 @@ from autopar.optimizer_shard import (ShardDecision, decide_sharding, gather_para
 from autopar.parallel_graph import ParallelGraph
 from autopar.parallel_function import parallel_function
 from autopar.pipeline.step import PipelineTrainStep
+from autopar.strategies.plan import Plan
 from autopar.step_inputs import (DEFAULT_LEARNING_RATE, broadcast_parameters, check_arrays,
                                  check_floating, check_loss, check_opt_state, step_arguments)
 
 #: ``DEFAULT_LEARNING_RATE`` (defined with the other step inputs) stays part of this module's
 #: interface: train_step's default optimizer is ``optax.sgd(DEFAULT_LEARNING_RATE)``.
-__all__ = ["train_step", "TrainStep", "train_body", "DEFAULT_LEARNING_RATE"]
+__all__ = ["train_step", "TrainStep", "train_body", "check_step_arguments", "micro_batch",
+           "DEFAULT_LEARNING_RATE"]
 
 BACKENDS = ("shard_map", "pmap")
 
@@ -118,15 +120,20 @@ class TrainStep(ProgramInspection):
     """A jitted parallel training step: ``step(params, opt_state, *batch) -> (params,
     opt_state, loss)``; ``.init``, ``.prepare``, ``.grads``, ``.plan``, ``.parallel_graph``,
     ``.as_text``, ``.compiled_text``, and the gradient-sync set-up (``.buckets``,
-    ``.sync_groups``, ``.sharding``)."""
+    ``.sync_groups``, ``.sharding``). ``.tuning``: the measurements that chose the plan
+    (:class:`autopar.tune.Tuning`) when the step was tuned (``train_step(..., tune=k)``),
+    else None."""
+
+    tuning: Any = None
 
     def __init__(self, loss_fn: Callable[..., Any], params: Any, batch: tuple[Any, ...],
                  optimizer: optax.GradientTransformation, *, config: AutoParallelConfig,
                  mode: str | None, fixed: Mapping[str, Any] | None, cluster: Any,
                  backend: str, mesh: Mesh | None, sync_method: str,
-                 fused_kernels: FusedKernels = "auto") -> None:
+                 fused_kernels: FusedKernels = "auto", plan: Plan | None = None) -> None:
         """Built by :func:`train_step`, which reads the context once and passes its
-        ``config`` (nothing here reads the context)."""
+        ``config`` (nothing here reads the context). ``plan``: run this plan (searched on
+        the loss at the step's micro-batch) instead of searching, as a tuning does."""
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.backend = backend
@@ -134,10 +141,10 @@ class TrainStep(ProgramInspection):
         self._read_config(config)
         b_leaves, self._b_tree = jax.tree_util.tree_flatten(tuple(batch))
         self.batch_shapes = [tuple(np.shape(x)) for x in b_leaves]
-        micro = _micro_batch(batch, self.accumulation)
+        micro = micro_batch(batch, self.accumulation)
         self.function = parallel_function(loss_fn, (params, *micro), None, mode=mode,
                                           fixed=fixed, cluster=cluster, mesh=mesh,
-                                          fused_kernels=fused_kernels)
+                                          fused_kernels=fused_kernels, plan=plan)
         self.plan = self.function.plan
         self.parallel_graph = pg = self.function.parallel_graph
         self.mesh: Mesh = self.function.mesh
@@ -584,7 +591,7 @@ def _index_over(full: GradientBuckets, members: list[str]) -> GradientBuckets | 
                              "parallel optimizer's sharded gradients left out")
 
 
-def _micro_batch(batch: tuple[Any, ...], g: int) -> tuple[Any, ...]:
+def micro_batch(batch: tuple[Any, ...], g: int) -> tuple[Any, ...]:
     """The example batch of one micro-step: dim 0 of every leaf divided by ``g``."""
     if g == 1:
         return batch
@@ -637,15 +644,9 @@ def train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
     LAMB / LARS, adafactor are refused with an ``AutoParallelError``) and that
     ``comm_fusion`` is not applied there (warned).
     """
-    batch, optimizer = step_arguments(loss_fn, batch, optimizer,
-                                      "train_step needs a callable loss")
-    check_arrays("params", params)
-    check_floating("params", params)
-    if backend not in BACKENDS:
-        raise AutoParallelError("backend", backend, f"must be one of {BACKENDS}")
-    if sync_method not in METHODS:
-        raise AutoParallelError("sync_method", sync_method, f"must be one of {list(METHODS)}")
-    check_fused_kernels(fused_kernels)
+    batch, optimizer = check_step_arguments(loss_fn, params, batch, optimizer,
+                                            backend=backend, sync_method=sync_method,
+                                            fused_kernels=fused_kernels)
     cfg = current_config()  # the context, read once: everything below takes this config
     with saves_on_success():  # strategy files once the step is built and checked
         if cfg.pipeline_stages > 1:  # the pipelined step (autopar.pipeline), checked here
@@ -657,6 +658,23 @@ def train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
         return TrainStep(loss_fn, params, batch, optimizer, config=cfg, mode=mode,
                          fixed=fixed, cluster=cluster, backend=backend, mesh=mesh,
                          sync_method=sync_method, fused_kernels=fused_kernels)
+
+
+def check_step_arguments(loss_fn: Any, params: Any, batch: Any, optimizer: Any, *,
+                         backend: Any, sync_method: Any, fused_kernels: Any
+                         ) -> tuple[tuple[Any, ...], optax.GradientTransformation]:
+    """:func:`train_step`'s checks of its arguments (those of a tuned step too): ``(batch as
+    a tuple, the optimizer or the default SGD)``."""
+    batch, optimizer = step_arguments(loss_fn, batch, optimizer,
+                                      "train_step needs a callable loss")
+    check_arrays("params", params)
+    check_floating("params", params)
+    if backend not in BACKENDS:
+        raise AutoParallelError("backend", backend, f"must be one of {BACKENDS}")
+    if sync_method not in METHODS:
+        raise AutoParallelError("sync_method", sync_method, f"must be one of {list(METHODS)}")
+    check_fused_kernels(fused_kernels)
+    return batch, optimizer
 
 
 def _check_pipelined(stages: int, **given: Any) -> None:
