@@ -79,7 +79,7 @@ from autopar.context import current_config
 from autopar.cotangents import alike_axes
 from autopar.planner import saves_on_success
 from autopar.resolve import resolve_context
-from autopar.errors import AutoParallelError
+from autopar.errors import AutoParallelError, user_stacklevel
 from autopar.fusion import GradientBuckets, buckets_from_ends, gradient_buckets
 from autopar.grad_sync import (LOW_PRECISION, METHODS, data_parallel_degree, fp32_sync_active,
                                gradient_scale, replicated_axes, sync_gradients, sync_groups,
@@ -211,7 +211,7 @@ class TrainStep(ProgramInspection):
                 v, val.spec.shape, val.local_shape, np.dtype(val.spec.dtype).itemsize,
                 replicated_axes(val.layout, pg.mesh), sizes, enabled=self.parallel_optimizer,
                 threshold_kb=threshold_kb, shard_size=self._shard_size))
-        warn_fallbacks(self.sharding, stacklevel=4)  # _setup_sync, __init__, train_step, user
+        warn_fallbacks(self.sharding, stacklevel=user_stacklevel())  # (the user's line)
         self._sharded = [d.sharded for d in self.sharding]
         self.sync_axes, self._alike_factor = self._sync_axes(names)
         self.storage_shardings = [

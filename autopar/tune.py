@@ -352,14 +352,18 @@ def _loaded(cfg: AutoParallelConfig, k: int, loss_fn: Callable[..., Any], params
 
 def train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
                optimizer: optax.GradientTransformation | None = None, *,
-               tune: int | None = None, **options: Any) -> TrainStep:
+               tune: int | None = None, mode: str | None = None,
+               fixed: Mapping[str, Any] | None = None, cluster: Any = None,
+               backend: str = "shard_map", mesh: Any = None, sync_method: str = "tuple",
+               fused_kernels: Any = "auto") -> TrainStep:
     """:func:`autopar.train.train_step` (``autopar.train_step``), plus ``tune``: None, 0 or 1
     build the step as it is; ``k >= 2`` measures the ``k`` cheapest priced plans for a few
     interleaved steps and keeps the fastest (:func:`tuned_train_step`, with
     :data:`DEFAULT_STEPS` rounds and a progress bar on stderr; ``.tuning`` shows the table).
-    The other keywords (``mode``, ``fixed``, ``cluster``, ``backend``, ``mesh``,
-    ``sync_method``, ``fused_kernels``) are :func:`autopar.train.train_step`'s."""
+    The other arguments are :func:`autopar.train.train_step`'s."""
     k = check_tune(tune)
+    options = dict(mode=mode, fixed=fixed, cluster=cluster, backend=backend, mesh=mesh,
+                   sync_method=sync_method, fused_kernels=fused_kernels)
     if k < 2:
         return _train.train_step(loss_fn, params, batch, optimizer, **options)
     return tuned_train_step(loss_fn, params, batch, optimizer, k=k, **options)

@@ -257,3 +257,15 @@ def test_only_the_public_face_and_the_command_import_tune():
 
     users = {m for m, deps in import_graph().items() if "autopar.tune" in deps}
     assert users == {"autopar", "autopar.cli"}
+
+
+def test_train_steps_warnings_point_at_the_callers_line_through_the_tune_facade():
+    """autopar.train_step is autopar.tune's: one frame more than autopar.train's."""
+    m, params, x = tiny()
+    with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel",
+                                  enable_parallel_optimizer=True, parallel_optimizer_config={
+                                      "optimizer_weight_shard_size": 3,
+                                      "parallel_optimizer_threshold": 0}):
+        with pytest.warns(ap.AutoParallelWarning, match="does not divide") as seen:
+            ap.train_step(m.loss, params, (x,))
+    assert {w.filename for w in seen} == {__file__}

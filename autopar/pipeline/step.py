@@ -65,7 +65,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar.config import AutoParallelConfig
 from autopar.resolve import pipeline_schedule, resolve_context
-from autopar.errors import AutoParallelError, AutoParallelTypeError, AutoParallelWarning
+from autopar.errors import (AutoParallelError, AutoParallelTypeError, AutoParallelWarning,
+                            user_stacklevel)
 from autopar.grad_sync import (LOW_PRECISION, data_parallel_degree, fp32_collective,
                                fp32_sync_active, gradient_scale, replicated_axes)
 from autopar.graph.tracer import trace, traced_dtype
@@ -205,11 +206,12 @@ class PipelineTrainStep(ProgramInspection):
         check_elementwise_optimizer(optimizer, len(set(self._p_dtypes)),
                                     (self.stages, self.devices_per_stage))
         fusion = cfg.comm_fusion.fused()
-        if fusion:  # stacklevel: this method, __init__, the facade, the user's call
+        if fusion:  # (pointing at the user's call, through any facade)
             warnings.warn(f"comm_fusion={fusion!r} is ignored by a pipelined step (also when "
                           "set through all_reduce_fusion_config): it issues one collective per "
                           "gradient-sync group of each stage's packed buffer. Unset comm_fusion "
-                          "to silence this.", AutoParallelWarning, stacklevel=4)
+                          "to silence this.", AutoParallelWarning,
+                          stacklevel=user_stacklevel())
         return [jax.ShapeDtypeStruct(np.shape(x), d) for x, d in zip(p_leaves, self._p_dtypes)]
 
     def _trace(self, loss_fn: Callable[..., Any], p_sds: list[jax.ShapeDtypeStruct],
