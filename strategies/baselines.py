@@ -4,12 +4,12 @@ its own plan (DESIGN: the hand plan is the bar).
 - ``data_parallel``: every operator splits the batch over all devices, parameters
   replicated (``jax.jit`` + ``NamedSharding`` on the batch; MindSpore's ``data_parallel``).
   :func:`autopar.strategies.search.data_parallel_splits` derives it.
-- ``megatron tpT``: Megatron-LM's tensor parallelism over ``T`` devices (inside a node) x data
-  parallelism over the rest. Each matmul with a weight (a parameter, or a parameter's
-  transpose or cast) is split as Megatron splits it: *column* (the weight's output dim over
-  ``T``) where its input is the residual stream, *row* (the contracted dim over ``T``, a
-  partial sum) where its input comes from a column-split matmul (through any operators but
-  another weight matmul) -- q, k, v column and the attention output row; an MLP's first
+- ``megatron tpT``: Megatron-LM's tensor parallelism over ``T`` devices, the most a node holds
+  (:func:`megatron_degree`), x data parallelism over the rest (across nodes). Each matmul
+  with a weight (a parameter, or a parameter's transpose or cast) is split as Megatron
+  splits it: *column* (the weight's output dim over ``T``) where its input is the residual
+  stream, *row* (the contracted dim over ``T``, a partial sum) where its input comes from a
+  column-split matmul (through any operators but another weight matmul) -- q, k, v column and the attention output row; an MLP's first
   matmul column and its second row; a tied output projection column. The batch (dim 0 of
   the activation) is split over the data-parallel rest. :func:`megatron_splits` gives those
   matmuls' split counts; the search propagates them to the other operators
@@ -35,7 +35,7 @@ from autopar.graph.ir import Graph, Node
 from autopar.graph.ops import op_spec
 from autopar.strategies.layout import DeviceMesh
 
-__all__ = ["megatron_degrees", "megatron_splits", "weight_input"]
+__all__ = ["megatron_degree", "megatron_splits", "weight_input"]
 
 #: Operators through which a parameter is still a weight (its transpose, cast or reshape).
 _WEIGHT_VIEWS = frozenset({"transpose", "convert_element_type", "reshape"})
@@ -59,15 +59,17 @@ def weight_input(graph: Graph, node: Node) -> int | None:
     return found[0] if len(found) == 1 else None
 
 
-def megatron_degrees(device_num: int, devices_per_node: int) -> list[int]:
-    """The tensor-parallel degrees Megatron's layout is tried at: every divisor >= 2 of
-    ``device_num`` that fits in a node, largest first (the rest data parallel).
+def megatron_degree(device_num: int, devices_per_node: int) -> int:
+    """Megatron's tensor-parallel degree: the largest divisor of ``device_num`` that fits in
+    a node (the rest data parallel across nodes); 1 when there is none above 1.
 
-    >>> megatron_degrees(8, 8), megatron_degrees(64, 8), megatron_degrees(6, 8)
-    ([8, 4, 2], [8, 4, 2], [6, 3, 2])
+    >>> [megatron_degree(n, 8) for n in (8, 64, 12, 7)]
+    [8, 8, 6, 7]
+    >>> megatron_degree(7, 4)
+    1
     """
-    top = min(device_num, devices_per_node)
-    return [t for t in range(top, 1, -1) if device_num % t == 0]
+    return max(t for t in range(1, min(device_num, devices_per_node) + 1)
+               if device_num % t == 0)
 
 
 def megatron_splits(graph: Graph, mesh: DeviceMesh, tp: int) -> dict[str, tuple[int, ...]]:

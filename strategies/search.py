@@ -27,7 +27,7 @@ from autopar.errors import AutoParallelError
 from autopar.graph.ir import Graph
 from autopar.graph.ops import KINDS
 from autopar.strategies.cost import Cluster, CostModel
-from autopar.strategies.baselines import megatron_degrees, megatron_splits
+from autopar.strategies.baselines import megatron_degree, megatron_splits
 from autopar.strategies.layout import DeviceMesh
 from autopar.strategies.modes import SOLVERS, USES_PARAMETER_PLANS, USES_USER_STRATEGIES
 from autopar.strategies.plan import Plan
@@ -179,26 +179,27 @@ def hand_plans(graph: Graph, mesh: DeviceMesh, cm: CostModel, fixed: dict,
                memory: float) -> list[tuple[str, Plan]]:
     """The hand plans (:mod:`autopar.strategies.baselines`) priced as the search prices its
     own: ``data_parallel`` (the user's fixed strategies kept, as ``semi_auto_parallel``) and
-    Megatron's layout at each tensor-parallel degree that fits a node (its weight matmuls
-    fixed unless the user fixed them, the rest propagated). Each is (name, plan)."""
-    out: list[tuple[str, Plan]] = []
+    Megatron's layout, tensor parallel over a node (its weight matmuls fixed unless the user
+    fixed them, the rest propagated). Each is (name, plan). Every operator of the first is
+    fixed and the second's matmuls seed it, so both are propagated (no search)."""
     semi = replace(settings, parallel_mode="semi_auto_parallel")
-    out.append(("data_parallel", _hand_plan(_problem(graph, mesh, cm, fixed, semi, weight,
-                                                     lazy=False), "dynamic_programming",
-                                            label, memory)))
+    out = [("data_parallel", _hand_plan(_problem(graph, mesh, cm, fixed, semi, weight,
+                                                 lazy=False), label, memory))]
     user = set(fixed) | set(graph.annotations())
-    for tp in megatron_degrees(mesh.device_num, cm.cluster.devices_per_node):
-        splits = {k: v for k, v in megatron_splits(graph, mesh, tp).items() if k not in user}
-        if splits:
-            problem = _problem(graph, mesh, cm, fixed, settings, weight, lazy=False,
-                               follow=splits)
-            out.append((f"megatron tp{tp}", _hand_plan(problem, "sharding_propagation",
-                                                       label, memory)))
+    tp = megatron_degree(mesh.device_num, cm.cluster.devices_per_node)
+    splits = {k: v for k, v in megatron_splits(graph, mesh, tp).items() if k not in user} \
+        if tp > 1 else {}
+    if splits:
+        problem = _problem(graph, mesh, cm, fixed, settings, weight, lazy=False, follow=splits)
+        out.append((f"megatron tp{tp}", _hand_plan(problem, label, memory)))
     return out
 
 
-def _hand_plan(problem: Problem, solver: str, label: str, memory: float) -> Plan:
-    return Plan.from_picks(problem, SOLVERS[solver].picks(problem, memory), label, 0.0)
+def _hand_plan(problem: Problem, label: str, memory: float) -> Plan:
+    """The plan of a problem whose operators are fixed (propagated from them; searched
+    where the graph has none)."""
+    solver = SOLVERS["sharding_propagation" if problem.fixed else "dynamic_programming"]
+    return Plan.from_picks(problem, solver.picks(problem, memory), label, 0.0)
 
 
 def _problem(graph: Graph, mesh: DeviceMesh, cm: CostModel, fixed: dict, settings: SearchSettings,
