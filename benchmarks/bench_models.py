@@ -16,15 +16,16 @@ cluster the default path uses):
     and optimizer state replicated (``NamedSharding(mesh, P())``), every batch array split on
     dim 0 (``NamedSharding(mesh, P("d"))``, placed each step);
   - every other plan the search weighs (``autopar.planner.ranked_candidates``: the search's
-    own, ``data_parallel``, ``megatron tp8 / tp4 / tp2``), each saved as a strategy file and
-    built from it; a plan already built is not built again.
+    own, ``data_parallel``, ``megatron tp8``) and recursive_programming's own plan, each
+    saved as a strategy file and built from it; a plan already built is not built again.
 
 Timing: every step once to compile, one warm-up round, then ``rounds`` rounds (10; 3 with
 ``--quick``), each running every step once in a shuffled order (fixed seed); ``measured_ms``
 is the median over rounds and each ratio the median over rounds of the two steps' ratio in
 the same round. ``predicted_ms`` is the plan's ``cost.total`` on the calibrated cluster.
 Goals are printed, not asserted. Writes ``benchmarks/results/models.json``,
-``models_summary.json`` and the tables of ``docs/models.md``.
+``models_summary.json``, the tables of ``docs/models.md`` and the real-code table of
+``docs/fidelity.md``.
 
 The model libraries are the ``models`` extra of pyproject.toml; when they are missing, the
 benchmark installs it (``pip install -e .[models]``) first.
@@ -65,11 +66,17 @@ COLUMNS = ("model", "library", "plan", "predicted_ms", "measured_ms", "/autopar_
            "default_pick", "status")
 SUMMARY = ("model", "plans", "default/autopar_dp", "default/jit_dp", "pred_default/dp",
            "spearman", "median_abs_err", "status")
+#: docs/fidelity.md's view of the summary: how well the model ranks real code's plans.
+FIDELITY = ("model", "plans", "spearman", "median_abs_err", "pred_default/dp",
+            "default/autopar_dp")
 DEFAULT, AUTOPAR_DP, JIT_DP = "default", "data_parallel mode", "jax.jit DP"
 #: Goals, printed at the end (not asserted).
 GOALS = {"default/autopar_dp": 1.00, "default/jit_dp": 1.05, "spearman": 0.8,
          "pooled_spearman": 0.9, "median_abs_err": 0.20}
 NONE = "-"
+#: Search modes whose own plans are measured too (besides the default path's and the hand
+#: plans): more plans per model for the fidelity figures.
+OTHER_MODES = ("recursive_programming",)
 #: The terms of a plan's price, kept in the JSON rows (``<term>_ms``) beside the total.
 TERMS = ("compute", "communication", "redistribution", "gradient_sync")
 COMMAND = "python -m benchmarks models"
@@ -79,7 +86,8 @@ def doc_tables(results: dict[str, dict]) -> DocTexts:
     """docs/models.md's ``summary`` and ``plans`` tables, from models_summary.json and
     models.json."""
     return {("docs/models.md", "summary"): _table(results["models_summary"], SUMMARY),
-            ("docs/models.md", "plans"): _table(results["models"], COLUMNS)}
+            ("docs/models.md", "plans"): _table(results["models"], COLUMNS),
+            ("docs/fidelity.md", "real_code"): _table(results["models_summary"], FIDELITY)}
 
 
 def _table(payload: Mapping[str, Any], columns: tuple[str, ...]) -> str:
@@ -235,7 +243,11 @@ def build_entries(model: Any, graph: Any, calibrated: Any, tmp: Path) -> list[En
     from autopar.resolve import resolve_context
 
     with _context("auto_parallel"):
-        ranked = ranked_candidates(graph, resolve_context().config, cluster=calibrated)
+        cfg = resolve_context().config
+        ranked = ranked_candidates(graph, cfg, cluster=calibrated)
+        ranked += [(mode, dict(ranked_candidates(graph, cfg, mode=mode,
+                                                 cluster=calibrated))[mode])
+                   for mode in OTHER_MODES]
     names = {plan_key(p): name for name, p in reversed(ranked)}
     entries: list[Entry] = []
 
