@@ -157,8 +157,7 @@ def distinct_plans(ranked: Sequence[tuple[str, Plan]], k: int) -> list[tuple[str
     seen: set[Any] = set()
     out: list[tuple[str, Plan]] = []
     for name, plan in ranked:
-        key = (tuple((n, s.splits) for n, s in sorted(plan.nodes.items())),
-               tuple(sorted(plan.layouts.items(), key=lambda item: item[0])))
+        key = plan.decisions()
         if key not in seen and len(out) < k:
             seen.add(key)
             out.append((name, plan))

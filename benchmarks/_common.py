@@ -179,3 +179,14 @@ class DocTables:
             return
         for (doc, marker), text in self.texts(out_dir()).items():
             replace_between_markers(ROOT / doc, marker, text)
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float:
+    """Spearman's rank correlation of ``a`` and ``b`` (NaN under three points)."""
+    import math
+
+    from scipy.stats import spearmanr
+
+    if len(a) < 3:
+        return math.nan
+    return float(spearmanr(a, b).statistic)

@@ -45,6 +45,7 @@ from benchmarks._common import (
     markdown_table,
     out_dir,
     run_main,
+    spearman,
     write_results,
 )
 
@@ -83,13 +84,6 @@ def models(quick: bool) -> dict[str, Callable[[], Any]]:
     }
 
 
-def spearman(a: list[float], b: list[float]) -> float:
-    from scipy.stats import spearmanr
-
-    if len(a) < 3:
-        return math.nan
-    return float(spearmanr(a, b).statistic)
-
 
 def _hand_plans(graph: Any) -> dict[str, dict[str, tuple]]:
     """Megatron and its hybrids: matmuls with a 2-D parameter weight, alternately column
@@ -110,11 +104,6 @@ def _hand_plans(graph: Any) -> dict[str, dict[str, tuple]]:
     return out
 
 
-def _key(plan: Any) -> tuple:
-    return (tuple(sorted((k, v.splits) for k, v in plan.nodes.items())),
-            tuple(sorted((k, str(v)) for k, v in plan.layouts.items())))
-
-
 def candidate_plans(graph: Any, calibrated: Any) -> tuple[list[tuple[str, Any]], dict]:
     """(label, plan) per distinct plan, and which labels picked each (first label kept)."""
     import autopar as ap
@@ -123,7 +112,7 @@ def candidate_plans(graph: Any, calibrated: Any) -> tuple[list[tuple[str, Any]],
     picked: dict[str, list[str]] = {}
 
     def add(label: str, plan: Any) -> None:
-        k = _key(plan)
+        k = plan.decisions()
         if k not in found:
             found[k] = (label, plan)
         picked.setdefault(found[k][0], []).append(label)
@@ -200,7 +189,7 @@ def run_model(name: str, build: Callable[[], Any], calibrated: Any, rounds: int
     graph = ap.trace(model.loss, *args)
     plans, picked = candidate_plans(graph, calibrated)
     with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel"):
-        default = _key(ap.search(graph))  # the default path: no cluster named
+        default = ap.search(graph).decisions()  # the default path: no cluster named
     with tempfile.TemporaryDirectory() as tmp:
         built = [_step(model, args, plan, graph, calibrated, Path(tmp)) for _, plan in plans]
     entries = [(s, st) for s, st, _ in built]
@@ -210,7 +199,7 @@ def run_model(name: str, build: Callable[[], Any], calibrated: Any, rounds: int
         rows.append({"model": name, "plan": label, "predicted_ms": pred * 1e3,
                      "measured_ms": m * 1e3, "pred/meas": pred / m,
                      "picked_by": ", ".join(picked[label]),
-                     "default": _key(plan) == default})
+                     "default": plan.decisions() == default})
     fastest = min(range(len(rows)), key=lambda i: rows[i]["measured_ms"])
 
     def against_fastest(i: int) -> float:

@@ -57,6 +57,7 @@ from benchmarks._common import (
     markdown_table,
     out_dir,
     run_main,
+    spearman,
     write_results,
 )
 
@@ -124,19 +125,6 @@ def _status(e: BaseException) -> str:
     return f"{type(e).__name__}: {sentence}"
 
 
-def plan_key(plan: Any) -> tuple:
-    """What a plan decides (split counts per operator, layouts per value), not its name."""
-    return (tuple(sorted((k, v.splits) for k, v in plan.nodes.items())),
-            tuple(sorted((k, str(v)) for k, v in plan.layouts.items())))
-
-
-def spearman(a: list[float], b: list[float]) -> float:
-    from scipy.stats import spearmanr
-
-    if len(a) < 3:
-        return math.nan
-    return float(spearmanr(a, b).statistic)
-
 
 # ---- the steps -------------------------------------------------------------------------------
 
@@ -148,7 +136,7 @@ class Entry:
     role: str = ""  # DEFAULT, AUTOPAR_DP, JIT_DP or "" (another candidate)
     call: Callable[[], None] | None = None
     predicted: float | None = None  # seconds on the calibrated cluster
-    key: tuple | None = None  # plan_key of an autopar plan
+    key: tuple | None = None  # Plan.decisions() of an autopar plan
     terms: dict[str, float] = field(default_factory=dict)  # the price's terms, ms
     collectives: int | None = None  # forward collectives of the program (slices aside)
     error: str = ""
@@ -191,7 +179,7 @@ def autopar_entry(label: str, role: str, model: Any, pmode: str, *,
     state = [step.prepare(model.params), step.init(model.params)]
     call = _runner(step, state, lambda: model.batch)
     comm = step.parallel_graph.comm_counts()
-    return Entry(label, role, call, key=plan_key(step.plan),
+    return Entry(label, role, call, key=step.plan.decisions(),
                  collectives=sum(n for k, n in comm.items() if k != "slice")), step.plan
 
 
@@ -248,7 +236,7 @@ def build_entries(model: Any, graph: Any, calibrated: Any, tmp: Path) -> list[En
         ranked += [(mode, dict(ranked_candidates(graph, cfg, mode=mode,
                                                  cluster=calibrated))[mode])
                    for mode in OTHER_MODES]
-    names = {plan_key(p): name for name, p in reversed(ranked)}
+    names = {p.decisions(): name for name, p in reversed(ranked)}
     entries: list[Entry] = []
 
     def mode_entry(role: str, pmode: str) -> Entry:
@@ -264,9 +252,9 @@ def build_entries(model: Any, graph: Any, calibrated: Any, tmp: Path) -> list[En
     entries.append(_attempt(JIT_DP, JIT_DP, lambda: jit_entry(model)))
     seen = {e.key for e in entries if e.key is not None}
     for k, (name, plan) in enumerate(ranked):
-        if plan_key(plan) in seen:
+        if plan.decisions() in seen:
             continue
-        seen.add(plan_key(plan))
+        seen.add(plan.decisions())
         path = tmp / f"candidate{k}.json"
 
         def candidate(name: str = name, plan: Any = plan, path: Path = path) -> Entry:

@@ -9,9 +9,10 @@ its own plan (DESIGN: the hand plan is the bar).
   with a weight (a parameter, or a parameter's transpose or cast) is split as Megatron
   splits it: *column* (the weight's output dim over ``T``) where its input is the residual
   stream, *row* (the contracted dim over ``T``, a partial sum) where its input comes from a
-  column-split matmul (through any operators but another weight matmul) -- q, k, v column and the attention output row; an MLP's first
-  matmul column and its second row; a tied output projection column. The batch (dim 0 of
-  the activation) is split over the data-parallel rest. :func:`megatron_splits` gives those
+  column-split matmul (through any operators but another weight matmul) -- q, k, v column
+  and the attention output row; an MLP's first matmul column and its second row; a tied
+  output projection column. The batch (dim 0 of the activation) is split over the
+  data-parallel rest. :func:`megatron_splits` gives those
   matmuls' split counts; the search propagates them to the other operators
   (``sharding_propagation``), as a MindSpore user fixes the matmuls and propagates.
 

@@ -125,6 +125,13 @@ class Plan:
     def device_num(self) -> int:
         return self.mesh.device_num
 
+    def decisions(self) -> tuple:
+        """What the plan decides, hashable: every operator's split counts and every value's
+        layout (two plans with equal decisions run the same program, whatever their names,
+        prices or notes)."""
+        return (tuple(sorted((k, v.splits) for k, v in self.nodes.items())),
+                tuple(sorted(self.layouts.items(), key=lambda item: item[0])))
+
     @staticmethod
     def from_picks(problem: Problem, picks: Sequence[int], mode: str, seconds: float) -> "Plan":
         g, mesh = problem.graph, problem.mesh
