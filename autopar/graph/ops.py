@@ -283,6 +283,23 @@ def _concatenate_spec(node: Node, shapes: Sequence[Shape], outs: Sequence[Shape]
     return OpSpec(out, tuple(m for _ in shapes), (_ident(len(out)),), fixed=(ax,))
 
 
+def _stack_spec(node: Node, shapes: Sequence[Shape], outs: Sequence[Shape]) -> OpSpec:
+    """``stack[axis]``: each input is one index of the new output dim ``axis`` (whole); the
+    other output dims are the inputs' dims."""
+    out, ax = outs[0], node.params["axis"]
+    m = tuple(d if d < ax else d + 1 for d in range(len(out) - 1))
+    return OpSpec(out, tuple(m for _ in shapes), (_ident(len(out)),), fixed=(ax,))
+
+
+def _along_axis_spec(node: Node, shapes: Sequence[Shape], outs: Sequence[Shape]) -> OpSpec:
+    """An operator along one ``axis`` (cumulative sums, top-k): that dim whole, every other
+    dim of the input is the same dim of each output."""
+    sizes, ax = shapes[0], node.params["axis"]
+    rank = len(sizes)
+    m = tuple(None if d == ax else d for d in range(rank))
+    return OpSpec(tuple(sizes), (m,), tuple(m for _ in outs), fixed=(ax,))
+
+
 def _split_spec(node: Node, shapes: Sequence[Shape], outs: Sequence[Shape]) -> OpSpec:
     sizes, ax = shapes[0], node.params["axis"]
     m = tuple(None if d == ax else d for d in range(len(sizes)))
@@ -460,7 +477,11 @@ OPERATORS: dict[str, OpKind] = {k.name: k for k in (
     OpKind("transpose", ("transpose",), _transpose_spec),
     OpKind("slice", ("slice", "dynamic_slice"), _slice_spec, local_params=_slice_local),
     OpKind("concatenate", ("concatenate",), _concatenate_spec),
+    OpKind("stack", ("stack",), _stack_spec),
     OpKind("split", ("split",), _split_spec),
+    OpKind("cumulative", ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"),
+           _along_axis_spec, _output_flops),
+    OpKind("top_k", ("top_k",), _along_axis_spec, _input_flops),
     OpKind("pad", ("pad",), _pad_spec),
     OpKind("gather", ("gather",), _gather_spec, local_params=_slice_sizes),
     OpKind("iota", ("iota",), _iota_spec, local_params=_out_shape("shape"),
