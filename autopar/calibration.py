@@ -3,8 +3,8 @@
 Measured on every device at once, as a plan runs them (so devices that share cores show it):
 
 - **matmul**: square matmuls per device over several sizes, chained -> ``peak_flops`` (the
-  slope); a chain of 64 tiny (8 x 8) ones -> ``op_overhead`` (what one more operator in a
-  program costs);
+  throughput of the largest two, past their launch: :func:`peak_throughput`); a chain of
+  64 tiny (8 x 8) ones -> ``op_overhead`` (what one more operator in a program costs);
 - **elementwise** (``x * a + b`` into a new array) of 1 to 16 MiB per device ->
   ``memory_bandwidth`` (the slope, first touch of new memory included, as a real step pays
   it);
@@ -18,10 +18,15 @@ Measured on every device at once, as a plan runs them (so devices that share cor
 - **overlap**: a matmul and an independent all-reduce in one step against each alone (0
   where devices share their cores, shared compute >= 2: the cores that compute move the data,
   and what the difference shows is noise).
-- **barrier**: a small all-reduce, all-gather or reduce-scatter that waits for a matmul
-  against both alone (the median over the three kinds): what a collective costs in a
-  program beyond its chained fit (devices that share cores catch up with each other at it;
-  0 where they do not).
+- **in a step** (``barrier`` + ``barrier_per_byte`` x n): what a collective costs in a
+  training step beyond its chained fit, from a step-like program -- forward segments of a
+  matmul and a tanh, each followed by an all-gather of its output and the slice of this
+  device's block back (the rewrite's move of a split value), differentiated, so backward
+  runs the reduce-scatters and zero-filled slices -- against the same program without the
+  moves, at two message sizes: per collective, the difference less the two fits, as a line
+  in the message size. Devices that share cores drift apart over the computation between
+  collectives and catch up at each; the glue around a collective grows with its message.
+  Chained collectives show neither (0 where devices run on their own).
 
 Operations are measured as straight-line programs, each operation writing a new buffer as a
 real program's do (a loop over one buffer stays in cache and measured 5-15x faster than the
@@ -53,31 +58,31 @@ import numpy as np
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.multihost import agree_flag, agree_made, agree_text, is_lead, several
-from autopar.strategies.cost import (COLLECTIVE_KINDS, Calibration, Cluster, CollectiveFit)
+from autopar.strategies.cost import (COLLECTIVE_KINDS, Calibration, Cluster, CollectiveFit,
+                                    CostModel)
 from autopar.strategies.layout import DeviceMesh, jax_mesh
 
 __all__ = ["CALIBRATION_VERSION", "calibrated_name", "check_settings", "fit_alpha_beta",
-           "fit_with_knee", "group_sizes", "host_identity", "measure", "select_devices"]
+           "fit_with_knee", "group_sizes", "host_identity", "in_step_line", "measure",
+           "peak_throughput", "select_devices"]
 
-#: 2: the barrier, op_overhead measured directly; 3: the barrier pooled over three kinds.
-#: A calibration of an older version is measured again.
-CALIBRATION_VERSION = 3
+#: 2: the barrier, op_overhead measured directly; 3: the barrier pooled over three kinds;
+#: 4: the barrier and barrier_per_byte measured in a step-like program. A calibration of an
+#: older version is measured again.
+CALIBRATION_VERSION = 4
 #: Message sizes (bytes, as the model counts them), in the order they are measured: the
 #: ends first, so a fit has its latency and its bandwidth whatever the budget cuts.
 MESSAGE_SIZES = (2 ** 12, 2 ** 24, 2 ** 20, 2 ** 16, 2 ** 22, 2 ** 25)
 MATMUL_SIZES = (64, 128, 256, 512)
 ELEMENTWISE_BYTES = (2 ** 20, 2 ** 22, 2 ** 24)
 _MIN_SAMPLES = 2
-#: Elements per device of the collectives that measure the barrier (4 KiB of float32).
-_BARRIER_ELEMS = 1024
-#: The collectives whose differences the barrier pools (a program's usual ones).
-_BARRIER_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+#: The step-like program that measures a collective in a step: segments, the width of its
+#: matmuls and the rows of each device's block at its two sizes (float32).
+_STEP_SEGMENTS = 8
+_STEP_WIDTH = 128
+_STEP_ROWS = (64, 512)
 #: Operations in the chain that measures an operator's launch (long: each costs microseconds).
 _LAUNCH_CHAIN = 64
-#: Operations in the chains that measure the barrier (a difference of three measurements).
-_BARRIER_CHAIN = 16
-#: Differences per kind in the barrier's median.
-_BARRIER_REPEATS = 2
 #: Operations in the long chain of a measurement, and what one measurement runs (warm-up
 #: and three pairs of one and ``_CHAIN`` operations).
 _CHAIN = 4
@@ -306,7 +311,7 @@ def _measure_collectives(devices: Sequence[Any], sizes: Sequence[int], clock: _C
 
 def _measure_compute(devices: Sequence[Any], share: float, bar: Any) -> dict[str, float]:
     """peak_flops, memory_bandwidth, op_overhead, step_overhead, the residuals,
-    shared_compute, overlap, barrier (see the module doc)."""
+    shared_compute, overlap (see the module doc)."""
     import jax.numpy as jnp
     from jax import lax
     from jax.sharding import PartitionSpec
@@ -324,8 +329,8 @@ def _measure_compute(devices: Sequence[Any], share: float, bar: Any) -> dict[str
     for m in MATMUL_SIZES:
         t_mm.append(_per_op(*chains, _placed(mesh, spec, m * m), _CHAIN, limit))
         flops.append(2.0 * m ** 3)
-    _, inv_peak, mm_resid = fit_alpha_beta(flops, t_mm)
     overhead = _op_overhead(mesh, spec, limit)
+    peak, mm_resid = peak_throughput(flops, t_mm, overhead)
     bar.advance("matmul")
     # elementwise: calls writing a new array of each size; the slope is the bandwidth (the
     # intercept, the call's dispatch, is the launch of a step: a call that does nothing)
@@ -356,13 +361,29 @@ def _measure_compute(devices: Sequence[Any], share: float, bar: Any) -> dict[str
     overlap = (t_mm[-2] + t_ar - t_both) / max(1e-12, min(t_mm[-2], t_ar))
     if shared >= 2.0:  # devices share their cores: the cores that compute move the data
         overlap = 0.0
-    barrier = _barrier(mesh, spec, limit)
     bar.advance("overlap")
-    return {"peak_flops": 1.0 / max(inv_peak, 1e-30),
+    return {"peak_flops": peak,
             "memory_bandwidth": 1.0 / max(inv_bw, 1e-30), "op_overhead": overhead,
             "step_overhead": step_overhead, "matmul_residual": mm_resid,
             "memory_residual": ew_resid, "shared_compute": max(shared, 1e-3),
-            "overlap": min(1.0, max(0.0, overlap)), "barrier": barrier}
+            "overlap": min(1.0, max(0.0, overlap))}
+
+
+def peak_throughput(flops: Sequence[float], seconds: Sequence[float],
+                    launch: float) -> tuple[float, float]:
+    """``(peak_flops, largest |fit / measured - 1|)``: the median throughput of the two
+    largest matmuls past their launch, the sizes where compute dominates. (A least-squares
+    line through every size let one noisy sample flatten the slope: 0.5 PFLOP/s per
+    emulated CPU device, its residual 100 %.)
+
+    >>> peak, r = peak_throughput([1e6, 1e8, 1e9], [3e-6 + 1e-5, 3e-6 + 1e-3, 3e-6 + 1e-2], 3e-6)
+    >>> round(peak / 1e9), r < 1e-9
+    (100, True)
+    """
+    pairs = sorted(zip(flops, seconds))[-2:]
+    peak = float(np.median([f / max(t - launch, 1e-9) for f, t in pairs]))
+    resid = max(abs((launch + f / peak) / max(t, 1e-9) - 1.0) for f, t in zip(flops, seconds))
+    return peak, float(resid)
 
 
 def _matmul(x: Any) -> Any:
@@ -382,37 +403,74 @@ def _op_overhead(mesh: Any, spec: Any, limit: float) -> float:
                    _placed(mesh, spec, 8 * 8), _LAUNCH_CHAIN, limit)
 
 
-def _barrier(mesh: Any, spec: Any, limit: float) -> float:
-    """Seconds a small collective costs after a matmul it waits for (``MATMUL_SIZES[0]``),
-    beyond the matmul and the collective alone, the three measured one after the other: the
-    median of such differences over ``_BARRIER_KINDS``, ``_BARRIER_REPEATS`` times each --
-    what the devices lose catching up with each other at a collective in a program (0 where
-    they do not). One difference alone ranged 0-400 us on a 2-core machine, and the median
-    of five all-reduce differences 20-290 us between calibrations; pooled over the three
-    kinds, four calibrations in a row gave 160-163 us."""
+def _step_like(mesh: Any, spec: Any, rows: int, moves: bool) -> Any:
+    """``f(x)``: a training step's shape on every device's block of ``x`` (``rows`` x
+    ``_STEP_WIDTH``): ``_STEP_SEGMENTS`` segments (a matmul and a tanh), each followed, with
+    ``moves``, by an all-gather of its output and the slice of this device's block back;
+    differentiated (backward: reduce-scatters and zero-filled slices), the loss summed."""
+    import jax
     import jax.numpy as jnp
+    from jax import lax
 
-    m, small, p = MATMUL_SIZES[0], _BARRIER_ELEMS, mesh.shape["g"]
+    width = _STEP_WIDTH
 
-    def after_matmul(collective: Callable[[Any], Any] | None) -> Callable[[Any], Any]:
-        def f(v: Any) -> Any:
-            y = _matmul(v[:m * m])
-            z = v[m * m:] + y[:1]
-            return jnp.concatenate([y, z if collective is None else collective(z)])
-        return f
+    def loss(h: Any) -> Any:
+        w = jnp.full((width, width), 0.01, h.dtype)
+        for _ in range(_STEP_SEGMENTS):
+            h = jnp.tanh(h @ w) + h
+            if moves:
+                whole = lax.all_gather(h, "g", axis=0, tiled=True)
+                h = lax.dynamic_slice_in_dim(whole, lax.axis_index("g") * rows, rows, 0)
+        return jnp.sum(h * h)
 
-    def per_op(f: Callable[[Any], Any], elems: int) -> float:
-        return _per_op(_chain(mesh, f, spec, 1), _chain(mesh, f, spec, _BARRIER_CHAIN),
-                       _placed(mesh, spec, elems), _BARRIER_CHAIN, limit)
+    def run(x: Any) -> Any:
+        value, grad = jax.value_and_grad(loss)(x.reshape(rows, width))
+        return grad.reshape(-1) + lax.psum(value, "g")
 
-    def once(kind: str) -> float:
-        collective = _collective_body(kind, "g", p)
-        t_c = per_op(collective, small)
-        t_mm = per_op(after_matmul(None), m * m + small)
-        return per_op(after_matmul(collective), m * m + small) - t_mm - t_c
+    return jax.jit(jax.shard_map(run, mesh=mesh, in_specs=spec, out_specs=spec,
+                                 check_vma=False))
 
-    return max(0.0, float(np.median([once(k) for k in _BARRIER_KINDS
-                                     for _ in range(_BARRIER_REPEATS)])))
+
+def _in_step(devices: Sequence[Any], comp: dict[str, float],
+             fits: Sequence[CollectiveFit], limit: float) -> dict[str, float]:
+    """``barrier`` and ``barrier_per_byte``: per collective of a step-like program
+    (:func:`_step_like`), its time less the program without its moves, at ``_STEP_ROWS``'
+    two sizes (:func:`in_step_line`). Zero on one device."""
+    from jax.sharding import PartitionSpec
+
+    p = len(devices)
+    if p < 2 or not fits:
+        return {"barrier": 0.0, "barrier_per_byte": 0.0}
+    mesh, spec = jax_mesh(DeviceMesh((("g", p),)), devices), PartitionSpec("g")
+    chained = CostModel(_cluster(devices, comp | {"barrier": 0.0, "barrier_per_byte": 0.0},
+                                 fits, 0.0))
+    intra = len({d.process_index for d in devices}) == 1
+    sizes, measured, fitted = [], [], []
+    for rows in _STEP_ROWS:
+        n = p * rows * _STEP_WIDTH * 4
+        sizes.append(float(n))
+        measured.append(_per_op(_step_like(mesh, spec, rows, False),
+                                _step_like(mesh, spec, rows, True),
+                                _placed(mesh, spec, rows * _STEP_WIDTH),
+                                2 * _STEP_SEGMENTS + 1, limit))
+        fitted.append(sum(chained.collective_time(k, n, p, intra=intra)
+                          for k in ("all_gather", "reduce_scatter")) / 2)
+    barrier, per_byte = in_step_line(sizes, measured, fitted)
+    return {"barrier": barrier, "barrier_per_byte": per_byte}
+
+
+def in_step_line(sizes: Sequence[float], measured: Sequence[float],
+                 fitted: Sequence[float]) -> tuple[float, float]:
+    """``(barrier, barrier_per_byte)``: the line (non-negative, relative error) through
+    what a collective measured in a step beyond its chained fit, at each message size.
+
+    >>> b, per_byte = in_step_line([2**18, 2**21], [5e-4, 3.1e-3], [2e-4, 1e-3])
+    >>> round(b * 1e6), round(per_byte * 2**20 * 1e6)
+    (43, 1029)
+    """
+    excess = [max(m - f, 1e-9) for m, f in zip(measured, fitted)]
+    barrier, per_byte, _ = fit_alpha_beta(sizes, excess)
+    return barrier, per_byte
 
 
 # ---------------------------------------------------------------------------- the entry
@@ -545,6 +603,7 @@ def _cluster(devs: Sequence[Any], comp: dict[str, float], fits: Sequence[Collect
         inter_bandwidth=inter_link[0], inter_alpha=inter_link[1],
         op_overhead=comp["op_overhead"], step_overhead=comp["step_overhead"],
         overlap=comp["overlap"], barrier=comp["barrier"],
+        barrier_per_byte=comp["barrier_per_byte"],
         collectives=tuple(sorted(fits, key=lambda f: (f.kind, f.group, f.intra))),
         calibration=cal)
 
@@ -590,10 +649,12 @@ def measure(devs: Sequence[Any], *, budget_s: float = 60.0, progress: bool = Tru
     sizes = tuple(int(n) for n in agree_text(" ".join(map(str, sizes))).split())
     clock = _Clock(0.92 * budget_s)  # the plan overruns its share a little: aim under
     cases = len(_group_meshes(devs)) * len(COLLECTIVE_KINDS) if len(devs) > 1 else 0
-    total = 3 + cases * len(sizes)
+    total = 4 + cases * len(sizes)
     with Progress("calibrate", total, quiet=not (progress and is_lead())) as bar:
         comp = _measure_compute(devs, 0.25 * clock.budget, bar)
         fits = _measure_collectives(devs, sizes, clock, bar) if cases else []
+        comp |= _in_step(devs, comp, fits, 0.05 * clock.budget)
+        bar.advance("in a step")
     if not several():
         return _cluster(devs, comp, fits, clock.elapsed())
     # process 0's figures make the cluster (another's might not even validate)

@@ -222,7 +222,7 @@ def describe_cluster(cluster: Cluster) -> str:
     2.00 GB/s memory
     0.0 us per operator
     overlap 0.00
-    barrier 0.0 us
+    barrier 0.0 us + 0.00 us per KiB in a step
     """
     _check_cluster(cluster)
     from autopar.cli_util import table
@@ -231,7 +231,8 @@ def describe_cluster(cluster: Cluster) -> str:
     head = (f"{c.name} ({'preset' if c.calibration is None else 'calibrated'}): "
             f"{c.peak_flops / 1e9:.2f} GFLOP/s, {c.memory_bandwidth / 1e9:.2f} GB/s memory, "
             f"{c.op_overhead * 1e6:.1f} us per operator, overlap {c.overlap:.2f}, "
-            f"barrier {c.barrier * 1e6:.1f} us")
+            f"barrier {c.barrier * 1e6:.1f} us + {c.barrier_per_byte * 1024e6:.2f} us per KiB "
+            "in a step")
     lines = [head]
     if c.calibration is not None:
         k = c.calibration

@@ -169,6 +169,11 @@ class Cluster(BaseModel, metaclass=_TypedConstruction):
                            "collective costs on top of its fit when it waits for computation "
                            "(devices that share cores catch up with each other at it; 0: "
                            "devices that run on their own)")
+    barrier_per_byte: float = Field(default=0.0, ge=0, le=_SECONDS, description="seconds "
+                                    "per byte (n as its fit counts it) a collective costs "
+                                    "in a training step on top of its fit and the barrier: "
+                                    "its glue (slices, a zero-filled gradient) and the "
+                                    "devices drifting apart grow with the message (0: none)")
     overlap: float = Field(default=1.0, ge=0, le=1, description="fraction of a transfer "
                            "that can hide behind compute (0: the cores that compute move "
                            "the data, as emulated devices do)")
@@ -252,9 +257,9 @@ class CostModel:
         The measured fit of (kind, p, intra) when the cluster has one; else the ring formula
         with the link figures (a kind measured at other group sizes takes its per-step
         latency and bandwidth from the nearest measured size). Plus the cluster's
-        ``barrier``: the fits are measured on chains of collectives, where every device
-        arrives at once; in a program a collective also waits for the computation before
-        it."""
+        ``barrier`` and ``barrier_per_byte``: the fits are measured on chains of collectives,
+        where every device arrives at once; in a training step a collective also waits for
+        the computation before it, and carries its glue."""
         key = (kind, p, intra)
         hit = self._coef.get(key)
         if hit is not None:
@@ -268,11 +273,11 @@ class CostModel:
             s0, f0 = _formula(kind, f.group)
             ks, kf = steps / s0, factor / f0
             extra = (f.beta_large - f.beta) * kf if f.knee > 0 else 0.0
-            hit = (f.alpha * ks + c.barrier, f.beta * kf, f.knee, extra)
+            hit = (f.alpha * ks + c.barrier, f.beta * kf + c.barrier_per_byte, f.knee, extra)
         else:
             bw, alpha = (c.intra_bandwidth, c.intra_alpha) if intra else \
                 (c.inter_bandwidth, c.inter_alpha)
-            hit = (steps * alpha + c.barrier, factor / bw, 0.0, 0.0)
+            hit = (steps * alpha + c.barrier, factor / bw + c.barrier_per_byte, 0.0, 0.0)
         self._coef[key] = hit
         return hit
 
@@ -391,13 +396,16 @@ class CostModel:
 
     def gradient_sync_time(self, nbytes: float, axes: Iterable[str], mesh: DeviceMesh) -> float:
         """Seconds of one parameter's gradient all-reduce in a training step: its fit, without
-        the ``barrier``. A step's gradient all-reduces do not depend on each other and XLA
-        merges them into one collective (each array in it still costs its latency, measured
-        on CPU), so the devices catch up once per step, not once per parameter."""
+        the ``barrier`` and ``barrier_per_byte``. A step's gradient all-reduces do not depend
+        on each other and XLA merges them into one collective (each array in it still costs
+        its latency, measured on CPU), so the devices catch up once per step, not once per
+        parameter, and no glue surrounds it."""
         p, intra = self.group(axes, mesh)
         if p <= 1:
             return 0.0
-        return self.collective_time("all_reduce", nbytes, p, intra=intra) - self.cluster.barrier
+        c = self.cluster
+        return self.collective_time("all_reduce", nbytes, p, intra=intra) - c.barrier - \
+            c.barrier_per_byte * nbytes
 
     def update_time(self, local_bytes: float) -> float:
         """Seconds of the optimizer update of one parameter block on one device: it reads

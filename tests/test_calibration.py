@@ -401,32 +401,26 @@ def test_calibrate_two_devices_measures_fits_and_caches(unpinned):
             ap.calibrate(2, cache=False, **bad)
 
 
-def test_the_barrier_is_the_median_over_three_collective_kinds(monkeypatch):
-    """One kind's differences ranged 20-290 us between calibrations; the barrier is the
-    median of the differences of an all-reduce, an all-gather and a reduce-scatter (twice
-    each) after a matmul, against both alone."""
-    from types import SimpleNamespace
-
+def test_a_collective_in_a_step_is_priced_on_the_line_beyond_its_fit():
+    """A collective measured in a step-like program cost 0.45-1.7 ms more than its chained
+    fit (more with larger messages); the barrier and barrier_per_byte are the line through
+    the two sizes' excess, and price every collective but a step's gradient sync."""
     from autopar import calibration
 
-    asked, calls = [], []
-    monkeypatch.setattr(calibration, "_collective_body",
-                        lambda kind, axis, p: asked.append((kind, p)) or kind)
-    monkeypatch.setattr(calibration, "_chain", lambda mesh, body, spec, k: body)
-    monkeypatch.setattr(calibration, "_placed", lambda mesh, spec, elems: elems)
-    diffs = [1e-3, 4e-3, 2e-3, 9e-3, 3e-3, 5e-3]
-
-    def per_op(short, long, elems, k, limit):  # the collective alone, the matmul, both
-        calls.append(short)
-        n = len(calls) - 1
-        return {0: 1e-3, 1: 2e-3}.get(n % 3, 3e-3 + diffs[n // 3])
-
-    monkeypatch.setattr(calibration, "_per_op", per_op)
-    mesh = SimpleNamespace(shape={"g": 4})
-    assert calibration._barrier(mesh, None, 0.01) == pytest.approx(3.5e-3)
-    assert sorted(asked) == sorted((k, 4) for k in calibration._BARRIER_KINDS * 2)
-    assert len({k for k, _ in asked}) == 3 and len(calls) == 18
-
+    barrier, per_byte = calibration.in_step_line([2**18, 2**21], [9e-4, 4.4e-3], [3e-4, 1e-3])
+    assert barrier == pytest.approx(6e-4 - 2**18 * per_byte)
+    assert per_byte == pytest.approx((3.4e-3 - 6e-4) / (2**21 - 2**18))
+    # measured below the fit: nothing added, never a negative price
+    assert calibration.in_step_line([2**18, 2**21], [1e-4, 2e-4], [3e-4, 1e-3]) == \
+        pytest.approx((0.0, 0.0), abs=1e-8)
+    cm = CostModel(_measured(barrier=barrier, barrier_per_byte=per_byte))
+    plain, mesh = CostModel(_measured()), DeviceMesh.for_devices(8)
+    n, axes = 2**20, ("a0", "a1", "a2")
+    step = cm.collective_time("all_gather", n, 8, intra=True)
+    assert step - plain.collective_time("all_gather", n, 8, intra=True) == \
+        pytest.approx(barrier + per_byte * n)
+    assert cm.gradient_sync_time(n, axes, mesh) == pytest.approx(
+        plain.gradient_sync_time(n, axes, mesh))
 
 def test_iteration_trace_agrees_with_the_plan():
     """Priced by the same rules: without overlap and with one all-reduce per gradient, the
