@@ -553,7 +553,7 @@ class TrainStep(ProgramInspection):
 
     def _check_state(self, params: Any, opt_state: Any) -> None:
         """``opt_state`` must be what ``init(params)`` makes (:func:`check_opt_state`)."""
-        check_arrays("params", params)
+        check_arrays("params", params, none=True)
         check_opt_state(self.optimizer, params, opt_state,
                         self.__dict__.setdefault("_state_specs", {}))
 
@@ -667,7 +667,7 @@ def check_step_arguments(loss_fn: Any, params: Any, batch: Any, optimizer: Any, 
     a tuple, the optimizer or the default SGD)``."""
     batch, optimizer = step_arguments(loss_fn, batch, optimizer,
                                       "train_step needs a callable loss")
-    check_arrays("params", params)
+    check_arrays("params", params, none=True)
     check_floating("params", params)
     if backend not in BACKENDS:
         raise AutoParallelError("backend", backend, f"must be one of {BACKENDS}")

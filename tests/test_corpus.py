@@ -31,3 +31,26 @@ def test_library_code_is_never_priced_dearer_than_the_hand_plans(name):
     assert plan.objective == min(p.objective for _, p in ranked)
     if name.endswith("decoder"):  # attention and MLP matmuls: Megatron's layout is weighed
         assert "megatron tp8" in names
+
+
+def test_equinox_partitioned_parameters_train_exactly():
+    """eqx.partition leaves None in the parameter tree (the MLP's activation function): the
+    step keeps the tree as it is and one SGD step equals jax.grad's on one device."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    model = CORPUS["eqx_mlp"]()
+    assert any(leaf is None for leaf in jax.tree.leaves(model.params,
+                                                        is_leaf=lambda x: x is None))
+    want_loss, grads = jax.jit(jax.value_and_grad(model.loss))(model.params, *model.batch)
+    with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel",
+                                  gradients_mean=True):
+        step = ap.train_step(model.loss, model.params, model.batch, optax.sgd(1.0),
+                             cluster="cpu-emulated")
+    new, _, loss = step(model.params, step.init(model.params), *model.batch)
+    assert jax.tree.structure(new) == jax.tree.structure(model.params)
+    assert float(loss) == pytest.approx(float(want_loss), rel=1e-6)
+    for got, p, g in zip(jax.tree.leaves(new), jax.tree.leaves(model.params),
+                         jax.tree.leaves(grads)):
+        assert jnp.allclose(got, p - g, atol=1e-6, rtol=1e-5)

@@ -569,6 +569,30 @@ def test_a_batch_of_another_structure_is_refused():
             step(p, state, *batch)
 
 
+def test_none_parameters_are_empty_subtrees_and_reading_one_is_a_typed_error():
+    """equinox's eqx.partition(model, eqx.is_array) leaves None where a field is no array:
+    to JAX (jax.grad, optax) an empty subtree. The step keeps them where they are; a loss
+    that reads one as an array fails typed, naming the leaf (it failed inside the user's
+    function with a bare TypeError)."""
+    ap.set_auto_parallel_context(device_num=8, parallel_mode="auto_parallel")
+    x, y = jnp.ones((16, 8)), jnp.zeros((16, 8))
+
+    def loss(p, x, y):
+        return jnp.mean((x @ p["w"] - y) ** 2)
+
+    p = {"w": jnp.ones((8, 8)), "frozen": None, "act": [None, None]}
+    step = ap.train_step(loss, p, (x, y))
+    new, state, value = step(p, step.init(p), x, y)
+    assert float(value) == 64.0 and new["frozen"] is None and new["act"] == [None, None]
+    assert jax.tree.structure(new) == jax.tree.structure(p)
+
+    def reads_none(p, x, y):
+        return jnp.mean((x @ p["w"] + p["frozen"] - y) ** 2)
+
+    with pytest.raises(ap.AutoParallelTypeError, match=r"args\[0\]\['frozen'\].*read one"):
+        ap.train_step(reads_none, p, (x, y))
+
+
 def test_a_batching_transformation_of_a_parallel_function_is_a_typed_error():
     """vmap / jacfwd of a parallel function failed inside JAX's sharding checks."""
     ap.set_auto_parallel_context(device_num=8, parallel_mode="auto_parallel")
