@@ -292,20 +292,22 @@ def check_arrays(key: str, tree: Any, *, none: bool = False) -> None:
                 "mask) outside the function and pass them in as arrays")
 
 
-def _none_read(example_args: tuple[Any, ...], err: TypeError) -> None:
-    """Raise a typed error naming the None leaves of ``example_args`` when the function
-    failed on one (a None is an empty pytree to JAX -- equinox's ``eqx.partition`` leaves
-    them -- and must not be read as an array); return otherwise."""
+def _none_read(fn: Callable[..., Any], example_args: tuple[Any, ...], err: TypeError) -> None:
+    """Raise a typed error naming the None leaves of ``example_args`` (by the function's
+    argument names, e.g. ``params['w']``) when the function failed on one (a None is an
+    empty pytree to JAX -- equinox's ``eqx.partition`` leaves them -- and must not be read
+    as an array); return otherwise."""
     if "NoneType" not in str(err):
         return
-    nones = [f"args{jax.tree_util.keystr(path)}" for path, leaf in
+    names = _arg_names(fn, len(example_args))
+    nones = [names[path[0].idx] + jax.tree_util.keystr(path[1:]) for path, leaf in
              jax.tree_util.tree_flatten_with_path(example_args, is_leaf=lambda x: x is None)[0]
              if leaf is None]
     if nones:
         raise AutoParallelTypeError(
-            "None leaves of args", nones, f"the function read one as an array ({err}); None "
-            "is an empty pytree to JAX: pass an array there, or leave it unread (as "
-            "eqx.combine does)") from err
+            "None leaves", nones, f"the function read one as an array ({err}); None is an "
+            "empty pytree to JAX: pass an array there, or leave it unread (as eqx.combine "
+            "does)") from err
 
 
 def trace(fn: Callable[..., Any], *example_args: Any, param_argnums: Iterable[int] | None = None,
@@ -337,7 +339,7 @@ def trace(fn: Callable[..., Any], *example_args: Any, param_argnums: Iterable[in
         try:
             closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*example_args)
         except TypeError as err:
-            _none_read(example_args, err)
+            _none_read(fn, example_args, err)
             raise
     leaves, in_tree = jax.tree_util.tree_flatten_with_path(tuple(example_args))
     arg_names = _arg_names(fn, n)
