@@ -42,6 +42,7 @@ from pydantic_core import PydanticCustomError
 
 from autopar.config import raise_for_validation_error, unknown_key_error
 from autopar.errors import AutoParallelTypeError, AutoParallelWarning
+from autopar.strategies.baselines import HAND_PLAN_MARGIN
 
 __all__ = ["AlgoParameters", "ALGO_KEYS", "EFFECTS", "NO_EFFECT", "set_algo_parameters",
            "get_algo_parameters", "reset_algo_parameters", "algo_parameters_context",
@@ -71,6 +72,10 @@ class AlgoParameters(BaseModel):
         "candidate strategies per operator.")
     algo_approxi_epsilon: float = Field(
         default=0.1, description="The approximation's epsilon, in (0, 1].")
+    hand_plan_margin: float = Field(
+        default=HAND_PLAN_MARGIN, description="autopar's own: under auto_parallel the "
+        "search's plan is kept over the cheapest hand plan (data parallel, Megatron's layout) "
+        "only when priced cheaper by more than this fraction, in [0, 1).")
 
     @field_validator("algo_approxi_epsilon", mode="plain")
     @classmethod
@@ -80,6 +85,16 @@ class AlgoParameters(BaseModel):
                                       "not 1)")
         if not math.isfinite(v) or not 0.0 < v <= 1.0:
             raise ValueError("must be a float in (0, 1]")
+        return v
+
+    @field_validator("hand_plan_margin", mode="plain")
+    @classmethod
+    def _margin(cls, v: Any) -> float:
+        if not isinstance(v, float):
+            raise PydanticCustomError("autopar_type", "must be a float in [0, 1) (write 0.0, "
+                                      "not 0)")
+        if not math.isfinite(v) or not 0.0 <= v < 1.0:
+            raise ValueError("must be a float in [0, 1)")
         return v
 
 
@@ -104,6 +119,9 @@ EFFECTS: dict[str, str] = {
     "fully_use_devices": "the default of autopar.search(fully_use_devices=...): True keeps "
     "every operator's splits on every device (operators with at most 4 MiB of output may "
     "repeat work); False lets every operator repeat work on some mesh axes (a larger space)",
+    "hand_plan_margin": "auto_parallel on several devices: the search returns the cheapest "
+    "hand plan unless its own plan is priced cheaper than it by more than this fraction "
+    "(SearchSettings.hand_plan_margin; 0.0: the cheapest plan, whichever it is)",
     "elementwise_op_strategy_follow": "auto_parallel: every elementwise operator takes the "
     "split counts of the value it reads (its producer's output or a data input); the other "
     "operators are searched again around them (SearchSettings.elementwise_op_strategy_follow)",
@@ -173,7 +191,8 @@ def current_algo_parameters() -> AlgoParameters:
 
 def algo_reference_rows() -> list[dict[str, str]]:
     """One row per parameter for docs/context.md: key, type, default, range, effect."""
-    ranges = {"tensor_slice_align_size": "[1, 1024]", "algo_approxi_epsilon": "(0, 1]"}
+    ranges = {"tensor_slice_align_size": "[1, 1024]", "algo_approxi_epsilon": "(0, 1]",
+              "hand_plan_margin": "[0, 1)"}
     rows = []
     for name, field in AlgoParameters.model_fields.items():
         ann = field.annotation

@@ -144,7 +144,8 @@ def _search_inputs(graph: Graph, cfg: Any, *, mode: str | None, device_num: int 
                       stacklevel=user_stacklevel())
     settings = SearchSettings.from_config(
         cfg, parallel_mode=pmode, fully_use_devices=fully_use_devices,
-        elementwise_op_strategy_follow=algo.elementwise_op_strategy_follow)
+        elementwise_op_strategy_follow=algo.elementwise_op_strategy_follow,
+        hand_plan_margin=algo.hand_plan_margin)
     return _SearchInputs(pmode, m, n, fixed_map, annotated, settings)
 
 

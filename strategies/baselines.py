@@ -16,6 +16,12 @@ its own plan (DESIGN: the hand plan is the bar).
   matmuls' split counts; the search propagates them to the other operators
   (``sharding_propagation``), as a MindSpore user fixes the matmuls and propagates.
 
+A hand plan is kept unless the search's own plan is priced cheaper than the cheapest hand plan
+by more than :data:`HAND_PLAN_MARGIN` (the ``hand_plan_margin`` algorithm parameter): between
+two plans of one model the price's ratio is off the measured ratio by up to that much (see
+docs/fidelity.md), so a smaller saving is as likely a loss as a gain, and the plan the user
+would otherwise write is the safer of the two.
+
 The parameter-sharded hand plan (ZeRO / FSDP) is ``data_parallel`` with the parallel optimizer
 (``enable_parallel_optimizer``): the same layouts, the parameters stored split over the
 data-parallel group; the search prices it so whenever the context turns it on.
@@ -36,7 +42,11 @@ from autopar.graph.ir import Graph, Node
 from autopar.graph.ops import op_spec
 from autopar.strategies.layout import DeviceMesh
 
-__all__ = ["megatron_degree", "megatron_splits", "weight_input"]
+__all__ = ["HAND_PLAN_MARGIN", "megatron_degree", "megatron_splits", "weight_input"]
+
+#: The fraction by which the search's own plan must be priced below the cheapest hand plan
+#: to be kept over it (the ``hand_plan_margin`` algorithm parameter's default).
+HAND_PLAN_MARGIN = 0.15
 
 #: Operators through which a parameter is still a weight (its transpose, cast or reshape).
 _WEIGHT_VIEWS = frozenset({"transpose", "convert_element_type", "reshape"})

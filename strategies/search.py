@@ -27,7 +27,7 @@ from autopar.errors import AutoParallelError
 from autopar.graph.ir import Graph
 from autopar.graph.ops import KINDS
 from autopar.strategies.cost import Cluster, CostModel
-from autopar.strategies.baselines import megatron_degree, megatron_splits
+from autopar.strategies.baselines import HAND_PLAN_MARGIN, megatron_degree, megatron_splits
 from autopar.strategies.layout import DeviceMesh
 from autopar.strategies.modes import SOLVERS, USES_PARAMETER_PLANS, USES_USER_STRATEGIES
 from autopar.strategies.plan import Plan
@@ -57,11 +57,15 @@ class SearchSettings:
     # the parallel optimizer's shard group size (optimizer_weight_shard_size; -1: the whole
     # data-parallel group, and whenever the parallel optimizer is off)
     optimizer_weight_shard_size: int = -1
+    # the search's own plan is kept over the cheapest hand plan only when priced cheaper by
+    # more than this fraction (the hand_plan_margin algorithm parameter; see _ranked)
+    hand_plan_margin: float = HAND_PLAN_MARGIN
 
     @classmethod
     def from_config(cls, cfg: Any, *, parallel_mode: str | None = None,
                     fully_use_devices: bool = True,
-                    elementwise_op_strategy_follow: bool = False) -> "SearchSettings":
+                    elementwise_op_strategy_follow: bool = False,
+                    hand_plan_margin: float = HAND_PLAN_MARGIN) -> "SearchSettings":
         """The settings of a (resolved) auto-parallel configuration (and, given by the entry
         point, of the algorithm parameters)."""
         po = cfg.parallel_optimizer_config
@@ -69,7 +73,8 @@ class SearchSettings:
         shard = int(po.optimizer_weight_shard_size) if cfg.enable_parallel_optimizer else -1
         return cls(cfg.parallel_mode if parallel_mode is None else parallel_mode,
                    cfg.enable_alltoall, cfg.dataset_strategy, po_kb, fully_use_devices,
-                   elementwise_op_strategy_follow, optimizer_weight_shard_size=shard)
+                   elementwise_op_strategy_follow, optimizer_weight_shard_size=shard,
+                   hand_plan_margin=hand_plan_margin)
 
 
 def data_parallel_splits(problem_specs: Mapping[str, Any], graph: Graph,
@@ -132,7 +137,7 @@ def ranked_plans(graph: Graph, *, mode: str, device_num: int, cluster: Cluster,
             del problem  # freed inside the pause: the collector then has nothing of it to walk
             hands = hand_plans(graph, mesh, cm, fixed_map, settings, weight, label, budget) \
                 if _weighs_hand_plans(settings, device_num) else []
-        ranked = _ranked(label, plan, hands, budget)
+        ranked = _ranked(label, plan, hands, budget, settings.hand_plan_margin)
         best = ranked[0][1]
         best.search_seconds = time.perf_counter() - t0
         if follows:
@@ -157,20 +162,33 @@ def _weighs_hand_plans(settings: SearchSettings, device_num: int) -> bool:
         not settings.elementwise_op_strategy_follow
 
 
-def _ranked(label: str, plan: Plan, hands: list[tuple[str, Plan]],
-            memory: float) -> list[tuple[str, Plan]]:
-    """The search's plan and the hand plans that fit ``memory``, cheapest first (a hand plan
-    must be cheaper by more than rounding to go before the search's); the first's notes
-    name every price."""
+def _ranked(label: str, plan: Plan, hands: list[tuple[str, Plan]], memory: float,
+            margin: float = 0.0) -> list[tuple[str, Plan]]:
+    """The search's plan and the hand plans that fit ``memory``, cheapest first, except that
+    the search's own goes before a hand plan only when priced below it by more than
+    ``margin`` (a fraction of the hand plan's price; with 0, by more than rounding). The
+    first's notes name every price.
+
+    >>> from types import SimpleNamespace as P
+    >>> def plan(ms): return P(objective=ms, notes=[], cost=P(total=ms, memory_bytes=0))
+    >>> own, dp = plan(0.9), plan(1.0)
+    >>> [n for n, _ in _ranked("search", own, [("data_parallel", dp)], 1e9, 0.15)]
+    ['data_parallel', 'search']
+    >>> [n for n, _ in _ranked("search", own, [("data_parallel", dp)], 1e9, 0.05)]
+    ['search', 'data_parallel']
+    """
     fits = [(name, hand) for name, hand in hands if hand.cost.memory_bytes <= memory]
-    ranked = sorted([(label, plan), *fits],
-                    key=lambda item: item[1].objective * (1 + 1e-9 * (item[1] is not plan)))
+    own_factor = 1.0 / (1.0 - margin)
+    ranked = sorted([(label, plan), *fits], key=lambda item: item[1].objective * (
+        own_factor if item[1] is plan else 1.0 + 1e-9))
     if hands:
         prices = ", ".join(f"{name} {hand.cost.total * 1e3:.4g} ms" for name, hand in hands)
         kept = ranked[0][0]
+        why = f"the search's own is not cheaper by more than {margin:.0%}" \
+            if plan.objective < ranked[0][1].objective else "the cheapest"
         ranked[0][1].notes.append(
             f"hand plans priced: {prices}; the search's own {plan.cost.total * 1e3:.4g} ms"
-            + ("" if ranked[0][1] is plan else f": kept {kept}, the cheapest"))
+            + ("" if ranked[0][1] is plan else f": kept {kept}, {why}"))
     return ranked
 
 

@@ -20,6 +20,8 @@ from autopar.strategies.search import SearchSettings
 MINDSPORE_DEFAULTS = {"fully_use_devices": True, "elementwise_op_strategy_follow": False,
                       "tensor_slice_align_enable": False, "tensor_slice_align_size": 16,
                       "enable_algo_approxi": False, "algo_approxi_epsilon": 0.1}
+#: MindSpore's keys and autopar's own
+DEFAULTS = {**MINDSPORE_DEFAULTS, "hand_plan_margin": 0.15}
 
 
 @pytest.fixture(autouse=True)
@@ -34,7 +36,8 @@ def values() -> dict:
 
 
 def test_keys_and_defaults_are_mindsporess():
-    assert values() == MINDSPORE_DEFAULTS
+    """MindSpore's keys with its defaults, and autopar's own ``hand_plan_margin``."""
+    assert values() == DEFAULTS
 
 
 T, V = TypeError, ValueError
@@ -58,6 +61,10 @@ BAD = [
     ({"algo_approxi_epsilon": float("inf")}, V, "algo_approxi_epsilon"),
     ({"algo_approxi_epsilon": 1}, T, "algo_approxi_epsilon"),
     ({"algo_approxi_epsilon": "0.1"}, T, "algo_approxi_epsilon"),
+    ({"hand_plan_margin": 1.0}, V, "hand_plan_margin"),
+    ({"hand_plan_margin": -0.1}, V, "hand_plan_margin"),
+    ({"hand_plan_margin": float("nan")}, V, "hand_plan_margin"),
+    ({"hand_plan_margin": 0}, T, "hand_plan_margin"),
     ({"algo_approxi_epsilon": True}, T, "algo_approxi_epsilon"),
     ({"fully_use_devices": False, "tensor_slice_align_size": 0}, V, "tensor_slice_align_size"),
 ]
@@ -97,7 +104,7 @@ def test_set_get_reset_and_edges_of_the_ranges():
     assert (get_algo_parameters("tensor_slice_align_size"),
             get_algo_parameters("algo_approxi_epsilon")) == (1024, 1e-9)
     reset_algo_parameters()
-    assert values() == MINDSPORE_DEFAULTS
+    assert values() == DEFAULTS
 
 
 @pytest.mark.parametrize("key,value", [("tensor_slice_align_enable", True),
@@ -122,7 +129,7 @@ def test_scoped_and_per_thread_like_the_context():
         assert params.fully_use_devices is False
         assert get_algo_parameters("elementwise_op_strategy_follow") is True
         set_algo_parameters(elementwise_op_strategy_follow=False)  # ends with the block
-    assert values() == {**MINDSPORE_DEFAULTS, "elementwise_op_strategy_follow": True}
+    assert values() == {**DEFAULTS, "elementwise_op_strategy_follow": True}
     with pytest.raises(RuntimeError):
         with algo_parameters_context(fully_use_devices=False):
             raise RuntimeError("boom")

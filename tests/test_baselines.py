@@ -108,3 +108,25 @@ def test_hand_plans_skipped_where_the_user_asks_for_mindspores_follow_rule():
         with ap.algo_parameters_context(elementwise_op_strategy_follow=True):
             plan = ap.search(g)
     assert not any("hand plans" in n for n in plan.notes)
+
+
+@pytest.mark.parametrize("name", ["tfm_stack", "transformer"])
+def test_the_search_keeps_its_own_plan_only_past_the_hand_plan_margin(name):
+    # the margin sits just above, then just below, the search's own saving over the
+    # cheapest hand plan: the search returns that hand plan, then its own
+    g = _graph(name)
+    with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel"):
+        with ap.algo_parameters_context(hand_plan_margin=0.0):
+            ranked = dict(ranked_candidates(g, ap.resolve_context().config,
+                                            cluster="accelerator-8x"))
+        own = ranked.pop("dynamic_programming")
+        hand_name, hand = min(ranked.items(), key=lambda item: item[1].objective)
+        saving = 1.0 - own.objective / hand.objective
+        assert 0.0 < saving < 1.0, (own.objective, hand.objective)
+        with ap.algo_parameters_context(hand_plan_margin=min(0.99, saving * 1.01)):
+            kept = ap.search(g, cluster="accelerator-8x")
+        with ap.algo_parameters_context(hand_plan_margin=saving * 0.99):
+            searched = ap.search(g, cluster="accelerator-8x")
+    assert kept.objective == hand.objective and kept.decisions() == hand.decisions()
+    assert any(f"kept {hand_name}, the search's own is not cheaper" in n for n in kept.notes)
+    assert searched.objective == own.objective and searched.decisions() == own.decisions()
