@@ -800,8 +800,8 @@ def _run_command(args: argparse.Namespace) -> int:
         else:  # the plans are for --devices devices: emulate them (CPU), as a run would
             setup_devices(getattr(args, "devices", 8))
         return int(args.func(args))
-    except (CLIError, AutoparError) as e:
-        print(f"autopar {args.command}: error: {e}", file=sys.stderr)
+    except (CLIError, AutoparError) as e:  # (a list of unsupported primitives: its summary)
+        print(f"autopar {args.command}: error: {getattr(e, 'summary', e)}", file=sys.stderr)
         return 2
     except OSError as e:  # a file that cannot be read or written: the path and the reason
         where = f"{e.filename}: " if e.filename else ""

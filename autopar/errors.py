@@ -136,7 +136,16 @@ class CommGroupError(AutoParallelError):
 
 
 class UnsupportedOperatorError(AutoParallelError):
-    """A JAX primitive autopar cannot partition; names the primitive and the user's source line."""
+    """JAX primitives autopar cannot partition: every one of the traced function, each with
+    its count, the user's source line, the library line that emitted it and how to proceed.
+    ``unsupported``: those records (``primitive``, ``count``, ``where``, ``emitted``,
+    ``hint``), first met first; ``summary``: the message on one line (the command line's)."""
+
+    def __init__(self, message: str, unsupported: Iterable[Any] = (),
+                 summary: str | None = None) -> None:
+        super().__init__(message)
+        self.unsupported = tuple(unsupported)
+        self.summary = summary or " ".join(message.split())
 
 
 class AutoParallelWarning(UserWarning):

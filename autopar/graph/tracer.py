@@ -3,9 +3,9 @@
 ``trace(fn, *example_args)`` runs ``jax.make_jaxpr`` and walks the jaxpr: nested calls (jit,
 closed_call, custom_jvp / custom_vjp, remat) are inlined, every equation becomes a node with a
 stable readable name (JAX name stack / ``jax.named_scope`` + primitive + index per scope),
-input values are named by their argument pytree path (``params/layer0/w1``), and an
-unsupported primitive raises :class:`~autopar.errors.UnsupportedOperatorError` naming it and
-the user's source line.
+input values are named by their argument pytree path (``params/layer0/w1``), and
+unsupported primitives raise one :class:`~autopar.errors.UnsupportedOperatorError` naming each
+of the function's, with the user's source line (:mod:`autopar.graph.unsupported`).
 
 >>> import jax, jax.numpy as jnp, autopar
 >>> def loss(params, x):
@@ -28,12 +28,13 @@ import jax
 import numpy as np
 from jax._src import source_info_util
 
-from autopar.errors import AutoParallelError, AutoParallelTypeError, UnsupportedOperatorError
+from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.graph.annotate import (apply_parameter_plans, parse_plan_scope, parse_scope,
                                     shards_called, untransformed)
 from autopar.graph.custom_rules import RULE_PRIMITIVES, RuleBound, rule_of
 from autopar.graph.ir import Graph, Node, Strategy, TensorSpec, Value
-from autopar.graph.ops import INLINED, KINDS, UNSUPPORTED_HINTS, flops
+from autopar.graph.ops import INLINED, KINDS, flops
+from autopar.graph.unsupported import body, unsupported_error
 
 __all__ = ["check_arrays", "trace"]
 
@@ -137,6 +138,7 @@ class _Builder:
         self.plans: set[int] = set()  # shard(parameter_plan=...) ids seen while tracing
         self.devices: dict[str, int] = {}  # annotated node -> the devices its Layouts assume
         self.rule: str | None = None  # inside a custom_jvp / custom_vjp body: its rule
+        self.root: Any = None  # the traced jaxpr (where the unsupported primitives are counted)
         # (outer scope, name stack) -> (readable scope, annotation markers, plan ids)
         self.scopes: dict[tuple[tuple[str, ...], Any], tuple[str, list, list[int]]] = {}
 
@@ -166,20 +168,12 @@ class _Builder:
             if prim in INLINED:
                 self.inline(eqn, env, stack, _source(eqn, source))
                 continue
-            if prim not in KINDS:
-                hint = UNSUPPORTED_HINTS.get(prim, "rewrite it with supported operators (see "
-                                             "docs/graph.md), or keep it outside the function "
-                                             "that autopar parallelises")
-                raise UnsupportedOperatorError(
-                    f"JAX primitive {prim!r} at {_source(eqn, source)} is not supported by "
-                    f"autopar's tracer. How to proceed: {hint}.")
+            if prim not in KINDS:  # every one of the function named at once
+                raise unsupported_error(jaxpr if self.root is None else self.root)
             self.emit(eqn, env, stack, _source(eqn, source))
 
     def inline(self, eqn: Any, env: dict[Any, str], stack: list[str], source: str) -> None:
-        body = eqn.params[INLINED[eqn.primitive.name]]
-        if callable(body) and not hasattr(body, "eqns") and not hasattr(body, "jaxpr"):
-            body = body()  # a thunk (custom_vjp_call_jaxpr in some versions)
-        inner, consts = (body.jaxpr, body.consts) if hasattr(body, "consts") else (body, [])
+        inner, consts = body(eqn)
         inner_env: dict[Any, str] = {}
         for var, c in zip(inner.constvars, consts):
             inner_env[var] = self.add_value("const", Value("const", _spec(var.aval), "const",
@@ -344,6 +338,7 @@ def trace(fn: Callable[..., Any], *example_args: Any, param_argnums: Iterable[in
     leaves, in_tree = jax.tree_util.tree_flatten_with_path(tuple(example_args))
     arg_names = _arg_names(fn, n)
     b = _Builder()
+    b.root = closed.jaxpr
     env: dict[Any, str] = {}
     inputs = []
     for var, (path, _) in zip(closed.jaxpr.invars, leaves):
