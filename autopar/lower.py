@@ -16,7 +16,8 @@ with the same axis names (``a0, a1, ...``, devices row-major). The body of one
   (:mod:`autopar.graph.ops`: ``reshape.new_sizes``, ``broadcast_in_dim.shape``,
   ``iota.shape``, ``slice.limit_indices``, ``dynamic_slice`` / ``gather`` ``slice_sizes``)
   and shardings dropped; an ``iota`` split along its counting dim is offset by the device's
-  block start.
+  block start, and a ``scatter-add`` whose updates are split (a partial sum) adds its
+  operand on the first device of those axes only.
 
 In-specs are the input layouts' ``PartitionSpec`` s and out-specs the output layouts'
 (outputs never hold partial sums after the rewrite). The result is jitted, differentiable
@@ -216,6 +217,8 @@ def _bind(node: PNode, args: list[Any], pg: ParallelGraph, vma: bool = False) ->
     if node.op == "sharding_constraint":  # layouts are explicit here; the constraint is moot
         return list(args)
     params = local_params(node, pg)
+    if node.op == "scatter-add":
+        args = _operand_once(args, node, pg)
     if vma:  # primitives need operands varying alike (jax.numpy inserts these casts itself)
         union = frozenset().union(*(varying(a) for a in args))
         if union:
@@ -235,6 +238,17 @@ def _bind(node: PNode, args: list[Any], pg: ParallelGraph, vma: bool = False) ->
             raise _node_error(node, f"output {v!r} has local shape {tuple(x.shape)}, the plan "
                               f"expects {want}")
     return outs
+
+
+def _operand_once(args: list[Any], node: PNode, pg: ParallelGraph) -> list[Any]:
+    """A ``scatter-add`` whose updates are split along their scatter dims leaves a partial
+    sum over those axes (the registry's summed dims); its operand, replicated there, is
+    added on the first device of the group only, so that the sum holds it once."""
+    axes = pg.values[node.outputs[0]].layout.partial
+    if not axes:
+        return args
+    first = block_index(axes, pg.mesh.sizes) == 0
+    return [jnp.where(first, args[0], jnp.zeros_like(args[0]))] + list(args[1:])
 
 
 def _offset_iota(x: Any, node: PNode, pg: ParallelGraph) -> Any:

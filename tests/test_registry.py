@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 import autopar as ap
 from autopar.graph import ops
@@ -46,11 +47,16 @@ EXAMPLES = {
     "split": lambda x: jnp.split(x, 2, axis=1)[0],
     "cumulative": lambda x: jnp.cumsum(x, axis=1) + jnp.cumsum(x, axis=0),
     "top_k": lambda x: lax.top_k(x, 3)[0] * 2.0,
+    "sort": lambda x: jnp.sort(x, axis=1) + jnp.argsort(x, axis=0),
     "pad": lambda x: jnp.pad(x, ((0, 0), (1, 1))),
     "gather": lambda x: x[jnp.array([1, 3])],
+    "scatter": lambda x: x.at[jnp.array([2, 0])].set(x[:2] * 2.0),
+    "scatter_add": lambda x: jnp.ones((5, 8)).at[jnp.array([1, 3, 1, 4])].add(x),
     "iota": lambda x: x + jnp.arange(8.0),
     "reduce_window": lambda x: lax.reduce_window(x, 0.0, lax.add, (1, 2), (1, 2), "VALID"),
-    "identity": lambda x: lax.optimization_barrier(x),
+    "select_and_scatter": lambda x: jax.grad(lambda h: lax.reduce_window(
+        h, -jnp.inf, lax.max, (2, 1), (2, 1), "VALID").sum())(x),
+    "identity": lambda x: checkpoint_name(lax.optimization_barrier(x), "x"),
 }
 
 

@@ -22,8 +22,8 @@ iteration dim, or to None when that dim cannot be split (a broadcast size-1 dim,
 convolution's spatial dim, a concatenated axis, a gathered table dim...). A strategy splits
 iteration dims; MindSpore's per-input tuples are read off the input maps, so matched splits
 on contracted and broadcast dims hold by construction. Splitting a ``summed`` dim (matmul K,
-conv in-features, reduce_sum axes) leaves the outputs partial sums; other reduced dims (max,
-argmax) cannot be split.
+conv in-features, reduce_sum axes, scatter-add's updates) leaves the outputs partial sums;
+other reduced dims (max, argmax, sort) cannot be split.
 
 >>> KINDS["dot_general"], KINDS["exp"], KINDS["reduce_sum"]
 ('matmul', 'elementwise', 'reduce')
@@ -292,12 +292,13 @@ def _stack_spec(node: Node, shapes: Sequence[Shape], outs: Sequence[Shape]) -> O
 
 
 def _along_axis_spec(node: Node, shapes: Sequence[Shape], outs: Sequence[Shape]) -> OpSpec:
-    """An operator along one ``axis`` (cumulative sums, top-k): that dim whole, every other
-    dim of the input is the same dim of each output."""
-    sizes, ax = shapes[0], node.params["axis"]
-    rank = len(sizes)
-    m = tuple(None if d == ax else d for d in range(rank))
-    return OpSpec(tuple(sizes), (m,), tuple(m for _ in outs), fixed=(ax,))
+    """An operator along one ``axis`` (cumulative sums, top-k; ``sort``'s ``dimension``, of
+    one or several operands): that dim whole, every other dim of each input is the same dim
+    of each output."""
+    sizes, p = shapes[0], node.params
+    ax = p["axis"] if "axis" in p else p["dimension"]
+    m = tuple(None if d == ax else d for d in range(len(sizes)))
+    return OpSpec(tuple(sizes), tuple(m for _ in shapes), tuple(m for _ in outs), fixed=(ax,))
 
 
 def _split_spec(node: Node, shapes: Sequence[Shape], outs: Sequence[Shape]) -> OpSpec:
@@ -316,11 +317,65 @@ def _iota_spec(node: Node, shapes: Sequence[Shape], outs: Sequence[Shape]) -> Op
     return OpSpec(outs[0], (), (_ident(len(outs[0])),))
 
 
-def _window_spec(node: Node, shapes: Sequence[Shape], outs: Sequence[Shape]) -> OpSpec:
-    out, p = outs[0], node.params
+def _unwindowed(p: dict[str, Any], rank: int) -> list[int]:
+    """The dims a window (pooling, its transpose) does not span: window 1, stride 1, no
+    padding; along them input and output are the same dim."""
     wd, ws, pad = p["window_dimensions"], p["window_strides"], p["padding"]
-    ok = [d for d in range(len(out)) if wd[d] == 1 and ws[d] == 1 and tuple(pad[d]) == (0, 0)]
-    return _kept_dims(out, ok, 1)
+    return [d for d in range(rank) if wd[d] == 1 and ws[d] == 1 and tuple(pad[d]) == (0, 0)]
+
+
+def _window_spec(node: Node, shapes: Sequence[Shape], outs: Sequence[Shape]) -> OpSpec:
+    out = outs[0]
+    return _kept_dims(out, _unwindowed(node.params, len(out)), 1)
+
+
+def _select_scatter_spec(node: Node, shapes: Sequence[Shape],
+                         outs: Sequence[Shape]) -> OpSpec:
+    """``select_and_scatter_add(source, operand)`` (max-pool's transpose: each window's
+    ``source`` value added where the window's ``operand`` maximum is): the dims the window
+    does not span split, ``source`` and ``operand`` alike; the windowed dims stay whole."""
+    out = outs[0]
+    ok = _unwindowed(node.params, len(out))
+    m = tuple(d if d in ok else None for d in range(len(out)))
+    return OpSpec(out, (m, m), (_ident(len(out)),),
+                  fixed=tuple(d for d in range(len(out)) if d not in ok))
+
+
+def _scatter_spec(node: Node, shapes: Sequence[Shape], outs: Sequence[Shape]) -> OpSpec:
+    """``scatter`` / ``scatter-add(operand, indices, updates)``; the output is the operand.
+
+    An operand dim the updates' window covers whole, and that no index addresses, splits the
+    operand and the updates alike (the indices are unchanged); a batching dim (``vmap``'s)
+    splits the indices too; the dims the indices address stay whole. The updates' scatter
+    dims (one per index, the indices' leading dims) are further iteration dims: summed for
+    ``scatter-add`` -- each device adds its share of the updates, a partial sum over their
+    axes (the lowering adds the operand on the first device of those axes only) -- and not
+    split for ``scatter``, whose later updates overwrite earlier ones."""
+    operand, indices, updates = shapes
+    out, dn = outs[0], node.params["dimension_numbers"]
+    op_batch = tuple(getattr(dn, "operand_batching_dims", ()) or ())
+    idx_batch = tuple(getattr(dn, "scatter_indices_batching_dims", ()) or ())
+    window = [d for d in range(len(operand))
+              if d not in dn.inserted_window_dims and d not in op_batch]
+    umap: list[int | None] = [None] * len(updates)
+    imap: list[int | None] = [None] * len(indices)
+    for od, ud in zip(window, dn.update_window_dims):
+        if updates[ud] == operand[od] and od not in dn.scatter_dims_to_operand_dims:
+            umap[ud] = od
+    sizes, summed = list(out), []
+    scatter_dims = [d for d in range(len(updates)) if d not in dn.update_window_dims]
+    for idim, ud in zip(range(len(indices) - 1), scatter_dims):  # (last: the index vector)
+        if idim in idx_batch:
+            imap[idim] = umap[ud] = op_batch[idx_batch.index(idim)]
+        elif node.op == "scatter-add":
+            imap[idim] = umap[ud] = len(sizes)
+            summed.append(len(sizes))
+            sizes.append(indices[idim])
+    fixed = tuple(d for d in range(len(out)) if d not in umap)
+    return OpSpec(tuple(sizes), (_ident(len(out)), tuple(imap), tuple(umap)),
+                  (_ident(len(out)),), summed=tuple(summed), fixed=fixed,
+                  reasons=tuple((0, d, "the scatter's indices address it, or the updates "
+                                 "cover only part of it") for d in fixed))
 
 
 def op_spec(node: Node, graph: Graph) -> OpSpec:
@@ -366,6 +421,23 @@ def _conv_flops(ins: Sequence[TensorSpec], outs: Sequence[TensorSpec], p: dict[s
 
 def _window_flops(ins: Sequence[TensorSpec], outs: Sequence[TensorSpec], p: dict[str, Any]) -> int:
     return outs[0].size * math.prod(p["window_dimensions"])
+
+
+def _source_window_flops(ins: Sequence[TensorSpec], outs: Sequence[TensorSpec],
+                         p: dict[str, Any]) -> int:
+    """Max-pool's transpose: one comparison per window element of each source element."""
+    return ins[0].size * math.prod(p["window_dimensions"])
+
+
+def _sort_flops(ins: Sequence[TensorSpec], outs: Sequence[TensorSpec], p: dict[str, Any]) -> int:
+    """A comparison sort: ``ceil(log2 n)`` comparisons per element along the sorted dim."""
+    n = ins[0].shape[p["dimension"]]
+    return ins[0].size * max(1, (n - 1).bit_length())
+
+
+def _updates_flops(ins: Sequence[TensorSpec], outs: Sequence[TensorSpec],
+                   p: dict[str, Any]) -> int:
+    return ins[2].size  # scatter-add: one addition per update element
 
 
 def flops(kind: str, ins: Sequence[TensorSpec], outs: Sequence[TensorSpec],
@@ -482,13 +554,19 @@ OPERATORS: dict[str, OpKind] = {k.name: k for k in (
     OpKind("cumulative", ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"),
            _along_axis_spec, _output_flops),
     OpKind("top_k", ("top_k",), _along_axis_spec, _input_flops),
+    OpKind("sort", ("sort",), _along_axis_spec, _sort_flops),
     OpKind("pad", ("pad",), _pad_spec),
     OpKind("gather", ("gather",), _gather_spec, local_params=_slice_sizes),
+    OpKind("scatter", ("scatter",), _scatter_spec),
+    OpKind("scatter_add", ("scatter-add",), _scatter_spec, _updates_flops),
     OpKind("iota", ("iota",), _iota_spec, local_params=_out_shape("shape"),
            no_grad=frozenset({"iota"}), fusion="loop"),
     OpKind("reduce_window", ("reduce_window_sum", "reduce_window_max", "reduce_window_min"),
            _window_spec, _window_flops),
-    OpKind("identity", ("sharding_constraint", "optimization_barrier"), _elementwise_spec),
+    OpKind("select_and_scatter", ("select_and_scatter_add",), _select_scatter_spec,
+           _source_window_flops),
+    OpKind("identity", ("sharding_constraint", "optimization_barrier", "name"),
+           _elementwise_spec),
 )}
 
 #: primitive -> its operator kind (the primitives the tracer accepts)
@@ -512,11 +590,8 @@ UNSUPPORTED_HINTS: dict[str, str] = {
     "scan": "unroll the loop with a Python for loop (the search needs every layer as nodes)",
     "while": "use a Python loop with a static trip count",
     "cond": "use jnp.where / lax.select (both branches computed) or a Python if on static data",
-    "sort": "sorting is not partitionable by autopar yet; move it out of the parallel region",
     "random_bits": "draw random numbers outside the traced function and pass them as inputs",
     "rng_bit_generator": "draw random numbers outside the traced function and pass them in",
-    "scatter-add": "use a one-hot matmul or gather-based formulation",
-    "scatter": "use a one-hot matmul or gather-based formulation",
 }
 
 
