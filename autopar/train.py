@@ -20,7 +20,10 @@ XLA's CPU combiner is then free to merge. ``grad_accumulation_step = g``: the ba
 micro-batches (dim 0 = g x the traced micro-batch), a ``lax.scan`` accumulates their local
 gradients, which are synchronised once. ``enable_parallel_optimizer``: see
 :mod:`autopar.optimizer_shard`. The optax update runs outside the ``shard_map`` on the
-synchronised gradients (exact for every optimizer). ``train_step`` reads the context once, at
+synchronised gradients (exact for every optimizer). Only the parameters' floating-point
+leaves are differentiated and updated; the others (integers, booleans, PRNG keys) are
+carried unchanged, and ``has_aux`` returns the loss's auxiliary outputs too (both:
+:func:`train_step`). ``train_step`` reads the context once, at
 its entry, and hands that configuration to :class:`TrainStep` (under ``pipeline_stages > 1``
 to :class:`autopar.pipeline.step.PipelineTrainStep`). The context keys:
 
@@ -28,7 +31,9 @@ to :class:`autopar.pipeline.step.PipelineTrainStep`). The context keys:
   (the single-device reference). ``gradients_mean=False`` (MindSpore's default): the summed
   gradient MindSpore produces when every device differentiates its own per-device mean loss,
   i.e. ``dp x`` the reference, where ``dp`` is the data-parallel degree (the number of pieces
-  dim 0 of the batch is split into, :attr:`TrainStep.data_parallel_degree`).
+  dim 0 of the batch is split into, :attr:`TrainStep.data_parallel_degree`). A step built
+  with ``dp > 1`` and the key never set warns of it once per process
+  (:func:`autopar.step_inputs.warn_gradients_mean`).
 - ``loss_repeated_mean=True`` (default): a loss computed redundantly on ``r = device_num / dp``
   devices contributes once (mean over the repeats). ``False``: the repeats are summed, so the
   gradient is multiplied by ``r`` (1 under pure data parallel, where nothing is repeated).
@@ -75,11 +80,11 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar.config import AutoParallelConfig
-from autopar.context import current_config
+from autopar.context import current_config, explicit_keys
 from autopar.cotangents import alike_axes
 from autopar.planner import saves_on_success
 from autopar.resolve import resolve_context
-from autopar.errors import AutoParallelError, user_stacklevel
+from autopar.errors import AutoParallelError, AutoParallelTypeError, user_stacklevel
 from autopar.fusion import GradientBuckets, buckets_from_ends, gradient_buckets
 from autopar.grad_sync import (LOW_PRECISION, METHODS, data_parallel_degree, fp32_sync_active,
                                gradient_scale, replicated_axes, sync_gradients, sync_groups,
@@ -95,8 +100,9 @@ from autopar.parallel_graph import ParallelGraph
 from autopar.parallel_function import parallel_function
 from autopar.pipeline.step import PipelineTrainStep
 from autopar.strategies.plan import Plan
-from autopar.step_inputs import (DEFAULT_LEARNING_RATE, broadcast_parameters, check_arrays,
-                                 check_floating, check_loss, check_opt_state, step_arguments)
+from autopar.step_inputs import (DEFAULT_LEARNING_RATE, ParamSplit, broadcast_parameters,
+                                 check_arrays, check_loss, check_opt_state, check_trainable,
+                                 step_arguments, warn_gradients_mean, without_keys)
 
 #: ``DEFAULT_LEARNING_RATE`` (defined with the other step inputs) stays part of this module's
 #: interface: train_step's default optimizer is ``optax.sgd(DEFAULT_LEARNING_RATE)``.
@@ -118,11 +124,13 @@ def train_body(pg: ParallelGraph, *flat: Any,
 
 class TrainStep(ProgramInspection):
     """A jitted parallel training step: ``step(params, opt_state, *batch) -> (params,
-    opt_state, loss)``; ``.init``, ``.prepare``, ``.grads``, ``.plan``, ``.parallel_graph``,
-    ``.as_text``, ``.compiled_text``, and the gradient-sync set-up (``.buckets``,
-    ``.sync_groups``, ``.sharding``). ``.tuning``: the measurements that chose the plan
+    opt_state, loss)`` (``has_aux``: ``(params, opt_state, (loss, aux))``); ``.init``,
+    ``.prepare``, ``.grads``, ``.plan``, ``.parallel_graph``, ``.as_text``,
+    ``.compiled_text``, and the gradient-sync set-up (``.buckets``, ``.sync_groups``,
+    ``.sharding``). ``.tuning``: the measurements that chose the plan
     (:class:`autopar.tune.Tuning`) when the step was tuned (``train_step(..., tune=k)``),
-    else None."""
+    else None. ``.split``: which parameter leaves are trained and which carried
+    (:class:`autopar.step_inputs.ParamSplit`)."""
 
     tuning: Any = None
 
@@ -130,7 +138,8 @@ class TrainStep(ProgramInspection):
                  optimizer: optax.GradientTransformation, *, config: AutoParallelConfig,
                  mode: str | None, fixed: Mapping[str, Any] | None, cluster: Any,
                  backend: str, mesh: Mesh | None, sync_method: str,
-                 fused_kernels: FusedKernels = "auto", plan: Plan | None = None) -> None:
+                 fused_kernels: FusedKernels = "auto", plan: Plan | None = None,
+                 has_aux: bool = False) -> None:
         """Built by :func:`train_step`, which reads the context once and passes its
         ``config`` (nothing here reads the context). ``plan``: run this plan (searched on
         the loss at the step's micro-batch) instead of searching, as a tuning does."""
@@ -138,18 +147,23 @@ class TrainStep(ProgramInspection):
         self.optimizer = optimizer
         self.backend = backend
         self.sync_method = sync_method
+        self.has_aux = has_aux
         self._read_config(config)
         b_leaves, self._b_tree = jax.tree_util.tree_flatten(tuple(batch))
         self.batch_shapes = [tuple(np.shape(x)) for x in b_leaves]
         micro = micro_batch(batch, self.accumulation)
-        self.function = parallel_function(loss_fn, (params, *micro), None, mode=mode,
+        self.split = ParamSplit(params)
+        traced_fn, traced_params = self.split.traced(loss_fn, params, micro)
+        self.function = parallel_function(traced_fn, (traced_params, *micro), None, mode=mode,
                                           fixed=fixed, cluster=cluster, mesh=mesh,
                                           fused_kernels=fused_kernels, plan=plan)
         self.plan = self.function.plan
         self.parallel_graph = pg = self.function.parallel_graph
         self.mesh: Mesh = self.function.mesh
         self.device_num = pg.device_num
-        check_loss(loss_fn, [pg.values[v].spec for v in pg.outputs])
+        out_tree = self.function.graph.out_tree
+        check_loss(loss_fn, [pg.values[v].spec for v in pg.outputs], out_tree, has_aux)
+        self._aux_tree = out_tree.children()[1] if has_aux else None
         self._setup_inputs(params)
         self._setup_sync(self._threshold_kb)
         if backend == "pmap":
@@ -173,10 +187,13 @@ class TrainStep(ProgramInspection):
 
     def _setup_inputs(self, params: Any) -> None:
         """Parameters and batch inputs: dtypes, the data-parallel degree and the gradient
-        scale it gives, low-precision casts, and the shardings of the plan's layouts."""
+        scale it gives, low-precision casts, and the shardings of the plan's layouts. The
+        parameters of the program are the leaves but typed PRNG keys (``self.split``)."""
         pg = self.parallel_graph
-        p_leaves, self._p_tree = jax.tree_util.tree_flatten(params)
+        p_leaves = self.split.graph_leaves(jax.tree_util.tree_leaves(params))
+        self._p_tree = self.split.tree
         self._n_params = len(p_leaves)
+        self._trained = [k in self.split.trained for k in range(self._n_params)]
         self._p_dtypes = [traced_dtype(x) for x in p_leaves]  # (a Python float leaf too)
         self._n_batch = len(pg.inputs) - self._n_params
         batch_vals = [pg.values[v] for v in pg.inputs[self._n_params:]]
@@ -205,20 +222,22 @@ class TrainStep(ProgramInspection):
         names = list(pg.inputs[:n_p])
         sizes = pg.mesh.sizes
         self.sharding: list[ShardDecision] = []
-        for v in names:
+        for v, trained in zip(names, self._trained):  # (a carried leaf: no gradient, kept)
             val = pg.values[v]
             self.sharding.append(decide_sharding(
                 v, val.spec.shape, val.local_shape, np.dtype(val.spec.dtype).itemsize,
-                replicated_axes(val.layout, pg.mesh), sizes, enabled=self.parallel_optimizer,
-                threshold_kb=threshold_kb, shard_size=self._shard_size))
+                replicated_axes(val.layout, pg.mesh), sizes,
+                enabled=self.parallel_optimizer and trained, threshold_kb=threshold_kb,
+                shard_size=self._shard_size))
         warn_fallbacks(self.sharding, stacklevel=user_stacklevel())  # (the user's line)
         self._sharded = [d.sharded for d in self.sharding]
         self.sync_axes, self._alike_factor = self._sync_axes(names)
         self.storage_shardings = [
             NamedSharding(self.mesh, storage_spec(s.spec, d.axes, len(pg.values[v].spec.shape)))
             if d.sharded else s for v, s, d in zip(names, self.param_shardings, self.sharding)]
-        order = [n for n in self.function.graph.gradient_order() if n in set(names)]
-        order += [n for n in names if n not in set(order)]
+        trained = {n for n, t in zip(names, self._trained) if t}
+        order = [n for n in self.function.graph.gradient_order() if n in trained]
+        order += [n for n in names if n in trained and n not in set(order)]
         self.gradient_order = tuple(order)
         nbytes = {v: math.prod(pg.values[v].local_shape) * np.dtype(pg.values[v].spec.dtype)
                   .itemsize for v in names}
@@ -247,8 +266,11 @@ class TrainStep(ProgramInspection):
         self._ar_axes = [a if not s else () for a, s in zip(self.sync_axes, self._sharded)]
         self._rs_axes = [d.axes if d.sharded else () for d in self.sharding]
         self._xr_axes = [d.replicas if d.sharded else () for d in self.sharding]
+        # a carried leaf (no gradient): a bucket of its own with no axes, never synchronised
+        self._carried_idx = [[i] for i in range(n_p) if not self._trained[i]]
         self.sync_groups = sync_groups(self._ar_axes, self._bucket_idx["allreduce"]
-                                       + [[i] for i in range(n_p) if self._sharded[i]])
+                                       + [[i] for i in range(n_p) if self._sharded[i]]
+                                       + self._carried_idx)
 
     def _sync_axes(self, names: list[str]) -> tuple[list[tuple[str, ...]], list[int]]:
         """Each gradient's sync axes -- the axes its parameter is replicated on, less (when
@@ -258,8 +280,8 @@ class TrainStep(ProgramInspection):
         pg = self.parallel_graph
         alike = alike_axes(pg)
         axes, factors = [], []
-        for v, sharded in zip(names, self._sharded):
-            rep = replicated_axes(pg.values[v].layout, pg.mesh)
+        for v, sharded, trained in zip(names, self._sharded, self._trained):
+            rep = replicated_axes(pg.values[v].layout, pg.mesh) if trained else ()
             skip = () if sharded else tuple(a for a in rep if a in alike[v])
             axes.append(tuple(a for a in rep if a not in skip))
             factors.append(pg.mesh.size_of(skip))
@@ -273,7 +295,8 @@ class TrainStep(ProgramInspection):
         n_p, sh = self._n_params, self._sharded
         out = list(g)
         if reduce:
-            idx = self._bucket_idx["allreduce"] + [[i] for i in range(n_p) if sh[i]]
+            idx = self._bucket_idx["allreduce"] + [[i] for i in range(n_p) if sh[i]] + \
+                self._carried_idx
             out = sync_gradients(out, self._ar_axes, idx, method=self.sync_method,
                                  chain=self._chain["allreduce"], fp32=self._cast)
         rs_idx = self._bucket_idx["reducescatter"] + [[i] for i in range(n_p) if not sh[i]]
@@ -290,13 +313,19 @@ class TrainStep(ProgramInspection):
         """The jitted step: one ``shard_map`` of :meth:`_local_body`, then the optax update."""
         p_specs = tuple(s.spec for s in self.storage_shardings)
         b_specs = tuple(s.spec for s in self._feed_shardings())
+        g_specs = tuple(p_specs[k] for k in self.split.trained)
+        pg, lead = self.parallel_graph, (None,) if self.accumulation > 1 else ()
+        aux_specs = tuple(PartitionSpec(*lead, *pg.values[v].layout.partition_spec())
+                          for v in pg.outputs[1:])  # (per micro-batch: stacked)
         sharded = jax.shard_map(self._local_body(), mesh=self.mesh, in_specs=p_specs + b_specs,
-                                out_specs=(PartitionSpec(),) + p_specs, check_vma=False)
+                                out_specs=(PartitionSpec(),) + g_specs + aux_specs,
+                                check_vma=False)
         self._grads, self._step = self._jit_step(sharded)
 
     def _local_body(self) -> Callable[..., tuple[Any, ...]]:
         """Each device's program: gather sharded parameters, local gradients (accumulated
-        over micro-batches), synchronised and scaled: ``(loss, *gradients)``."""
+        over micro-batches), synchronised and scaled: ``(loss, *gradients of the trained
+        leaves, *aux leaves)``."""
         n_p, dtypes, sh, acc = self._n_params, self._p_dtypes, self._sharded, self.accumulation
         scales = [self.grad_scale / acc * f for f in self._alike_factor]
         in_backward, local_grads = self._local_grads()
@@ -307,17 +336,19 @@ class TrainStep(ProgramInspection):
                 p = gather_parameters(p, self._rs_axes, self._bucket_idx["allgather"] +
                                       [[i] for i in range(n_p) if not sh[i]])
             if acc == 1:
-                loss, g = local_grads(p, b)
+                loss, g, aux = local_grads(p, b)
                 g = self._sync(g, reduce=not in_backward)
             else:
-                loss, g = self._accumulated_grads(local_grads, p, b)
-            g = [(x * c if c != 1.0 else x).astype(d) for x, c, d in zip(g, scales, dtypes)]
-            return (loss, *g)
+                loss, g, aux = self._accumulated_grads(local_grads, p, b)
+            g = [(g[k] * scales[k] if scales[k] != 1.0 else g[k]).astype(dtypes[k])
+                 for k in self.split.trained]
+            return (loss, *g, *aux)
         return body
 
-    def _local_grads(self) -> tuple[bool, Callable[[list[Any], list[Any]], tuple[Any, list]]]:
+    def _local_grads(self) -> tuple[bool, Callable[[list[Any], list[Any]], tuple[Any, ...]]]:
         """``(in_backward, local_grads)``: ``local_grads(params, batch)`` is ``(loss, local
-        gradients)`` by ``jax.vjp``; with configured buckets and no accumulation
+        gradients, aux)`` by ``jax.vjp`` of the trained parameters (a carried one's entry:
+        zeros, never synchronised nor returned); with configured buckets and no accumulation
         (``in_backward``), each bucket is all-reduced at its sync point inside backward."""
         pg, N = self.parallel_graph, self.device_num
         ar_axes = self._ar_axes
@@ -327,11 +358,23 @@ class TrainStep(ProgramInspection):
         sites = sync_sites(pg, ar_buckets) if in_backward else {}
         before = self._sync_points(ar_buckets, sites) if sites else None
 
-        def local_grads(p: list[Any], b: list[Any]) -> tuple[Any, list[Any]]:
-            loss, vjp = jax.vjp(lambda *pp: train_body(pg, *pp, *b, before_node=before)[0], *p)
+        trained = self.split.trained
+
+        def local_grads(p: list[Any], b: list[Any]) -> tuple[Any, list[Any], list[Any]]:
+            def program(*tp: Any) -> tuple[Any, list[Any]]:
+                full = list(p)
+                for k, x in zip(trained, tp):
+                    full[k] = x
+                out = train_body(pg, *full, *b, before_node=before)
+                return out[0], list(out[1:])
+
+            loss, vjp, aux = jax.vjp(program, *(p[k] for k in trained), has_aux=True)
             # every device seeds 1/N: cotangents of replicated values are partial over the
             # axes they are replicated on, so a gradient is partial over its sync axes
-            return loss, list(vjp(jnp.asarray(1.0 / N, loss.dtype)))
+            g = [jnp.zeros_like(x) for x in p]
+            for k, x in zip(trained, vjp(jnp.asarray(1.0 / N, loss.dtype))):
+                g[k] = x
+            return loss, g, aux
         return in_backward, local_grads
 
     def _sync_points(self, ar_buckets: list[list[int]], sites: dict[int, Any]
@@ -361,59 +404,68 @@ class TrainStep(ProgramInspection):
         return before
 
     def _accumulated_grads(self, local_grads: Callable[..., Any], p: list[Any],
-                           micro: list[Any]) -> tuple[Any, list[Any]]:
+                           micro: list[Any]) -> tuple[Any, list[Any], list[Any]]:
         """``grad_accumulation_step`` micro-batches (``micro``: ``(acc, micro-batch, ...)``,
         micro-batch k = global rows k*B/acc...) summed by a ``lax.scan``, synchronised once;
-        with ``gradient_accumulation_shard`` the sums are kept reduce-scattered."""
+        with ``gradient_accumulation_shard`` the sums are kept reduce-scattered. The aux
+        leaves come back per micro-batch, stacked along a new leading dim."""
         sh, gather_axes, sizes = self._sharded, self._rs_axes, self.parallel_graph.mesh.sizes
         shard_acc = self.accumulation_shard and any(sh)
 
         def one(carry: list[Any], mb: list[Any]) -> tuple[list[Any], Any]:
-            loss, g = local_grads(p, mb)
+            loss, g, aux = local_grads(p, mb)
             if shard_acc:  # gradient_accumulation_shard: keep sharded sums (summed across
                 g = self._sync(g, reduce=False, across=False)  # the groups once, at the end)
-            return [c + x for c, x in zip(carry, g)], loss
+            return [c + x for c, x in zip(carry, g)], (loss, aux)
 
         zeros = [jnp.zeros(_acc_shape(x.shape, sh[i] and shard_acc, gather_axes[i], sizes),
                            x.dtype) for i, x in enumerate(p)]
-        g, losses = lax.scan(one, zeros, micro)
-        return jnp.mean(losses), self._sync(g, scatter=not shard_acc)
+        g, (losses, aux) = lax.scan(one, zeros, micro)
+        return jnp.mean(losses), self._sync(g, scatter=not shard_acc), aux
 
     def _jit_step(self, sharded: Callable[..., Any]) -> tuple[Any, Any]:
         """``(grads, step)`` jitted around the ``shard_map`` program: the optax update runs
         outside it, on the synchronised gradients; the parameters and, with the parallel
-        optimizer, the optimizer state stay on their storage layouts."""
-        storage, tree, opt = self.storage_shardings, self._p_tree, self.optimizer
-        sh, dtypes = self._sharded, self._p_dtypes
+        optimizer, the optimizer state stay on their storage layouts. The optimizer sees
+        the trained leaves only (``split.optimizer_tree``: None at every carried one), which
+        the step returns as they came. ``value``: the loss, or ``(loss, aux)``."""
+        storage, opt, split = self.storage_shardings, self.optimizer, self.split
+        sh, dtypes, trained = self._sharded, self._p_dtypes, split.trained
+        n_g, aux_tree = len(trained), self._aux_tree
 
         def grads(p_leaves: list[Any], b_leaves: list[Any]) -> tuple[Any, list[Any]]:
             out = sharded(*p_leaves, *b_leaves)
-            return out[0], list(out[1:])
+            if aux_tree is None:
+                return out[0], list(out[1:])
+            return (out[0], jax.tree_util.tree_unflatten(aux_tree, out[1 + n_g:])), \
+                list(out[1:1 + n_g])
 
         def step(p_leaves: list[Any], opt_state: Any, b_leaves: list[Any]) -> tuple:
-            loss, g = grads(p_leaves, b_leaves)
-            params = jax.tree_util.tree_unflatten(tree, p_leaves)
-            gtree = jax.tree_util.tree_unflatten(tree, g)
-            updates, opt_state = opt.update(gtree, opt_state, params)
-            new = jax.tree_util.tree_leaves(optax.apply_updates(params, updates))
+            value, g = grads(p_leaves, b_leaves)
+            params = split.optimizer_tree([p_leaves[k] for k in trained])
+            updates, opt_state = opt.update(split.optimizer_tree(g), opt_state, params)
+            new = list(p_leaves)  # (the carried leaves as they came)
+            for k, x in zip(trained, jax.tree_util.tree_leaves(
+                    optax.apply_updates(params, updates))):
+                new[k] = x
             new = [lax.with_sharding_constraint(x.astype(d), s)
                    for x, d, s in zip(new, dtypes, storage)]
             if any(sh):  # the optimizer state stays on the parameters' storage layout
-                st = state_shardings(opt, opt_state, jax.tree_util.tree_unflatten(
-                    tree, list(storage)), self.mesh, jax.tree_util.tree_unflatten(
-                    tree, [jax.ShapeDtypeStruct(x.shape, np.float32) for x in p_leaves]))
+                st = state_shardings(opt, opt_state, split.optimizer_tree(
+                    [storage[k] for k in trained]), self.mesh, split.optimizer_tree(
+                    [jax.ShapeDtypeStruct(p_leaves[k].shape, np.float32) for k in trained]))
                 opt_state = jax.tree.map(lax.with_sharding_constraint, opt_state, st)
-            return new, opt_state, loss
+            return new, opt_state, value
 
         return jax.jit(grads), jax.jit(step)
 
     def _check_inputs(self, params: Any, batch: Sequence[Any]) -> tuple[list[Any], list[Any]]:
-        """The leaves of ``params`` and ``batch``, checked against the example's: the
-        structure, every shape and dtype (both backends)."""
-        leaves, tree = jax.tree_util.tree_flatten(params)
-        if tree != self._p_tree:
-            raise AutoParallelError("params", f"{len(leaves)} leaves", f"must have the "
-                                    f"structure of the example parameters ({self._p_tree})")
+        """The leaves of ``params`` the program takes (every one but typed PRNG keys) and
+        of ``batch``, checked against the example's: the structure, every shape and dtype
+        (both backends)."""
+        leaves = self._param_leaves(params)
+        self.split.key_leaves(leaves)  # (checked: the step hands them back as they are)
+        leaves = self.split.graph_leaves(leaves)
         b_leaves, b_tree = jax.tree_util.tree_flatten(tuple(batch))
         if b_tree != self._b_tree:  # (the same shapes in another order: a silent swap)
             raise AutoParallelError("batch", f"{len(b_leaves)} leaves", f"must have the "
@@ -431,6 +483,14 @@ class TrainStep(ProgramInspection):
                 raise AutoParallelError(f"argument {v!r}", traced_dtype(x), f"dtype must "
                                         f"be {spec.dtype}, as in the example")
         return leaves, b_leaves
+
+    def _param_leaves(self, params: Any) -> list[Any]:
+        """The leaves of ``params``, which must have the example parameters' structure."""
+        leaves, tree = jax.tree_util.tree_flatten(params)
+        if tree != self._p_tree:
+            raise AutoParallelError("params", f"{len(leaves)} leaves", f"must have the "
+                                    f"structure of the example parameters ({self._p_tree})")
+        return leaves
 
     def _place(self, params: Any, batch: Sequence[Any]) -> tuple[list[Any], list[Any]]:
         leaves, b_leaves = self._check_inputs(params, batch)
@@ -452,6 +512,11 @@ class TrainStep(ProgramInspection):
     # ------------------------------------------------------------------ pmap path
 
     def _build_pmap(self, batch: tuple[Any, ...]) -> None:
+        if self.has_aux:
+            raise AutoParallelError("has_aux", True, "the pmap lowering differentiates each "
+                                    "device's own loss on its rows, so an aux output would be "
+                                    "each device's, not the global batch's",
+                                    "Use backend='shard_map'")
         if self.parallel_mode != "data_parallel":
             raise AutoParallelError("backend", "pmap", "the pmap lowering runs "
                                     f"parallel_mode='data_parallel' only (got "
@@ -473,26 +538,41 @@ class TrainStep(ProgramInspection):
                                         "is a scalar", "Use backend='shard_map'")
             if np.shape(x)[0] % n:
                 raise _uneven(np.shape(x)[0], n, "batch")
-        loss_fn, dtypes, cast = self.loss_fn, self._p_dtypes, self._cast
-        p_tree, mean = self._p_tree, self.gradients_mean
-        buckets, chain = self._bucket_idx["allreduce"], self._chain["allreduce"]
-        method = self.sync_method
+        loss_fn, dtypes, cast, split = self.loss_fn, self._p_dtypes, self._cast, self.split
+        mean, trained = self.gradients_mean, split.trained
+        buckets = self._bucket_idx["allreduce"] + self._carried_idx
+        chain = self._chain["allreduce"]
+        method, axes = self.sync_method, [("dp",) if t else () for t in self._trained]
 
         def local_grads(params: Any, *b: Any) -> tuple[Any, Any]:
-            loss, g = jax.value_and_grad(loss_fn)(params, *b)
-            leaves = jax.tree_util.tree_leaves(g)
+            leaves = jax.tree_util.tree_leaves(params)
+            graph, keys = split.graph_leaves(leaves), [leaves[i] for i in split.keys]
+
+            def loss_of(tp: list[Any]) -> Any:  # of the trained leaves; the rest carried
+                full = list(graph)
+                for k, x in zip(trained, tp):
+                    full[k] = x
+                return loss_fn(split.unflatten(full, keys), *b)
+
+            loss, gt = jax.value_and_grad(loss_of)([graph[k] for k in trained])
+            g = list(graph)  # (a carried leaf's entry: no sync axes, dropped below)
+            for k, x in zip(trained, gt):
+                g[k] = x
             # the context's buckets, one psum each over the pmap axis (as the shard_map path)
-            leaves = sync_gradients(leaves, [("dp",)] * len(leaves), buckets, method=method,
-                                    chain=chain, fp32=cast)
-            if mean:
-                leaves = [x / n for x in leaves]
-            leaves = [x.astype(d) for x, d in zip(leaves, dtypes)]
-            return lax.pmean(loss, "dp"), jax.tree_util.tree_unflatten(p_tree, leaves)
+            g = sync_gradients(g, axes, buckets, method=method, chain=chain, fp32=cast)
+            g = [(g[k] / n if mean else g[k]).astype(dtypes[k]) for k in trained]
+            return lax.pmean(loss, "dp"), split.optimizer_tree(g)
 
         def local_step(params: Any, opt_state: Any, *b: Any) -> tuple:
             loss, g = local_grads(params, *b)
-            updates, opt_state = self.optimizer.update(g, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
+            masked = split.masked(params)
+            updates, opt_state = self.optimizer.update(g, opt_state, masked)
+            leaves = jax.tree_util.tree_leaves(params)
+            new = split.graph_leaves(leaves)
+            for k, x in zip(trained, jax.tree_util.tree_leaves(
+                    optax.apply_updates(masked, updates))):
+                new[k] = x
+            return split.unflatten(new, [leaves[i] for i in split.keys]), opt_state, loss
 
         devices = list(np.asarray(self.mesh.devices).flat)
         k = len(batch)
@@ -511,50 +591,59 @@ class TrainStep(ProgramInspection):
     # ------------------------------------------------------------------ public
 
     def init(self, params: Any) -> Any:
-        """The optimizer state for ``params`` (``optimizer.init``); with the parallel
-        optimizer its parameter-shaped leaves are placed sharded like their parameters."""
-        state = self.optimizer.init(params)
+        """The optimizer state for the trained leaves of ``params`` (``optimizer.init`` of
+        ``split.masked(params)``: None at every carried leaf); with the parallel optimizer
+        its parameter-shaped leaves are placed sharded like their parameters."""
+        masked = self.split.masked(params)
+        state = self.optimizer.init(masked)
         if self.backend == "pmap" or not any(self._sharded):
             return state
-        st = state_shardings(self.optimizer, state, jax.tree_util.tree_unflatten(
-            self._p_tree, list(self.storage_shardings)), self.mesh,
-            jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.float32), params))
+        st = state_shardings(self.optimizer, state, self.split.optimizer_tree(
+            [self.storage_shardings[k] for k in self.split.trained]), self.mesh,
+            jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.float32), masked))
         return jax.tree.map(jax.device_put, state, st)
 
     def prepare(self, params: Any) -> Any:
         """``params`` placed on their storage layouts (the plan's, or sharded by the parallel
         optimizer); with ``parameter_broadcast`` set, rank 0's values are broadcast first
         (:func:`autopar.step_inputs.broadcast_parameters`)."""
-        if self.parameter_broadcast:
-            params = broadcast_parameters(params, self.mesh)
         leaves = jax.tree_util.tree_leaves(params)
-        return jax.tree_util.tree_unflatten(
-            self._p_tree, [jax.device_put(x, s) for x, s in zip(leaves,
-                                                                self.storage_shardings)])
+        graph, keys = self.split.graph_leaves(leaves), [leaves[i] for i in self.split.keys]
+        if self.parameter_broadcast:
+            graph = broadcast_parameters(graph, self.mesh)
+        return self.split.unflatten(put_on(graph, self.storage_shardings), keys)
 
     def grads(self, params: Any, *batch: Any) -> tuple[Any, Any]:
-        """``(loss, synchronised gradients)`` as the step feeds them to the optimizer."""
+        """``(value, synchronised gradients)`` as the step feeds them to the optimizer, as
+        ``jax.value_and_grad(loss_fn, has_aux=self.has_aux)`` gives them: ``value`` the loss
+        or ``(loss, aux)``; the gradients a tree like ``params`` with None at every carried
+        (non-float) leaf."""
         if self.backend == "pmap":
             loss, g = self._pgrads(params, *self._split(params, batch))
             return loss[0], jax.tree.map(lambda x: x[0], g)
         p, b = self._place(params, batch)
-        loss, g = self._grads(p, b)
-        return loss, jax.tree_util.tree_unflatten(self._p_tree, g)
+        value, g = self._grads(p, b)
+        return value, self.split.optimizer_tree(g)
 
     def __call__(self, params: Any, opt_state: Any, *batch: Any) -> tuple[Any, Any, Any]:
+        """One step: ``(params, opt_state, value)``, ``value`` the loss or, under
+        ``has_aux``, ``(loss, aux)``; the carried leaves of ``params`` come back unchanged."""
         self._check_state(params, opt_state)
         if self.backend == "pmap":
             p, s, loss = self._pstep(params, opt_state, *self._split(params, batch))
             first = lambda x: x[0]  # noqa: E731 - replicated over the pmap axis
             return jax.tree.map(first, p), jax.tree.map(first, s), loss[0]
         p, b = self._place(params, batch)
-        new, opt_state, loss = self._step(p, opt_state, b)
-        return jax.tree_util.tree_unflatten(self._p_tree, new), opt_state, loss
+        new, opt_state, value = self._step(p, opt_state, b)
+        leaves = jax.tree_util.tree_leaves(params)
+        return self.split.unflatten(new, [leaves[i] for i in self.split.keys]), opt_state, value
 
     def _check_state(self, params: Any, opt_state: Any) -> None:
-        """``opt_state`` must be what ``init(params)`` makes (:func:`check_opt_state`)."""
-        check_arrays("params", params, none=True)
-        check_opt_state(self.optimizer, params, opt_state,
+        """``opt_state`` must be what ``init(params)`` makes (:func:`check_opt_state`, over
+        the trained leaves)."""
+        check_arrays("params", without_keys(params), none=True)
+        self._param_leaves(params)
+        check_opt_state(self.optimizer, self.split.masked(params), opt_state,
                         self.__dict__.setdefault("_state_specs", {}))
 
     def lower(self, params: Any, opt_state: Any, *batch: Any) -> Any:
@@ -627,8 +716,31 @@ def train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
                mode: str | None = None, fixed: Mapping[str, Any] | None = None,
                cluster: Any = None, backend: str = "shard_map",
                mesh: Mesh | None = None, sync_method: str = "tuple",
-               fused_kernels: FusedKernels = "auto") -> TrainStep:
+               fused_kernels: FusedKernels = "auto", has_aux: bool = False) -> TrainStep:
     """Build a parallel training step for ``loss_fn(params, *batch)`` under the current context.
+
+    ``step(params, opt_state, *batch) -> (params, opt_state, loss)``; ``step.init(params)``
+    makes the optimizer state, ``step.grads(params, *batch) -> (loss, grads)``.
+
+    ``params``: a pytree whose **floating-point leaves are trained**; its other leaves are
+    **carried**: an integer (a step counter), a boolean, a PRNG key (``jax.random.key``, or a
+    raw ``uint32`` one). The loss receives them as they are, the optimizer never sees them
+    (its state and ``step.grads`` hold None there, as ``eqx.filter_grad`` does), and the
+    step returns them unchanged. A None leaf is an empty subtree (``eqx.partition``). A typed
+    key never enters the partitioned program: a loss that reads one (draws random numbers
+    with it) is refused by name, since autopar cannot partition JAX's random primitives; a
+    tree with no floating-point leaf has nothing to train (``jax.grad`` refuses it too): an
+    :class:`~autopar.errors.AutoParallelTypeError`.
+
+    ``has_aux``: ``loss_fn`` returns ``(loss, aux)``, ``aux`` a pytree of arrays (new
+    BatchNorm statistics, metrics), as for ``jax.value_and_grad(loss_fn, has_aux=True)``;
+    the step then returns ``(params, opt_state, (loss, aux))`` and ``step.grads`` returns
+    ``((loss, aux), grads)``: the loss's place holds the pair, as value_and_grad's value
+    does. ``aux`` comes back as global arrays (laid out as the plan computed them), the
+    values of one device on the whole batch; under ``grad_accumulation_step = g`` each
+    micro-batch's, stacked along a new leading dim of size ``g``. The ``pmap`` backend and
+    the pipelined step (``pipeline_stages > 1``) refuse it (``AutoParallelError`` naming
+    ``has_aux``): they compute a loss per device or per micro-batch and stage only.
 
     ``batch``: a tuple of example arrays (a single array is taken as ``(array,)``).
     ``optimizer``: an optax ``GradientTransformation`` (default
@@ -643,32 +755,49 @@ def train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
     must therefore be elementwise (SGD, momentum, Adam(W), RMSProp; ``clip_by_global_norm``,
     LAMB / LARS, adafactor are refused with an ``AutoParallelError``) and that
     ``comm_fusion`` is not applied there (warned).
+
+    ``gradients_mean`` left unset under a plan with a data-parallel degree ``dp > 1``:
+    MindSpore's default (False) makes the gradients ``dp x`` those of the global loss; an
+    :class:`~autopar.errors.AutoParallelWarning` says so once per process (set the key,
+    True or False, to silence it).
     """
     batch, optimizer = check_step_arguments(loss_fn, params, batch, optimizer,
                                             backend=backend, sync_method=sync_method,
-                                            fused_kernels=fused_kernels)
+                                            fused_kernels=fused_kernels, has_aux=has_aux)
     cfg = current_config()  # the context, read once: everything below takes this config
+    explicit = "gradients_mean" in explicit_keys()
     with saves_on_success():  # strategy files once the step is built and checked
         if cfg.pipeline_stages > 1:  # the pipelined step (autopar.pipeline), checked here
             cfg = resolve_context().config
             _check_pipelined(cfg.pipeline_stages, backend=backend, mesh=mesh,
-                             sync_method=sync_method, fused_kernels=fused_kernels)
-            return PipelineTrainStep(loss_fn, params, batch, optimizer, config=cfg, mode=mode,
-                                     fixed=fixed, cluster=cluster)  # type: ignore[return-value]
-        return TrainStep(loss_fn, params, batch, optimizer, config=cfg, mode=mode,
-                         fixed=fixed, cluster=cluster, backend=backend, mesh=mesh,
-                         sync_method=sync_method, fused_kernels=fused_kernels)
+                             sync_method=sync_method, fused_kernels=fused_kernels,
+                             has_aux=has_aux)
+            step: Any = PipelineTrainStep(loss_fn, params, batch, optimizer, config=cfg,
+                                          mode=mode, fixed=fixed, cluster=cluster)
+        else:
+            step = TrainStep(loss_fn, params, batch, optimizer, config=cfg, mode=mode,
+                             fixed=fixed, cluster=cluster, backend=backend, mesh=mesh,
+                             sync_method=sync_method, fused_kernels=fused_kernels,
+                             has_aux=has_aux)
+    warn_gradients_mean(step.data_parallel_degree, explicit)
+    return step
 
 
 def check_step_arguments(loss_fn: Any, params: Any, batch: Any, optimizer: Any, *,
-                         backend: Any, sync_method: Any, fused_kernels: Any
+                         backend: Any, sync_method: Any, fused_kernels: Any,
+                         has_aux: Any = False
                          ) -> tuple[tuple[Any, ...], optax.GradientTransformation]:
     """:func:`train_step`'s checks of its arguments (those of a tuned step too): ``(batch as
-    a tuple, the optimizer or the default SGD)``."""
+    a tuple, the optimizer or the default SGD)``. A PRNG key among the parameters is
+    carried (:func:`autopar.step_inputs.is_trained`); a tree with nothing to train is
+    refused (:func:`autopar.step_inputs.check_trainable`)."""
     batch, optimizer = step_arguments(loss_fn, batch, optimizer,
                                       "train_step needs a callable loss")
-    check_arrays("params", params, none=True)
-    check_floating("params", params)
+    check_arrays("params", without_keys(params), none=True)
+    check_trainable("params", params)
+    if not isinstance(has_aux, bool):
+        raise AutoParallelTypeError("has_aux", has_aux, "True or False: whether loss_fn "
+                                    "returns (loss, aux)")
     if backend not in BACKENDS:
         raise AutoParallelError("backend", backend, f"must be one of {BACKENDS}")
     if sync_method not in METHODS:
@@ -680,6 +809,11 @@ def check_step_arguments(loss_fn: Any, params: Any, batch: Any, optimizer: Any, 
 def _check_pipelined(stages: int, **given: Any) -> None:
     """Under ``pipeline_stages > 1`` the pipeline builds its own mesh and step: the options
     of the plain step must keep their defaults."""
+    if given["has_aux"]:
+        raise AutoParallelError("has_aux", True, f"pipeline_stages={stages}: the pipelined "
+                                "step computes the loss on its last stage per micro-batch and "
+                                "returns the loss only", "Drop has_aux=, or set "
+                                "pipeline_stages=1")
     for key, default in (("backend", "shard_map"), ("mesh", None), ("sync_method", "tuple"),
                          ("fused_kernels", "auto")):
         value = given[key]

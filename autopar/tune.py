@@ -48,13 +48,14 @@ from autopar.checkpoint import read_strategy_file
 from autopar.cli_util import Progress, table
 from autopar.clusters import resolve_cluster
 from autopar.config import AutoParallelConfig
-from autopar.context import current_config
+from autopar.context import current_config, explicit_keys
 from autopar.errors import (AutoParallelError, AutoParallelTypeError, AutoParallelWarning,
                             user_stacklevel)
 from autopar.graph.tracer import trace
 from autopar.multihost import agree_text, is_lead, together
 from autopar.planner import ranked_candidates, save_plan, saves_on_success
 from autopar.resolve import resolve_context
+from autopar.step_inputs import ParamSplit, warn_gradients_mean
 from autopar.strategies.plan import Plan
 from autopar.train import TrainStep
 
@@ -210,7 +211,8 @@ def tune_step(loss_fn: Callable[..., Any], params: Any, batch: tuple[Any, ...],
     mode, fixed = options.pop("mode", None), options.pop("fixed", None)
     with together():  # (under jax.distributed: process 0's cluster and measurements)
         clus = resolve_cluster(cluster)
-        graph = trace(loss_fn, params, *_train.micro_batch(batch, config.grad_accumulation_step))
+        micro = _train.micro_batch(batch, config.grad_accumulation_step)
+        graph = trace(*ParamSplit(params).traced(loss_fn, params, micro), *micro)
         cands = distinct_plans(ranked_candidates(graph, config, mode=mode, cluster=clus,
                                                  fixed=fixed), k)
         with Progress("tune", len(cands) + steps * (len(cands) > 1),
@@ -284,14 +286,14 @@ def tuned_train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
     ``[2, MAX_TUNE]`` candidates, ``steps`` timed rounds, ``progress``: a bar on stderr,
     ``clock``: the timer of the rounds. ``options``: :func:`autopar.train.train_step`'s
     keywords (``mode``, ``fixed``, ``cluster``, ``backend``, ``mesh``, ``sync_method``,
-    ``fused_kernels``)."""
+    ``fused_kernels``, ``has_aux``)."""
     k, steps = check_tune(k, "k", 2), _check_steps(steps)
     if not isinstance(progress, bool):
         raise AutoParallelTypeError("progress", progress, "must be a bool")
     if not callable(clock):
         raise AutoParallelTypeError("clock", clock, "a function returning seconds")
     defaults = dict(mode=None, fixed=None, cluster=None, backend="shard_map", mesh=None,
-                    sync_method="tuple", fused_kernels="auto")
+                    sync_method="tuple", fused_kernels="auto", has_aux=False)
     unknown = sorted(set(options) - set(defaults))
     if unknown:
         raise AutoParallelTypeError(unknown[0], options[unknown[0]], "not an option of "
@@ -299,7 +301,8 @@ def tuned_train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
     options = {**defaults, **options}
     batch, optimizer = _train.check_step_arguments(
         loss_fn, params, batch, optimizer, backend=options["backend"],
-        sync_method=options["sync_method"], fused_kernels=options["fused_kernels"])
+        sync_method=options["sync_method"], fused_kernels=options["fused_kernels"],
+        has_aux=options["has_aux"])
     cfg = current_config()  # the context, read once
     if not _tunes(cfg, k):
         return _train.train_step(loss_fn, params, batch, optimizer, **options)
@@ -307,8 +310,10 @@ def tuned_train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
         if cfg.strategy_ckpt_load_file:
             return _loaded(cfg, k, loss_fn, params, batch, optimizer, options)
         cfg = resolve_context().config  # (the mode restrictions, checked once)
-        return tune_step(loss_fn, params, batch, optimizer, config=cfg, k=k, steps=steps,
+        step = tune_step(loss_fn, params, batch, optimizer, config=cfg, k=k, steps=steps,
                          progress=progress, clock=clock, **options)
+    warn_gradients_mean(step.data_parallel_degree, "gradients_mean" in explicit_keys())
+    return step
 
 
 def _tunes(cfg: AutoParallelConfig, k: int) -> bool:
@@ -354,15 +359,16 @@ def train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
                tune: int | None = None, mode: str | None = None,
                fixed: Mapping[str, Any] | None = None, cluster: Any = None,
                backend: str = "shard_map", mesh: Any = None, sync_method: str = "tuple",
-               fused_kernels: Any = "auto") -> TrainStep:
+               fused_kernels: Any = "auto", has_aux: bool = False) -> TrainStep:
     """:func:`autopar.train.train_step` (``autopar.train_step``), plus ``tune``: None, 0 or 1
     build the step as it is; ``k >= 2`` measures the ``k`` cheapest priced plans for a few
     interleaved steps and keeps the fastest (:func:`tuned_train_step`, with
     :data:`DEFAULT_STEPS` rounds and a progress bar on stderr; ``.tuning`` shows the table).
-    The other arguments are :func:`autopar.train.train_step`'s."""
+    The other arguments (``has_aux``, what is trained and what carried, the
+    ``gradients_mean`` warning) are :func:`autopar.train.train_step`'s."""
     k = check_tune(tune)
     options = dict(mode=mode, fixed=fixed, cluster=cluster, backend=backend, mesh=mesh,
-                   sync_method=sync_method, fused_kernels=fused_kernels)
+                   sync_method=sync_method, fused_kernels=fused_kernels, has_aux=has_aux)
     if k < 2:
         return _train.train_step(loss_fn, params, batch, optimizer, **options)
     return tuned_train_step(loss_fn, params, batch, optimizer, k=k, **options)

@@ -149,7 +149,7 @@ def _step(model: Any, args: tuple, plan: Any, graph: Any, calibrated: Any,
     path = ap.save_strategy(plan, graph, tmp / f"plan{id(plan)}.json")
     priced = ap.load_strategy(path, graph, device_num=8, cluster=calibrated)
     with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel",
-                                  strategy_ckpt_load_file=str(path)):
+                                  strategy_ckpt_load_file=str(path), gradients_mean=False):
         step = ap.train_step(model.loss, args[0], tuple(args[1:]), optax.adam(1e-3),
                              cluster=calibrated)
     state = [step.prepare(args[0]), step.init(args[0])]

@@ -353,7 +353,7 @@ def fixture() -> SimpleNamespace:
     doc = strategy_document(plan, graph)
     other_mode = "recursive_programming" if doc["mode"] != "recursive_programming" else \
         "dynamic_programming"
-    with plain_context(parallel_mode="data_parallel"):
+    with plain_context(parallel_mode="data_parallel", gradients_mean=False):
         step = ap.train_step(m.loss, params, (x,), cluster=CLUSTER)
     cluster = ap.clusters.resolve_cluster(CLUSTER)
     return SimpleNamespace(

@@ -18,11 +18,15 @@ import pytest  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _fresh_context():
-    """Every test starts and ends with the default auto-parallel context and comm state."""
+    """Every test starts and ends with the default auto-parallel context and comm state, and
+    with the once-per-process warnings not yet given (each test sees them as a fresh process
+    would)."""
     import autopar
+    from autopar.step_inputs import WARNED_ONCE
 
     autopar.reset_auto_parallel_context()
     autopar.hccl.reset_comm_groups()
+    WARNED_ONCE.clear()
     yield
     autopar.reset_auto_parallel_context()
     autopar.hccl.reset_comm_groups()

@@ -311,7 +311,7 @@ def test_parameter_plan_numerics_against_float64():
 def test_named_mesh_works_for_parallelize_train_step_and_shardings():
     params, x = _args()
     ap.set_auto_parallel_context(device_num=8, parallel_mode="auto_parallel",
-                                 search_mode="dynamic_programming")
+                                 search_mode="dynamic_programming", gradients_mean=True)
     devices = jax.devices()[::-1]  # the user's device order is kept
     mesh = jax.make_mesh((2, 4), ("dp", "mp"), devices=devices,
                          axis_types=(jax.sharding.AxisType.Explicit,) * 2)

@@ -127,7 +127,7 @@ x = np.ones((16, 8), np.float32)
 loss = lambda p, x: (x @ p["w"]).sum()
 out = {}
 with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel",
-                              parameter_broadcast=True):
+                              parameter_broadcast=True, gradients_mean=True):
     step = ap.train_step(loss, params, (x,))
     held = multihost_utils.process_allgather(step.prepare(params)["w"], tiled=True)
     out["w"] = sorted(set(np.asarray(held).ravel().tolist()))
@@ -194,7 +194,7 @@ loss = lambda p, x: (jax.nn.relu(x @ p["w1"]) @ p["w2"]).sum()
 params = {"w1": np.full((64, 256), 1 / 64, np.float32),
           "w2": np.full((256, 64), 1 / 256, np.float32)}
 x = np.ones((16, 64), np.float32)
-with ap.auto_parallel_context(device_num=4, parallel_mode="auto_parallel"):
+with ap.auto_parallel_context(device_num=4, parallel_mode="auto_parallel", gradients_mean=True):
     if rank == 0:  # a look at a plan on one process alone: no collective to wait for
         out["alone"] = ap.search(ap.trace(loss, params, x)).cluster
     out["default"] = ap.parallelize(loss, params, x).plan.cluster

@@ -618,15 +618,33 @@ def tiny_step():
     return step, params, x, y
 
 
-def test_integer_parameter_is_refused_up_front_naming_the_leaf_and_its_dtype():
-    """Parameters are trained by their gradients: an integer leaf is refused at construction
-    (as train_step refuses it), naming the leaf and its dtype."""
+def test_integer_and_boolean_leaves_are_carried_and_keys_or_nothing_to_train_refused():
+    """As train_step: integer and boolean leaves are carried (packed in buffers of their own
+    that the optimizer never sees -- AdamW's decay would move them -- and handed back
+    unchanged); a typed PRNG key cannot be packed, and a tree with no floating-point leaf has
+    nothing to train: both refused at construction, naming the leaf."""
     params, x, y = tiny_args()
-    params = {**params, "w1": jnp.ones((8, 16), jnp.int32)}
+    carried = {"scale": jnp.int32(3), "on": jnp.array([True, False])}
+
+    def loss(p, x, y):
+        return tiny_loss(p, x, y) * p["scale"] + jnp.where(p["on"][0], 0.0, 1.0)
+
+    opt = optax.adamw(1e-2, weight_decay=0.5)
     with ap.auto_parallel_context(pipeline_stages=2, **PIPE):
+        step = ap.train_step(loss, params | carried, (x, y), opt)
+        state = step.init(params | carried)
+        new, _, value = step(params | carried, state, x, y)
+        assert int(new["scale"]) == 3 and new["on"].tolist() == [True, False]
+        assert step.grads(params | carried, x, y)[1]["scale"] is None
+        numerics.check(({k: new[k] for k in params}, [value]), numerics.reference(
+            numerics.optimizer_steps(lambda p, x, y: loss(p | carried, x, y), opt), params,
+            x, y, jit=False))
+        with pytest.raises(AutoParallelTypeError, match=r"params\['key'\].*typed PRNG key"):
+            pipeline_train_step(tiny_loss, params | {"key": jax.random.key(0)}, (x, y))
+        ints = jax.tree.map(lambda a: a.astype(jnp.int32), params)
         for build in (pipeline_train_step, ap.train_step):
             with pytest.raises(AutoParallelTypeError, match=r"params\['w1'\].*int32"):
-                build(tiny_loss, params, (x, y))
+                build(tiny_loss, ints, (x, y))
         with pytest.raises(AutoParallelTypeError, match=r"params\['w2'\]"):
             pipeline_train_step(tiny_loss, {**params, "w2": "w"}, (x, y))
 

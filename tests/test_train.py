@@ -5,6 +5,7 @@ dataset_strategy/full_batch, enable_alltoall) changes what it should, observably
 from __future__ import annotations
 
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -200,7 +201,7 @@ def test_broadcast_parameters_takes_rank_zeros_copy():
     close(out["b"], np.ones(3))
     m, params, x = _mlp()
     with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel",
-                                  parameter_broadcast=True):
+                                  parameter_broadcast=True, gradients_mean=True):
         step = ap.train_step(m.loss, params, (x,))
     placed = step.prepare(params)
     jax.tree.map(close, placed, params)
@@ -212,7 +213,8 @@ def test_full_batch_replicates_and_data_parallel_splits_the_batch():
     with ap.auto_parallel_context(device_num=8, parallel_mode="semi_auto_parallel",
                                   dataset_strategy="full_batch"):
         full = ap.train_step(m.loss, params, (x,), fixed=fixed)
-    with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel"):
+    with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel",
+                                  gradients_mean=True):
         dp = ap.train_step(m.loss, params, (x,))
     assert full.plan.split_counts("x") == (1, 1)
     assert dp.plan.split_counts("x") == (8, 1)
@@ -240,7 +242,8 @@ def test_enable_alltoall_decides_the_lowered_collectives():
 
 def test_data_parallel_step_has_one_all_reduce_per_gradient_plus_the_loss():
     m, params, x = _mlp()
-    with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel"):
+    with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel",
+                                  gradients_mean=False):
         step = ap.train_step(m.loss, params, (x,))
     counts = step.collective_counts(params, step.init(params), x)
     assert counts == {"all_reduce": len(jax.tree.leaves(params)) + 1, "reduce_scatter": 0,
@@ -288,7 +291,7 @@ def test_pmap_backend_needs_data_parallel(tmp_path):
     m, params, x = _mlp()
     plan_file = tmp_path / "plan.json"
     with ap.auto_parallel_context(device_num=8, parallel_mode="semi_auto_parallel",
-                                  strategy_ckpt_save_file=str(plan_file)):
+                                  strategy_ckpt_save_file=str(plan_file), gradients_mean=True):
         with pytest.raises(ap.AutoParallelError, match="pmap"):
             ap.train_step(m.loss, params, (x,), backend="pmap")
         assert not plan_file.exists()  # a step refused after its search saves no plan
@@ -304,13 +307,13 @@ def test_non_array_inputs_and_integer_parameters_are_refused_by_name():
     for build in (ap.trace, ap.parallelize):
         with pytest.raises(ap.AutoParallelTypeError, match=r"args\[1\]='x'"):
             build(m.loss, params, "x")
-    ints = jax.tree.map(lambda a: a.astype(jnp.int32), params)
+    ints = jax.tree.map(lambda a: a.astype(jnp.int32), params)  # (one is carried: all, none)
     with pytest.raises(ap.AutoParallelTypeError, match=r"params\['layer0'\]\['b'\].*int32"):
         ap.train_step(m.loss, ints, (x,))
     assert len(ap.trace(lambda p, x, none: m.loss(p, x), params, x, None).nodes)  # (a pytree)
-    for key in (jax.random.key(0), jax.eval_shape(jax.random.key, 0)):  # (was a raw TypeError)
-        with pytest.raises(ap.AutoParallelTypeError, match=r"args\[1\].*PRNG key"):
-            ap.trace(lambda p, k, x: m.loss(p, x), params, key, x)
+    for key in (jax.random.key(0), jax.eval_shape(jax.random.key, 0)):  # (a raw TypeError once)
+        g = ap.trace(lambda p, k, x: m.loss(p, x), params, key, x)  # a key is a value
+        assert g.spec("k").dtype == "key<fry>"  # (tests/test_random.py)
 
 
 @pytest.mark.parametrize("backend", ["shard_map", "pmap"])
@@ -318,7 +321,8 @@ def test_every_call_checks_the_parameters_and_batch_against_the_example(backend)
     """Parameter shapes were never checked (a (1,) bias ran silently, others gave a raw JAX
     IndivisibleError), and the pmap backend checked nothing (a raw reshape TypeError)."""
     m, params, x = _mlp()
-    with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel"):
+    with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel",
+                                  gradients_mean=True):
         step = ap.train_step(m.loss, params, (x,), backend=backend)
     state = step.init(params)
     short = jax.tree.map(lambda a: a[:1] if a.ndim == 1 else a, params)
@@ -349,7 +353,7 @@ def test_uneven_batch_matches_reference_or_is_rejected():
 
 def test_bad_arguments_are_refused():
     m, params, x = _mlp()
-    ap.set_auto_parallel_context(device_num=8, parallel_mode="data_parallel")
+    ap.set_auto_parallel_context(device_num=8, parallel_mode="data_parallel", gradients_mean=True)
     with pytest.raises(TypeError):
         ap.train_step(m.loss, params, (x,), optimizer="sgd")
     with pytest.raises(ap.AutoParallelError, match="backend"):
@@ -387,7 +391,7 @@ def test_bad_step_arguments_are_typed_errors():
         return jnp.mean((x @ p["w"]) ** 2)
 
     p, x = {"w": jnp.ones((8, 8))}, jnp.ones((16, 8))
-    ap.set_auto_parallel_context(device_num=8, parallel_mode="data_parallel")
+    ap.set_auto_parallel_context(device_num=8, parallel_mode="data_parallel", gradients_mean=True)
     with pytest.raises(ap.AutoParallelTypeError, match="tuple"):
         ap.train_step(loss, p, [x])
     with pytest.raises(ap.AutoParallelTypeError, match=r"batch\[0\]"):
@@ -516,7 +520,8 @@ def test_a_fused_kernel_never_carries_a_custom_rules_body():
                                                                   jnp.zeros_like(r[1])))
     w, x = jnp.ones((64, 16)) / 64, jnp.ones((16, 64))
     loss = lambda w, x: jnp.sum(jnp.tanh(frozen(x, w)) ** 2)  # noqa: E731
-    with ap.auto_parallel_context(device_num=8, parallel_mode="semi_auto_parallel"):
+    with ap.auto_parallel_context(device_num=8, parallel_mode="semi_auto_parallel",
+                                  gradients_mean=True):
         step = ap.train_step(loss, w, (x,), fused_kernels=True)
     assert not [n for n in step.parallel_graph.nodes if n.is_fused]
     with pytest.raises(ap.AutoParallelError, match="'frozen'"):
@@ -540,7 +545,8 @@ def test_a_steps_own_outputs_are_fed_back_without_placing_them_again():
 
     m = transformer(layers=1, hidden=16, heads=2, seq=4, vocab=16, batch=8)
     params, *batch = m.example_args(KEY)
-    with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel"):
+    with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel",
+                                  gradients_mean=True):
         step = ap.train_step(m.loss, params, tuple(batch))
     new, state, _ = step(step.prepare(params), step.init(params), *batch)
     placed, _ = step._place(new, batch)
@@ -554,7 +560,7 @@ def test_a_steps_own_outputs_are_fed_back_without_placing_them_again():
 def test_a_batch_of_another_structure_is_refused():
     """The batch's leaves were checked by shape alone: a dict with its keys in another order
     swapped x and y silently (loss 1.0 for 64.0)."""
-    ap.set_auto_parallel_context(device_num=8, parallel_mode="auto_parallel")
+    ap.set_auto_parallel_context(device_num=8, parallel_mode="auto_parallel", gradients_mean=True)
 
     def loss(p, x, y):
         return jnp.mean((x @ p["w"] - y) ** 2)
@@ -574,7 +580,7 @@ def test_none_parameters_are_empty_subtrees_and_reading_one_is_a_typed_error():
     to JAX (jax.grad, optax) an empty subtree. The step keeps them where they are; a loss
     that reads one as an array fails typed, naming the leaf (it failed inside the user's
     function with a bare TypeError)."""
-    ap.set_auto_parallel_context(device_num=8, parallel_mode="auto_parallel")
+    ap.set_auto_parallel_context(device_num=8, parallel_mode="auto_parallel", gradients_mean=True)
     x, y = jnp.ones((16, 8)), jnp.zeros((16, 8))
 
     def loss(p, x, y):
@@ -603,3 +609,209 @@ def test_a_batching_transformation_of_a_parallel_function_is_a_typed_error():
         with pytest.raises(ap.AutoParallelError, match="batching transformations"):
             transformed()
     assert jax.grad(f)(w, x).shape == (8, 8)
+
+
+# ------------------------------------------------------------------ the libraries' conventions
+
+
+def test_an_equinox_models_integer_step_counter_is_carried_not_trained():
+    """An integer leaf (an equinox model's step counter) is carried: the loss reads its
+    current value, the optimizer never sees it (AdamW's weight decay would move it), the
+    step hands it back unchanged and ``grads`` holds None there, as eqx.filter_grad does."""
+    import equinox as eqx
+
+    class Net(eqx.Module):
+        lin: eqx.nn.Linear
+        steps: jax.Array  # int32: read by the loss, never trained
+
+        def __call__(self, x):
+            return jax.vmap(self.lin)(x) * (1.0 + self.steps.astype(jnp.float32) / 4)
+
+    k = jax.random.split(KEY, 3)
+    net = Net(eqx.nn.Linear(16, 8, key=k[0]), jnp.int32(2))
+    x, y = jax.random.normal(k[1], (16, 16)), jax.random.normal(k[2], (16, 8))
+
+    def loss(net, x, y):
+        return jnp.mean((net(x) - y) ** 2)
+
+    opt = optax.adamw(1e-2, weight_decay=0.5)
+    with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel",
+                                  gradients_mean=True):
+        step = ap.train_step(loss, net, (x, y), opt)
+    state = step.init(net)
+    trained, carried = eqx.partition(net, eqx.is_inexact_array)
+    assert jax.tree.structure(state) == jax.tree.structure(opt.init(trained))
+    new, losses = run_steps(step, net, (x, y), 2)
+    assert new.steps.dtype == jnp.int32 and int(new.steps) == 2
+    ref = reference_steps(lambda t, x, y: loss(eqx.combine(t, carried), x, y), trained,
+                          (x, y), 2, opt)
+    numerics.check((eqx.filter(new, eqx.is_inexact_array), losses), ref)
+    # the counter is an input of the program, not the example's value frozen in it
+    net5 = eqx.tree_at(lambda n: n.steps, net, jnp.int32(5))
+    value, g = step.grads(net5, x, y)
+    assert g.steps is None and g.lin.weight is not None
+    numerics.check((value, eqx.filter(g, eqx.is_inexact_array)), numerics.reference(
+        eqx.filter_value_and_grad(loss), net5, x, y, jit=False))
+
+
+@pytest.mark.parametrize("backend", ["shard_map", "pmap"])
+def test_prng_key_and_boolean_leaves_are_carried_and_a_loss_reading_a_key_is_refused(backend):
+    """Typed (jax.random.key) and raw (uint32) PRNG keys and booleans among the parameters are
+    carried through a step unchanged; a typed key never enters the partitioned program, so a
+    loss that draws with one is refused by name."""
+    k = jax.random.split(KEY, 2)
+    params = {"w": jax.random.normal(k[0], (16, 8)) / 4, "key": jax.random.key(3),
+              "raw": jax.random.PRNGKey(4), "double": jnp.array(True)}
+    x = jax.random.normal(k[1], (16, 16))
+
+    def loss(p, x):
+        return jnp.mean(jnp.tanh(x @ p["w"]) ** 2) * jnp.where(p["double"], 2.0, 1.0)
+
+    ap.set_auto_parallel_context(device_num=8, parallel_mode="data_parallel",
+                                 gradients_mean=True)
+    step = ap.train_step(loss, params, (x,), optax.adam(1e-2), backend=backend)
+    state = step.init(params)
+    assert [state[0].mu[n] is None for n in ("key", "raw", "double", "w")] == [
+        True, True, True, False]
+    new, _, value = step(params, state, x)
+    for name in ("key", "raw"):
+        raw = (lambda a: jax.random.key_data(a)) if name == "key" else np.asarray
+        np.testing.assert_array_equal(raw(new[name]), raw(params[name]))
+    assert new["key"].dtype == params["key"].dtype and bool(new["double"])
+    carried = {n: params[n] for n in ("key", "raw", "double")}
+    numerics.check((new["w"], [value]), reference_steps(
+        lambda w, x: loss({**carried, "w": w}, x), params["w"], (x,), 1, optax.adam(1e-2)))
+    once = {**params, "double": jnp.array(False)}  # (read at the call: half the loss)
+    numerics.assert_close(step.grads(once, x)[0], loss, once, x)
+    with pytest.raises(ap.AutoParallelError, match=r"params\['key'\].*PRNG key"):
+        step(params | {"key": jax.random.key(0, impl="rbg")}, state, x)
+
+    def draws(p, x):
+        return jnp.mean(jnp.tanh(x @ p["w"]) * jax.random.normal(p["key"], (16, 8)))
+
+    with pytest.raises(ap.AutoParallelTypeError, match=r"params\['key'\].*PRNG key.*reads"):
+        ap.train_step(draws, params, (x,), backend=backend)
+
+
+def _batch_norm_net():
+    """A flax.linen Dense-BatchNorm-Dense net in training mode: ``(loss, new batch_stats)``."""
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, train):
+            h = nn.Dense(32)(x)
+            h = nn.BatchNorm(use_running_average=not train, momentum=0.9)(h)
+            return nn.Dense(8)(nn.relu(h))
+
+    model = Net()
+    k = jax.random.split(KEY, 3)
+    x, y = jax.random.normal(k[0], (16, 16)), jax.random.normal(k[1], (16, 8))
+
+    def loss(variables, x, y):
+        out, updates = model.apply(variables, x, train=True, mutable=["batch_stats"])
+        return jnp.mean((out - y) ** 2), updates["batch_stats"]
+
+    return loss, model.init(k[2], x, train=False), x, y
+
+
+@pytest.mark.parametrize("split", ["data_parallel", "columns"])
+def test_has_aux_returns_new_batch_norm_statistics_as_one_device_does(split):
+    """flax BatchNorm in training mode: ``loss_fn`` returns ``(loss, new batch_stats)``; the
+    step returns ``(params, opt_state, (loss, aux))`` and ``grads`` ``((loss, aux), grads)``,
+    the values of jax.value_and_grad(has_aux=True) on one device (the statistics of the whole
+    batch, gathered where the plan splits them: 'columns' splits the features 8 ways)."""
+    loss, variables, x, y = _batch_norm_net()
+    mode = "data_parallel" if split == "data_parallel" else "semi_auto_parallel"
+    fixed = column_fixed(lambda v, x, y: loss(v, x, y)[0], (variables, x, y), 8) \
+        if split == "columns" else None
+    with ap.auto_parallel_context(device_num=8, parallel_mode=mode, gradients_mean=True):
+        step = ap.train_step(loss, variables, (x, y), has_aux=True, fixed=fixed)
+    if split == "columns":  # (a parameter really is split)
+        assert any(v.layout.used_axes() for v in step.parallel_graph.values.values()
+                   if v.kind == "param")
+    numerics.check(step.grads(variables, x, y), numerics.reference(
+        jax.value_and_grad(loss, has_aux=True), variables, x, y))
+
+    def sgd_step(v, x, y):
+        (value, aux), g = jax.value_and_grad(loss, has_aux=True)(v, x, y)
+        return jax.tree.map(lambda p, d: p - ap.train.DEFAULT_LEARNING_RATE * d, v, g), \
+            (value, aux)
+
+    new, _, (value, aux) = step(variables, step.init(variables), x, y)
+    assert all(isinstance(a, jax.Array) and a.shape == (32,) for a in jax.tree.leaves(aux))
+    numerics.check((new, (value, aux)), numerics.reference(sgd_step, variables, x, y))
+
+
+def test_has_aux_under_gradient_accumulation_stacks_each_micro_batchs_aux():
+    """grad_accumulation_step = 2: the loss is the micro-batches' mean, the gradients their
+    mean, and the aux each micro-batch's, stacked along a new leading dim."""
+    loss, variables, x, y = _batch_norm_net()
+    with ap.auto_parallel_context(device_num=8, parallel_mode="semi_auto_parallel",
+                                  gradients_mean=True, grad_accumulation_step=2):
+        step = ap.train_step(loss, variables, (x, y), has_aux=True)
+
+    def per_micro_batch(v, x, y):
+        outs = [jax.value_and_grad(loss, has_aux=True)(v, x[i:i + 8], y[i:i + 8])
+                for i in (0, 8)]
+        (l0, a0), g0 = outs[0]
+        (l1, a1), g1 = outs[1]
+        return ((l0 + l1) / 2, jax.tree.map(lambda a, b: jnp.stack([a, b]), a0, a1)), \
+            jax.tree.map(lambda a, b: (a + b) / 2, g0, g1)
+
+    (value, aux), g = step.grads(variables, x, y)
+    assert all(a.shape == (2, 32) for a in jax.tree.leaves(aux))
+    numerics.check(((value, aux), g), numerics.reference(per_micro_batch, variables, x, y))
+
+
+def test_has_aux_is_checked_and_refused_where_no_global_aux_exists():
+    m, params, x = _mlp()
+    with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel",
+                                  gradients_mean=True):
+        with pytest.raises(ap.AutoParallelError, match=r"has_aux=True.*\(loss, aux\)"):
+            ap.train_step(m.loss, params, (x,), has_aux=True)  # a bare scalar
+        with pytest.raises(ap.AutoParallelError, match=r"one scalar loss.*has_aux=True"):
+            ap.train_step(lambda p, x: (m.loss(p, x), x), params, (x,))
+        with pytest.raises(ap.AutoParallelTypeError, match="has_aux='yes'"):
+            ap.train_step(m.loss, params, (x,), has_aux="yes")
+        with pytest.raises(ap.AutoParallelError, match="has_aux=True.*pmap.*each device"):
+            ap.train_step(lambda p, x: (m.loss(p, x), x), params, (x,), has_aux=True,
+                          backend="pmap")
+    with ap.auto_parallel_context(device_num=8, parallel_mode="semi_auto_parallel",
+                                  gradients_mean=True, pipeline_stages=2):
+        with pytest.raises(ap.AutoParallelError, match="has_aux=True.*pipeline_stages=2"):
+            ap.train_step(lambda p, x: (m.loss(p, x), x), params, (x,), has_aux=True)
+
+
+def test_an_unset_gradients_mean_is_warned_once_naming_the_factor():
+    """MindSpore's default gradients_mean=False is kept (the gradients are dp x jax.grad of
+    the global mean loss), but a step built with dp > 1 and the key left unset says so, once
+    per process, at the caller's line (through autopar.train_step's tune facade too); set
+    to either value, or with nothing summed (dp = 1), nothing is said."""
+    from autopar.step_inputs import WARNED_ONCE
+
+    m, params, x = _mlp()
+    with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel"):
+        with pytest.warns(ap.AutoParallelWarning, match=r"gradients_mean is not set.*its 8 "
+                          r"data-parallel.*8 x jax.grad.*Set gradients_mean explicitly") as seen:
+            step = ap.train_step(m.loss, params, (x,))
+            ap.train_step(m.loss, params, (x,))  # (once per process)
+    assert len(seen) == 1 and seen[0].filename == __file__
+    assert step.grad_scale == 8.0  # (the semantics kept: MindSpore's sum)
+    WARNED_ONCE.clear()
+    fixed = column_fixed(m.loss, (params, x), 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for mean in (True, False):
+            with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel",
+                                          gradients_mean=mean):
+                ap.train_step(m.loss, params, (x,))
+        with ap.auto_parallel_context(device_num=8, parallel_mode="semi_auto_parallel",
+                                      dataset_strategy="full_batch"):
+            assert ap.train_step(m.loss, params, (x,), fixed=fixed).data_parallel_degree == 1
+    deep = mlp(widths=(16, 32, 32, 16), batch=16)
+    with ap.auto_parallel_context(device_num=8, parallel_mode="semi_auto_parallel",
+                                  pipeline_stages=2):  # the pipelined step: its stages' dp
+        with pytest.warns(ap.AutoParallelWarning, match="gradients_mean is not set") as seen:
+            ap.pipeline_train_step(deep.loss, deep.example_args(KEY)[0], (x,), micro_batches=2)
+    assert len(seen) == 1 and seen[0].filename == __file__

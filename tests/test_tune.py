@@ -5,8 +5,10 @@ device), the measurements saved and reloaded without measuring, the typed errors
 from __future__ import annotations
 
 import json
+import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -218,7 +220,8 @@ def test_tune_is_refused_with_pipeline_stages_and_with_a_file_holding_no_measure
 
 def test_tune_outside_auto_parallel_warns_and_measures_nothing():
     m, params, x = tiny()
-    with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel"):
+    with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel",
+                                  gradients_mean=True):
         with pytest.warns(ap.AutoParallelWarning, match="tune=2 is only used by auto_parallel"):
             step = ap.train_step(m.loss, params, (x,), tune=2)
     assert step.tuning is None and step.data_parallel_degree == 8
@@ -263,9 +266,33 @@ def test_train_steps_warnings_point_at_the_callers_line_through_the_tune_facade(
     """autopar.train_step is autopar.tune's: one frame more than autopar.train's."""
     m, params, x = tiny()
     with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel",
+                                  gradients_mean=True,
                                   enable_parallel_optimizer=True, parallel_optimizer_config={
                                       "optimizer_weight_shard_size": 3,
                                       "parallel_optimizer_threshold": 0}):
         with pytest.warns(ap.AutoParallelWarning, match="does not divide") as seen:
             ap.train_step(m.loss, params, (x,))
     assert {w.filename for w in seen} == {__file__}
+
+
+def test_a_tuned_step_returns_the_aux_and_warns_of_an_unset_gradients_mean():
+    """has_aux reaches every candidate a tuning builds (each returns ``(loss, aux)``), and the
+    tuned path warns of gradients_mean left unset as the untuned one does, at the caller."""
+    m, params, x = tiny()
+
+    def with_aux(p, x):
+        return m.loss(p, x), {"row_sums": jnp.sum(x, axis=1)}
+
+    with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel"):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            step = tuned_train_step(with_aux, params, (x,), k=2, steps=1, progress=False,
+                                    has_aux=True)
+    unset = [w for w in seen if "gradients_mean is not set" in str(w.message)]
+    assert len(unset) == (step.data_parallel_degree > 1)
+    assert {w.filename for w in unset} <= {__file__}
+    assert step.tuning is not None and len(step.tuning.rows) == 2
+    value, _ = step.grads(params, x)
+    numerics.check(value, numerics.reference(with_aux, params, x))
+    _, _, (loss, aux) = step(params, step.init(params), x)
+    numerics.check((loss, aux), numerics.reference(with_aux, params, x))

@@ -64,6 +64,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar.config import AutoParallelConfig
+from autopar.context import explicit_keys
 from autopar.resolve import pipeline_schedule, resolve_context
 from autopar.errors import (AutoParallelError, AutoParallelTypeError, AutoParallelWarning,
                             user_stacklevel)
@@ -78,8 +79,9 @@ from autopar.pipeline.buffers import (BoundaryCodec, PackedParams, StagePacking,
 from autopar.pipeline.plan import PipelinePlan, plan_stages
 from autopar.pipeline.schedules import FWD, IDLE, schedule as build_schedule
 from autopar.planner import saves_on_success
-from autopar.step_inputs import (broadcast_parameters, check_arrays, check_floating, check_loss,
-                                 check_opt_state, step_arguments)
+from autopar.step_inputs import (ParamSplit, broadcast_parameters, check_arrays, check_loss,
+                                 check_opt_state, check_trainable, is_prng_key,
+                                 step_arguments, warn_gradients_mean)
 from autopar.strategies.layout import DeviceMesh, Layout, axis_name, jax_mesh
 from autopar.strategies.redistribution import redistribute
 from autopar.strategies.modes import PIPELINE_MODES
@@ -196,14 +198,25 @@ class PipelineTrainStep(ProgramInspection):
 
     def _check_parameters(self, params: Any, optimizer: optax.GradientTransformation,
                           cfg: AutoParallelConfig) -> list[jax.ShapeDtypeStruct]:
-        """The parameters' shapes; they must be floating-point arrays (trained by their
-        gradients); the optimizer runs on the packed ``[p, D, N]`` buffers, so a
+        """The parameters' shapes; the floating-point leaves are trained, the integer and
+        boolean ones carried (:func:`autopar.step_inputs.is_trained`: in buffers of their
+        own, which the optimizer never sees); a typed PRNG key cannot be packed and is
+        refused by name. The optimizer runs on the packed ``[p, D, N]`` buffers, so a
         non-elementwise one is refused; ``comm_fusion`` is warned about (not applied)."""
+        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+            if is_prng_key(leaf):
+                raise AutoParallelTypeError(f"params{jax.tree_util.keystr(path)}", leaf,
+                                            "a typed PRNG key cannot be packed into a "
+                                            "pipelined step's per-dtype parameter buffers "
+                                            "(pipeline_stages > 1)", "Keep it out of params, "
+                                            "or carry its raw uint32 data "
+                                            "(jax.random.key_data), or set pipeline_stages=1")
         check_arrays("params", params)
-        check_floating("params", params)
+        check_trainable("params", params)
+        self.split = ParamSplit(params)
         p_leaves, self._p_tree = jax.tree_util.tree_flatten(params)
         self._p_dtypes = [traced_dtype(x) for x in p_leaves]
-        check_elementwise_optimizer(optimizer, len(set(self._p_dtypes)),
+        check_elementwise_optimizer(optimizer, len({d for d in self._p_dtypes if _is_float(d)}),
                                     (self.stages, self.devices_per_stage))
         fusion = cfg.comm_fusion.fused()
         if fusion:  # (pointing at the user's call, through any facade)
@@ -498,11 +511,12 @@ class PipelineTrainStep(ProgramInspection):
 
         def step(packed: PackedParams, opt_state: Any, batch: list[Any]) -> tuple:
             loss, gr = grads(packed.buffers, batch)
-            updates, opt_state = self.optimizer.update(PackedParams(gr), opt_state, packed)
-            new = optax.apply_updates(packed, updates)
-            new = PackedParams(tuple(lax.with_sharding_constraint(x.astype(dt),
-                                                                  self.param_sharding)
-                                     for x, dt in zip(new.buffers, packing.dtypes)))
+            masked = self._masked(packed.buffers)
+            updates, opt_state = self.optimizer.update(self._masked(gr), opt_state, masked)
+            new = optax.apply_updates(masked, updates).buffers
+            new = PackedParams(tuple(lax.with_sharding_constraint(
+                (x if x is not None else old).astype(dt), self.param_sharding)
+                for x, old, dt in zip(new, packed.buffers, packing.dtypes)))
             return new, opt_state, loss
 
         self._grads = jax.jit(grads)
@@ -559,14 +573,23 @@ class PipelineTrainStep(ProgramInspection):
                                         "example")
         return put_on(leaves, [self.batch_sharding] * len(leaves))
 
+    def _masked(self, buffers: Sequence[Any]) -> PackedParams:
+        """The packed buffers as the optimizer sees them: None (an empty subtree) for the
+        buffers of carried (non-float) dtypes."""
+        return PackedParams(tuple(b if _is_float(dt) else None
+                                  for b, dt in zip(buffers, self.packing.dtypes)))
+
     def init(self, params: Any) -> Any:
-        """The optimizer state, over the packed buffers (``optimizer.init(pack(params))``)."""
-        return self.optimizer.init(self.pack(params))
+        """The optimizer state, over the packed buffers of the trained (floating-point)
+        leaves (``optimizer.init`` of :meth:`pack` with the other buffers None)."""
+        return self.optimizer.init(self._masked(self.pack(params).buffers))
 
     def grads(self, params: Any, *batch: Any) -> tuple[Any, Any]:
-        """``(loss, gradients)`` as fed to the optimizer, as a parameter pytree."""
+        """``(loss, gradients)`` as fed to the optimizer, as a parameter pytree (None at
+        every carried leaf, as :meth:`autopar.train.TrainStep.grads`)."""
         loss, gr = self._grads(self.pack(params).buffers, self._batch(batch))
-        return loss, self.unpack(PackedParams(gr))
+        leaves = jax.tree_util.tree_leaves(self.unpack(PackedParams(gr)))
+        return loss, self.split.optimizer_tree([leaves[k] for k in self.split.trained])
 
     def __call__(self, params: Any, opt_state: Any, *batch: Any) -> tuple[Any, Any, Any]:
         """One step. ``params``: the pytree (returned as a pytree) or :class:`PackedParams`
@@ -580,7 +603,7 @@ class PipelineTrainStep(ProgramInspection):
         what :meth:`init` makes (:func:`~autopar.step_inputs.check_opt_state`, the rule of
         :class:`autopar.train.TrainStep`, over the packed buffers the optimizer runs on)."""
         packed = self.pack(params)
-        check_opt_state(self.optimizer, packed, opt_state,
+        check_opt_state(self.optimizer, self._masked(packed.buffers), opt_state,
                         self.__dict__.setdefault("_state_specs", {}))
         return packed, opt_state, self._batch(batch)
 
@@ -621,10 +644,19 @@ def pipeline_train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
     or masks the parameter tree is refused with :class:`AutoParallelError` (``optimizer``)
     by a probe at construction. ``comm_fusion`` is not applied (one collective per
     gradient-sync group; an :class:`AutoParallelWarning` says so).
+
+    As in :func:`autopar.train_step`, the floating-point leaves of ``params`` are trained and
+    the integer and boolean ones carried (their own packed buffers, which the optimizer never
+    sees; ``grads`` holds None there); a typed PRNG key cannot be packed and is refused by
+    name (:class:`~autopar.errors.AutoParallelTypeError`). The loss returns the loss only
+    (no ``has_aux``: the last stage computes it per micro-batch), and ``gradients_mean`` left
+    unset is warned about as there.
     """
     batch, optimizer = step_arguments(loss_fn, batch, optimizer,
                                       "pipeline_train_step needs a callable")
     config = resolve_context().config  # read and checked once: every stage takes this config
-    return PipelineTrainStep(loss_fn, params, batch, optimizer, config=config, stages=stages,
+    step = PipelineTrainStep(loss_fn, params, batch, optimizer, config=config, stages=stages,
                              micro_batches=micro_batches, schedule=schedule,
                              boundaries=boundaries, mode=mode, fixed=fixed, cluster=cluster)
+    warn_gradients_mean(step.data_parallel_degree, "gradients_mean" in explicit_keys())
+    return step
