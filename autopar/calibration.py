@@ -13,8 +13,9 @@ Measured on every device at once, as a plan runs them (so devices that share cor
   independent devices; about devices / cores for emulated ones);
 - **collectives**: each kind autopar lowers to (all_reduce, all_gather, reduce_scatter,
   all_to_all, collective_permute) over every group size the mesh can form, messages of
-  4 KiB to 32 MiB -> ``alpha + beta * n`` per kind and group size (:class:`CollectiveFit`,
-  with the fit's largest relative residual);
+  4 KiB to 32 MiB (at least one element per device of the group: :func:`message_elements`)
+  -> ``alpha + beta * n`` per kind and group size (:class:`CollectiveFit`, with the fit's
+  largest relative residual);
 - **overlap**: a matmul and an independent all-reduce in one step against each alone (0
   where devices share their cores, shared compute >= 2: the cores that compute move the data,
   and what the difference shows is noise).
@@ -64,6 +65,7 @@ from autopar.strategies.layout import DeviceMesh, jax_mesh
 
 __all__ = ["CALIBRATION_VERSION", "calibrated_name", "check_settings", "fit_alpha_beta",
            "fit_with_knee", "group_sizes", "host_identity", "in_step_line", "measure",
+           "message_elements",
            "peak_throughput", "select_devices"]
 
 #: 2: the barrier, op_overhead measured directly; 3: the barrier pooled over three kinds;
@@ -139,6 +141,20 @@ def fit_with_knee(sizes: Sequence[float], seconds: Sequence[float]
         if r < 0.8 * best[4]:  # a knee must earn its place
             best = (float(sol[0]), float(sol[1]), float(knee), float(sol[2]), r)
     return best
+
+
+def message_elements(kind: str, n: int, p: int) -> int:
+    """The float32 elements each device of a group of ``p`` holds to move a message of about
+    ``n`` bytes with ``kind``: an all-gather's block is ``n / p``; every other kind's is
+    ``n``; a multiple of ``p`` (all-to-all and reduce-scatter split the block in ``p``), and
+    never fewer than ``p`` -- at least one element per device, so a small message over a
+    large group (4 KiB gathered from 64 devices) is measured a little larger, not empty.
+
+    >>> message_elements("all_reduce", 4096, 8), message_elements("all_gather", 4096, 64)
+    (1024, 64)
+    """
+    elems = n // 4 // (p if kind == "all_gather" else 1)
+    return max(p, elems - elems % p)
 
 
 def group_sizes(device_count: int) -> list[int]:
@@ -296,11 +312,11 @@ def _measure_collectives(devices: Sequence[Any], sizes: Sequence[int], clock: _C
                 if agree_flag(_MEASURE_COST * (fa + fb * n) > share):
                     bar.advance(f"{kind} x{p}: {n} B skipped (budget)")
                     continue
-            elems = n // 4 // (p if kind == "all_gather" else 1)
-            elems -= elems % p
-            samples[i].append((float(n), _per_op(*programs[i], _placed(mesh, spec, elems),
-                                                  _CHAIN, limit_s=share)))
-            bar.advance(f"{kind} x{p}: {n} B")
+            elems = message_elements(kind, n, p)
+            moved = 4 * elems * (p if kind == "all_gather" else 1)  # (n, or more: a minimum)
+            samples[i].append((float(moved), _per_op(*programs[i], _placed(mesh, spec, elems),
+                                                      _CHAIN, limit_s=share)))
+            bar.advance(f"{kind} x{p}: {moved} B")
     fits = []
     for (kind, p, intra, _), pts in zip(cases, samples):
         a, b, knee, bl, r = fit_with_knee([x for x, _ in pts], [t for _, t in pts])

@@ -40,7 +40,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -49,12 +49,14 @@ from autopar.errors import (AutoParallelError, AutoParallelTypeError, FileFieldE
 from autopar.files import (read_json_document, validation_failure, write_bytes_atomic,
                            write_text_atomic)
 from autopar.graph.ir import Graph, check_strategy_shape
+from autopar.graph.loops import LOOP_KIND, loop_body, loop_nodes
 from autopar.limits import MAX_DEVICES
 from autopar.strategies.cost import Cluster, CostModel, get_cluster
 from autopar.strategies.layout import DeviceMesh, Layout
 from autopar.strategies.modes import PARALLEL_MODES, SEARCH_MODES
-from autopar.strategies.plan import Plan
-from autopar.strategies.problem import Problem, splits_from_strategy
+from autopar.strategies.loops import PlannedLoops
+from autopar.strategies.plan import Fingerprint, NodeStrategy, Plan
+from autopar.strategies.problem import Breakdown, Problem, splits_from_strategy
 from autopar.strategies.search import SearchSettings
 
 __all__ = ["FORMAT", "VERSION", "StrategyFile", "StrategyFileError", "TuningEntry",
@@ -78,13 +80,15 @@ _STRICT = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
 class OperatorEntry(BaseModel):
-    """One operator: MindSpore's ``{"stage", "parallel_strategy"}`` plus autopar's loop splits."""
+    """One operator: MindSpore's ``{"stage", "parallel_strategy"}`` plus autopar's loop splits;
+    a loop node's also its body plan (``body``, written only for loop nodes)."""
 
     model_config = _STRICT
     op: str
     stage: int = Field(ge=0)
     parallel_strategy: list[list[int]]
     splits: list[int]
+    body: "LoopBodyEntry | None" = None
 
 
 class LayoutEntry(BaseModel):
@@ -101,6 +105,18 @@ class LayoutEntry(BaseModel):
     field: int = 0
     opt_weight_shard_step: int = 0
     opt_weight_shard_size: int = 0
+
+
+class LoopBodyEntry(BaseModel):
+    """A loop node's body plan: its operators (named within the body) and its parameters'
+    layouts (each iteration's slice); its data inputs' layouts are the loop's ``splits``."""
+
+    model_config = _STRICT
+    parallel_strategy_item: dict[str, OperatorEntry]
+    parallel_layout_item: dict[str, LayoutEntry]
+
+
+OperatorEntry.model_rebuild()
 
 
 class MeshAxis(BaseModel):
@@ -265,10 +281,9 @@ def strategy_document(plan: Plan, graph: Graph,
         "enable_alltoall": plan.enable_alltoall, "memory_weight": float(plan.memory_weight),
         "parallel_optimizer_kb": plan.parallel_optimizer_kb,
         "current_stage": max(stages.values(), default=0),  # (a stage's file: its stage)
-        "parallel_strategy_item": {
-            name: {"op": n.op, "stage": int(stages.get(name, 0)),
-                   "parallel_strategy": [list(e) for e in n.strategy], "splits": list(n.splits)}
-            for name, n in plan.nodes.items()},
+        "parallel_strategy_item": {name: _operator_entry(n, int(stages.get(name, 0)), graph,
+                                                         mesh)
+                                   for name, n in plan.nodes.items()},
         "parallel_layout_item": {v: layout_entry(plan.layouts[v], graph.spec(v).shape, mesh)
                                  for v in graph.parameters()},
         "data_layout_item": {v: layout_entry(plan.layouts[v], graph.spec(v).shape, mesh)
@@ -284,6 +299,22 @@ def strategy_document(plan: Plan, graph: Graph,
     if tuning is not None:  # absent from files of a plan that was not tuned
         doc["tuning"] = _tuning_document(tuning, float(c.total))
     return doc
+
+
+def _operator_entry(n: NodeStrategy, stage: int, graph: Graph, mesh: DeviceMesh
+                    ) -> dict[str, Any]:
+    """One operator's entry; a loop node's with its body plan (:class:`LoopBodyEntry`)."""
+    entry: dict[str, Any] = {"op": n.op, "stage": stage,
+                             "parallel_strategy": [list(e) for e in n.strategy],
+                             "splits": list(n.splits)}
+    if n.body is not None:
+        body = loop_body(graph.node(n.name)).graph
+        entry["body"] = {
+            "parallel_strategy_item": {k: _operator_entry(b, 0, body, mesh)
+                                       for k, b in n.body.nodes.items()},
+            "parallel_layout_item": {v: layout_entry(n.body.layouts[v], body.spec(v).shape,
+                                                     mesh) for v in body.parameters()}}
+    return entry
 
 
 def _tuning_document(tuning: Mapping[str, Any], step_seconds: float) -> dict[str, Any]:
@@ -435,13 +466,16 @@ def load_plan(path: str | os.PathLike[str], graph: Graph, *, device_num: int,
         raise StrategyFileError(p, "current_stage", f"a stage below pipeline_stages={stages}",
                                 f.current_stage)
     clus = _file_cluster(f, p) if cluster is None else cluster
-    splits = _check_operators(f, graph, mesh, p, stages)
+    items, field = f.parallel_strategy_item, "parallel_strategy_item"
+    splits = _check_operators(items, graph, mesh, p, stages, field)
     problem = Problem(graph, mesh, CostModel(clus), enable_alltoall=alltoall,
                       dataset_strategy=dataset, memory_weight=f.memory_weight,
                       fixed_splits=splits, parallel_optimizer_kb=f.parallel_optimizer_kb,
-                      optimizer_weight_shard_size=f.optimizer_weight_shard_size)
+                      optimizer_weight_shard_size=f.optimizer_weight_shard_size,
+                      loops=_file_loops(items, graph, mesh, p, stages, field, f))
     picks = _pick_inputs(f, graph, problem, p)
     plan = Plan.from_picks(problem, picks, f.mode, time.perf_counter() - t0)
+    _check_loop_strategies(items, plan, p, field)
     if cluster is None:  # priced on the file's own cluster: the file's prediction must hold
         _check_predicted(f, plan, p)
     plan.notes.append(f"loaded from {p}")
@@ -486,21 +520,25 @@ def _file_cluster(f: StrategyFile, path: str) -> Cluster:
         raise StrategyFileError(path, *validation_failure(e, "cluster")) from None
 
 
-def _check_operators(f: StrategyFile, graph: Graph, mesh: DeviceMesh, path: str,
-                     stages: int) -> dict[str, tuple[int, ...]]:
+def _check_operators(items: Mapping[str, OperatorEntry], graph: Graph, mesh: DeviceMesh,
+                     path: str, stages: int, field: str) -> dict[str, tuple[int, ...]]:
+    """Each operator's splits, checked (``items``: the entries of ``field``)."""
     from autopar.strategies.opspec import op_spec
 
     names = [n.name for n in graph.nodes]
-    missing = [k for k in names if k not in f.parallel_strategy_item]
-    extra = sorted(set(f.parallel_strategy_item) - set(names))
+    missing = [k for k in names if k not in items]
+    extra = sorted(set(items) - set(names))
     if missing or extra:
-        raise StrategyFileError(path, "parallel_strategy_item", f"one entry per operator of "
+        raise StrategyFileError(path, field, f"one entry per operator of "
                                 f"the graph ({len(names)})", f"missing {missing[:5]}, unknown "
                                 f"{extra[:5]}")
     out: dict[str, tuple[int, ...]] = {}
     for node in graph.nodes:
-        e = f.parallel_strategy_item[node.name]
-        where = f"parallel_strategy_item.{node.name}"
+        e = items[node.name]
+        where = f"{field}.{node.name}"
+        if node.kind == LOOP_KIND or e.body is not None:
+            out[node.name] = _check_loop_entry(e, node, graph, path, where)
+            continue
         if e.op != node.op:
             raise StrategyFileError(path, f"{where}.op", repr(node.op), e.op)
         if e.stage >= stages:
@@ -544,46 +582,106 @@ def _check_operators(f: StrategyFile, graph: Graph, mesh: DeviceMesh, path: str,
     return out
 
 
+def _check_loop_entry(e: OperatorEntry, node: Any, graph: Graph, path: str,
+                      where: str) -> tuple[int, ...]:
+    """A loop node's entry: its op, a body plan, split counts fitting its body's data
+    inputs (each input's checked when its body plan is built) and strategy tuples of its
+    inputs' ranks (checked against the plan rebuilt: :func:`_check_loop_strategies`)."""
+    if node.kind != LOOP_KIND:
+        raise StrategyFileError(path, f"{where}.body", "no body (the node is not a loop)",
+                                "a body plan")
+    if e.op != node.op:
+        raise StrategyFileError(path, f"{where}.op", repr(node.op), e.op)
+    if e.body is None:
+        raise StrategyFileError(path, f"{where}.body", "the loop's body plan", None)
+    from autopar.strategies.opspec import op_spec
+
+    spec = op_spec(node, graph)
+    splits = tuple(e.splits)
+    if len(splits) != len(spec.sizes) or any(
+            s < 1 or n % s for n, s in zip(spec.sizes, splits)):
+        raise StrategyFileError(path, f"{where}.splits", "one split per dim of the body's data "
+                                f"inputs, sizes {list(spec.sizes)}, each dividing its size",
+                                list(e.splits))
+    try:
+        check_strategy_shape(tuple(tuple(x) for x in e.parallel_strategy),
+                             [graph.spec(v).rank for v in node.inputs], node.name)
+    except (AutoParallelError, AutoParallelTypeError) as err:
+        raise StrategyFileError(path, f"{where}.parallel_strategy", "one tuple per input of "
+                                "the loop node, one split count per dim",
+                                f"{e.parallel_strategy} ({err})") from None
+    return splits
+
+
+def _file_loops(items: Mapping[str, OperatorEntry], graph: Graph, mesh: DeviceMesh,
+                path: str, stages: int, field: str, f: StrategyFile) -> PlannedLoops:
+    """The body plans of a file's loop nodes (each checked, as the file's own operators
+    and parameters are), for the problem that re-prices them."""
+    out = {}
+    for node in loop_nodes(graph):
+        e = items[node.name]
+        where = f"{field}.{node.name}.body"
+        body = loop_body(node).graph
+        items_in = e.body.parallel_strategy_item  # type: ignore[union-attr]
+        ops = _check_operators(items_in, body, mesh, path, stages,
+                               f"{where}.parallel_strategy_item")
+        inner = _file_loops(items_in, body, mesh, path, stages,
+                            f"{where}.parallel_strategy_item", f)
+        layouts = _entry_layouts(e.body.parallel_layout_item,  # type: ignore[union-attr]
+                                 body.parameters(), body, mesh, path,
+                                 f"{where}.parallel_layout_item", "parameter")
+        nodes = {k: NodeStrategy(k, body.node(k).op, (), s, (), (),
+                                 inner.bodies[k][1] if k in inner.bodies else None)
+                 for k, s in ops.items()}
+        plan = Plan("loop body", mesh, "", Fingerprint(body), nodes, layouts, Breakdown(), 0.0,
+                    enable_alltoall=f.enable_alltoall, memory_weight=f.memory_weight,
+                    parallel_optimizer_kb=f.parallel_optimizer_kb,
+                    optimizer_weight_shard_size=f.optimizer_weight_shard_size)
+        out[node.name] = (tuple(e.splits), plan)
+    return PlannedLoops(out)
+
+
+def _check_loop_strategies(items: Mapping[str, OperatorEntry], plan: Plan, path: str,
+                           field: str) -> None:
+    """Each loop node's saved strategy is the one its body plan rebuilt gives (nested loops
+    too)."""
+    for name, ns in plan.nodes.items():
+        if ns.body is None:
+            continue
+        e = items[name]
+        saved = [list(x) for x in e.parallel_strategy]
+        if saved != [list(x) for x in ns.strategy]:
+            raise StrategyFileError(path, f"{field}.{name}.parallel_strategy",
+                                    f"{[list(x) for x in ns.strategy]} (the strategy of its "
+                                    "body plan)", saved)
+        inner = e.body.parallel_strategy_item  # type: ignore[union-attr]
+        _check_loop_strategies(inner, ns.body, path,
+                               f"{field}.{name}.body.parallel_strategy_item")
+
+
+def _entry_layouts(items: Mapping[str, LayoutEntry], values: Sequence[str], graph: Graph,
+                   mesh: DeviceMesh, path: str, field: str, what: str) -> dict[str, Layout]:
+    """The layouts of ``values`` in a layout field (one entry each, every one checked)."""
+    missing = [v for v in values if v not in items]
+    extra = sorted(set(items) - set(values))
+    if missing or extra:
+        raise StrategyFileError(path, field, f"one entry per {what} ({len(values)})",
+                                f"missing {missing[:5]}, unknown {extra[:5]}")
+    return {v: _entry_layout(items[v], graph.spec(v).shape, mesh, path, f"{field}.{v}")
+            for v in values}
+
+
 def _pick_inputs(f: StrategyFile, graph: Graph, problem: Problem, path: str) -> list[int]:
     picks = [0] * len(problem.vertices)
     for field_name, items, values in (("parallel_layout_item", f.parallel_layout_item,
                                        graph.parameters()),
                                       ("data_layout_item", f.data_layout_item,
                                        graph.data_inputs())):
-        missing = [v for v in values if v not in items]
-        extra = sorted(set(items) - set(values))
-        if missing or extra:
-            what = "parameter" if field_name == "parallel_layout_item" else "data input"
-            raise StrategyFileError(path, field_name, f"one entry per {what} "
-                                    f"({len(values)})", f"missing {missing[:5]}, unknown "
-                                    f"{extra[:5]}")
+        kind = "<param>" if field_name == "parallel_layout_item" else "<data>"
+        what = "parameter" if kind == "<param>" else "data input"
+        layouts_of = _entry_layouts(items, values, graph, problem.mesh, path, field_name, what)
         for v in values:
-            e = items[v]
-            where = f"{field_name}.{v}"
-            shape = graph.spec(v).shape
-            if e.dev_matrix != [s for _, s in problem.mesh.axes]:
-                raise StrategyFileError(path, f"{where}.dev_matrix",
-                                        str([s for _, s in problem.mesh.axes]), e.dev_matrix)
-            if tuple(e.tensor_shape) != shape:
-                raise StrategyFileError(path, f"{where}.tensor_shape", str(list(shape)),
-                                        e.tensor_shape)
-            if len(e.tensor_map) != len(shape):
-                raise StrategyFileError(path, f"{where}.tensor_map", f"{len(shape)} entries "
-                                        "(one per tensor dim)", e.tensor_map)
-            lay = layout_from_entry(e, problem.mesh, where, path)
-            if any(n % problem.mesh.size_of(d) for n, d in zip(shape, lay.dims)):
-                raise StrategyFileError(path, f"{where}.tensor_map", f"splits dividing the "
-                                        f"shape {list(shape)}", e.tensor_map)
-            if tuple(e.slice_shape) != lay.local_shape(shape, problem.mesh):
-                raise StrategyFileError(path, f"{where}.slice_shape",
-                                        str(list(lay.local_shape(shape, problem.mesh))),
-                                        e.slice_shape)
-            for extra_field in ("field", "opt_weight_shard_step", "opt_weight_shard_size"):
-                if getattr(e, extra_field) != 0:  # what layout_entry writes: the optimizer
-                    raise StrategyFileError(  # shard is described by parallel_optimizer_kb
-                        path, f"{where}.{extra_field}", "0 (autopar's layouts carry no "
-                        "optimizer shard; see parallel_optimizer_kb)", getattr(e, extra_field))
-            kind = "<param>" if field_name == "parallel_layout_item" else "<data>"
+            where, lay = f"{field_name}.{v}", layouts_of[v]
             i = problem.index[kind + v]
             layouts = [c.out_layouts[0] for c in problem.vertices[i].choices]
             if lay not in layouts and kind == "<param>":  # a layout a wider search chose
@@ -596,3 +694,30 @@ def _pick_inputs(f: StrategyFile, graph: Graph, problem: Problem, path: str) -> 
                                         f"{rule}: {[str(x) for x in layouts]}", str(lay))
             picks[i] = layouts.index(lay)
     return picks
+
+
+def _entry_layout(e: LayoutEntry, shape: tuple[int, ...], mesh: DeviceMesh, path: str,
+                  where: str) -> Layout:
+    """The layout of one layout entry of a tensor of ``shape``, every field checked."""
+    if e.dev_matrix != [s for _, s in mesh.axes]:
+        raise StrategyFileError(path, f"{where}.dev_matrix", str([s for _, s in mesh.axes]),
+                                e.dev_matrix)
+    if tuple(e.tensor_shape) != shape:
+        raise StrategyFileError(path, f"{where}.tensor_shape", str(list(shape)),
+                                e.tensor_shape)
+    if len(e.tensor_map) != len(shape):
+        raise StrategyFileError(path, f"{where}.tensor_map", f"{len(shape)} entries "
+                                "(one per tensor dim)", e.tensor_map)
+    lay = layout_from_entry(e, mesh, where, path)
+    if any(n % mesh.size_of(d) for n, d in zip(shape, lay.dims)):
+        raise StrategyFileError(path, f"{where}.tensor_map", f"splits dividing the "
+                                f"shape {list(shape)}", e.tensor_map)
+    if tuple(e.slice_shape) != lay.local_shape(shape, mesh):
+        raise StrategyFileError(path, f"{where}.slice_shape",
+                                str(list(lay.local_shape(shape, mesh))), e.slice_shape)
+    for extra_field in ("field", "opt_weight_shard_step", "opt_weight_shard_size"):
+        if getattr(e, extra_field) != 0:  # what layout_entry writes: the optimizer
+            raise StrategyFileError(  # shard is described by parallel_optimizer_kb
+                path, f"{where}.{extra_field}", "0 (autopar's layouts carry no "
+                "optimizer shard; see parallel_optimizer_kb)", getattr(e, extra_field))
+    return lay

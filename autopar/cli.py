@@ -25,6 +25,7 @@ import math
 import os
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -32,9 +33,9 @@ from typing import Any, Callable, Iterator, NoReturn, Sequence
 
 from autopar.files import write_text_atomic
 from autopar.cli_util import (CLIError, Progress, compare_with_reference, dir_path,
-                              drop_gloo_lines, file_path, load_model, non_negative_float,
-                              one_device_steps, one_line, parse_options, positive_int,
-                              setup_devices, table)
+                              drop_gloo_lines, escape_breaks, file_path, load_model,
+                              non_negative_float, one_device_steps, one_line, parse_options,
+                              positive_int, setup_devices, table)
 from autopar.gc_pause import paused_gc
 
 with paused_gc():  # the planning modules bring JAX, NumPy and SciPy: most of the start-up
@@ -211,7 +212,7 @@ def _build_step(fn: Any, ex: tuple, plan: Any, graph: Any, devices: int) -> Any:
     with tempfile.TemporaryDirectory() as tmp:
         path = ap.save_strategy(plan, graph, Path(tmp) / "plan.json")
         with ap.auto_parallel_context(device_num=devices, parallel_mode="auto_parallel",
-                                      strategy_ckpt_load_file=str(path)):
+                                      strategy_ckpt_load_file=str(path), gradients_mean=True):
             step = ap.train_step(fn, ex[0], tuple(ex[1:]))
     state = [step.prepare(ex[0]), step.init(ex[0])]
     params, opt, loss = step(*state, *ex[1:])
@@ -304,11 +305,15 @@ def _distributed(args: argparse.Namespace) -> None:
         setup_devices(args.devices // args.num_processes)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         drop_gloo_lines()
-    _probe_coordinator(args, host, int(port))
-    try:  # a coordinator nobody answers at: fail in a minute, not five, and say so
-        jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,
-                                   process_id=args.process_id,
-                                   initialization_timeout=COORDINATOR_TIMEOUT_S)
+    from autopar.errors import AutoparError
+    from autopar.multihost import join
+
+    try:  # (the processes meet first: where XLA's client would abort, one line says why)
+        join(args.coordinator, args.num_processes, args.process_id,
+             timeout_s=COORDINATOR_TIMEOUT_S, on_lost=_lost_line(args.command),
+             facts={"--devices": args.devices, "--backend": args.backend})
+    except AutoparError as e:
+        raise CLIError(f"--coordinator {args.coordinator}: {e}") from None
     except Exception as e:  # jax raises RuntimeError/XlaRuntimeError here
         raise CLIError(f"--coordinator {args.coordinator}: could not form the "
                        f"{args.num_processes}-process cluster within "
@@ -338,35 +343,16 @@ def _same_arguments(args: argparse.Namespace) -> None:
                "--process-id, --cluster and the files it writes or reads)")
 
 
-def _probe_coordinator(args: argparse.Namespace, host: str, port: int) -> None:
-    """What XLA's client would abort the process on (it is not a Python error), said in one
-    line first: process 0 must be able to serve at HOST:PORT (not taken by another process
-    0, a resolvable address of this machine); the others wait until it answers there."""
-    import socket
-
-    where = f"--coordinator {args.coordinator}"
-    try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    except OSError as e:
-        raise CLIError(f"{where}: cannot resolve {host!r} ({e})") from None
-    if args.process_id == 0:
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError as e:
-                raise CLIError(f"{where}: process 0 cannot serve there ({e.strerror or e}; "
-                               "is another process 0 running?)") from None
-        return
-    deadline = time.monotonic() + COORDINATOR_TIMEOUT_S
-    while True:
-        try:
-            socket.create_connection((host, port), timeout=2).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise CLIError(f"{where}: no coordinator answered within "
-                               f"{COORDINATOR_TIMEOUT_S} s (is process 0 running?)") from None
-            time.sleep(0.5)
+def _lost_line(command: str) -> Callable[[str, int], None]:
+    """What a process of a job does when another one is lost (or it is stopped by a
+    signal): its one error line, then it ends at once (no collective to wait in, no
+    ``jax.distributed`` shutdown to wait for the lost one)."""
+    def lost(message: str, status: int) -> None:
+        sys.stdout.flush()
+        sys.stderr.write(f"autopar {command}: error: {escape_breaks(message)}\n")
+        sys.stderr.flush()
+        os._exit(status)
+    return lost
 
 
 def _global_numpy(tree: Any) -> Any:
@@ -656,7 +642,7 @@ class _Parser(argparse.ArgumentParser):
     parsers are of this class too."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"{self.prog}: error: {escape_breaks(message)} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -785,12 +771,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _warning_line(command: str) -> Callable[..., None]:
     """Warnings as the command's own lines on stderr (not Python's source-line format)."""
     def show(message: Any, category: type, *_: Any, **__: Any) -> None:
-        print(f"autopar {command}: warning: {message}", file=sys.stderr)
+        print(f"autopar {command}: warning: {escape_breaks(str(message))}", file=sys.stderr)
     return show
 
 
 def _run_command(args: argparse.Namespace) -> int:
-    """:func:`main` once the arguments are parsed: the command, its errors in one line."""
+    """:func:`main` once the arguments are parsed: the command, its errors in one line. A
+    process of a multi-process job tells the others how it ended (:func:`autopar.multihost.
+    leave`); one that failed ends at once (``jax.distributed``'s shutdown at exit would wait
+    for the others, which go on without it only to be stopped)."""
+    from autopar.multihost import leave
+
+    status = _command_status(args)
+    if leave(ok=status == 0) and status:  # (a process of a job that joined, and failed)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
+
+
+def _command_status(args: argparse.Namespace) -> int:
+    """The command's exit status, its errors in one line on stderr."""
     from autopar.errors import AutoparError
 
     try:
@@ -801,11 +802,11 @@ def _run_command(args: argparse.Namespace) -> int:
             setup_devices(getattr(args, "devices", 8))
         return int(args.func(args))
     except (CLIError, AutoparError) as e:  # (a list of unsupported primitives: its summary)
-        print(f"autopar {args.command}: error: {getattr(e, 'summary', e)}", file=sys.stderr)
+        _error_line(args.command, str(getattr(e, "summary", e)))
         return 2
     except OSError as e:  # a file that cannot be read or written: the path and the reason
         where = f"{e.filename}: " if e.filename else ""
-        print(f"autopar {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
+        _error_line(args.command, f"{where}{e.strerror or e}")
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -813,6 +814,18 @@ def _run_command(args: argparse.Namespace) -> int:
     except Exception as e:  # a failure autopar did not foresee: one line, the cause named
         if os.environ.get("AUTOPAR_DEBUG"):
             raise
-        print(f"autopar {args.command}: internal error: {one_line(e)} (set AUTOPAR_DEBUG=1 "
-              "for the traceback)", file=sys.stderr)
+        _error_line(args.command, f"{one_line(e)} (set AUTOPAR_DEBUG=1 for the traceback)",
+                    "internal error", wait_s=2.0)
         return 1
+
+
+def _error_line(command: str, message: str, kind: str = "error", wait_s: float = 0.0) -> None:
+    """The command's one error line on stderr (a line break in it escaped). In a job of
+    several processes, only where the job's watch has not found a process lost first
+    (within ``wait_s``: :func:`autopar.multihost.end_first`); else the watch's line is the
+    one, and it ends this process."""
+    from autopar.multihost import end_first
+
+    if not end_first(wait_s):
+        threading.Event().wait()
+    print(f"autopar {command}: {kind}: {escape_breaks(message)}", file=sys.stderr)

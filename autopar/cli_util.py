@@ -27,7 +27,7 @@ from autopar.limits import MAX_DEVICES
 
 __all__ = ["CLIError", "Progress", "table", "parse_options", "positive_int",
            "non_negative_float", "load_model", "setup_devices", "one_device_steps",
-           "compare_with_reference", "drop_gloo_lines", "one_line"]
+           "compare_with_reference", "drop_gloo_lines", "escape_breaks", "one_line"]
 
 
 class CLIError(Exception):
@@ -109,6 +109,21 @@ def markdown_table(rows: Sequence[Sequence[Any]]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in body]
     return "\n".join(lines)
+
+
+#: Characters that end a line (``str.splitlines`` splits on each), as Python escapes them
+_LINE_BREAKS = str.maketrans({c: repr(c)[1:-1] for c in
+                              "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"})
+
+
+def escape_breaks(text: str) -> str:
+    r"""``text`` with every character that would end a line escaped as Python writes it, so a
+    message quoting an argument that holds one stays the command's one error line.
+
+    >>> escape_breaks("unrecognized arguments: a=b" + chr(10) + "c")
+    'unrecognized arguments: a=b\\nc'
+    """
+    return text.translate(_LINE_BREAKS)
 
 
 def one_line(e: BaseException) -> str:

@@ -45,7 +45,8 @@ from pydantic import ValidationError
 from autopar.calibration import (CALIBRATION_VERSION, MESSAGE_SIZES, check_settings,
                                  host_identity, measure, select_devices)
 from autopar.errors import AutoParallelError, AutoParallelTypeError, FileFieldError
-from autopar.files import read_json_document, validation_failure, write_text_atomic
+from autopar.files import (path_text, read_json_document, validation_failure,
+                           write_text_atomic)
 from autopar.multihost import agree_text, agreeing, is_lead, several
 from autopar.strategies.cost import CLUSTERS, Cluster, get_cluster
 
@@ -313,6 +314,7 @@ def _request(cluster: Any) -> _Request:
     if isinstance(cluster, Cluster):
         return _measured_elsewhere(cluster)
     if isinstance(cluster, os.PathLike):
+        path_text(cluster, "cluster")  # (a __fspath__ giving no str: refused, named)
         return _measured_elsewhere(load_cluster(cluster))
     if cluster is not None and not isinstance(cluster, str):
         raise AutoParallelTypeError("cluster", cluster, "a preset name, 'calibrated', a "

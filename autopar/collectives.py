@@ -39,7 +39,11 @@ def strided(shape: tuple[int, ...], dim: int) -> bool:
 
 def all_gather_dim(x: Any, name: Any, dim: int, **kw: Any) -> Any:
     """``lax.all_gather(x, name, axis=dim, tiled=True, **kw)``; a strided dim (:func:`strided`)
-    gathered on a new leading axis, then moved into place."""
+    gathered on a new leading axis, then moved into place. An empty ``dim`` (a batch of no
+    rows), which XLA refuses to gather, gathers one zero row per device and keeps none."""
+    if x.shape[dim] == 0:
+        return lax.slice_in_dim(all_gather_dim(_padded(x, dim, 1), name, dim, **kw), 0, 0,
+                                axis=dim)
     if not strided(x.shape, dim):
         return lax.all_gather(x, name, axis=dim, tiled=True, **kw)
     stacked = lax.all_gather(x, name, axis=0, tiled=False, **kw)   # (group, *x.shape)
@@ -50,9 +54,20 @@ def all_gather_dim(x: Any, name: Any, dim: int, **kw: Any) -> Any:
 def psum_scatter_dim(x: Any, name: Any, dim: int, size: int) -> Any:
     """``lax.psum_scatter(x, name, scatter_dimension=dim, tiled=True)`` over a group of
     ``size`` devices; a strided dim (:func:`strided`) cut into ``size`` blocks moved to a
-    leading axis first, which the collective then scatters."""
+    leading axis first, which the collective then scatters. An empty ``dim`` scatters one
+    zero row per device and keeps none (as :func:`all_gather_dim`)."""
+    if x.shape[dim] == 0:
+        return lax.slice_in_dim(psum_scatter_dim(_padded(x, dim, size), name, dim, size), 0,
+                                0, axis=dim)
     if not strided(x.shape, dim):
         return lax.psum_scatter(x, name, scatter_dimension=dim, tiled=True)
     blocks = x.reshape(x.shape[:dim] + (size, x.shape[dim] // size) + x.shape[dim + 1:])
     return lax.psum_scatter(jnp.moveaxis(blocks, dim, 0), name, scatter_dimension=0,
                             tiled=False)
+
+
+def _padded(x: Any, dim: int, rows: int) -> Any:
+    """``x`` with ``rows`` zero rows appended along ``dim`` (its type kept: varying where
+    ``x`` is)."""
+    config = [(0, rows if d == dim else 0, 0) for d in range(x.ndim)]
+    return lax.pad(x, jnp.zeros((), x.dtype), config)

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from autopar.files import writable_target, write_bytes_atomic, write_text_atomic
+from autopar.files import writable_target, write_files_atomic
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.graph.ir import Graph
 from autopar.strategies.plan import Plan
@@ -176,26 +176,39 @@ def check_comparison_dir(out_dir: Any, key: str = "out_dir") -> None:
 def write_comparison(rows: Sequence[ModeResult], out_dir: str | os.PathLike[str], *,
                      title: str, meta: dict[str, Any]) -> dict[str, Path]:
     """Write ``compare.json``, ``compare.md`` and, when matplotlib is installed (the ``plot``
-    extra), ``compare.png``; returns the paths written."""
+    extra), ``compare.png``; returns the paths written. The files are written all or
+    nothing (:func:`autopar.files.write_files_atomic`), and a directory made for them is
+    removed again when they cannot be written."""
     from autopar.cli_util import markdown_table
 
     check_comparison_dir(out_dir)  # every target, before the first is written
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     measured = any(r.measured_step_seconds is not None for r in rows)
-    paths = {"json": out / "compare.json", "markdown": out / "compare.md"}
     doc = {"title": title, **meta, "modes": [r.as_json() for r in rows]}
-    write_text_atomic(paths["json"], json.dumps(doc, indent=1, sort_keys=True) + "\n")
     md = f"# {title}\n\n" + markdown_table(comparison_rows(rows, measured=measured)) + "\n"
     md += "\n" + "\n".join(f"- {k}: {v}" for k, v in sorted(meta.items())) + "\n"
-    write_text_atomic(paths["markdown"], md)
-    png = _plot(rows, out / "compare.png", title, measured)
+    files = {"json": (out / "compare.json", json.dumps(doc, indent=1, sort_keys=True) + "\n"),
+             "markdown": (out / "compare.md", md)}
+    png = _plot(rows, title, measured)
     if png is not None:
-        paths["png"] = png
-    return paths
+        files["png"] = (out / "compare.png", png)
+    made = [p for p in (out, *out.parents) if not p.exists()]  # (made here, deepest first)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        written = write_files_atomic([(path, data, f"out_dir ({path.name})")
+                                      for path, data in files.values()])
+    except BaseException:
+        for d in made:
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        raise
+    return dict(zip(files, written))
 
 
-def _plot(rows: Sequence[ModeResult], path: Path, title: str, measured: bool) -> Path | None:
+def _plot(rows: Sequence[ModeResult], title: str, measured: bool) -> bytes | None:
+    """The comparison drawn as a PNG; None without matplotlib."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -224,4 +237,4 @@ def _plot(rows: Sequence[ModeResult], path: Path, title: str, measured: bool) ->
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
-    return write_bytes_atomic(path, buf.getvalue())
+    return buf.getvalue()

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 
 from autopar.errors import (AutoParallelError, AutoParallelTypeError, ContextConflictError,
-                            UnknownKeyError, found, validation_problems)
+                            UnknownKeyError, found, safe_repr, type_name, validation_problems)
 from autopar.limits import MAX_DEVICES
 from autopar.strategies.modes import (DEFAULT_PARALLEL_MODE, DEFAULT_SEARCH_MODE, PARALLEL_MODES,
                                       SEARCH_MODES, SOLVERS)
@@ -217,7 +217,10 @@ def fspath_setting(v: Any) -> Any:
     """A ``pathlib.Path`` (any ``os.PathLike`` of text) is taken as its string, as JAX
     users pass paths; MindSpore's str is kept as is and other types fail as not a str."""
     if isinstance(v, os.PathLike):
-        path = os.fspath(v)
+        try:
+            path = os.fspath(v)
+        except TypeError:  # (its __fspath__ returns no str or bytes: refused as not a str)
+            return v
         return path if isinstance(path, str) else v
     return v
 
@@ -658,7 +661,7 @@ def raise_for_validation_error(err: ValidationError, where: str) -> None:
         raise unknown_key_error(key.split(".")[-1], valid, f"{where}.{parent}" if parent else where)
     if kind == "invalid_key":  # a dict key that is not a string: name it, not the whole dict
         parent = ".".join(key.split(".")[:-1])
-        err = AutoParallelTypeError(f"{parent}: the key {value!r} ({type(value).__name__}) is "
+        err = AutoParallelTypeError(f"{parent}: the key {safe_repr(value)} ({type_name(value)}) is "
                                     "invalid: keys must be strings.")
         err.key, err.value = parent, value
         raise err

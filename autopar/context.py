@@ -46,7 +46,7 @@ from autopar.config import (
     validate_config,
 )
 from autopar.errors import (AutoParallelError, AutoParallelTypeError, AutoParallelWarning,
-                            UnknownKeyError)
+                            UnknownKeyError, safe_repr, same_value)
 from autopar.strategies.modes import PARALLEL_MODES
 
 __all__ = [
@@ -96,7 +96,7 @@ _STATE: contextvars.ContextVar[_State] = contextvars.ContextVar("autopar_context
 def _check_key_names(keys: list[Any], where: str, *, get: bool = False) -> None:
     for key in keys:
         if not isinstance(key, str):
-            raise AutoParallelTypeError(f"{where}: key {key!r} must be a str.")
+            raise AutoParallelTypeError(f"{where}: key {safe_repr(key)} must be a str.")
         if key in GET_ONLY and not get:
             raise UnknownKeyError(f"{key!r} is read-only in {where} (as in MindSpore): set it "
                                   f"through {GET_ONLY[key]}={{{key!r}: ...}}.")
@@ -135,11 +135,11 @@ def _apply(state: _State, kwargs: dict[str, Any], where: str = _WHERE) -> _State
     deprecated = "auto_parallel_search_mode" in kw
     if deprecated:
         old = kw.pop("auto_parallel_search_mode")
-        if "search_mode" in kw and kw["search_mode"] != old:
+        if "search_mode" in kw and not same_value(kw["search_mode"], old):
             raise AutoParallelError(
                 "auto_parallel_search_mode", old,
                 f"it is the deprecated alias of search_mode and contradicts search_mode="
-                f"{kw['search_mode']!r} in the same call", "Set only search_mode")
+                f"{safe_repr(kw['search_mode'])} in the same call", "Set only search_mode")
         kw["search_mode"] = old
         explicit.discard("auto_parallel_search_mode")
         explicit.add("search_mode")
@@ -158,14 +158,14 @@ def _apply(state: _State, kwargs: dict[str, Any], where: str = _WHERE) -> _State
         if "comm_fusion" in kwargs and "allreduce" in kwargs["comm_fusion"]:
             ar = kwargs["comm_fusion"]["allreduce"]
             given = ar.get("config") if isinstance(ar, dict) else None
-            if not (isinstance(ar, dict) and ar.get("mode") == "index"
+            if not (isinstance(ar, dict) and same_value(ar.get("mode"), "index")
                     and type(given) in (list, tuple)
                     and [type(i) for i in given] == [int] * len(given)  # (no bool, no array)
                     and list(given) == list(indices)):
                 raise AutoParallelError(
                     "all_reduce_fusion_config", list(indices),
                     f"it is the same setting as comm_fusion['allreduce'] in index mode and "
-                    f"contradicts comm_fusion['allreduce']={ar!r} in the same call",
+                    f"contradicts comm_fusion['allreduce']={safe_repr(ar)} in the same call",
                     "Set only one of them")
         fusion = _merge_dict("comm_fusion", {}, cur.comm_fusion)
         if isinstance(data["comm_fusion"], dict):
@@ -217,10 +217,10 @@ def _sharding_propagation(kw: dict[str, Any], explicit: set[str], later: _Warnin
     if not isinstance(value, bool):
         raise AutoParallelTypeError("sharding_propagation", value, "must be a bool")
     if value:
-        if kw.get("search_mode", "sharding_propagation") != "sharding_propagation":
+        if not same_value(kw.get("search_mode", "sharding_propagation"), "sharding_propagation"):
             raise AutoParallelError(
                 "sharding_propagation", value, f"it means search_mode='sharding_propagation' "
-                f"and contradicts search_mode={kw['search_mode']!r} in the same call",
+                f"and contradicts search_mode={safe_repr(kw['search_mode'])} in the same call",
                 "Set only search_mode")
         kw["search_mode"] = "sharding_propagation"
         explicit.add("search_mode")
@@ -258,7 +258,7 @@ def _parallel_optimizer(kw: dict[str, Any], data: dict[str, Any], cur: AutoParal
             raise AutoParallelError(
                 "optimizer_weight_shard_size", size, "it is the same setting as "
                 "parallel_optimizer_config['optimizer_weight_shard_size'] and contradicts "
-                f"{given['optimizer_weight_shard_size']!r} in the same call",
+                f"{safe_repr(given['optimizer_weight_shard_size'])} in the same call",
                 "Set only one of them")
         if size > 1:
             merged["optimizer_weight_shard_size"] = size
@@ -283,7 +283,8 @@ def _parallel_optimizer(kw: dict[str, Any], data: dict[str, Any], cur: AutoParal
         merged["gradient_accumulation_shard"] = shard
     elif "gradient_accumulation_shard" in given:
         level = merged.get("optimizer_level")
-        if level in OPTIMIZER_LEVELS and given["gradient_accumulation_shard"] is not \
+        if isinstance(level, str) and level in OPTIMIZER_LEVELS and \
+                given["gradient_accumulation_shard"] is not \
                 OPTIMIZER_LEVELS[level]:
             raise AutoParallelError(
                 "parallel_optimizer_config.gradient_accumulation_shard",
@@ -296,8 +297,8 @@ def _parallel_optimizer(kw: dict[str, Any], data: dict[str, Any], cur: AutoParal
 
 
 def _not_applied(key: str, value: int) -> str:
-    return (f"{key}={value!r} is not applied (as in MindSpore, which applies only an int > "
-            "1): the parallel optimizer keeps its shard size; reset_auto_parallel_context() "
+    return (f"{key}={safe_repr(value)} is not applied (as in MindSpore, which applies only an "
+            "int > 1): the parallel optimizer keeps its shard size; reset_auto_parallel_context() "
             "restores -1, the whole data-parallel group")
 
 
@@ -316,11 +317,11 @@ def _strategy_files(kw: dict[str, Any], kwargs: dict[str, Any], data: dict[str, 
     for flat, key in STRATEGY_FILE_KEYS:
         if flat in kw:
             value = fspath_setting(kw.pop(flat))
-            if key in given and given[key] != value:
+            if key in given and not same_value(given[key], value):
                 raise AutoParallelError(
                     flat, value, f"it is the same setting as strategy_ckpt_config[{key!r}] and "
-                    f"contradicts strategy_ckpt_config[{key!r}]={given[key]!r} in the same "
-                    "call", "Set only one of them")
+                    f"contradicts strategy_ckpt_config[{key!r}]={safe_repr(given[key])} in the "
+                    "same call", "Set only one of them")
             data[flat] = value
             if isinstance(value, str):
                 merged[key] = value

@@ -23,7 +23,9 @@ it gives an alike contribution:
   all-gather) leave the cotangent alike over the step's axes as well
   (:attr:`StepKind.alike_transpose <autopar.strategies.redistribution.StepKind>`); the
   others (all-gather, all-to-all, slice) make it differ along them;
-- a fused ring kernel: as the collective and the matmul it fuses.
+- a fused ring kernel: as the collective and the matmul it fuses;
+- a loop: nowhere (what its body splits inside is not seen from outside; summing alike
+  cotangents is exact, only not free).
 
 A value laid out split over an axis holds different blocks along it, so it is never alike
 there.
@@ -77,6 +79,10 @@ def _contribution(pg: ParallelGraph, node: PNode, alike: frozenset[str]) -> froz
     if node.step is not None:
         axes = frozenset(node.step.axes)
         return alike | axes if STEP_KINDS[node.step.kind].alike_transpose else alike - axes
+    if node.kind == "loop":
+        # a loop's body may split what its operands and results do not (a batch sliced and
+        # gathered back inside): its inputs' cotangents are taken to differ everywhere
+        return frozenset()
     if node.op == "all_gather_matmul":
         # a ring kernel: an AllGather of operand 0 over its axes (its cotangent is
         # reduce-scattered: operand 0 is split there anyway), then the matmul of the gathered

@@ -15,6 +15,8 @@ device_num=0 is invalid: must be an int in [1, 4096].
 
 from __future__ import annotations
 
+import math
+import reprlib
 import sys
 from typing import Any, Iterable
 
@@ -30,6 +32,8 @@ __all__ = [
     "AutoParallelWarning",
     "validation_problems",
     "from_validation_problem",
+    "safe_repr",
+    "same_value",
     "user_stacklevel",
 ]
 
@@ -38,11 +42,67 @@ class AutoparError(Exception):
     """Root of every error autopar raises on purpose."""
 
 
-def _shown(value: Any, limit: int = 200) -> str:
+class _Bounded(reprlib.Repr):
+    """``reprlib``'s bounded repr (6 levels deep, 160 characters a string or object), whose
+    int says its size where Python refuses to write it (past 4,300 digits)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxstring = self.maxother = self.maxlong = 160
+
+    def repr_int(self, x: int, level: int) -> str:
+        try:
+            return super().repr_int(x, level)
+        except ValueError:
+            digits = int(abs(x).bit_length() * math.log10(2)) + 1
+            return f"<{'a negative' if x < 0 else 'an'} int of about {digits} digits>"
+
+
+_BOUNDED = _Bounded()
+
+
+def safe_repr(value: Any, limit: int = 200) -> str:
     """``repr(value)`` on one line (an array's repr spans several), cut to ``limit``
-    characters (a 400-digit int, a huge list)."""
-    text = repr(value).replace("\n", " ")
+    characters (a 400-digit int, a huge list); never raises. Where Python's own ``repr``
+    fails (an int past 4,300 digits, a value nested 1,000 deep, a ``__repr__`` that raises)
+    a bounded one (:mod:`reprlib`), then the type's name. What every error message shows of
+    a user's value.
+
+    >>> safe_repr(10 ** 5000)
+    '<an int of about 5001 digits>'
+    >>> nest = []
+    >>> for _ in range(100_000):
+    ...     nest = [nest]
+    >>> safe_repr(nest)
+    '[[[[[[...]]]]]]'
+    """
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - ValueError, RecursionError, a user's __repr__
+        try:
+            text = _BOUNDED.repr(value)
+        except Exception:  # noqa: BLE001 - a user's __repr__ below the first level
+            text = f"<a {type_name(value)}>"
+    text = text.replace("\n", " ").replace("\r", " ")
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+_shown = safe_repr
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Whether two values a user gave for one setting agree (``a == b``), never raising: a
+    NumPy array compares element by element, and the truth of its answer is ambiguous (an
+    array agrees with no other value).
+
+    >>> import numpy as np
+    >>> same_value("a", "a"), same_value(np.array([1, 2]), "a"), same_value([1], [1])
+    (True, False, True)
+    """
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - ValueError of an array's truth, a user's __eq__
+        return a is b
 
 
 def _format(key: str | None, value: Any, rule: str, hint: str | None) -> str:
@@ -120,11 +180,10 @@ class FileFieldError(AutoParallelError):
 
     def __init__(self, path: Any, field: str, expected: str, found: Any) -> None:
         self.path, self.field, self.expected, self.found = str(path), field, expected, found
-        text = found if isinstance(found, str) else repr(found)
-        if len(text) > 200:
-            text = text[:200] + "..."
-        super().__init__(f"{self.what} {str(path)!r}: field {field!r}: expected {expected}; "
-                         f"found {text}")
+        text = found[:200] + ("..." if len(found) > 200 else "") if isinstance(found, str) \
+            else safe_repr(found)
+        super().__init__(f"{self.what} {safe_repr(str(path))}: field {safe_repr(field)}: "
+                         f"expected {expected}; found {text}")
 
 
 class ContextConflictError(AutoParallelError):

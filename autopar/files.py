@@ -8,11 +8,16 @@ part. The target must be a regular file or absent: a directory (or a path ending
 separator), a FIFO, a device or a socket is refused before anything is written, and so is a
 path through a link under /dev or into /proc (``/dev/stdout`` resolves to the file the
 output is redirected to). A symlink is written through (its target is replaced, the link
-stays). An existing file keeps its mode; a new one gets ``0o666`` less the umask. On any
-failure the temporary file is removed and the target is untouched; temporaries of the same
-name pattern left by a killed writer (older than a minute) are removed by the next save.
-Errors are :class:`AutoParallelError` naming the target and the reason, never the hidden
-temporary.
+stays). An existing file keeps its mode (and, written by root, its owner); a new one gets
+``0o666`` less the umask, applied by the kernel as the temporary is created (the umask is
+never read: reading it sets it for a moment for every thread). On any failure the temporary
+file is removed and the target is untouched; temporaries of the same name pattern left by a
+killed writer (older than a minute) are removed by the next save. Errors are
+:class:`AutoParallelError` naming the target and the reason, never the hidden temporary.
+
+A set of files (:func:`write_files_atomic`: a pipelined step's stage strategy files, a
+comparison's report) is written all or nothing: every temporary first, then each replaces
+its target; a failure puts back the files already replaced.
 
 Reading (:func:`read_bytes_capped`): regular files only (a FIFO would block, a device never
 end), at most ``limit`` bytes (checked before reading, and while reading).
@@ -27,33 +32,56 @@ b'{}'
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import math
 import os
 import re
+import secrets
 import stat
-import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
 
 from autopar.errors import (AutoParallelError, AutoParallelTypeError, FileFieldError,
-                            validation_problems)
+                            type_name, validation_problems)
 
 __all__ = ["STALE_SECONDS", "read_bytes_capped", "read_json", "read_json_document",
-           "validation_failure",
+           "path_text", "validation_failure",
            "writable_target", "require_finite",
-           "write_bytes_atomic", "write_text_atomic"]
+           "write_bytes_atomic", "write_files_atomic", "write_text_atomic"]
 
 #: A temporary file of ours this old was left by a writer that died: the next save removes it.
 STALE_SECONDS = 60.0
 
 
+def path_text(path: Any, key: str) -> str:
+    """The text of a path given for ``key``: a non-empty str, or an ``os.PathLike`` whose
+    ``__fspath__`` returns one; anything else (bytes, a ``__fspath__`` that fails or returns
+    no str) an :class:`AutoParallelTypeError` naming ``key``."""
+    text: Any = path
+    if isinstance(path, os.PathLike):
+        try:
+            text = os.fspath(path)
+        except Exception:  # noqa: BLE001 - a user's __fspath__: returns no str, or raises
+            text = None
+    if not isinstance(text, str) or not text:
+        raise AutoParallelTypeError(key, path, "a non-empty path (a str, or an os.PathLike "
+                                    "whose __fspath__ returns one)")
+    return text
+
+
+def _where(path: Any) -> Any:
+    """What an error shows of a path: its text where it has one, else the value itself."""
+    try:
+        return path_text(path, "path")
+    except AutoParallelTypeError:
+        return path
+
+
 def _target(path: Any, key: str) -> Path:
-    if not isinstance(path, (str, os.PathLike)) or not str(path):
-        raise AutoParallelTypeError(key, path, "a non-empty path")
-    text = os.fspath(path)
+    text = path_text(path, key)
     if "\0" in str(text):
         raise AutoParallelError(key, str(text).replace("\0", "\\0"), "a path cannot hold a NUL "
                                 "byte")
@@ -120,14 +148,16 @@ def _temp_prefix(name: str) -> str:
     return f".{name[:200]}."
 
 
-#: The random part ``tempfile.mkstemp`` puts between our prefix and ``.tmp``: only names of
-#: exactly this shape are ours to remove (a user's ``.s.json.backup.tmp`` is not)
+#: The random part a temporary file's name has between our prefix and ``.tmp`` (as
+#: ``tempfile.mkstemp`` made them): only names of exactly this shape are ours to remove (a
+#: user's ``.s.json.backup.tmp`` is not)
 _TEMP_TAIL = re.compile(r"[a-z0-9_]{8}\.tmp")
+_TEMP_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789_"
 
 
 def _clean_stale(directory: Path, name: str) -> None:
     """Remove our temporary files of ``name`` older than :data:`STALE_SECONDS` (a killed
-    writer's): ``mkstemp``'s names after our prefix, nothing else."""
+    writer's): names of :data:`_TEMP_TAIL`'s shape after our prefix, nothing else."""
     now = time.time()
     prefix = _temp_prefix(name)
     try:
@@ -143,61 +173,197 @@ def _clean_stale(directory: Path, name: str) -> None:
         pass
 
 
+def _data_bytes(path: Any, data: Any, key: str) -> bytes:
+    """``data`` as the bytes to write: bytes as given, text as UTF-8; anything else (and
+    text UTF-8 cannot encode) a typed error naming ``path``."""
+    where = _where(path)
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return bytes(data)
+    if not isinstance(data, str):
+        raise AutoParallelTypeError(key, where, "cannot be written: the data must be bytes "
+                                    f"or text, found a {type(data).__name__}")
+    try:
+        return data.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise AutoParallelError(key, where, f"cannot be written: the text holds "
+                                f"{e.object[e.start:e.end]!r} at {e.start}, which UTF-8 "
+                                "cannot encode (a lone surrogate)") from None
+
+
+def _new_temp(target: Path, like: os.stat_result | None) -> tuple[int, Path]:
+    """A new temporary file beside ``target`` (``.<name>.<8 random>.tmp``), open for
+    writing. Made by ``os.open(O_CREAT | O_EXCL)``: a new target's gets ``0o666`` less the
+    umask, applied by the kernel (reading the umask would set it process-wide for a moment,
+    which other threads see); an existing target's (``like``) gets its mode and, written by
+    root, its owner."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    for tmp in _temp_names(target):
+        try:
+            fd = os.open(tmp, flags, 0o666 if like is None else 0o600)
+            break
+        except FileExistsError:
+            continue
+    if like is not None:
+        try:
+            _keep_owner(fd, like)
+            os.fchmod(fd, stat.S_IMODE(like.st_mode))  # (after fchown, which clears set-id)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+    return fd, tmp
+
+
+def _keep_owner(fd: int, like: os.stat_result) -> None:
+    """Give the file ``fd`` the owner and group of ``like`` (the file it will replace)
+    where they differ and this process may: root keeps another user's file theirs; another
+    user keeps the file's group when it is one of theirs."""
+    if (like.st_uid, like.st_gid) == (os.geteuid(), os.getegid()):
+        return
+    if os.geteuid() == 0:
+        os.fchown(fd, like.st_uid, like.st_gid)
+        return
+    if like.st_uid == os.geteuid():
+        try:
+            os.fchown(fd, -1, like.st_gid)
+        except OSError:  # (not one of this user's groups: the file gets the user's own)
+            pass
+
+
+def _write_temp(target: Path, data: bytes) -> Path:
+    """A temporary file beside ``target`` holding ``data``, flushed to disk."""
+    try:
+        like: os.stat_result | None = target.stat()
+    except FileNotFoundError:
+        like = None
+    _clean_stale(target.parent if str(target.parent) else Path("."), target.name)
+    fd, tmp = _new_temp(target, like)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except BaseException:
+        _unlink(tmp)
+        raise
+    return tmp
+
+
+def _temp_names(target: Path) -> Iterator[Path]:
+    """Fresh names for temporary files beside ``target``: ``.<name>.<8 random>.tmp`` (the
+    shape :func:`_clean_stale` removes); FileExistsError after 100 taken ones."""
+    directory = target.parent if str(target.parent) else Path(".")
+    for _ in range(100):
+        tail = "".join(secrets.choice(_TEMP_ALPHABET) for _ in range(8))
+        yield directory / f"{_temp_prefix(target.name)}{tail}.tmp"
+    raise FileExistsError(errno.EEXIST, "no free name for a temporary file", str(target))
+
+
+def _backup(target: Path) -> Path | None:
+    """A second name for ``target``'s file as it is (a hard link; a copy where links are
+    not allowed), so that a set that fails after replacing it can put it back; None for a
+    target that does not exist."""
+    if not target.exists():
+        return None
+    for name in _temp_names(target):
+        try:
+            os.link(target, name)
+            return name
+        except FileExistsError:
+            continue
+        except OSError:  # (a file system without links, or another user's file)
+            break
+    return _write_temp(target, target.read_bytes())
+
+
+def _unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def write_files_atomic(files: Sequence[tuple[Any, Any, str]]) -> list[Path]:
+    """Write a set of files all or nothing: ``files`` holds ``(path, data, key)`` each
+    (``data`` bytes, or text written as UTF-8; ``key`` names the setting in errors); returns
+    the paths written (a symlink's target where a path is a link).
+
+    Every target is checked first, then every temporary file is written and flushed (a full
+    disk fails here, before any target is touched), then each replaces its target in turn.
+    Where any step fails, the targets already replaced get their old files back (a new one
+    is removed), every temporary file is removed, and the error (an
+    :class:`AutoParallelError`) names the file that failed: the files are all new or all as
+    they were. Each file is written as :func:`write_bytes_atomic` writes one."""
+    items = [(_target(path, key), _data_bytes(path, data, key), key,
+              path_text(path, key)) for path, data, key in files]
+    seen: set[str] = set()
+    for target, _, key, shown in items:
+        if os.path.realpath(target) in seen:
+            raise AutoParallelError(key, shown, "is named twice in one set of files written "
+                                    "together; give each file its own path")
+        seen.add(os.path.realpath(target))
+    temps: list[Path] = []
+    backups: list[Path | None] = []
+    done: list[tuple[Path, Path | None]] = []
+    failed = items[0] if items else None
+    try:
+        for item in items:
+            failed = item
+            temps.append(_write_temp(item[0], item[1]))
+        for k, item in enumerate(items):  # (the last is never put back: no backup needed)
+            failed = item
+            backups.append(_backup(item[0]) if k < len(items) - 1 else None)
+        for item, tmp, backup in zip(items, temps, backups):
+            failed = item
+            os.replace(tmp, item[0])
+            done.append((item[0], backup))
+    except BaseException as e:
+        _undo(done, temps, backups)
+        if isinstance(e, OSError) and failed is not None:
+            raise AutoParallelError(failed[2], failed[3], f"cannot be written: "
+                                    f"{e.strerror or e}" + (
+                                        " (no file of the set was changed)"
+                                        if len(items) > 1 else "")) from None
+        raise
+    for backup in backups:
+        if backup is not None:
+            _unlink(backup)
+    return [item[0] for item in items]
+
+
+def _undo(done: list[tuple[Path, Path | None]], temps: list[Path],
+          backups: list[Path | None]) -> None:
+    """Put back what a failed :func:`write_files_atomic` replaced (last first), and remove
+    its temporary files and backups."""
+    for target, backup in reversed(done):
+        try:
+            if backup is None:
+                os.unlink(target)  # (it was new)
+            else:
+                os.replace(backup, target)
+        except OSError:
+            pass
+    for p in [*temps, *(b for b in backups if b is not None)]:
+        _unlink(p)
+
+
 def write_bytes_atomic(path: str | os.PathLike[str], data: bytes, *,
                        key: str = "path") -> Path:
     """Write ``data`` to ``path`` atomically (see the module doc); returns the path written
     (a symlink's target when ``path`` is a link). ``key`` names the setting in errors."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise AutoParallelTypeError(key, os.fspath(path) if isinstance(path, (str, os.PathLike))
-                                    else path, "cannot be written: the data must be bytes, "
+        raise AutoParallelTypeError(key, _where(path), "cannot be written: the data must be bytes, "
                                     f"found a {type(data).__name__}")
-    target = _target(path, key)
-    directory = target.parent if str(target.parent) else Path(".")
-    try:
-        mode = stat.S_IMODE(target.stat().st_mode)
-    except OSError:
-        umask = os.umask(0)
-        os.umask(umask)
-        mode = 0o666 & ~umask
-    _clean_stale(directory, target.name)
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(target.name), suffix=".tmp",
-                                   dir=directory)
-    except OSError as e:
-        raise AutoParallelError(key, os.fspath(path), f"cannot be written: "
-                                f"{e.strerror or e}") from None
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    except BaseException as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        if isinstance(e, OSError):
-            raise AutoParallelError(key, os.fspath(path), f"cannot be written: "
-                                    f"{e.strerror or e}") from None
-        raise
-    return target
+    return write_files_atomic([(path, data, key)])[0]
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str, *, key: str = "path") -> Path:
     """Write ``text`` (UTF-8) to ``path`` atomically (:func:`write_bytes_atomic`)."""
-    where = os.fspath(path) if isinstance(path, (str, os.PathLike)) else path
+    where = _where(path)
     if not isinstance(text, str):
         raise AutoParallelTypeError(key, where, "cannot be written: the text must be a str, "
                                     f"found a {type(text).__name__}")
-    try:
-        data = text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise AutoParallelError(key, where, f"cannot be written: the text holds "
-                                f"{e.object[e.start:e.end]!r} at {e.start}, which UTF-8 "
-                                "cannot encode (a lone surrogate)") from None
-    return write_bytes_atomic(path, data, key=key)
+    return write_files_atomic([(path, text, key)])[0]
 
 
 def read_bytes_capped(path: str | os.PathLike[str], limit: int,
@@ -209,7 +375,7 @@ def read_bytes_capped(path: str | os.PathLike[str], limit: int,
     def fail(expected: str, found: Any) -> Exception:
         if error is not None:
             return error(expected, found)
-        return AutoParallelError("path", os.fspath(path), f"expected {expected}; found {found}")
+        return AutoParallelError("path", _where(path), f"expected {expected}; found {found}")
 
     try:  # non-blocking: opening a FIFO with no writer must not wait
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
@@ -219,6 +385,9 @@ def read_bytes_capped(path: str | os.PathLike[str], limit: int,
         raise fail("a readable file", e.strerror or str(e)) from None
     except ValueError:  # os.open refuses a NUL byte in the path
         raise fail("a path without NUL bytes", "a NUL byte in the path") from None
+    except TypeError:  # (not a path, or an os.PathLike whose __fspath__ returns no str)
+        raise fail("a path (a str, or an os.PathLike whose __fspath__ returns one)",
+                   f"a {type_name(path)}") from None
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)

@@ -574,9 +574,9 @@ def gradient_buckets(source: Any, plan: Any = None, *, kind: str = "allreduce",
     (1, 3)
     >>> autopar.reset_auto_parallel_context()
     """
-    if kind not in _KINDS:
+    if not isinstance(kind, str) or kind not in _KINDS:
         raise AutoParallelError("kind", kind, f"must be one of {list(_KINDS)}")
-    if policy not in BUCKET_POLICIES:
+    if not isinstance(policy, str) or policy not in BUCKET_POLICIES:
         raise AutoParallelError("policy", policy, f"must be one of {list(BUCKET_POLICIES)}")
     from autopar.graph.ir import Graph
 

@@ -71,6 +71,7 @@ from jax import lax
 
 from autopar.collectives import all_gather_dim, psum_scatter_dim
 from autopar.errors import AutoParallelError, AutoParallelTypeError
+from autopar.graph.prng import is_key
 from autopar.strategies.layout import DeviceMesh, Layout, axis_name
 from autopar.strategies.redistribution import STEP_KINDS
 
@@ -370,6 +371,7 @@ def sync_sites(pg: Any, buckets: Sequence[Sequence[int]]) \
             continue
         at = min(uses)
         live = tuple(v for v, j in producer.items() if j < at and last_use.get(v, -1) >= at
+                     and not is_key(pg.values[v].spec.dtype)  # (keys: no NumPy dtype)
                      and np.dtype(pg.values[v].spec.dtype).kind in "fc")
         sites.setdefault(at, []).append((k, live))
     return {i: sorted(s, reverse=True) for i, s in sites.items()}

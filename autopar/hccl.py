@@ -29,7 +29,8 @@ from typing import Any, Literal
 
 from autopar.config import MAX_INDEX
 from autopar.context import current_config
-from autopar.errors import AutoParallelError, AutoParallelTypeError, CommGroupError, found
+from autopar.errors import (AutoParallelError, AutoParallelTypeError, CommGroupError, found,
+                            safe_repr)
 from autopar.limits import finite
 
 __all__ = [
@@ -189,7 +190,7 @@ def create_group(group: str, rank_ids: list[int]) -> None:
     bad = [r for r in rank_ids if r < 0 or r >= device_num]
     if bad:
         raise AutoParallelError("rank_ids", rank_ids, f"rank ids must be in [0, device_num="
-                                f"{device_num}), found {bad}")
+                                f"{device_num}), found {safe_repr(bad)}")
     if len(set(rank_ids)) != len(rank_ids):
         raise AutoParallelError("rank_ids", rank_ids, "rank ids must not repeat")
     state = _STATE.get()

@@ -16,8 +16,10 @@ with the same axis names (``a0, a1, ...``, devices row-major). The body of one
   (:mod:`autopar.graph.ops`: ``reshape.new_sizes``, ``broadcast_in_dim.shape``,
   ``iota.shape``, ``slice.limit_indices``, ``dynamic_slice`` / ``gather`` ``slice_sizes``)
   and shardings dropped; an ``iota`` split along its counting dim is offset by the device's
-  block start, and a ``scatter-add`` whose updates are split (a partial sum) adds its
-  operand on the first device of those axes only.
+  block start, a ``scatter-add`` whose updates are split (a partial sum) adds its
+  operand on the first device of those axes only, and a ``random_bits`` split along its
+  drawn dims draws this device's block of the same global bits
+  (:func:`autopar.graph.prng.draw_block`).
 
 In-specs are the input layouts' ``PartitionSpec`` s and out-specs the output layouts'
 (outputs never hold partial sums after the rewrite). The result is jitted, differentiable
@@ -62,8 +64,11 @@ from autopar.collectives import all_gather_dim, psum_scatter_dim
 from autopar.cotangents import alike_axes
 from autopar.errors import AutoparError, AutoParallelError, AutoParallelTypeError
 from autopar.graph.ops import OPERATORS
-from autopar.graph.tracer import traced_dtype
+from autopar.graph.prng import draw_block, is_key, wrap_key
+from autopar.graph.tracer import flatten, traced_dtype
+from autopar.graph.loops import LOOP_KIND
 from autopar.kernel_rules import FusedKernels, fuse_kernels, run_fused
+from autopar.lower_loops import body_program, run_loop
 from autopar.parallel_graph import PNode, ParallelGraph
 from autopar.strategies.layout import DeviceMesh, axis_name, jax_mesh
 from autopar.strategies.redistribution import STEP_KINDS, Step
@@ -91,10 +96,19 @@ def user_mesh(given: Any, mesh: DeviceMesh) -> Mesh:
     return jax_mesh(mesh, list(given.devices.flat))
 
 
-def put_on(values: Sequence[Any], shardings: Sequence[Any]) -> list[Any]:
+def put_on(values: Sequence[Any], shardings: Sequence[Any],
+           names: Sequence[str] | None = None) -> list[Any]:
     """``values`` laid out as ``shardings``, one ``jax.device_put`` for those that are not
     already (a step's own outputs are: feeding them back to the next step costs nothing;
-    placing each leaf on its own cost ~30 us of Python apiece, every step)."""
+    placing each leaf on its own cost ~30 us of Python apiece, every step). A shape without
+    values (a ``jax.ShapeDtypeStruct``: what a function or step may be built from) is
+    refused, naming the leaf (``names``: the traced inputs' names)."""
+    for i, x in enumerate(values):
+        if isinstance(x, (jax.ShapeDtypeStruct, jax.core.ShapedArray)):
+            raise AutoParallelTypeError(
+                f"argument {names[i]!r}" if names else f"argument leaf {i}", x, "a concrete "
+                "array: a jax.ShapeDtypeStruct shapes what a function or step is built for; "
+                "calling it needs the values")
     todo = [i for i, (x, s) in enumerate(zip(values, shardings))
             if not (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
                     and x.sharding.is_equivalent_to(s, x.ndim))]
@@ -224,7 +238,10 @@ def _bind(node: PNode, args: list[Any], pg: ParallelGraph, vma: bool = False) ->
         if union:
             args = [_to_varying(a, sorted(union)) for a in args]
     try:
-        out = node.primitive.bind(*args, **params)
+        if node.op == "random_bits" and any(_drawn_axes(node, pg)):
+            out = _random_block(args[0], node, pg)
+        else:
+            out = node.primitive.bind(*args, **params)
     except AutoparError:  # (a custom derivative rule refused: graph/custom_rules.py)
         raise
     except Exception as e:  # a JAX shape/type rule refused the local shapes
@@ -262,12 +279,34 @@ def _offset_iota(x: Any, node: PNode, pg: ParallelGraph) -> Any:
     return x + lax.convert_element_type(start, x.dtype)
 
 
+def _drawn_axes(node: PNode, pg: ParallelGraph) -> tuple[tuple[str, ...], ...]:
+    """The mesh axes splitting each drawn dim of a ``random_bits`` (its output's dims after
+    the keys')."""
+    return pg.values[node.outputs[0]].layout.dims[pg.values[node.inputs[0]].spec.rank:]
+
+
+def _random_block(keys: Any, node: PNode, pg: ParallelGraph) -> Any:
+    """A ``random_bits`` whose drawn dims are split draws this device's block of the global
+    draw: the same bits as that block of the one-device draw
+    (:func:`autopar.graph.prng.draw_block`)."""
+    val = pg.values[node.outputs[0]]
+    k = pg.values[node.inputs[0]].spec.rank
+    local = val.local_shape[k:]
+    starts = [block_index(axes, pg.mesh.sizes) * n if axes else 0
+              for axes, n in zip(_drawn_axes(node, pg), local)]
+    return draw_block(keys, pg.values[node.inputs[0]].spec.dtype, node.params["bit_width"],
+                      node.params["shape"], local, starts,
+                      whole=lambda: node.primitive.bind(keys, **node.params))
+
+
 def _read(env: dict[str, Any], pg: ParallelGraph, v: str) -> Any:
     if v in env:
         return env[v]
     val = pg.values[v]
     if val.data is None:
         raise AutoParallelError("value", v, "is read before it is computed")
+    if is_key(val.spec.dtype):  # (a key constant holds its key data)
+        return wrap_key(val.data, val.spec.dtype)
     return jnp.asarray(val.data, dtype=val.spec.dtype)
 
 
@@ -339,6 +378,8 @@ def run_body(pg: ParallelGraph, *flat: Any,
             outs = [apply_step(args[0], node.step, pg.mesh, vma=vma) if out is None else out]
         elif node.is_fused:
             outs = run_fused(node, args, pg)
+        elif node.kind == LOOP_KIND:  # one lax.scan of the body's program
+            outs = run_loop(node, args, run_body, vma)
         else:
             outs = _bind(node, args, pg, vma)
         env.update(zip(node.outputs, outs))
@@ -373,8 +414,11 @@ class LoweredFunction:
         # and AllReduces whose cotangent is alike over their axes (the final one) are
         # differentiated locally (psum_alike).
         # An adapter's gathered outputs are replicated but typed varying: check_vma=False too.
+        # A loop's carries may change variance across an iteration (lax.scan refuses that
+        # under check_vma=True): programs with loops run with check_vma=False too.
         self.vma = adapter is None and not any(n.op == "all_gather_matmul"
-                                               for n in pg.fused_nodes())
+                                               for n in pg.fused_nodes()) \
+            and not any(n.kind == LOOP_KIND for n in pg.nodes)
         final_step = None if self.vma else alike_psums(pg)
 
         def body(*flat: Any) -> tuple[Any, ...]:
@@ -392,7 +436,7 @@ class LoweredFunction:
     def place(self, *args: Any) -> list[Any]:
         """Check the arguments against the traced signature and put each leaf on the mesh."""
         pg = self.parallel_graph
-        leaves, tree = jax.tree_util.tree_flatten(tuple(args))
+        leaves, tree = flatten("arguments", tuple(args))
         if pg.in_tree is not None and tree != pg.in_tree:
             raise AutoParallelError("arguments", f"{len(args)} args", "must have the structure "
                                     f"of the example arguments ({pg.in_tree}); got {tree}")
@@ -410,7 +454,7 @@ class LoweredFunction:
                 raise AutoParallelError(f"argument {v!r}", traced_dtype(x),
                                         f"dtype must be {spec.dtype}, as in the example")
             placed.append(x)
-        return put_on(placed, self.in_shardings)
+        return put_on(placed, self.in_shardings, pg.inputs)
 
     def __call__(self, *args: Any) -> Any:
         try:
@@ -454,7 +498,15 @@ def lower(parallel_graph: ParallelGraph, mesh: Mesh | None = None, *,
     jmesh = jax_mesh(pg.mesh) if mesh is None else user_mesh(mesh, pg.mesh)
     if fused_kernels is not None:
         pg = fuse_kernels(pg, fused_kernels)
-    for node in pg.nodes:  # fail early, before any tracing, on nodes that cannot be lowered
-        if node.step is None and not node.is_fused:
-            local_params(node, pg)
+    _check_lowerable(pg)
     return LoweredFunction(pg, jmesh, adapter)
+
+
+def _check_lowerable(pg: ParallelGraph) -> None:
+    """Fail early, before any tracing, on nodes that cannot be lowered (a loop's body's
+    too)."""
+    for node in pg.nodes:
+        if node.kind == LOOP_KIND:
+            _check_lowerable(body_program(node))
+        elif node.step is None and not node.is_fused:
+            local_params(node, pg)

@@ -62,7 +62,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from autopar.checkpoint import StrategyFileError, max_file_bytes
 from autopar.errors import AutoParallelError, AutoParallelTypeError, type_name
 from autopar.errors import found as _found
-from autopar.files import read_json
+from autopar.files import path_text, read_json
 from autopar.graph.ir import Graph, Node, Strategy, check_strategy_shape
 from autopar.limits import MAX_DEVICES
 from autopar.strategies.layout import DeviceMesh
@@ -181,9 +181,11 @@ _INTERLEAVED = object()
 def _load(path: Any) -> Any:
     """The JSON the file at ``path`` holds."""
     what = "the path of MindSpore's JSON strategy file (a str or os.PathLike)"
-    if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str):
-        raise AutoParallelTypeError("path", path, what)  # (an os.PathLike giving bytes too)
-    if "\0" in os.fspath(path):
+    try:
+        text = path_text(path, "path")  # (an os.PathLike giving bytes, or failing, too)
+    except AutoParallelTypeError:
+        raise AutoParallelTypeError("path", path, what) from None
+    if "\0" in text:
         raise StrategyFileError(path, "<file>", "a path without a NUL byte", repr(path))
     # a regular file, capped, strict JSON (a duplicated key is refused, not the last kept)
     return read_json(path, limit=max_file_bytes(), error=StrategyFileError)

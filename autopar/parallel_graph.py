@@ -185,6 +185,10 @@ class ParallelGraph:
             val = self.values[v]
             rows.append((self._ref(v), str(val.spec), shape(v), str(val.layout)))
         lines += _table(rows)
+        for n in self.nodes:  # a loop's per-iteration program
+            if n.kind == "loop":
+                lines += ["", f"body of loop {n.name} (x{n.params['length']}), every iteration:"]
+                lines += [f"  {x}" if x else x for x in str(n.params["program"]).split("\n")]
         return "\n".join(lines)
 
     def __repr__(self) -> str:

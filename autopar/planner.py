@@ -26,7 +26,7 @@ from autopar.checkpoint import dumps_strategy, load_plan, save_strategy, strateg
 from autopar.clusters import note_devices, resolve_cluster
 from autopar.errors import (AutoParallelError, AutoParallelTypeError, AutoParallelWarning,
                             user_stacklevel)
-from autopar.files import writable_target
+from autopar.files import writable_target, write_files_atomic
 from autopar.graph.ir import Graph, check_strategy_shape
 from autopar.graph.ms_layout import to_strategy
 from autopar.limits import MAX_DEVICES
@@ -203,9 +203,10 @@ def save_plan(plan: Plan, graph: Graph, path: Any,
 @contextmanager
 def saves_on_success() -> Iterator[None]:
     """The strategy files the searches inside save (:func:`save_plan`) are written when the
-    block ends without an error, every target checked before the first is written: an entry
-    point that fails after its search (a later check, a pipeline's next stage) writes no
-    file. Nested blocks leave the writing to the outermost."""
+    block ends without an error, all or nothing (:func:`autopar.files.write_files_atomic`):
+    an entry point that fails after its search (a later check, a pipeline's next stage)
+    writes no file, and one whose second file cannot be written (a full disk) leaves the
+    first as it was. Nested blocks leave the writing to the outermost."""
     if _PENDING.get() is not None:
         yield
         return
@@ -215,10 +216,9 @@ def saves_on_success() -> Iterator[None]:
         yield
     finally:
         _PENDING.reset(token)
-    for _, _, path, _ in pending:
-        writable_target(path, "strategy_ckpt_save_file")
-    for plan, graph, path, tuning in pending:
-        save_strategy(plan, graph, path, tuning=tuning)
+    if pending:
+        write_files_atomic([(path, dumps_strategy(strategy_document(plan, graph, tuning)),
+                             "strategy_ckpt_save_file") for plan, graph, path, tuning in pending])
 
 
 def _check_parallel_mode(pmode: Any) -> str:

@@ -22,10 +22,11 @@ True
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Sequence
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError
-from autopar.graph.ir import Graph
+from autopar.graph.ir import Graph, Node
+from autopar.graph.loops import LOOP_KIND, loop_body
 from autopar.kernel_rules import FusedKernels, check_fused_kernels, fuse_kernels
 from autopar.parallel_graph import PNode, PValue, ParallelGraph
 from autopar.strategies.layout import DeviceMesh, Layout
@@ -120,7 +121,9 @@ class _Rewriter:
                                     f"in {cur}")
         return cur_name
 
-    def run(self) -> ParallelGraph:
+    def run(self, out_layouts: Sequence[Layout] | None = None) -> ParallelGraph:
+        """The program; ``out_layouts``: the graph's outputs end in these layouts (a loop
+        body's), else as made, partial sums resolved."""
         g, plan = self.g, self.plan
         for v in g.inputs:
             lay = plan.layouts.get(v, Layout.replicated(g.spec(v).rank))
@@ -146,16 +149,37 @@ class _Rewriter:
                                             f"value {v!r} another layout than its producer's "
                                             f"output layout {lay}")
                 self.home[v] = self.add_value(v, v, lay, "activation")
+            params = dict(node.params)
+            if node.kind == LOOP_KIND:  # the per-iteration program, under the body plan
+                params["program"] = _rewrite_body(node, ns.body, self.enable_alltoall)
             self.nodes.append(PNode(node.name, node.op, node.kind, ins, node.outputs,
-                                    dict(node.params), node.primitive, strategy=ns.strategy,
+                                    params, node.primitive, strategy=ns.strategy,
                                     source=node.source))
         outs = []
-        for v in g.outputs:
+        for k, v in enumerate(g.outputs):
+            if out_layouts is not None:
+                outs.append(self.read(v, out_layouts[k], "<output>"))
+                continue
             lay = self.values[self.source_value(v)].layout
             outs.append(self.read(v, Layout(lay.dims), "<output>") if lay.partial
                         else self.home[v])
         return ParallelGraph(g.name, self.mesh, tuple(self.nodes), MappingProxyType(self.values),
                              g.inputs, tuple(outs), g, plan, g.in_tree, g.out_tree)
+
+
+def _rewrite_body(node: Node, plan: Plan | None, enable_alltoall: bool) -> ParallelGraph:
+    """A loop node's body under its body plan: the program of one iteration. Its carries
+    leave it in the layouts they enter it in; its per-iteration results as made (a partial
+    sum is resolved after the loop, once, on the stacked result)."""
+    if plan is None:
+        raise AutoParallelError("node", node.name, "the plan has no body plan for this loop "
+                                "node (plan and graph do not match)",
+                                "Search the plan on this graph")
+    body = loop_body(node)
+    g = body.graph
+    outs = [plan.layouts[g.inputs[body.num_consts + j]] for j in range(body.num_carry)]
+    outs += [plan.layouts[v] for v in g.outputs[body.num_carry:]]
+    return _Rewriter(g, plan, enable_alltoall).run(outs)
 
 
 def rewrite(graph: Graph, plan: Plan, *, fused_kernels: FusedKernels = "auto",

@@ -70,18 +70,23 @@ class ParamSplit:
     """A parameter pytree as a training step takes it (the rule of :func:`is_trained`).
 
     ``tree``: its structure (a None is an empty subtree, as to JAX); ``graph``: the positions
-    (among its leaves) of those the traced program takes -- every leaf but typed PRNG keys,
-    which autopar cannot trace and keeps out of the program (the step hands them back as it
-    got them); ``trained``: the positions *in* ``graph`` of the leaves that are trained. The
-    optimizer sees :meth:`optimizer_tree`: the tree with every carried leaf None.
+    (among its leaves) of those the traced program takes -- every leaf, typed PRNG keys
+    included (a loss draws its dropout masks from them, each device its block of the same
+    draw), unless ``keys_in_program`` is False (the pmap backend, whose replicas would each
+    draw the whole array; the pipelined step, which packs its parameters): then typed keys
+    stay out of the program, the step hands them back as it got them, and a loss that reads
+    one is refused by name; ``trained``: the positions *in* ``graph`` of the leaves that
+    are trained. The optimizer sees :meth:`optimizer_tree`: the tree with every carried
+    leaf None.
     """
 
-    def __init__(self, params: Any) -> None:
+    def __init__(self, params: Any, keys_in_program: bool = True) -> None:
         paths_leaves, self.tree = jax.tree_util.tree_flatten_with_path(params)
         leaves = [x for _, x in paths_leaves]
         self.paths = [jax.tree_util.keystr(p) for p, _ in paths_leaves]
         self.n = len(leaves)
-        self.keys = tuple(i for i, x in enumerate(leaves) if is_prng_key(x))
+        self.keys = () if keys_in_program else \
+            tuple(i for i, x in enumerate(leaves) if is_prng_key(x))
         self.graph = tuple(i for i in range(self.n) if i not in self.keys)
         self.trained = tuple(k for k, i in enumerate(self.graph) if is_trained(leaves[i]))
         self.key_specs = [(tuple(np.shape(leaves[i])), str(leaves[i].dtype)) for i in self.keys]
@@ -153,11 +158,11 @@ class ParamSplit:
             if id(var) in used:
                 raise AutoParallelTypeError(
                     f"params{self.paths[i]}", leaves[i], "a PRNG key (jax.random.key) the "
-                    "loss reads or returns: a training step carries key leaves unchanged and "
-                    "keeps them "
-                    "out of the program it partitions (autopar traces arrays of numbers; JAX's "
-                    "random primitives are not among its operators). Draw the random values "
-                    "(a dropout mask) outside the loss and pass them in the batch")
+                    "loss reads or returns: this step keeps key leaves out of its program "
+                    "(the pmap backend: each replica would draw the whole array; the "
+                    "pipelined step: its parameters are packed). Use backend='shard_map' "
+                    "(one stage), or draw the random values outside the loss and pass them "
+                    "in the batch")
 
 
 def without_keys(params: Any) -> Any:

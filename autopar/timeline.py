@@ -381,6 +381,7 @@ def _node_times(graph: Any, plan: Any, cm: Any, mesh: Any
     optimizer update of the parameters (the end of backward)."""
     from autopar.strategies.cost import BACKWARD_FACTOR
     from autopar.strategies.layout import Layout
+    from autopar.strategies.loops import loop_time
     from autopar.strategies.problem import (fused_values, operator_time,
                                             requires_grad)
 
@@ -388,6 +389,11 @@ def _node_times(graph: Any, plan: Any, cm: Any, mesh: Any
     fwd, back = [], []
     for n in graph.nodes:
         ns = plan.nodes.get(n.name) if plan is not None else None
+        if n.kind == "loop":  # the trip count times its body's operators, as planned
+            t = loop_time(cm, n, ns.body if ns is not None else None, mesh)
+            fwd.append(t)
+            back.append(BACKWARD_FACTOR * t if any(grad[v] for v in n.inputs) else 0.0)
+            continue
         if ns is None:
             rep = [Layout.replicated(graph.spec(v).rank) for v in (*n.inputs, *n.outputs)]
             splits, ins, outs = (1,), rep[:len(n.inputs)], rep[len(n.inputs):]
@@ -424,6 +430,7 @@ def plan_communication(graph: Any, plan: Any, cm: Any) -> tuple[float, float, fl
     if (own == cm.cluster) if own is not None else plan.cluster == cm.cluster.name:
         c = plan.cost
         return c.communication, c.redistribution, c.gradient_sync
+    from autopar.strategies.loops import PlannedLoops
     from autopar.strategies.problem import Problem, redistribution_once
 
     missing = [n.name for n in graph.nodes if n.name not in plan.nodes]
@@ -436,7 +443,8 @@ def plan_communication(graph: Any, plan: Any, cm: Any) -> tuple[float, float, fl
                       memory_weight=plan.memory_weight,
                       fixed_splits={k: ns.splits for k, ns in plan.nodes.items()},
                       parallel_optimizer_kb=plan.parallel_optimizer_kb,
-                      optimizer_weight_shard_size=plan.optimizer_weight_shard_size)
+                      optimizer_weight_shard_size=plan.optimizer_weight_shard_size,
+                      loops=PlannedLoops.of(plan))
     comm = sync = 0.0
     for _, vert in problem.iter_ops():  # one choice each: the plan's splits
         comm += vert.comm.item(0)

@@ -91,7 +91,7 @@ from autopar.grad_sync import (LOW_PRECISION, METHODS, data_parallel_degree, fp3
                                sync_point, sync_sites)
 from autopar.kernel_rules import FusedKernels, check_fused_kernels
 from autopar.lower import alike_psums, put_on, run_body
-from autopar.graph.tracer import traced_dtype
+from autopar.graph.tracer import flatten, traced_dtype
 from autopar.inspection import ProgramInspection
 from autopar.optimizer_shard import (ShardDecision, decide_sharding, gather_parameters,
                                      scatter_gradients, state_shardings, storage_spec,
@@ -152,7 +152,7 @@ class TrainStep(ProgramInspection):
         b_leaves, self._b_tree = jax.tree_util.tree_flatten(tuple(batch))
         self.batch_shapes = [tuple(np.shape(x)) for x in b_leaves]
         micro = micro_batch(batch, self.accumulation)
-        self.split = ParamSplit(params)
+        self.split = ParamSplit(params, keys_in_program=backend != "pmap")
         traced_fn, traced_params = self.split.traced(loss_fn, params, micro)
         self.function = parallel_function(traced_fn, (traced_params, *micro), None, mode=mode,
                                           fixed=fixed, cluster=cluster, mesh=mesh,
@@ -225,7 +225,7 @@ class TrainStep(ProgramInspection):
         for v, trained in zip(names, self._trained):  # (a carried leaf: no gradient, kept)
             val = pg.values[v]
             self.sharding.append(decide_sharding(
-                v, val.spec.shape, val.local_shape, np.dtype(val.spec.dtype).itemsize,
+                v, val.spec.shape, val.local_shape, val.spec.itemsize,
                 replicated_axes(val.layout, pg.mesh), sizes,
                 enabled=self.parallel_optimizer and trained, threshold_kb=threshold_kb,
                 shard_size=self._shard_size))
@@ -239,8 +239,8 @@ class TrainStep(ProgramInspection):
         order = [n for n in self.function.graph.gradient_order() if n in trained]
         order += [n for n in names if n in trained and n not in set(order)]
         self.gradient_order = tuple(order)
-        nbytes = {v: math.prod(pg.values[v].local_shape) * np.dtype(pg.values[v].spec.dtype)
-                  .itemsize for v in names}
+        nbytes = {v: math.prod(pg.values[v].local_shape) * pg.values[v].spec.itemsize
+                  for v in names}
         pos = {v: i for i, v in enumerate(names)}
 
         def buckets(kind: str, members: list[str]) -> GradientBuckets | None:
@@ -440,6 +440,8 @@ class TrainStep(ProgramInspection):
             return (out[0], jax.tree_util.tree_unflatten(aux_tree, out[1 + n_g:])), \
                 list(out[1:1 + n_g])
 
+        updated = frozenset(trained)  # (the carried leaves keep their dtype: keys have none)
+
         def step(p_leaves: list[Any], opt_state: Any, b_leaves: list[Any]) -> tuple:
             value, g = grads(p_leaves, b_leaves)
             params = split.optimizer_tree([p_leaves[k] for k in trained])
@@ -448,8 +450,8 @@ class TrainStep(ProgramInspection):
             for k, x in zip(trained, jax.tree_util.tree_leaves(
                     optax.apply_updates(params, updates))):
                 new[k] = x
-            new = [lax.with_sharding_constraint(x.astype(d), s)
-                   for x, d, s in zip(new, dtypes, storage)]
+            new = [lax.with_sharding_constraint(x.astype(d) if k in updated else x, s)
+                   for k, (x, d, s) in enumerate(zip(new, dtypes, storage))]
             if any(sh):  # the optimizer state stays on the parameters' storage layout
                 st = state_shardings(opt, opt_state, split.optimizer_tree(
                     [storage[k] for k in trained]), self.mesh, split.optimizer_tree(
@@ -466,7 +468,7 @@ class TrainStep(ProgramInspection):
         leaves = self._param_leaves(params)
         self.split.key_leaves(leaves)  # (checked: the step hands them back as they are)
         leaves = self.split.graph_leaves(leaves)
-        b_leaves, b_tree = jax.tree_util.tree_flatten(tuple(batch))
+        b_leaves, b_tree = flatten("batch", tuple(batch))
         if b_tree != self._b_tree:  # (the same shapes in another order: a silent swap)
             raise AutoParallelError("batch", f"{len(b_leaves)} leaves", f"must have the "
                                     f"structure of the example batch ({self._b_tree})")

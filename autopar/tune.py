@@ -212,7 +212,8 @@ def tune_step(loss_fn: Callable[..., Any], params: Any, batch: tuple[Any, ...],
     with together():  # (under jax.distributed: process 0's cluster and measurements)
         clus = resolve_cluster(cluster)
         micro = _train.micro_batch(batch, config.grad_accumulation_step)
-        graph = trace(*ParamSplit(params).traced(loss_fn, params, micro), *micro)
+        keys_in = options.get("backend", "shard_map") != "pmap"
+        graph = trace(*ParamSplit(params, keys_in).traced(loss_fn, params, micro), *micro)
         cands = distinct_plans(ranked_candidates(graph, config, mode=mode, cluster=clus,
                                                  fixed=fixed), k)
         with Progress("tune", len(cands) + steps * (len(cands) > 1),

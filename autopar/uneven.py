@@ -26,7 +26,8 @@ from the parallel program before anything runs, and raises
    loses dim 0; a transpose moves it);
 3. no communication (or fused communication kernel) over the batch axes acts on such a value
    (an AllReduce / AllGather / AlltoAll over the batch would combine rows);
-4. no ``iota`` counts along a dim split over the batch axes (it would number padded rows);
+4. no ``iota`` counts along a dim split over the batch axes (it would number padded rows),
+   and no ``random_bits`` draws the padded batch (its rows are the padded batch's);
 5. a value of the padded batch's shape that is the same in every row -- a broadcast
    constant (``jnp.zeros_like(x)``, ``jnp.where``'s scalar) and elementwise operators of such
    values, computed from no batch input (not an ``iota``: it numbers rows) -- may have any
@@ -163,6 +164,9 @@ class UnevenRequest:
         """Rules 2-5: the values carrying batch rows, checked along the program."""
         rows, consts = set(inputs), set()  # consts: batch-shaped, the same in every row
         for node in pg.nodes:
+            if node.kind == "loop":  # (its body's program is not walked: refused, typed)
+                raise self._mixes(node.name, "a loop's body is not checked for batch rows "
+                                  "(uneven batches do not run loops)")
             touched = any(v in rows for v in node.inputs)
             const_in = any(v in consts for v in node.inputs)
             if node.step is not None or node.is_fused:
@@ -177,6 +181,10 @@ class UnevenRequest:
                 if set(pg.values[node.outputs[0]].layout.dims[dim]) & set(axes):
                     raise self._mixes(node.name, "an iota along the split batch dim numbers "
                                       "padded rows")
+            if node.op == "random_bits" and self._row_shape(pg, node.outputs[0]) == "":
+                raise self._mixes(node.name, "a random draw of the padded batch's shape "
+                                  "numbers padded rows: a device would draw rows of the "
+                                  "padded batch, not the one-device draw's rows it holds")
             uniform = _uniform_rows(node, pg, consts)
             for v in node.outputs:
                 self._classify(node.name, pg, v, axes, touched, const_in, uniform, rows,

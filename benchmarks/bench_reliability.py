@@ -17,7 +17,8 @@ Every case feeds one hostile input to a public entry point and records whether
 3. its message names the offending key, option or file (and can be printed: UTF-8).
 
 Categories: context, hccl, strategy files, calibration files, writer, kill -9 during save,
-cli, train_step. Cases are generated systematically and deterministically (seed ``SEED``).
+cli, train_step, and (benchmarks/reliability_more.py) fuzz, graph, disk, concurrency, jobs,
+argv. Cases are generated systematically and deterministically (seed ``SEED``).
 A full run writes benchmarks/results/reliability.json (one row per category; every failing
 case, with what went wrong, in ``meta.failing``) and the table between the ``reliability``
 markers of docs/reliability.md; ``--quick`` runs a subset (one CLI subprocess) and writes
@@ -61,7 +62,7 @@ from autopar.checkpoint import dumps_strategy, strategy_document
 from benchmarks._common import DocTables
 from autopar.clusters import dumps_cluster
 from autopar.context import explicit_keys
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, safe_repr
 from autopar.files import write_bytes_atomic, write_text_atomic
 from autopar.models import mlp
 
@@ -72,7 +73,10 @@ CASE_TIMEOUT_S = 60.0
 COLUMNS = ["category", "cases", "typed_errors", "clean_ok", "untyped", "accepted_or_wrong",
            "state_changed", "files_harmed", "names_key_or_file", "failing"]
 CATEGORIES = ("context", "hccl", "strategy files", "calibration files", "writer",
-              "kill -9 during save", "cli", "train_step")
+              "kill -9 during save", "cli", "train_step", "fuzz", "graph", "disk",
+              "concurrency", "jobs", "argv")
+#: Categories whose cases run other processes, two at a time
+POOLED = ("cli", "argv")
 
 
 # ---------------------------------------------------------------------------- the runner
@@ -209,21 +213,23 @@ def judge(case: Case, tmp: Path, result: Any, error: BaseException | None) -> tu
 
 
 def names_ok(case: Case, message: str) -> bool:
-    """The message names every one of ``case.names`` and encodes as UTF-8."""
+    """The message names every one of ``case.names`` (``"a|b"``: either) and encodes as
+    UTF-8."""
     try:
         message.encode("utf-8")
     except UnicodeEncodeError:
         return False
-    return all(n in message for n in case.names)
+    return all(any(a in message for a in n.split("|")) for n in case.names)
 
 
 def _short(value: Any) -> str:
-    return printable(repr(value))[:120]
+    return printable(safe_repr(value, 120))[:120]
 
 
 def short_repr(value: Any, limit: int = 60) -> str:
-    """``repr(value)``, printable, with the middle of a long one elided."""
-    text = printable(repr(value))
+    """``repr(value)``, printable, with the middle of a long one elided (a value Python
+    cannot repr -- an int past 4,300 digits, a deep nest -- as autopar's errors show it)."""
+    text = printable(safe_repr(value, 10_000))
     return text if len(text) <= limit else f"{text[:limit - 20]}...({len(text)} chars)"
 
 
@@ -1022,7 +1028,21 @@ def clean_targets(expected: bytes) -> list[tuple[str, str, dict[str, Any]]]:
         ("a fresh temporary (another writer's) is kept", "t-young.json", _fields(
             setup=_both(_put("t-young.json", b"old"), _aged(".t-young.json.abcd1234.tmp", 0)),
             check=_wrote("t-young.json", expected), writes=("t-young.json",))),
-    ]
+    ] + ([("another user's file, written by root, keeps its owner", "t-theirs.json", _fields(
+        setup=_both(_put("t-theirs.json", b"old", 0o640),
+                    lambda tmp: os.chown(tmp / "t-theirs.json", 65534, 65534)),
+        check=_owned("t-theirs.json", expected, 65534), writes=("t-theirs.json",)))]
+         if os.geteuid() == 0 else [])
+
+
+def _owned(name: str, expected: bytes, uid: int) -> Callable[[Path, Any], str | None]:
+    """The check of a write over another user's file: its bytes, mode and owner."""
+    def check(tmp: Path, result: Any) -> str | None:
+        st = (tmp / name).stat()
+        if (st.st_uid, st.st_gid) != (uid, uid):
+            return f"{name} is now owned by {st.st_uid}:{st.st_gid}, not {uid}:{uid}"
+        return _wrote(name, expected, 0o640)(tmp, result)
+    return check
 
 
 def error_targets() -> list[tuple[str, Any, dict[str, Any]]]:
@@ -1407,10 +1427,22 @@ def train_cases() -> list[Case]:
 
 
 def build_cases(quick: bool) -> list[Case]:
-    """Every case of a run (``quick``: fewer file mutations and kills, one CLI command)."""
+    """Every case of a run (``quick``: fewer file mutations and kills, one CLI command, a
+    subset of each later family: benchmarks/reliability_more.py)."""
+    from benchmarks import reliability_more as more
+
     fixture()
     return [*context_cases(), *hccl_cases(), *strategy_cases(quick), *calibration_cases(quick),
-            *writer_cases(), *kill_cases(quick), *cli_cases(quick), *train_cases()]
+            *writer_cases(), *kill_cases(quick), *cli_cases(quick), *train_cases(),
+            *more.fuzz_cases(quick), *more.graph_cases(quick), *more.disk_cases(quick),
+            *more.concurrency_cases(quick), *more.job_cases(quick), *more.argv_cases(quick)]
+
+
+def skipped() -> dict[str, str]:
+    """Categories this machine could not run, and why (a tmpfs needs root)."""
+    from benchmarks import reliability_more as more
+
+    return dict(more.SKIPPED)
 
 
 def _run_all(quick: bool, cases: list[Case] | None) -> list[Outcome]:
@@ -1421,10 +1453,10 @@ def _run_all(quick: bool, cases: list[Case] | None) -> list[Outcome]:
             warnings.simplefilter("ignore")
             cases = build_cases(quick) if cases is None else cases
             out = [run_case(c, base / f"{k:04d}") for k, c in enumerate(cases)
-                   if c.category != "cli"]
+                   if c.category not in POOLED]
             with ThreadPoolExecutor(max_workers=2) as pool:  # subprocesses, 2 at a time
                 out += pool.map(lambda kc: run_case(kc[1], base / f"cli{kc[0]:04d}"),
-                                [(k, c) for k, c in enumerate(cases) if c.category == "cli"])
+                                [(k, c) for k, c in enumerate(cases) if c.category in POOLED])
     finally:
         _remove(base)
     order = {c: k for k, c in enumerate(CATEGORIES)}
@@ -1484,7 +1516,9 @@ def render(payloads: dict[str, dict[str, Any]]) -> dict[tuple[str, str], str]:
         f"after {kills['file_a'] + kills['file_b']} of {kills['kills']} kills the file held one "
         f"of the two complete documents being saved in turn (A {kills['file_a']}, B "
         f"{kills['file_b']}); {kills['left_a_temporary']} kills left a temporary, which the "
-        "next save removed. `python -m benchmarks reliability` wrote this table.")
+        "next save removed." + "".join(f" Not run on this machine: {cat} ({why})."
+                                       for cat, why in meta.get("skipped", {}).items())
+        + " `python -m benchmarks reliability` wrote this table.")
     return {("docs/reliability.md", "reliability"): text}
 
 
@@ -1508,7 +1542,7 @@ def main(quick: bool = False) -> None:
         print(f"FAILING [{f['category']}] {f['input']}\n    " + "\n    ".join(f["problems"]))
     meta = {"seed": SEED, "quick": quick, "seconds": round(seconds, 1), "cases": len(outcomes),
             "root": os.geteuid() == 0, "mknod": can_mknod(), "kill -9": kill_summary(outcomes),
-            "failing": bad}
+            "skipped": skipped(), "failing": bad}
     publish(summarize(outcomes), meta)
     print(f"\n{len(outcomes)} cases, {len(bad)} failing, {seconds:.1f} s")
 

@@ -435,3 +435,18 @@ class CostModel:
         if not sharded or group <= 1:
             return float(local_bytes * (2.0 + state))
         return float(local_bytes * (1.0 + (1.0 + state) / group))
+
+    def parameter_parts(self, local_bytes: float, group: int, *,
+                        sharded: bool = False) -> tuple[float, float, float]:
+        """:meth:`parameter_memory` in its three parts, (stored copy, optimizer state,
+        gradient): what a step holds throughout, and the gradient it makes in backward
+        (:mod:`autopar.strategies.memory` orders them).
+
+        >>> cm = CostModel(CLUSTERS["accelerator-8x"])
+        >>> cm.parameter_parts(800, 8), cm.parameter_parts(800, 8, sharded=True)
+        ((800.0, 1600.0, 800.0), (100.0, 200.0, 800.0))
+        """
+        state = self.cluster.optimizer_state_factor
+        ways = group if sharded and group > 1 else 1
+        return (float(local_bytes / ways), float(local_bytes * state / ways),
+                float(local_bytes))

@@ -2,15 +2,16 @@
 of the plan held, each priced whole.
 
 The operator's alternatives are the strategies its search space holds (``full_use``: as the
-search saw them). For each, every other operator keeps the plan's splits, the parameters take
-their cheapest layouts for the consumers as they then read them (as every search mode ends),
-and the whole step is priced by :meth:`Problem.evaluate
-<autopar.strategies.problem.Problem.evaluate>`, so an alternative's figures are the plan's own
-had the search picked it: its compute, the communication it brings (its own collectives, the
-redistributions on the values it reads and makes, the gradient syncs of the parameters it
-reads) and the memory per device. The step is the plan's price (a value moved to one layout
-counted once); the order and 'vs chosen' are the objective, that price with memory priced in
-where it was.
+search saw them); a loop node's, the candidate its plan holds (its other candidates are
+body searches, not re-run here). For each, every other operator keeps the plan's splits,
+the parameters take their cheapest layouts for the consumers as they then read them (as
+every search mode ends), and the whole step is priced by :meth:`Problem.evaluate
+<autopar.strategies.problem.Problem.evaluate>`, so an alternative's figures are the plan's
+own had the search picked it: its compute, the communication it brings (its own
+collectives, the redistributions on the values it reads and makes, the gradient syncs of
+the parameters it reads) and the memory per device. The step is the plan's price (a value
+moved to one layout counted once); the order and 'vs chosen' are the objective, that price
+with memory priced in where it was.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 from autopar.cli_util import table as text_table
 from autopar.graph.ir import Graph
 from autopar.strategies.cost import CostModel
+from autopar.strategies.loops import PlannedLoops
 from autopar.strategies.plan import Plan
 from autopar.strategies.problem import Breakdown, Problem
 
@@ -50,7 +52,8 @@ def alternatives(graph: Graph, plan: Plan, node: str, cm: CostModel, *, full_use
                           full_use=use, fixed_splits=held,
                           parallel_optimizer_kb=plan.parallel_optimizer_kb,
                           optimizer_weight_shard_size=plan.optimizer_weight_shard_size,
-                          annotations=False)  # (an annotated operator's every alternative)
+                          annotations=False,  # (an annotated operator's every alternative)
+                          loops=PlannedLoops.of(plan))
         i = problem.index[node]
         if any(c.splits == mine for c in problem.vertices[i].choices):
             break
@@ -59,7 +62,7 @@ def alternatives(graph: Graph, plan: Plan, node: str, cm: CostModel, *, full_use
         picks = [0] * len(problem.vertices)  # (every other operator: its one choice)
         picks[i] = k
         problem.pick_parameters(picks)
-        cost, objective = problem.evaluate(picks)
+        cost, objective = problem.evaluate(picks, peak=True)
         out.append(Alternative(choice.strategy(plan.mesh), choice.splits, cost, objective,
                                choice.splits == mine))
     out.sort(key=lambda a: (a.objective, not a.chosen, a.splits))

@@ -7,9 +7,10 @@ passes of its local blocks, its launch), the backward all-reduce of each input g
 the axes where that input is replicated while the operator is split (gradient
 synchronisation for a parameter or a value computed from parameters alone, which the training
 step reduces with the parameters' gradients; activation communication otherwise), and the
-memory of its outputs. Every term depends on the operator's signature and split counts only:
-a tensor's local block has each dim's size over the split of the loop dim it follows, and the
-axes are the mesh's canonical assignment (:meth:`DeviceMesh.assign
+memory of its outputs that backward reads (its kept residuals,
+:mod:`~autopar.strategies.memory`). Every term depends on the operator's signature and split
+counts only: a tensor's local block has each dim's size over the split of the loop dim it
+follows, and the axes are the mesh's canonical assignment (:meth:`DeviceMesh.assign
 <autopar.strategies.layout.DeviceMesh.assign>`). So :class:`OpRecipe` reads what an
 operator's price needs from the graph once per signature, and :class:`OpPricer` prices a
 split vector with a few integer products and the cost model's own formulas
@@ -38,9 +39,8 @@ import functools
 import math
 from typing import Callable, Mapping, Sequence
 
-import numpy as np
-
 from autopar.graph.ir import Graph, Node
+from autopar.graph.prng import itemsize
 from autopar.strategies.cost import BACKWARD_FACTOR, CostModel
 from autopar.strategies.layout import DeviceMesh
 from autopar.strategies.opspec import OpSpec, op_spec
@@ -53,7 +53,7 @@ Splits = tuple[int, ...]
 @functools.lru_cache(maxsize=None)
 def _itemsize(dtype: str) -> int:
     """``TensorSpec.itemsize`` per dtype name (numpy's dtype lookup is slow to repeat)."""
-    return np.dtype(dtype).itemsize
+    return itemsize(dtype)
 
 
 class Block:
@@ -82,15 +82,17 @@ class OpRecipe:
     """What an operator's price depends on, read once per signature from one of its nodes:
     FLOPs, the backward factor, whether it launches, the blocks it moves through memory
     (inputs but literals and fused values; outputs but fused ones), the inputs whose
-    gradient is reduced (with whether each is a parameter), its outputs, and its
-    parameter inputs (input position, value, block, whether trained)."""
+    gradient is reduced (with whether each is a parameter), its outputs backward reads
+    (``kept``: :class:`~autopar.strategies.memory.Residuals`' ``kept_outputs``; every output
+    when None), and its parameter inputs (input position, value, block, whether trained)."""
 
     __slots__ = ("flops", "factor", "launch", "moved", "grads", "outs", "params", "key",
                  "klass")
 
     def __init__(self, graph: Graph, node: Node, spec: OpSpec,
                  requires_grad: Mapping[str, bool], fused: frozenset[str],
-                 param_like: frozenset[str] = frozenset()) -> None:
+                 param_like: frozenset[str] = frozenset(),
+                 kept: frozenset[str] | None = None) -> None:
         def block(v: str, dims: Sequence[int | None]) -> Block:
             s = graph.values[v].spec
             return Block(s.shape, dims, _itemsize(s.dtype))
@@ -107,7 +109,7 @@ class OpRecipe:
                            [b for v, b in zip(node.outputs, outs) if v not in fused])
         self.grads = tuple((b, k == "param" or v in param_like)  # (problem.parameter_values)
                            for v, b, k in zip(node.inputs, ins, kinds) if requires_grad[v])
-        self.outs = tuple(outs)
+        self.outs = tuple(b for v, b in zip(node.outputs, outs) if kept is None or v in kept)
         self.params = tuple((j, v, b, requires_grad.get(v, False))
                             for j, (v, b, k) in enumerate(zip(node.inputs, ins, kinds))
                             if k == "param")
@@ -126,8 +128,10 @@ class OpPricer:
     def __init__(self, graph: Graph, mesh: DeviceMesh, cm: CostModel,
                  requires_grad: Mapping[str, bool], fused: frozenset[str],
                  assign: Callable[[Splits], tuple | None] | None = None,
-                 param_like: frozenset[str] = frozenset()) -> None:
+                 param_like: frozenset[str] = frozenset(),
+                 kept: frozenset[str] | None = None) -> None:
         self.graph, self.mesh, self.cm = graph, mesh, cm
+        self.kept = kept  # the outputs priced in memory (None: all)
         self.assign = mesh.assign if assign is None else assign  # the canonical axes
         self.requires_grad, self.fused = requires_grad, fused
         self.param_like = param_like  # values priced as parameters (problem.parameter_values)
@@ -142,7 +146,8 @@ class OpPricer:
         if r is None:
             r = self._recipes[sig] = OpRecipe(self.graph, node,
                                               spec or op_spec(node, self.graph),
-                                              self.requires_grad, self.fused, self.param_like)
+                                              self.requires_grad, self.fused, self.param_like,
+                                              self.kept)
             r.klass = self._classes.setdefault(r.key, len(self._classes))
         return r
 

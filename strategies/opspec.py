@@ -21,10 +21,21 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Sequence
 
-from autopar.graph.ops import OpSpec, op_spec
+from autopar.graph import ops
+from autopar.graph.ir import Graph, Node
+from autopar.graph.loops import LOOP_KIND, loop_spec
+from autopar.graph.ops import OpSpec
 from autopar.strategies.layout import DeviceMesh
 
 __all__ = ["OpSpec", "op_spec", "legal_splits", "tensor_spec"]
+
+
+def op_spec(node: Node, graph: Graph) -> OpSpec:
+    """The loop nest of a node: its kind's (:func:`autopar.graph.ops.op_spec`), or for a
+    loop node the dims of its body's data inputs (:func:`autopar.graph.loops.loop_spec`)."""
+    if node.kind == LOOP_KIND:
+        return loop_spec(node, graph)
+    return ops.op_spec(node, graph)
 
 
 def legal_splits(spec: OpSpec, splits: Sequence[int], mesh: DeviceMesh,

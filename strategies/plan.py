@@ -77,6 +77,7 @@ class NodeStrategy:
     splits: tuple[int, ...]                 # per iteration dim
     in_layouts: tuple[Layout, ...]
     out_layouts: tuple[Layout, ...]
+    body: "Plan | None" = None              # a loop node's: the plan of its body
 
 
 @dataclass
@@ -129,7 +130,8 @@ class Plan:
         """What the plan decides, hashable: every operator's split counts and every value's
         layout (two plans with equal decisions run the same program, whatever their names,
         prices or notes)."""
-        return (tuple(sorted((k, v.splits) for k, v in self.nodes.items())),
+        return (tuple(sorted((k, v.splits, v.body.decisions() if v.body else None)
+                             for k, v in self.nodes.items())),
                 tuple(sorted(self.layouts.items(), key=lambda item: item[0])))
 
     @staticmethod
@@ -142,7 +144,8 @@ class Plan:
             if vert.kind == "op" and vert.node is not None:
                 n = vert.node
                 nodes[n.name] = NodeStrategy(n.name, n.op, c.strategy(mesh), c.splits,
-                                             c.in_layouts, c.out_layouts)
+                                             c.in_layouts, c.out_layouts,
+                                             problem.loop_plan(n.name, c.splits))
                 for v, lay in zip(n.outputs, c.out_layouts):
                     layouts[v] = lay
             elif vert.value is not None:
@@ -150,7 +153,7 @@ class Plan:
         for v, val in g.values.items():
             if v not in layouts:
                 layouts[v] = Layout.replicated(val.spec.rank)
-        cost, objective = problem.evaluate(picks)
+        cost, objective = problem.evaluate(picks, peak=True)
         return Plan(mode, mesh, problem.cm.cluster.name, Fingerprint(g), nodes,
                     dict(sorted(layouts.items())), cost, objective, seconds,
                     parameters=g.parameters(),
@@ -214,4 +217,9 @@ class Plan:
         if params:
             lines += ["", "parameters:"]
             lines += [f"  {v}: {lay} (splits {lay.split_counts(self.mesh)})" for v, lay in params]
+        for n in self.nodes.values():  # a loop's body plan, each iteration's
+            if n.body is not None:
+                body = str(n.body).split("\n")[2:]
+                lines += ["", f"body of loop {n.name} (splits {n.splits}), every iteration:"]
+                lines += [f"  {x}" if x else x for x in body]
         return "\n".join(lines)

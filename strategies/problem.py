@@ -30,15 +30,18 @@ import numpy as np
 from autopar.errors import AutoParallelError
 from autopar.gc_pause import paused_gc
 from autopar.graph.ir import Graph, Node
+from autopar.graph.loops import LOOP_KIND
 from autopar.graph.ops import FUSED_PRODUCERS, FUSING_READERS, KINDS, NO_GRADIENT
 from autopar.strategies.cost import CostModel
 from autopar.strategies.edge_pricing import EdgePricer
 from autopar.strategies.layout import DeviceMesh, Layout
+from autopar.strategies.memory import ParamBytes, Residuals, StepMemory, step_memory
 from autopar.strategies.op_pricing import OpPricer
 from autopar.strategies.optimizer_rule import decide_sharding
 from autopar.strategies.opspec import OpSpec, legal_splits, op_spec, tensor_spec
 
-__all__ = ["Choice", "Vertex", "Edge", "Problem", "Breakdown", "redistribution_once"]
+__all__ = ["BodyInputs", "Choice", "Vertex", "Edge", "Problem", "Breakdown",
+           "redistribution_once"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +137,7 @@ class Breakdown:
     communication: float = 0.0
     redistribution: float = 0.0
     gradient_sync: float = 0.0
-    memory_bytes: float = 0.0
+    memory_bytes: float = 0.0  # a plan's: the step's ordered peak (Problem.step_memory)
 
     @property
     def total(self) -> float:
@@ -219,8 +222,9 @@ def splits_from_strategy(spec: OpSpec, strategy: Any, name: str,
             raise AutoParallelError(where, strategy, f"input {i} has rank {len(mp)}; its "
                                     f"entry must have {len(mp)} split counts")
         for d, (s, m) in enumerate(zip(entry, mp)):
-            if not isinstance(s, int) or isinstance(s, bool) or s < 1:
-                raise AutoParallelError(where, strategy, "split counts must be ints >= 1")
+            if not isinstance(s, int) or isinstance(s, bool) or not 1 <= s <= mesh.device_num:
+                raise AutoParallelError(where, strategy, f"split counts must be ints in [1, "
+                                        f"device_num={mesh.device_num}]")
             if m is None or not spec.splittable(m):
                 if s != 1:
                     raise AutoParallelError(where, strategy, f"dim {d} of input {i} cannot be "
@@ -302,11 +306,12 @@ def parameter_values(graph: Graph) -> frozenset[str]:
     return frozenset(out)
 
 
-def requires_grad(graph: Graph) -> dict[str, bool]:
-    """Per value, whether it carries a gradient: parameters do, and the floating outputs of
-    an operator that passes gradients (not in ``NO_GRADIENT``) from an input that does."""
+def requires_grad(graph: Graph, seeds: frozenset[str] = frozenset()) -> dict[str, bool]:
+    """Per value, whether it carries a gradient: parameters do (and ``seeds``: a loop
+    body's inputs that carry one), and the floating outputs of an operator that passes
+    gradients (not in ``NO_GRADIENT``) from an input that does."""
     values = graph.values
-    req = {v: val.kind == "param" for v, val in values.items()}
+    req = {v: val.kind == "param" or v in seeds for v, val in values.items()}
     floating: dict[str, bool] = {}  # per dtype name
     for n in graph.nodes:
         flows = n.op not in NO_GRADIENT and any(req[v] for v in n.inputs)
@@ -322,6 +327,19 @@ def requires_grad(graph: Graph) -> dict[str, bool]:
     return req
 
 
+@dataclass(frozen=True)
+class BodyInputs:
+    """A loop body's inputs as one candidate of its loop gives them: the layouts of its data
+    inputs (carries, activations passed in: fixed), those that carry a gradient, and the dim
+    each holds the data batch along (None: none). The body's parameters are views of
+    parameters stored outside it (stacked, or passed whole): they cost no memory and no
+    optimizer update in its problem (the outer parameter does)."""
+
+    layouts: Mapping[str, Layout]
+    grads: frozenset[str]
+    batch: Mapping[str, int | None]
+
+
 class Problem:
     """Build once per (graph, mesh, cost model, options); every search mode reads it."""
 
@@ -332,8 +350,18 @@ class Problem:
                  fixed_splits: Mapping[str, tuple[int, ...]] | None = None,
                  lazy: bool = False, parallel_optimizer_kb: int | None = None,
                  optimizer_weight_shard_size: int = -1, annotations: bool = True,
-                 parameter_plan: bool = True) -> None:
+                 parameter_plan: bool = True, loops: Any = None,
+                 body: BodyInputs | None = None, edge_pricer: Any = None) -> None:
         self.graph, self.mesh, self.cm = graph, mesh, cost_model
+        if edge_pricer is not None:  # shared by the problems of one search (a pure cache)
+            self._pricer = edge_pricer
+        # loop nodes: ``loops.choices(problem, node)`` gives each its candidates (a
+        # strategies.loops.LoopChoices); ``body``: this is a loop body's problem
+        self.loop_planner = loops
+        self.loops: dict[str, Any] = {}
+        self.body = body
+        self.input_layouts = dict(body.layouts) if body is not None else {}
+        self.view_params = body is not None
         self.enable_alltoall = enable_alltoall
         self.memory_weight = memory_weight
         # enable_parallel_optimizer's threshold (KB), None when it is off: parameters it shards
@@ -358,12 +386,17 @@ class Problem:
         self.axes_of = KeptAssign(mesh)
         self._reprs: dict[int, tuple[Any, str]] = {}
         with paused_gc():
-            self.requires_grad = requires_grad(graph)
+            self.requires_grad = requires_grad(graph, body.grads if body else frozenset())
             self.fused = fused_values(graph)
             self.param_like = parameter_values(graph)
+            # what backward reads (a loop body's: what reaches its outputs)
+            self.residuals = Residuals(graph, self.requires_grad, self.fused,
+                                       None if body is None else graph.outputs,
+                                       self.param_like)
             self._op_pricer = OpPricer(graph, mesh, cost_model, self.requires_grad, self.fused,
                                        self.axes_of,
-                                       param_like=self.param_like)
+                                       param_like=self.param_like,
+                                       kept=self.residuals.kept_outputs)
             itemsize: dict[str, int] = {}  # per dtype name (numpy's lookup is slow)
             self._nbytes = {v: math.prod(val.spec.shape) * (
                 itemsize.get(val.spec.dtype) or itemsize.setdefault(val.spec.dtype,
@@ -378,6 +411,9 @@ class Problem:
         return self._op_choice(node.name, tuple(splits))
 
     def _op_choice(self, name: str, splits: tuple[int, ...]) -> Choice:
+        loop = self.loops.get(name)
+        if loop is not None:  # a loop node: the candidate of its body plan
+            return loop.get(splits).choice
         key = (self._sig[name], splits)
         hit = self._choice_cache.get(key)
         if hit is not None:
@@ -399,7 +435,10 @@ class Problem:
 
     def may_repeat(self, node: Node) -> bool:
         """Whether the operator may leave devices repeating its work (product of splits below
-        device_num): always without ``full_use``; otherwise only small operators."""
+        device_num): always without ``full_use``; otherwise only small operators. A loop
+        node never (its candidates are whole body plans)."""
+        if node.name in self.loops:
+            return False
         return not self.full_use or max(self._nbytes[v] for v in node.outputs) <= \
             SMALL_OP_BYTES
 
@@ -440,7 +479,7 @@ class Problem:
     def _describe(self, v: str) -> tuple:
         val = self.graph.values[v]
         return (val.spec.shape, val.spec.dtype, self.requires_grad[v], val.kind,
-                v in self.fused, v in self.param_like)
+                v in self.fused, v in self.param_like, v in self.residuals.kept_outputs)
 
     # ------------------------------------------------------------------ costs
     def _local_bytes(self, value: str, layout: Layout) -> int:
@@ -452,12 +491,18 @@ class Problem:
         state split over its shard group when the parallel optimizer takes it (the step's own
         rule, :func:`~autopar.strategies.optimizer_rule.decide_sharding`, over the axes the
         layout leaves it replicated on)."""
+        nbytes, ways, sharded = self._param_shards(value, layout)
+        return self.cm.parameter_memory(nbytes, ways, sharded=sharded)
+
+    def _param_shards(self, value: str, layout: Layout) -> tuple[int, int, bool]:
+        """(local bytes, shard group size, sharded) of parameter ``value`` stored in
+        ``layout``: the parallel optimizer's decision (1, False when it is off)."""
         spec = self.graph.spec(value)
         local = layout.local_shape(spec.shape, self.mesh)
         nbytes = math.prod(local) * spec.itemsize
         kb = self.parallel_optimizer_kb
         if kb is None:
-            return self.cm.parameter_memory(nbytes, 1)
+            return nbytes, 1, False
         used = layout.used_axes()
         sizes = self.mesh.sizes
         d = decide_sharding(value, spec.shape, local, spec.itemsize,
@@ -465,7 +510,33 @@ class Problem:
                             enabled=True, threshold_kb=kb,
                             shard_size=self.optimizer_weight_shard_size)
         ways = math.prod(sizes[a] for a in d.axes) if d.sharded else 1
-        return self.cm.parameter_memory(nbytes, ways, sharded=d.sharded)
+        return nbytes, ways, d.sharded
+
+    def param_bytes(self, value: str, layout: Layout, *, update: bool = True,
+                    donated: bool = False) -> ParamBytes:
+        """Parameter ``value`` stored in ``layout``, for the ordered peak: its
+        :meth:`CostModel.parameter_parts <autopar.strategies.cost.CostModel.parameter_parts>`
+        under :meth:`param_memory`'s sharding rule, its gathered copy when sharded, its
+        synchronised gradient (over the axes its layout leaves it replicated on) and what
+        the update writes (its new copy and state; nothing when ``donated``: in place).
+        ``update=False``: a gradient function (no optimizer state, sync or update). A loop
+        body's parameters are views of those stored outside: nothing."""
+        if self.view_params:
+            return ParamBytes(0.0)
+        nbytes, ways, sharded = self._param_shards(value, layout)
+        spec = self.graph.spec(value)
+        trained = self.requires_grad.get(value, False) and \
+            spec.dtype.startswith(("float", "bfloat", "complex"))
+        if not trained:
+            return ParamBytes(float(nbytes))
+        if not update:
+            return ParamBytes(float(nbytes), gradient=float(nbytes))
+        copy, state, grad = self.cm.parameter_parts(nbytes, ways, sharded=sharded)
+        used = layout.used_axes()
+        synced = grad / ways if sharded else \
+            grad if any(a not in used for a in self.mesh.names) else 0.0
+        return ParamBytes(copy + state, grad if sharded else 0.0, grad, synced,
+                          0.0 if donated else copy + state, copy)
 
     def param_update(self, value: str, layout: Layout) -> float:
         """Seconds of the optimizer update of a trained parameter's block (0 if untrained)."""
@@ -480,7 +551,10 @@ class Problem:
     def split_costs(self, name: str, splits: tuple[int, ...]
                     ) -> tuple[float, float, float, float]:
         """:meth:`op_costs` of operator ``name`` at legal split counts, without its Choice
-        (memoised per signature and splits)."""
+        (memoised per signature and splits; a loop node's: its candidate's)."""
+        loop = self.loops.get(name)
+        if loop is not None:
+            return loop.get(splits).costs
         key = (self._sig[name], splits)
         hit = self._cost_cache.get(key)
         if hit is None:
@@ -526,6 +600,8 @@ class Problem:
 
     def _data_layout(self, value: str, position: int, dataset_strategy: Any) -> Layout:
         spec = self.graph.spec(value)
+        if value in self.input_layouts:  # a loop body's data input: its candidate's layout
+            return self.input_layouts[value]
         if dataset_strategy == "full_batch" or spec.rank == 0:
             return Layout.replicated(spec.rank)
         if isinstance(dataset_strategy, tuple):
@@ -557,6 +633,7 @@ class Problem:
         g, mesh = self.graph, self.mesh
         self._choice_cache: dict[tuple, Choice] = {}
         self._intern_signatures()
+        self._add_loops()
         for name in fixed:
             g.node(name)  # unknown names fail here, with suggestions
         for node in g.nodes if annotations else ():
@@ -581,6 +658,22 @@ class Problem:
         self._add_param_vertices()
         self._add_edges()
 
+    def _add_loops(self) -> None:
+        """Each loop node's candidates (:class:`~autopar.strategies.loops.LoopChoices`),
+        from the problem's loop planner."""
+        for node in self.graph.nodes:
+            if node.kind == LOOP_KIND:
+                if self.loop_planner is None:
+                    raise AutoParallelError("loop node", node.name, "a graph with loops is "
+                                            "searched with a loop planner (autopar.search "
+                                            "gives one)")
+                self.loops[node.name] = self.loop_planner.choices(self, node)
+
+    def loop_plan(self, name: str, splits: tuple[int, ...]) -> Any:
+        """The body plan of loop node ``name`` at ``splits`` (None for other operators)."""
+        loop = self.loops.get(name)
+        return None if loop is None else loop.get(splits).plan
+
     def _intern_signatures(self) -> None:
         """Each operator's signature as a small int (cheap to hash in every cache key) and
         its loop nest, derived once per signature (it depends on the signature only)."""
@@ -589,7 +682,10 @@ class Problem:
         described: dict[str, tuple] = {}
         spec_of: list[OpSpec] = []
         for node in g.nodes:
-            sig = interned.setdefault(self._signature(node, described), len(interned))
+            key = self._signature(node, described)
+            if node.kind == LOOP_KIND:  # (a loop's candidates are its own: never shared)
+                key += (node.name,)
+            sig = interned.setdefault(key, len(interned))
             if sig == len(spec_of):
                 spec_of.append(op_spec(node, g))
             sig_of[node.name] = sig
@@ -619,8 +715,9 @@ class Problem:
             if cached is None:
                 # small operators (biases, norms' scales, masks, losses) may also repeat
                 # their work on some axes, so they can match any neighbour cheaply
-                splits = enumerate_splits(self.specs[name], mesh.device_num,
-                                          not self.may_repeat(node))
+                splits = self.loops[name].candidates() if name in self.loops else \
+                    enumerate_splits(self.specs[name], mesh.device_num,
+                                     not self.may_repeat(node))
                 choices = [self._op_choice(name, s) for s in splits]
                 arrays = self._vertex_arrays([self.op_costs(node, c) for c in choices])
                 cached = (choices, arrays)
@@ -694,7 +791,8 @@ class Problem:
         else:
             seen = dict.fromkeys((Layout.replicated(self.graph.spec(v).rank), *layouts))
         lays = sorted(seen, key=lambda lay: (lay.split_counts(mesh), str(lay)))
-        rows = [(self.param_update(v, lay), 0.0, 0.0, self.param_memory(v, lay))
+        rows = [(0.0, 0.0, 0.0, 0.0) if self.view_params else
+                (self.param_update(v, lay), 0.0, 0.0, self.param_memory(v, lay))
                 for lay in lays]
         return ([Choice(lay.split_counts(mesh), (), (lay,), lay.used_axes()) for lay in lays],
                 self._vertex_arrays(rows))
@@ -728,6 +826,9 @@ class Problem:
                         if key not in wanted:
                             wanted[key] = tuple(dict.fromkeys(c.in_layouts[j]
                                                               for c in vert.choices))
+                            if cname in self.loops:  # (where a loop's body may store it)
+                                wanted[key] = tuple(dict.fromkeys(
+                                    wanted[key] + self.loops[cname].stored_layouts(j)))
                         keys.append(key)
             vkey = (spec.shape, spec.dtype, self.requires_grad.get(v, False), tuple(keys),
                     self.fixed_params.get(v))
@@ -832,12 +933,15 @@ class Problem:
             self._adjacency = adj
         return adj
 
-    def evaluate(self, picks: Sequence[int]) -> tuple[Breakdown, float]:
+    def evaluate(self, picks: Sequence[int], *, peak: bool = False) -> tuple[Breakdown, float]:
         """The cost breakdown of one choice index per vertex, and the objective: the plan's
         price with memory priced in where it is (every vertex's cost, then each value's
         moves, a value moved to one layout counted once: :func:`redistribution_once`). The
         searches minimise an upper bound of it, every edge's entry
-        (:mod:`~autopar.strategies.shared_moves` then prices the shared moves once)."""
+        (:mod:`~autopar.strategies.shared_moves` then prices the shared moves once).
+        The breakdown's ``memory_bytes`` is the objective's additive memory (every vertex's:
+        parameters, data inputs, each operator's kept residuals); ``peak``: the step's
+        ordered peak instead (:meth:`step_memory`, what a plan reports)."""
         b = Breakdown(compute=self.cm.cluster.step_overhead)  # the step's launch
         for vert, k in zip(self.vertices, picks):  # (item: the entry as a Python float)
             b.compute += vert.compute.item(k)
@@ -849,7 +953,47 @@ class Problem:
             [(e.value, verts[e.v].choices[picks[e.v]].in_layouts[e.in_index], x)
              for e in self.edges if (x := self.pair_cost(e, picks[e.u], picks[e.v]))])
         total = sum(vert.cost.item(k) for vert, k in zip(self.vertices, picks))
+        if peak:
+            b.memory_bytes = self.step_memory(picks).peak
         return b, total + b.redistribution
+
+    def step_memory(self, picks: Sequence[int], *, update: bool = True,
+                    donated: bool = False) -> StepMemory:
+        """The memory one training step holds at its peak per device under the picks
+        (:func:`~autopar.strategies.memory.step_memory`: parameters and state as stored,
+        the batch, what backward reads in the layouts it is read in, gradients,
+        transients, in the order the step runs them); ``update`` / ``donated``: see
+        :meth:`param_bytes`. A loop node keeps its vertex's memory (its body's residuals
+        times its trip count) until its backward."""
+        layouts: dict[str, Layout] = {}
+        reads: dict[str, tuple[Layout, ...]] = {}
+        params: dict[str, ParamBytes] = {}
+        opaque: dict[str, float] = {}
+        for vert, k in zip(self.vertices, picks):
+            c = vert.choices[k]
+            if vert.kind == "op" and vert.node is not None:
+                reads[vert.node.name] = c.in_layouts
+                layouts.update(zip(vert.node.outputs, c.out_layouts))
+                if vert.node.kind == LOOP_KIND:
+                    opaque[vert.node.name] = vert.memory.item(k)
+            elif vert.value is not None:
+                layouts[vert.value] = c.out_layouts[0]
+                if vert.kind == "param":
+                    params[vert.value] = self.param_bytes(vert.value, c.out_layouts[0],
+                                                          update=update, donated=donated)
+        for v, val in self.graph.values.items():
+            layouts.setdefault(v, Layout.replicated(val.spec.rank))
+        sizes: dict[tuple[str, Layout], float] = {}
+
+        def local(v: str, lay: Layout) -> float:
+            hit = sizes.get((v, lay))
+            if hit is None:
+                hit = sizes[(v, lay)] = float(self._local_bytes(v, lay))
+            return hit
+
+        return step_memory(self.graph, self.residuals, self.requires_grad, layouts=layouts,
+                           reads=reads, local=local, params=params, opaque=opaque,
+                           update=update)
 
     def param_totals(self, i: int, dsts: Iterable[Layout],
                      columns: dict[tuple, np.ndarray]) -> np.ndarray:

@@ -66,9 +66,22 @@ __all__ = ["neighbourhood", "solve"]
 Splits = tuple[int, ...]
 
 
+def _loop_options(problem: Problem, i: int, cur: Splits) -> list[Splits] | None:
+    """A loop node's options in any cut: ``cur`` and its other candidates (each a whole
+    body plan on the whole mesh: :mod:`~autopar.strategies.loops`); None for an operator."""
+    loop = problem.loops.get(problem.vertices[i].name)
+    if loop is None:
+        return None
+    return [cur] + [s for s in loop.candidates() if s != cur]
+
+
 def _candidates(problem: Problem, i: int, cur: Splits, p: int) -> list[Splits]:
     """A round's options of operator ``i``: one loop dim's split times ``p`` (where legal),
-    or ``cur`` when the operator may repeat its work (or nothing else is legal)."""
+    or ``cur`` when the operator may repeat its work (or nothing else is legal); a loop
+    node's: its candidates."""
+    loop = _loop_options(problem, i, cur)
+    if loop is not None:
+        return loop
     spec = problem.specs[problem.vertices[i].node.name]
     out = []
     for d in range(len(cur)):
@@ -92,7 +105,10 @@ def _moves(problem: Problem, i: int, cur: Splits, peers: tuple[Splits, ...] = ()
     hidden) on 64 devices may become (4, 2, 8), (4, 1, 16), (8, 2, 4) or (8, 1, 8) again —
     never (16, 1, 4): its batch has 8 rows. Last, ``peers``: the splits other operators of
     its signature hold (legal for it), so the blocks of a deep network that ended apart can
-    all take the cheaper one."""
+    all take the cheaper one. A loop node's: its candidates."""
+    loop = _loop_options(problem, i, cur)
+    if loop is not None:
+        return loop
     spec = problem.specs[problem.vertices[i].node.name]
     mesh = problem.mesh
     out = [cur]
@@ -125,7 +141,7 @@ def _replicate(problem: Problem, i: int, cur: Splits) -> list[Splits]:
     so a small operator split 8-way on 64 devices needs three re-cuts to stop splitting, the
     first two dearer; the replication cut drops every factor of any such operators at once."""
     out = [cur]
-    if problem.may_repeat(problem.vertices[i].node) and any(x > 1 for x in cur):
+    if problem.may_repeat(problem.vertices[i].node) and any(x > 1 for x in cur):  # (not loops)
         out.append((1,) * len(cur))
     return out
 
@@ -215,6 +231,8 @@ class _Rounds:
         their memory when memory is priced (memoised per price recipe and splits)."""
         problem = self.problem
         pricer, weight = problem._op_pricer, problem.memory_weight
+        if node.name in problem.loops:
+            return self._loop_costs(node, cands)
         recipe = pricer.recipe(problem._sig[node.name], node, problem.specs[node.name])
         done, out = self.split_cost, []
         for splits in cands:
@@ -230,6 +248,23 @@ class _Rounds:
                 hit = done[key] = compute + comm + sync + weight * mem
             out.append(hit)
         return np.array(out)
+
+    def _loop_costs(self, node, cands: list[Splits]) -> np.ndarray:
+        """:meth:`_round_costs` of a loop node: each candidate's price plus the optimizer
+        update (and memory, when priced) of the parameters it reads, at the layouts it reads
+        them in."""
+        problem, weight = self.problem, self.problem.memory_weight
+        choices = [problem._op_choice(node.name, s) for s in cands]
+        out = problem.choice_costs(node.name, choices)
+        extra = []
+        for c in choices:
+            x = 0.0
+            for v, lay in zip(node.inputs, c.in_layouts):
+                if problem.graph.values[v].kind == "param":
+                    x += problem.param_update(v, lay)
+                    x += weight * problem.param_memory(v, lay) if weight else 0.0
+            extra.append(x)
+        return out + np.array(extra)
 
     def _candidate_costs(self, candidates: Callable[[int, Splits], list[Splits]],
                          rkey: object, peers: dict[int, tuple[Splits, ...]]
@@ -261,7 +296,16 @@ class _Rounds:
         the small int of that list: built from the tensor's map and the canonical axes
         (``Problem.op_choice``'s layouts, without its Choice), kept per map, partial-sum
         dims and candidate list (operators of many signatures share them)."""
-        spec = self.problem.specs[self.problem.vertices[i].name]
+        name = self.problem.vertices[i].name
+        if name in self.problem.loops:  # a loop node: its candidates' layouts
+            key: tuple = ("loop", name, index, out, cid)
+            hit = self.layout_cache.get(key)
+            if hit is None:
+                chosen = [self.problem._op_choice(name, x) for x in cands]
+                hit = self.layout_cache[key] = self._layout_list(tuple(
+                    c.out_layouts[index] if out else c.in_layouts[index] for c in chosen))
+            return hit
+        spec = self.problem.specs[name]
         mp = spec.out_maps[index] if out else spec.in_maps[index]
         key = (mp, spec.summed if out else None, cid)
         hit = self.layout_cache.get(key)
@@ -512,6 +556,11 @@ def _read_layouts(problem: Problem, consumer, j: int) -> tuple[Layout, ...]:
     space (or its fixed strategy), first-seen order: ``op_choice(node, s).in_layouts[j]``
     for each, built from the input's map and the canonical axes alone."""
     name = consumer.name
+    if name in problem.loops:  # a loop node: the layouts its candidates read
+        splits = [problem.fixed[name]] if name in problem.fixed else \
+            problem.loops[name].candidates()
+        return tuple(dict.fromkeys([problem._op_choice(name, s).in_layouts[j] for s in splits]
+                                   + list(problem.loops[name].stored_layouts(j))))
     if name in problem.fixed:
         all_splits = [problem.fixed[name]]
     else:

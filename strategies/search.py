@@ -13,8 +13,10 @@ loads or searches, then saves). ``settings.parallel_mode`` decides who chooses:
   honouring fixed strategies.
 
 All modes build the same :class:`~autopar.strategies.problem.Problem` (one cost model), so
-their plans compare like for like. A plan over the cluster's memory budget is re-searched with
-memory priced into the objective; if none fits, the error says how much is missing.
+their plans compare like for like. A plan over the cluster's memory budget (its step's ordered
+peak, :mod:`autopar.strategies.memory`) is re-searched with memory priced into the objective
+(the additive approximation, each vertex's memory; ``exact``'s constraint bounds it, tightened
+by the peak's overshoot); if none fits, the error says how much is missing.
 """
 
 from __future__ import annotations
@@ -23,16 +25,21 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
+import numpy as np
+
 from autopar.errors import AutoParallelError
 from autopar.graph.ir import Graph
 from autopar.graph.ops import KINDS
 from autopar.strategies.cost import Cluster, CostModel
 from autopar.strategies.baselines import HAND_PLAN_MARGIN, megatron_degree, megatron_splits
+from autopar.graph.loops import loop_body, split_by_loop
+from autopar.strategies.edge_pricing import EdgePricer
 from autopar.strategies.layout import DeviceMesh
+from autopar.strategies.loops import LoopChoices, has_loops
 from autopar.strategies.modes import SOLVERS, USES_PARAMETER_PLANS, USES_USER_STRATEGIES
 from autopar.strategies.plan import Plan
 from autopar.gc_pause import paused_gc
-from autopar.strategies.problem import Problem
+from autopar.strategies.problem import BodyInputs, Problem
 
 __all__ = ["SearchSettings", "data_parallel_splits", "hand_plans", "ranked_plans",
            "search_plan"]
@@ -78,10 +85,13 @@ class SearchSettings:
 
 
 def data_parallel_splits(problem_specs: Mapping[str, Any], graph: Graph,
-                         device_num: int, mesh: DeviceMesh) -> dict[str, tuple[int, ...]]:
-    """Per operator: split the loop dim carrying the batch (dim 0 of the data inputs)."""
-    batch: dict[str, int | None] = {v: (0 if graph.spec(v).rank else None)
-                                     for v in graph.data_inputs()}
+                         device_num: int, mesh: DeviceMesh,
+                         batch_of: Mapping[str, int | None] | None = None
+                         ) -> dict[str, tuple[int, ...]]:
+    """Per operator: split the loop dim carrying the batch (dim 0 of the data inputs; a loop
+    body's: ``batch_of``, where its loop holds the batch)."""
+    batch: dict[str, int | None] = dict(batch_of) if batch_of is not None else {
+        v: (0 if graph.spec(v).rank else None) for v in graph.data_inputs()}
     out: dict[str, tuple[int, ...]] = {}
     for node in graph.nodes:
         spec = problem_specs[node.name]
@@ -126,27 +136,34 @@ def ranked_plans(graph: Graph, *, mode: str, device_num: int, cluster: Cluster,
     pmode = settings.parallel_mode
     solver = SOLVERS[mode] if pmode == "auto_parallel" else SOLVERS["dynamic_programming"]
     label = mode if pmode == "auto_parallel" else pmode
-    mesh, cm, fixed_map = DeviceMesh.for_devices(device_num), CostModel(cluster), dict(fixed or {})
+    mesh, cm = DeviceMesh.for_devices(device_num), CostModel(cluster)
+    fixed_map, bodies = split_by_loop(graph, fixed)
     budget = cluster.memory_bytes
+    loops = _Loops(solver, budget, label, bodies)
     t0 = time.perf_counter()
+    limit = budget  # a memory_constraint solver's bound on the objective's additive memory
     for weight in _MEMORY_WEIGHTS:
         with paused_gc():  # no cycles are made: the collections a traced heap owes wait
             problem, picks, follows = _solve(graph, mesh, cm, fixed_map, settings, weight,
-                                             solver, budget)
+                                             solver, limit, loops)
             plan = Plan.from_picks(problem, picks, label, 0.0)
             del problem  # freed inside the pause: the collector then has nothing of it to walk
-            hands = hand_plans(graph, mesh, cm, fixed_map, settings, weight, label, budget) \
-                if _weighs_hand_plans(settings, device_num) else []
+            hands = hand_plans(graph, mesh, cm, fixed_map, settings, weight, label, budget,
+                               loops) if _weighs_hand_plans(settings, device_num) else []
         ranked = _ranked(label, plan, hands, budget, settings.hand_plan_margin)
         best = ranked[0][1]
         best.search_seconds = time.perf_counter() - t0
         if follows:
             best.notes.append("elementwise_op_strategy_follow: elementwise operators take the "
                               "split counts of the value they read")
-        if best.cost.memory_bytes <= budget or solver.memory_constraint:
+        if best.cost.memory_bytes <= budget:
             if weight:
                 best.notes.append(f"memory priced at {weight:g} s/byte to fit the budget")
             return ranked
+        if solver.memory_constraint and plan.cost.memory_bytes > budget:
+            # its constraint bounds the additive memory (strategies.memory); the step's
+            # ordered peak came out above the budget: tighten the bound by the overshoot
+            limit -= plan.cost.memory_bytes - budget
     raise AutoParallelError(
         "memory", f"{plan.cost.memory_bytes / 2**30:.2f} GiB per device",
         f"no plan found within the {cluster.name} budget of "
@@ -194,21 +211,24 @@ def _ranked(label: str, plan: Plan, hands: list[tuple[str, Plan]], memory: float
 
 def hand_plans(graph: Graph, mesh: DeviceMesh, cm: CostModel, fixed: dict,
                settings: SearchSettings, weight: float, label: str,
-               memory: float) -> list[tuple[str, Plan]]:
+               memory: float, loops: "_Loops | None" = None) -> list[tuple[str, Plan]]:
     """The hand plans (:mod:`autopar.strategies.baselines`) priced as the search prices its
     own: ``data_parallel`` (the user's fixed strategies kept, as ``semi_auto_parallel``) and
     Megatron's layout, tensor parallel over a node (its weight matmuls fixed unless the user
     fixed them, the rest propagated). Each is (name, plan). Every operator of the first is
-    fixed and the second's matmuls seed it, so both are propagated (no search)."""
+    fixed and the second's matmuls seed it, so both are propagated (no search); a loop's
+    body is planned the same way (data parallel; Megatron's matmuls, the rest propagated)."""
+    loops = loops or _Loops(SOLVERS["dynamic_programming"], memory, label, {})
     semi = replace(settings, parallel_mode="semi_auto_parallel")
     out = [("data_parallel", _hand_plan(_problem(graph, mesh, cm, fixed, semi, weight,
-                                                 lazy=False), label, memory))]
+                                                 lazy=False, loops=loops), label, memory))]
     user = set(fixed) | set(graph.annotations())
     tp = megatron_degree(mesh.device_num, cm.cluster.devices_per_node)
     splits = {k: v for k, v in megatron_splits(graph, mesh, tp).items() if k not in user} \
         if tp > 1 else {}
-    if splits:
-        problem = _problem(graph, mesh, cm, fixed, settings, weight, lazy=False, follow=splits)
+    if splits or (tp > 1 and has_loops(graph)):
+        problem = _problem(graph, mesh, cm, fixed, settings, weight, lazy=False, follow=splits,
+                           loops=loops.megatron(tp))
         out.append((f"megatron tp{tp}", _hand_plan(problem, label, memory)))
     return out
 
@@ -222,10 +242,12 @@ def _hand_plan(problem: Problem, label: str, memory: float) -> Plan:
 
 def _problem(graph: Graph, mesh: DeviceMesh, cm: CostModel, fixed: dict, settings: SearchSettings,
              weight: float, *, lazy: bool,
-             follow: Mapping[str, tuple[int, ...]] | None = None) -> Problem:
+             follow: Mapping[str, tuple[int, ...]] | None = None,
+             loops: "_Loops | None" = None, body: BodyInputs | None = None) -> Problem:
     """The search problem; under a mode that derives the strategies (every mode but
     auto_parallel, on more than one device) every operator not fixed is data parallel;
-    ``follow``: operators' splits fixed by elementwise_op_strategy_follow."""
+    ``follow``: operators' splits fixed by elementwise_op_strategy_follow; ``loops``: how
+    loop bodies are searched; ``body``: the problem is a loop body's, its inputs these."""
     pmode = settings.parallel_mode
     derived = pmode != "auto_parallel" and mesh.device_num > 1
     common = dict(enable_alltoall=settings.enable_alltoall,
@@ -234,27 +256,36 @@ def _problem(graph: Graph, mesh: DeviceMesh, cm: CostModel, fixed: dict, setting
                   parallel_optimizer_kb=settings.parallel_optimizer_kb,
                   optimizer_weight_shard_size=settings.optimizer_weight_shard_size,
                   annotations=pmode in USES_USER_STRATEGIES,
-                  parameter_plan=pmode in USES_PARAMETER_PLANS)
+                  parameter_plan=pmode in USES_PARAMETER_PLANS, body=body,
+                  loops=None if loops is None else loops.planner(settings, weight),
+                  edge_pricer=None if loops is None else loops.pricer(mesh, cm, settings))
     # (a derived mode only needs this first problem's loop nests and checked fixed strategies,
     # so it is built lazily: no choice lists)
     problem = Problem(graph, mesh, cm, fixed=fixed, fixed_splits=follow, lazy=derived or lazy,
                       **common)
     if not derived:
         return problem
-    dp = data_parallel_splits(problem.specs, graph, mesh.device_num, mesh)
+    dp = data_parallel_splits(problem.specs, graph, mesh.device_num, mesh,
+                              body.batch if body is not None else None)
     keep = set(problem.fixed) if pmode in USES_USER_STRATEGIES else set()
     return Problem(graph, mesh, cm, fixed={k: v for k, v in fixed.items() if k in keep},
                    fixed_splits={k: v for k, v in dp.items() if k not in keep}, **common)
 
 
 def _solve(graph: Graph, mesh: DeviceMesh, cm: CostModel, fixed: dict, settings: SearchSettings,
-           weight: float, solver: Any, memory: float) -> tuple[Problem, list[int], bool]:
+           weight: float, solver: Any, memory: float,
+           loops: "_Loops | None" = None) -> tuple[Problem, list[int], bool]:
     """Build and solve the problem; with ``elementwise_op_strategy_follow`` (auto_parallel)
     fix each elementwise operator to the split counts of the value it reads and solve again,
     until the values it reads are made with those split counts (at most
     ``_FOLLOW_ROUNDS`` solves; the last one also fixes the producers, so the rule holds).
     Returns the problem, the picks and whether any operator follows."""
-    problem = _problem(graph, mesh, cm, fixed, settings, weight, lazy=solver.lazy_choices)
+    problem = _problem(graph, mesh, cm, fixed, settings, weight, lazy=solver.lazy_choices,
+                       loops=loops)
+    seeds = _loop_seeds(problem, solver, loops)
+    if seeds:
+        problem = _problem(graph, mesh, cm, fixed, settings, weight, lazy=solver.lazy_choices,
+                           follow=seeds, loops=loops)
     picks = solver.picks(problem, memory)
     if not settings.elementwise_op_strategy_follow or settings.parallel_mode != "auto_parallel":
         return problem, picks, False
@@ -267,9 +298,25 @@ def _solve(graph: Graph, mesh: DeviceMesh, cm: CostModel, fixed: dict, settings:
         follow = followers
         fixed_splits = {**producers, **followers} if rounds_left == 1 else followers
         problem = _problem(graph, mesh, cm, fixed, settings, weight, lazy=solver.lazy_choices,
-                           follow=fixed_splits)
+                           follow={**seeds, **fixed_splits}, loops=loops)
         picks = solver.picks(problem, memory)
     return problem, picks, bool(follow)
+
+
+def _loop_seeds(problem: Problem, solver: Any, loops: "_Loops | None"
+                ) -> dict[str, tuple[int, ...]]:
+    """Where sharding_propagation has no operator of the graph fixed, each loop whose body
+    fixes some (``fixed=`` ``loop/node`` keys, annotations) seeds it, at its cheapest
+    candidate."""
+    if solver.name != "sharding_propagation" or problem.fixed or loops is None:
+        return {}
+    out = {}
+    for name, lc in problem.loops.items():
+        if loops.bodies.get(name) or lc.body.graph.annotations():
+            cands = lc.candidates()
+            costs = problem.choice_costs(name, [problem.op_choice(lc.node, s) for s in cands])
+            out[name] = cands[int(np.argmin(costs))]
+    return out
 
 
 def _follow_elementwise(graph: Graph, problem: Problem, picks: list[int], user: frozenset[str]
@@ -319,3 +366,74 @@ def _follow_elementwise(graph: Graph, problem: Problem, picks: list[int], user: 
     for name in followers:
         producers.pop(name, None)
     return followers, producers
+
+
+class _Loops:
+    """How one search plans its loop bodies (:mod:`autopar.strategies.loops`): each body
+    candidate searched as the graph is -- the same solver (sharding_propagation, where the
+    body fixes no operator, searches it by dynamic_programming: nothing to propagate from),
+    settings and memory weight -- with its ``fixed=`` entries (``loop/body node`` keys);
+    ``tp``: Megatron's hand plan, the body's matmuls at its splits, the rest propagated.
+    Body plans are kept per (loop, settings, weight, inputs) for the whole search."""
+
+    def __init__(self, solver: Any, budget: float, label: str,
+                 bodies: Mapping[str, Mapping[str, Any]], tp: int = 0,
+                 kept: dict | None = None) -> None:
+        self.solver, self.budget, self.label, self.bodies, self.tp = \
+            solver, budget, label, bodies, tp
+        self.kept: dict = {} if kept is None else kept
+
+    def megatron(self, tp: int) -> "_Loops":
+        return _Loops(self.solver, self.budget, self.label, self.bodies, tp, self.kept)
+
+    def pricer(self, mesh: DeviceMesh, cm: CostModel, settings: SearchSettings) -> Any:
+        """The edge pricer every problem of the search shares (a cache of prices: the body
+        searches of a loop price the same layouts again)."""
+        key = ("pricer", mesh, id(cm), settings.enable_alltoall)
+        hit = self.kept.get(key)
+        if hit is None:
+            hit = self.kept[key] = (EdgePricer(mesh, cm, settings.enable_alltoall), cm)
+        return hit[0]
+
+    def planner(self, settings: SearchSettings, weight: float) -> "_Planner":
+        return _Planner(self, settings, weight)
+
+
+class _Planner:
+    """The loop planner of one problem (``Problem(loops=...)``)."""
+
+    def __init__(self, loops: _Loops, settings: SearchSettings, weight: float) -> None:
+        self.loops, self.settings, self.weight = loops, settings, weight
+
+    def choices(self, problem: Problem, node: Any) -> LoopChoices:
+        def search(node: Any, inputs: BodyInputs) -> tuple[Problem, list[int]]:
+            return self.search(problem, node, inputs)
+        return LoopChoices(problem, node, search)
+
+    def search(self, outer: Problem, node: Any, inputs: BodyInputs
+               ) -> tuple[Problem, list[int]]:
+        """The body of loop ``node`` of ``outer`` searched at ``inputs`` (kept)."""
+        loops, graph = self.loops, loop_body(node).graph
+        key = (id(node), self.settings, self.weight, loops.tp, tuple(sorted(
+            (v, str(lay)) for v, lay in inputs.layouts.items())), inputs.grads,
+            tuple(sorted(inputs.batch.items(), key=lambda item: item[0])))
+        hit = loops.kept.get(key)
+        if hit is not None:
+            return hit
+        fixed, bodies = split_by_loop(graph, loops.bodies.get(node.name, {}))
+        sub = _Loops(loops.solver, loops.budget, loops.label, bodies, loops.tp, loops.kept)
+        follow = {k: v for k, v in megatron_splits(graph, outer.mesh, loops.tp).items()
+                  if k not in fixed and graph.node(k).annotation is None} \
+            if loops.tp > 1 else None
+        derived = follow is not None or self.settings.parallel_mode != "auto_parallel"
+        solver = loops.solver
+        if derived:
+            solver = SOLVERS["dynamic_programming"]  # (propagated below where fixed)
+        elif solver.name == "sharding_propagation" and not (fixed or graph.annotations()):
+            solver = SOLVERS["dynamic_programming"]
+        problem = _problem(graph, outer.mesh, outer.cm, fixed, self.settings, self.weight,
+                           lazy=solver.lazy_choices, follow=follow, loops=sub, body=inputs)
+        if derived and problem.fixed:
+            solver = SOLVERS["sharding_propagation"]
+        hit = loops.kept[key] = (problem, solver.picks(problem, loops.budget))
+        return hit

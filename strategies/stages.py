@@ -46,6 +46,8 @@ import numpy as np
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.graph.ir import Graph, Value
+from autopar.limits import MAX_MICRO_BATCHES
+from autopar.graph.loops import loop_body, loop_nodes
 from autopar.strategies.cost import BACKWARD_FACTOR, Cluster, CostModel
 
 __all__ = ["Unit", "StagePartition", "stage_units", "partition_stages", "stage_graph",
@@ -279,6 +281,18 @@ def _search_cuts(units: Sequence[Unit], sends: Sequence[float], stages: int,
     return best_cuts
 
 
+def _refuse_loops(graph: Graph) -> None:
+    """A loop node is one lax.scan: its iterations cannot be cut into pipeline stages."""
+    loops = loop_nodes(graph)
+    if loops:
+        n = loops[0]
+        raise AutoParallelError(
+            "loop node", n.name, f"a loop ({n.op} at {n.source}, {loop_body(n).length} "
+            "iterations) runs as one lax.scan and cannot be cut into pipeline stages",
+            "Unroll it with a Python for loop to pipeline its iterations, or set "
+            "pipeline_stages=1")
+
+
 def partition_stages(graph: Graph, stages: int, *, device_num: int, cluster: Cluster,
                      boundaries: Sequence[str | int] | None = None,
                      micro_batches: int | None = None) -> StagePartition:
@@ -294,6 +308,8 @@ def partition_stages(graph: Graph, stages: int, *, device_num: int, cluster: Clu
     if not isinstance(cluster, Cluster):
         raise AutoParallelTypeError("cluster", cluster, "an autopar.Cluster (resolved)")
     stages = check_stages(stages, device_num)
+    if stages > 1:
+        _refuse_loops(graph)
     clus = cluster
     cm = CostModel(clus)
     per_stage = device_num // stages
@@ -307,8 +323,9 @@ def partition_stages(graph: Graph, stages: int, *, device_num: int, cluster: Clu
     sends = [2.0 * send_time(b, cm, per_stage) for _, b in cross] + [0.0]
     if boundaries is None:
         m = stages if micro_batches is None else micro_batches
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-            raise AutoParallelError("micro_batches", m, "must be an int >= 1")
+        if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= MAX_MICRO_BATCHES:
+            raise AutoParallelError("micro_batches", m, f"must be an int in [1, "
+                                    f"{MAX_MICRO_BATCHES}]")
         cuts, source = _search_cuts(units, sends, stages, m), "search"
     else:
         cuts, source = _user_cuts(boundaries, units, stages), "user"

@@ -169,10 +169,11 @@ def test_unsupported_primitive_names_primitive_and_line():
     assert "'eigh'" in msg and f"test_graph.py:{line}" in msg and "How to proceed" in msg
     assert isinstance(info.value, ValueError)
 
-    def g(x):
-        return jax.lax.scan(lambda c, a: (c + a, None), 0.0, x)[0]
+    def g(x):  # (a scan is a loop node now: tests/test_loops.py; a while is refused)
+        return jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 2.0),
+                                  (0, x))[1].sum()
 
-    with pytest.raises(ap.UnsupportedOperatorError, match="'scan'.*unroll"):
+    with pytest.raises(ap.UnsupportedOperatorError, match="'while'.*static trip count"):
         ap.trace(g, jnp.ones(4))
 
 

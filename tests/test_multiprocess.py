@@ -149,29 +149,26 @@ def test_parameter_broadcast_and_pmap_across_processes(tmp_path):
         assert "runs in one process" in res["pmap"] and "shard_map" in res["pmap"]
 
 
-def test_a_coordinator_problem_is_one_line_before_xla_would_abort(monkeypatch):
+def test_a_coordinator_problem_is_one_line_before_xla_would_abort():
     """XLA's client aborts the process (SIGABRT, a C++ stack) when no coordinator answers, the
-    port is taken or the host does not resolve; the CLI says it in one line first."""
-    import argparse
+    port is taken or the host does not resolve; the processes meet first and say it in one
+    line (autopar.multihost.join)."""
+    from autopar.errors import AutoParallelError
+    from autopar.multihost import join
 
-    from autopar import cli
-    from autopar.cli_util import CLIError
-
-    monkeypatch.setattr(cli, "COORDINATOR_TIMEOUT_S", 1)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        args = argparse.Namespace(coordinator=f"127.0.0.1:{port}", process_id=0)
-        with pytest.raises(CLIError, match="process 0 cannot serve there"):
-            cli._probe_coordinator(args, "127.0.0.1", port)
+        with pytest.raises(AutoParallelError, match="process 0 cannot serve the job at "
+                           f"127.0.0.1:{port} .Address already in use"):
+            join(f"127.0.0.1:{port}", 2, 0, timeout_s=1)
     free = _free_port()
-    args = argparse.Namespace(coordinator=f"127.0.0.1:{free}", process_id=1)
-    with pytest.raises(CLIError, match="no coordinator answered within 1 s"):
-        cli._probe_coordinator(args, "127.0.0.1", free)
-    args = argparse.Namespace(coordinator="nosuchhost.invalid:1", process_id=1)
-    with pytest.raises(CLIError, match="cannot resolve"):
-        cli._probe_coordinator(args, "nosuchhost.invalid", 1)
+    with pytest.raises(AutoParallelError, match=f"process 1: no process 0 answered at "
+                       f"127.0.0.1:{free} within 1 s"):
+        join(f"127.0.0.1:{free}", 2, 1, timeout_s=1)
+    with pytest.raises(AutoParallelError, match="cannot resolve 'nosuchhost.invalid'"):
+        join("nosuchhost.invalid:1", 2, 1, timeout_s=1)
 
 
 _AGREEMENT_WORKER = r"""

@@ -46,7 +46,8 @@ def _reference(problem: Problem, node, choice) -> tuple[float, float, float, flo
         else:
             comm += cm.all_reduce_time(nbytes, missing, mesh)
     memory = float(sum(problem._local_bytes(v, lay) for v, lay in zip(node.outputs,
-                                                                      choice.out_layouts)))
+                                                                      choice.out_layouts)
+                       if v in problem.residuals.kept_outputs))  # what backward reads
     return compute, comm, sync, memory
 
 

@@ -324,7 +324,8 @@ def test_optimizer_weight_shard_size_is_priced_and_recorded(tmp_path):
         assert ('"optimizer_weight_shard_size"' in path.read_text()) == (size != -1)
     assert plans[2].optimizer_weight_shard_size == 2
     w = 256 * 256 * 4  # the only weight over the 64 KB threshold
-    more = w * (1 + state) * (1 / 2 - 1 / 8)
+    # the copy and state held, and the new ones the update writes (the step's outputs)
+    more = 2 * w * (1 + state) * (1 / 2 - 1 / 8)
     assert plans[2].cost.memory_bytes - plans[-1].cost.memory_bytes == pytest.approx(more)
     assert plans[3].cost.memory_bytes == plans[-1].cost.memory_bytes  # 3 falls back to 8
     with ap.auto_parallel_context(device_num=8, parallel_mode="semi_auto_parallel",

@@ -57,6 +57,9 @@ EXAMPLES = {
     "select_and_scatter": lambda x: jax.grad(lambda h: lax.reduce_window(
         h, -jnp.inf, lax.max, (2, 1), (2, 1), "VALID").sum())(x),
     "identity": lambda x: checkpoint_name(lax.optimization_barrier(x), "x"),
+    "bitcast": lambda x: lax.bitcast_convert_type(x, jnp.int32) % 7,
+    "random_key": lambda x: jax.random.key_data(jax.random.fold_in(jax.random.key(1), 2)),
+    "random_bits": lambda x: x * jax.random.uniform(jax.random.key(0), x.shape),
 }
 
 

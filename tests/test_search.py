@@ -88,9 +88,13 @@ def test_megatron_layout_for_few_tokens_and_wide_layers(mode, cluster):
     (MindSpore's default plan splits the batch and syncs them); Megatron's layout exactly
     on cpu-emulated. On accelerator-8x the first matmul may also split its inputs' shared
     dim: its partial sum is then reduce-scattered once for the GELU's readers, within 0.5 %
-    of Megatron's price."""
+    of Megatron's price. (The solvers' own plans: hand_plan_margin 0; with the default
+    margin the search keeps Megatron's hand layout, which these plans do not beat by 15 %.)"""
     g = _wide_mlp(32, 4096, 16384)
-    plan = ap.search(g, mode=mode, cluster=cluster)
+    kept = ap.search(g, mode=mode, cluster=cluster)
+    assert kept.split_counts("params/layer0/w") == (1, 8)
+    with ap.algo_parameters_context(hand_plan_margin=0.0):
+        plan = ap.search(g, mode=mode, cluster=cluster)
     w1, w2 = plan.split_counts("params/layer0/w"), plan.split_counts("params/layer1/w")
     assert w1[0] * w1[1] == 8 and w2 == (8, 1) and plan.cost.gradient_sync == 0
     second = [n for n in plan.nodes.values() if n.op == "dot_general"][1]
@@ -222,13 +226,13 @@ def test_memory_budget_prices_memory_or_fails():
     m = mlp(widths=(2048, 2048, 2048), batch=8192, bias=False)
     g = ap.trace(m.loss, *_abstract_args(m))
     free = ap.search(g, mode="dynamic_programming")
-    assert free.cost.memory_bytes > 150e6
+    assert free.cost.memory_bytes > 120e6
     assert not any("memory priced" in n for n in free.notes)
     base = ap.CLUSTERS["accelerator-8x"].model_dump()
-    tight = ap.Cluster(**{**base, "memory_bytes": 150e6})
+    tight = ap.Cluster(**{**base, "memory_bytes": 120e6})
     for mode in ("dynamic_programming", "exact"):
         plan = ap.search(g, mode=mode, cluster=tight)
-        assert plan.cost.memory_bytes <= 150e6
+        assert plan.cost.memory_bytes <= 120e6
         assert plan.cost.total > free.cost.total  # memory was bought with time
     with pytest.raises(ValueError, match="budget"):
         ap.search(g, mode="dynamic_programming", cluster=ap.Cluster(**{**base,
@@ -306,8 +310,11 @@ def test_parallel_optimizer_is_priced_in_the_memory_term(tmp_path):
     assert on.parallel_optimizer_kb == 64 and off.parallel_optimizer_kb is None
     big = [v for v in g.parameters() if g.spec(v).nbytes >= 64 * 1024]
     assert len(big) == 2  # the two 256 KB weights; the 1 KB biases stay replicated
-    saved = sum(g.spec(v).nbytes * ((2 + state) - (1 + (1 + state) / 8)) for v in big)
-    assert off.cost.memory_bytes - on.cost.memory_bytes == pytest.approx(saved)
+    # the step's peak (strategies.memory): the copy and state held throughout are 1/8, less
+    # the copy gathered for use; the new copy and state the update writes are 1/8 too
+    held = sum(g.spec(v).nbytes * ((1 + state) * (1 - 1 / 8) - 1) for v in big)
+    written = sum(g.spec(v).nbytes * (1 + state) * (1 - 1 / 8) for v in big)
+    assert held < off.cost.memory_bytes - on.cost.memory_bytes <= held + written
     assert on.cost.total == pytest.approx(off.cost.total)  # same communication volume
     with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel",
                                   enable_parallel_optimizer=True,

@@ -655,10 +655,11 @@ def test_an_equinox_models_integer_step_counter_is_carried_not_trained():
 
 
 @pytest.mark.parametrize("backend", ["shard_map", "pmap"])
-def test_prng_key_and_boolean_leaves_are_carried_and_a_loss_reading_a_key_is_refused(backend):
+def test_prng_key_and_boolean_leaves_are_carried_and_a_loss_can_draw_with_a_key(backend):
     """Typed (jax.random.key) and raw (uint32) PRNG keys and booleans among the parameters are
-    carried through a step unchanged; a typed key never enters the partitioned program, so a
-    loss that draws with one is refused by name."""
+    carried through a step unchanged; a loss that draws with a typed key trains as jax.grad
+    (shard_map: each device draws its block of the same array) or, under pmap, whose
+    replicas would each draw the whole array, is refused by name."""
     k = jax.random.split(KEY, 2)
     params = {"w": jax.random.normal(k[0], (16, 8)) / 4, "key": jax.random.key(3),
               "raw": jax.random.PRNGKey(4), "double": jnp.array(True)}
@@ -683,14 +684,23 @@ def test_prng_key_and_boolean_leaves_are_carried_and_a_loss_reading_a_key_is_ref
         lambda w, x: loss({**carried, "w": w}, x), params["w"], (x,), 1, optax.adam(1e-2)))
     once = {**params, "double": jnp.array(False)}  # (read at the call: half the loss)
     numerics.assert_close(step.grads(once, x)[0], loss, once, x)
-    with pytest.raises(ap.AutoParallelError, match=r"params\['key'\].*PRNG key"):
+    with pytest.raises(ap.AutoParallelError, match=r"key.*key<rbg>.*key<fry>" if
+                       backend == "shard_map" else r"params\['key'\].*PRNG key"):
         step(params | {"key": jax.random.key(0, impl="rbg")}, state, x)
 
     def draws(p, x):
         return jnp.mean(jnp.tanh(x @ p["w"]) * jax.random.normal(p["key"], (16, 8)))
 
-    with pytest.raises(ap.AutoParallelTypeError, match=r"params\['key'\].*PRNG key.*reads"):
-        ap.train_step(draws, params, (x,), backend=backend)
+    if backend == "pmap":
+        with pytest.raises(ap.AutoParallelTypeError, match=r"params\['key'\].*PRNG key.*reads"):
+            ap.train_step(draws, params, (x,), backend=backend)
+        return
+    step = ap.train_step(draws, params, (x,), optax.sgd(0.1), backend=backend)
+    new, _, value = step(params, step.init(params), x)
+    np.testing.assert_array_equal(jax.random.key_data(new["key"]),
+                                  jax.random.key_data(params["key"]))
+    numerics.check((new["w"], [value]), reference_steps(
+        lambda w, x: draws({**params, "w": w}, x), params["w"], (x,), 1, optax.sgd(0.1)))
 
 
 def _batch_norm_net():

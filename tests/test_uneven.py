@@ -99,6 +99,9 @@ def test_batch_smaller_than_devices_and_pytrees():
     ("batch softmax", lambda p, x: jax.nn.softmax(x @ p["w1"], axis=0), "all_gather_0"),
     ("reads batch size", lambda p, x: mlp(p, x) * x.shape[0], "mul_0"),
     ("row numbers", lambda p, x: x + jnp.arange(x.shape[0])[:, None], "iota_0"),
+    ("dropout mask", lambda p, x: mlp(p, x * jax.random.bernoulli(jax.random.key(1), 0.5,
+                                                                  x.shape)),
+     "_bernoulli/_uniform/random_bits_0"),
     ("sum of a batch-shaped constant", lambda p, x: mlp(p, x) + jnp.sum(jnp.ones_like(x)),
      "reduce_sum_0"),
 ])

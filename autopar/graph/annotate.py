@@ -4,8 +4,10 @@
 so that the first operator traced inside it whose input ranks fit the strategy gets that
 strategy, like MindSpore's ``ops.MatMul().shard(((2, 1), (1, 4)))``. ``autopar.matmul(a, b,
 strategy=...)`` is the common case. The annotation travels through ``jax.make_jaxpr`` as a
-``jax.named_scope`` entry (``ap.shard#<k>[<strategy>]``), which the tracer reads and strips
-from node names, so it survives jit, custom_jvp and remat. Outside tracing it costs nothing.
+``jax.named_scope`` entry (``ap.shard#<token>.<k>[<strategy>]``, the token drawn once per
+process: a user's scope that merely starts alike is the user's), which the tracer reads and
+strips from node names, so it survives jit, custom_jvp and remat. Outside tracing it costs
+nothing.
 
 >>> import jax.numpy as jnp, autopar
 >>> def f(x, w):
@@ -23,6 +25,7 @@ import contextvars
 import functools
 import itertools
 import re
+import secrets
 import warnings
 from typing import Any, Callable, Iterator, Mapping
 
@@ -38,6 +41,10 @@ __all__ = ["shard", "matmul", "parse_scope", "parse_plan_scope", "apply_paramete
 
 PREFIX = "ap.shard#"
 PLAN_PREFIX = "ap.plan#"
+#: Drawn once per process and part of every scope autopar makes (after the prefix): a user's
+#: ``jax.named_scope`` that starts like one (``ap.shard#1[...]``) stays a plain scope, never
+#: read as a strategy nor refused
+_TOKEN = secrets.token_hex(4)
 _ids = itertools.count()
 #: shard(parameter_plan=...) by scope id: (plan, the device count its Layouts assume); one id
 #: per distinct plan (a shard called at every trace registers nothing new)
@@ -108,10 +115,10 @@ def shard(fn: Callable[..., Any], in_strategy: Any, out_strategy: Any = None,
         called = _CALLED.get()
         if called is not None:
             called[ident] = checked
-        with jax.named_scope(f"{PREFIX}{ident}[{text}]"):
+        with jax.named_scope(f"{PREFIX}{_TOKEN}.{ident}[{text}]"):
             if plan_id is None:
                 return fn(*args, **kwargs)
-            with jax.named_scope(f"{PLAN_PREFIX}{plan_id}"):
+            with jax.named_scope(f"{PLAN_PREFIX}{_TOKEN}.{plan_id}"):
                 return fn(*args, **kwargs)
 
     return wrapped
@@ -162,9 +169,11 @@ def _register_plan(parameter_plan: Any, devices: int | None) -> int | None:
 
 
 def parse_plan_scope(entry: str) -> int | None:
-    """``'ap.plan#5'`` -> 5 (a registered parameter plan); other scopes -> None."""
-    if entry.startswith(PLAN_PREFIX) and entry[len(PLAN_PREFIX):].isdigit():
-        return int(entry[len(PLAN_PREFIX):])
+    """``'ap.plan#<token>.5'`` -> 5 (a registered parameter plan); other scopes -> None."""
+    head = f"{PLAN_PREFIX}{_TOKEN}."
+    ident = entry[len(head):]
+    if entry.startswith(head) and ident.isascii() and ident.isdigit() and int(ident) in _PLANS:
+        return int(ident)
     return None
 
 
@@ -223,12 +232,13 @@ def matmul(a: Any, b: Any, strategy: Any = None) -> Any:
 
 
 def parse_scope(entry: str) -> tuple[int, Strategy, int | None] | None:
-    """``'ap.shard#3[((2, 1), (1, 4))]'`` -> ``(3, ((2, 1), (1, 4)), None)``, and with the
-    device count its Layouts assume, ``'ap.shard#3[((2, 1), (1, 4))@8]'`` -> ``(..., 8)``;
-    other scopes -> None."""
-    if not entry.startswith(PREFIX) or not entry.endswith("]"):
+    """``'ap.shard#<token>.3[((2, 1), (1, 4))]'`` -> ``(3, ((2, 1), (1, 4)), None)``, and
+    with the device count its Layouts assume, ``'...[((2, 1), (1, 4))@8]'`` -> ``(..., 8)``;
+    other scopes (a user's, whatever it starts with) -> None."""
+    head = f"{PREFIX}{_TOKEN}."
+    if not entry.startswith(head) or not entry.endswith("]"):
         return None
-    ident, _, rest = entry[len(PREFIX):].partition("[")
+    ident, _, rest = entry[len(head):].partition("[")
     text, _, devices = rest[:-1].partition("@")
     return (int(ident), tuple(tuple(e) for e in ast.literal_eval(text)),
             int(devices) if devices else None)

@@ -26,8 +26,10 @@ from typing import Any, Iterable, Literal, Mapping
 
 import numpy as np
 
-from autopar.errors import AutoParallelError, AutoParallelTypeError, found
+from autopar.errors import AutoParallelError, AutoParallelTypeError, found, safe_repr
 from autopar.graph.ms_layout import layout_devices, to_strategy
+from autopar.graph.prng import itemsize
+from autopar.limits import MAX_DEVICES
 
 __all__ = ["TensorSpec", "Value", "Node", "Graph", "Strategy", "check_strategy_shape"]
 
@@ -52,7 +54,8 @@ class TensorSpec:
 
     @property
     def itemsize(self) -> int:
-        return np.dtype(self.dtype).itemsize
+        """Bytes per element: NumPy's, or a typed PRNG key's key data (``"key<fry>"``: 8)."""
+        return itemsize(self.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -118,10 +121,11 @@ def check_strategy_shape(strategy: Any, ranks: list[int] | None, where: str) -> 
             if not isinstance(s, int) or isinstance(s, bool):
                 raise AutoParallelTypeError(f"strategy for {where}", strategy,
                                             f"split counts must be ints, {found(s, f'[{i}][{j}]')}")
-            if s < 1:
+            if not 1 <= s <= MAX_DEVICES:
                 raise AutoParallelError(f"strategy for {where}", strategy,
-                                        f"split counts must be >= 1, found {s}")
-        out.append(tuple(entry))
+                                        f"split counts must be >= 1 and at most "
+                                        f"{MAX_DEVICES}, found {safe_repr(s)} at [{i}][{j}]")
+        out.append(tuple(int(s) for s in entry))  # (an IntEnum's count: a plain int)
     if ranks is not None and [len(e) for e in out] != list(ranks):
         raise AutoParallelError(
             f"strategy for {where}", strategy,

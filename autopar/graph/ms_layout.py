@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from autopar.errors import AutoParallelError, AutoParallelTypeError, found
+from autopar.errors import AutoParallelError, AutoParallelTypeError, found, safe_repr
 
 __all__ = ["Layout", "to_strategy", "has_layout", "layout_devices", "INTERLEAVED"]
 
@@ -46,7 +46,7 @@ class Layout:
                                             f"axis sizes must be ints, {found(d, f'[{i}]')}")
             if d < 1:
                 raise AutoParallelError("device_matrix", device_matrix,
-                                        f"axis sizes must be >= 1, found {d}")
+                                        f"axis sizes must be >= 1, found {safe_repr(d)}")
         for i, a in enumerate(alias_name):
             if not isinstance(a, str):
                 raise AutoParallelTypeError("alias_name", alias_name,
@@ -74,7 +74,7 @@ class Layout:
         return new
 
     def _index(self, alias: Any, used: list[str]) -> int:
-        if alias == _NONE:
+        if isinstance(alias, str) and alias == _NONE:  # (an array's == gives no truth)
             return -1
         if not isinstance(alias, str) or alias not in self._alias_name:
             raise AutoParallelError("alias", alias, f"not an axis of this layout; the names "

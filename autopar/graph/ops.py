@@ -317,6 +317,26 @@ def _iota_spec(node: Node, shapes: Sequence[Shape], outs: Sequence[Shape]) -> Op
     return OpSpec(outs[0], (), (_ident(len(outs[0])),))
 
 
+def _leading_spec(node: Node, shapes: Sequence[Shape], outs: Sequence[Shape]) -> OpSpec:
+    """The output's leading dims are the first input's (and those of the other inputs of its
+    rank; a rank-0 input is broadcast); a dim only one side has stays whole: the bytes
+    ``bitcast_convert_type`` to a narrower type appends (to a wider one: drops), a key's data
+    (``random_wrap`` reads it, ``random_unwrap`` appends it), ``random_split``'s new keys."""
+    out = outs[0]
+    n = min(len(shapes[0]), len(out))
+    maps = tuple(tuple(d if d < n and s[d] == out[d] else None for d in range(len(s)))
+                 if len(s) in (len(shapes[0]), 0) else tuple(None for _ in s) for s in shapes)
+    return OpSpec(out, maps, (_ident(len(out)),), fixed=tuple(range(n, len(out))))
+
+
+def _random_bits_spec(node: Node, shapes: Sequence[Shape], outs: Sequence[Shape]) -> OpSpec:
+    """``random_bits(keys)`` draws ``(*keys.shape, *shape)``: the keys' dims split alike, and
+    the drawn dims split too -- each device draws its block of the same global bits (the
+    lowering, :mod:`autopar.graph.prng`)."""
+    out = outs[0]
+    return OpSpec(out, (_ident(len(shapes[0])),), (_ident(len(out)),))
+
+
 def _unwindowed(p: dict[str, Any], rank: int) -> list[int]:
     """The dims a window (pooling, its transpose) does not span: window 1, stride 1, no
     padding; along them input and output are the same dim."""
@@ -440,6 +460,16 @@ def _updates_flops(ins: Sequence[TensorSpec], outs: Sequence[TensorSpec],
     return ins[2].size  # scatter-add: one addition per update element
 
 
+#: integer operations of one threefry2x32 hash (20 rounds of add, rotate and xor on two
+#: words, 5 key injections) and the combining of its two words: one per drawn element
+THREEFRY_OPS = 120
+
+
+def _draw_flops(ins: Sequence[TensorSpec], outs: Sequence[TensorSpec],
+                p: dict[str, Any]) -> int:
+    return outs[0].size * THREEFRY_OPS  # random_bits: one hash per output element
+
+
 def flops(kind: str, ins: Sequence[TensorSpec], outs: Sequence[TensorSpec],
           params: dict[str, Any]) -> int:
     """FLOPs of one forward application (data movement counts 0).
@@ -509,6 +539,14 @@ def _slice_sizes(p: dict[str, Any], ins: Sequence[Shapes],
     return p
 
 
+def _drawn_local(p: dict[str, Any], ins: Sequence[Shapes],
+                 outs: Sequence[Shapes]) -> dict[str, Any]:
+    """``random_bits``' ``shape``: the local block of the drawn dims (the lowering draws a
+    split block as its part of the global draw, :func:`autopar.graph.prng.draw_block`)."""
+    p["shape"] = tuple(outs[0][0][len(ins[0][0]):])
+    return p
+
+
 # ---------------------------------------------------------------------------- the registry
 
 
@@ -530,9 +568,12 @@ erf_inv abs sign floor ceil round sin cos tan asin acos atan sinh cosh asinh aco
 square convert_element_type stop_gradient copy copy_p is_finite reduce_precision real imag
 population_count clz""".split()
 _NARY = """add add_any sub mul div rem pow max min atan2 and or xor eq ne lt le gt ge select_n
-clamp nextafter shift_left shift_right_logical shift_right_arithmetic""".split()
+clamp nextafter shift_left shift_right_logical shift_right_arithmetic threefry2x32""".split()
 _NO_GRAD_ELEMENTWISE = frozenset("""stop_gradient eq ne lt le gt ge and or not xor is_finite
-population_count clz floor ceil round sign""".split())
+population_count clz floor ceil round sign threefry2x32""".split())
+#: the random primitives on keys: make keys from seeds and key data, split, fold in, clone
+_KEY_OPS = ("random_seed", "random_wrap", "random_unwrap", "random_split", "random_fold_in",
+            "random_clone")
 
 OPERATORS: dict[str, OpKind] = {k.name: k for k in (
     OpKind("elementwise", tuple(_UNARY + _NARY), _elementwise_spec, _output_flops,
@@ -567,6 +608,11 @@ OPERATORS: dict[str, OpKind] = {k.name: k for k in (
            _source_window_flops),
     OpKind("identity", ("sharding_constraint", "optimization_barrier", "name"),
            _elementwise_spec),
+    OpKind("bitcast", ("bitcast_convert_type",), _leading_spec,
+           no_grad=frozenset({"bitcast_convert_type"}), fusion="loop"),
+    OpKind("random_key", _KEY_OPS, _leading_spec, no_grad=frozenset(_KEY_OPS)),
+    OpKind("random_bits", ("random_bits",), _random_bits_spec, _draw_flops,
+           local_params=_drawn_local, no_grad=frozenset({"random_bits"}), fusion="loop"),
 )}
 
 #: primitive -> its operator kind (the primitives the tracer accepts)
@@ -587,11 +633,12 @@ INLINED: dict[str, str] = {
 }
 
 UNSUPPORTED_HINTS: dict[str, str] = {
-    "scan": "unroll the loop with a Python for loop (the search needs every layer as nodes)",
     "while": "use a Python loop with a static trip count",
     "cond": "use jnp.where / lax.select (both branches computed) or a Python if on static data",
-    "random_bits": "draw random numbers outside the traced function and pass them as inputs",
-    "rng_bit_generator": "draw random numbers outside the traced function and pass them in",
+    "rng_bit_generator": "draw with jax.random and a jax.random.key (its primitives are "
+                         "supported), or outside the traced function and pass the numbers in",
+    "random_gamma": "draw outside the traced function and pass the numbers in (jax.random's "
+                    "uniform, normal, bernoulli... are supported)",
 }
 
 

@@ -28,12 +28,14 @@ import jax
 import numpy as np
 from jax._src import source_info_util
 
-from autopar.errors import AutoParallelError, AutoParallelTypeError
+from autopar.errors import AutoParallelError, AutoParallelTypeError, safe_repr
 from autopar.graph.annotate import (apply_parameter_plans, parse_plan_scope, parse_scope,
                                     shards_called, untransformed)
 from autopar.graph.custom_rules import RULE_PRIMITIVES, RuleBound, rule_of
 from autopar.graph.ir import Graph, Node, Strategy, TensorSpec, Value
+from autopar.graph.loops import LOOP_PRIMITIVES, emit_loop
 from autopar.graph.ops import INLINED, KINDS, flops
+from autopar.graph.prng import is_key, itemsize, key_data
 from autopar.graph.unsupported import body, unsupported_error
 
 __all__ = ["check_arrays", "trace"]
@@ -46,10 +48,16 @@ _DTYPES: dict[Any, tuple[str, int]] = {}
 
 def _dtype(dtype: Any) -> tuple[str, int]:
     hit = _DTYPES.get(dtype)
-    if hit is None:
-        dt = np.dtype(dtype)
-        hit = _DTYPES[dtype] = (str(dt), dt.itemsize)
+    if hit is None:  # (a typed PRNG key's dtype is no NumPy dtype: "key<fry>", its key data)
+        name = str(dtype) if is_key(dtype) else str(np.dtype(dtype))
+        hit = _DTYPES[dtype] = (name, itemsize(name))
     return hit
+
+
+def _const_data(c: Any) -> np.ndarray:
+    """A constant's data on the host; a key array's: its key data (:mod:`autopar.graph.prng`)."""
+    dtype = getattr(c, "dtype", None)
+    return key_data(c) if dtype is not None and is_key(dtype) else np.asarray(c)
 
 
 def traced_dtype(x: Any) -> str:
@@ -168,6 +176,9 @@ class _Builder:
             if prim in INLINED:
                 self.inline(eqn, env, stack, _source(eqn, source))
                 continue
+            if prim in LOOP_PRIMITIVES:  # one loop node, its body traced once
+                emit_loop(self, eqn, env, stack, _source(eqn, source))
+                continue
             if prim not in KINDS:  # every one of the function named at once
                 raise unsupported_error(jaxpr if self.root is None else self.root)
             self.emit(eqn, env, stack, _source(eqn, source))
@@ -177,7 +188,7 @@ class _Builder:
         inner_env: dict[Any, str] = {}
         for var, c in zip(inner.constvars, consts):
             inner_env[var] = self.add_value("const", Value("const", _spec(var.aval), "const",
-                                                           data=np.asarray(c)))
+                                                           data=_const_data(c)))
         for var, outer in zip(inner.invars, eqn.invars):
             inner_env[var] = self.read(env, outer)
         name = eqn.params.get("name")
@@ -266,11 +277,47 @@ class _Builder:
             primitive=primitive, annotation=annotation))
 
 
+#: The deepest pytree :func:`flatten` hands to JAX (a model's parameters nest a few levels)
+_MAX_DEPTH = 200
+
+
+def _deeper_than(tree: Any, limit: int) -> bool:
+    """Whether lists, tuples and dicts nest deeper than ``limit`` in ``tree`` (walked
+    without recursion)."""
+    stack = [(tree, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (list, tuple, dict)):
+            if depth >= limit:
+                return True
+            children = node.values() if isinstance(node, dict) else node
+            stack.extend((c, depth + 1) for c in children)
+    return False
+
+
+def flatten(key: str, tree: Any, *, paths: bool = False, **kw: Any) -> Any:
+    """``jax.tree_util.tree_flatten(tree)`` (``paths``: ``tree_flatten_with_path``); a tree
+    JAX cannot flatten -- nested too deep, or a dict whose keys do not sort (``{"a": x, 1:
+    y}``) -- a typed error naming ``key``. The depth is measured first: JAX's flatten of a
+    list nested 100,000 deep left the interpreter's recursion count exhausted (every later
+    call raised RecursionError)."""
+    if _deeper_than(tree, _MAX_DEPTH):
+        raise AutoParallelTypeError(key, tree, f"a pytree of arrays nested at most "
+                                    f"{_MAX_DEPTH} deep")
+    try:
+        if paths:
+            return jax.tree_util.tree_flatten_with_path(tree, **kw)
+        return jax.tree_util.tree_flatten(tree, **kw)
+    except (RecursionError, SystemError, ValueError, TypeError) as e:
+        raise AutoParallelTypeError(key, tree, "a pytree of arrays JAX can flatten (JAX "
+                                    f"said: {str(e).splitlines()[0][:120]})") from None
+
+
 def check_arrays(key: str, tree: Any, *, none: bool = False) -> None:
-    """Every leaf of ``tree`` is an array or a number (what JAX can trace; ``none``: None
-    too, JAX's empty pytree); else a typed error naming the leaf's path, e.g. ``batch[0]``
-    or ``params['w']``."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]:
+    """Every leaf of ``tree`` is an array or a number (what JAX can trace, a typed PRNG key
+    array included; ``none``: None too, JAX's empty pytree); else a typed error naming the
+    leaf's path, e.g. ``batch[0]`` or ``params['w']``."""
+    for path, leaf in flatten(key, tree, paths=True, is_leaf=lambda x: x is None)[0]:
         if leaf is None and none:
             continue
         if leaf is None or isinstance(leaf, (str, bytes)) or not (
@@ -278,12 +325,10 @@ def check_arrays(key: str, tree: Any, *, none: bool = False) -> None:
                 isinstance(leaf, (int, float, complex, np.number))):
             raise AutoParallelTypeError(f"{key}{jax.tree_util.keystr(path)}", leaf,
                                         "an array or a number")
-        if jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key):
-            raise AutoParallelTypeError(
-                f"{key}{jax.tree_util.keystr(path)}", leaf, "a PRNG key (jax.random.key) "
-                "cannot be partitioned: autopar traces arrays of numbers, and JAX's random "
-                "primitives are not among its operators. Draw the random values (a dropout "
-                "mask) outside the function and pass them in as arrays")
+        bits = 64 if jax.config.jax_enable_x64 else 32  # (a Python int is traced as one)
+        if isinstance(leaf, int) and not -2 ** (bits - 1) <= leaf < 2 ** (bits - 1):
+            raise AutoParallelError(f"{key}{jax.tree_util.keystr(path)}", leaf,
+                                    f"a Python int JAX can hold (int{bits})")
 
 
 def _none_read(fn: Callable[..., Any], example_args: tuple[Any, ...], err: TypeError) -> None:
@@ -314,6 +359,12 @@ def trace(fn: Callable[..., Any], *example_args: Any, param_argnums: Iterable[in
     """
     if not callable(fn):
         raise AutoParallelTypeError("fn", fn, "trace needs a callable JAX function")
+    if name is not None and not isinstance(name, str):
+        raise AutoParallelTypeError("name", name, "the graph's name must be a str (or None: "
+                                    "the function's name)")
+    if annotations is not None and not isinstance(annotations, Mapping):
+        raise AutoParallelTypeError("annotations", annotations, "a mapping of node name -> "
+                                    "strategy")
     check_arrays("args", example_args, none=True)
     n = len(example_args)
     if param_argnums is None:
@@ -327,8 +378,9 @@ def trace(fn: Callable[..., Any], *example_args: Any, param_argnums: Iterable[in
         bad = [a for a in argnums if not isinstance(a, int) or isinstance(a, bool)
                or not 0 <= a < n]
         if bad:
-            raise AutoParallelError("param_argnums", sorted(argnums, key=str),
-                                    f"positions must be ints in [0, {n}), found {bad}")
+            raise AutoParallelError("param_argnums", sorted(argnums, key=safe_repr),
+                                    f"positions must be ints in [0, {n}), found "
+                                    f"{safe_repr(bad)}")
     with shards_called() as called:
         try:
             closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*example_args)
@@ -349,7 +401,7 @@ def trace(fn: Callable[..., Any], *example_args: Any, param_argnums: Iterable[in
         inputs.append(env[var])
     for var, c in zip(closed.jaxpr.constvars, closed.consts):
         env[var] = b.add_value("const", Value("const", _spec(var.aval), "const",
-                                              data=np.asarray(c)))
+                                              data=_const_data(c)))
     b.run(closed.jaxpr, env, [])
     pending = called | b.pending  # (a shard of a function computing nothing: called only)
     unmatched = sorted(set(pending) - b.done)
@@ -365,4 +417,4 @@ def trace(fn: Callable[..., Any], *example_args: Any, param_argnums: Iterable[in
                   name=name or getattr(fn, "__name__", "fn"), layout_devices=b.devices)
     if b.plans:
         graph = apply_parameter_plans(graph, sorted(b.plans))
-    return graph.annotate(annotations) if annotations else graph
+    return graph.annotate(annotations) if annotations is not None else graph

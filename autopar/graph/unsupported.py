@@ -31,6 +31,7 @@ import jaxlib
 from jax.extend.core import jaxprs_in_params
 
 from autopar.errors import UnsupportedOperatorError
+from autopar.graph.loops import LOOP_PRIMITIVES
 from autopar.graph.ops import INLINED, KINDS, UNSUPPORTED_HINTS
 
 __all__ = ["DEFAULT_HINT", "Unsupported", "body", "census", "installed", "library_path",
@@ -149,6 +150,9 @@ def _walk(jaxpr: Any, outer: tuple[Any, ...], found: dict[str, list[tuple[Any, .
         prim, chain = eqn.primitive.name, (eqn, *outer)
         if prim in INLINED:
             _walk(body(eqn)[0], chain, found)
+        elif prim in LOOP_PRIMITIVES:  # a loop node: supported, its body walked
+            for sub in jaxprs_in_params(eqn.params):
+                _walk(sub, chain, found)
         elif prim not in KINDS:
             found.setdefault(prim, []).append(chain)
             for sub in jaxprs_in_params(eqn.params):

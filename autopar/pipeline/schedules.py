@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError
+from autopar.limits import MAX_MICRO_BATCHES
 
 __all__ = ["SCHEDULES", "Schedule", "schedule", "op_order", "bubble_fraction"]
 
@@ -121,6 +122,9 @@ def _check(name: object, stages: object, micro_batches: object) -> tuple[str, in
             raise AutoParallelTypeError(k, v, "must be an int")
         if v < 1:
             raise AutoParallelError(k, v, "must be >= 1")
+    if micro_batches > MAX_MICRO_BATCHES:  # (the tables would not fit in memory)
+        raise AutoParallelError("micro_batches", micro_batches,
+                                f"must be at most {MAX_MICRO_BATCHES}")
     if micro_batches < stages:
         raise AutoParallelError("micro_batches", micro_batches, f"must be >= pipeline_stages "
                                 f"({stages}): fewer micro-batches than stages leave a stage "

@@ -213,7 +213,7 @@ class PipelineTrainStep(ProgramInspection):
                                             "(jax.random.key_data), or set pipeline_stages=1")
         check_arrays("params", params)
         check_trainable("params", params)
-        self.split = ParamSplit(params)
+        self.split = ParamSplit(params, keys_in_program=False)
         p_leaves, self._p_tree = jax.tree_util.tree_flatten(params)
         self._p_dtypes = [traced_dtype(x) for x in p_leaves]
         check_elementwise_optimizer(optimizer, len({d for d in self._p_dtypes if _is_float(d)}),
