@@ -380,26 +380,14 @@ def _node_times(graph: Any, plan: Any, cm: Any, mesh: Any
     activation communication and redistribution (spread over forward and backward), and the
     optimizer update of the parameters (the end of backward)."""
     from autopar.strategies.cost import BACKWARD_FACTOR
-    from autopar.strategies.layout import Layout
-    from autopar.strategies.loops import loop_time
-    from autopar.strategies.problem import (fused_values, operator_time,
-                                            requires_grad)
+    from autopar.strategies.loops import planned_time
+    from autopar.strategies.problem import fused_values, requires_grad
 
     fused, grad = fused_values(graph), requires_grad(graph)
     fwd, back = [], []
-    for n in graph.nodes:
-        ns = plan.nodes.get(n.name) if plan is not None else None
-        if n.kind == "loop":  # the trip count times its body's operators, as planned
-            t = loop_time(cm, n, ns.body if ns is not None else None, mesh)
-            fwd.append(t)
-            back.append(BACKWARD_FACTOR * t if any(grad[v] for v in n.inputs) else 0.0)
-            continue
-        if ns is None:
-            rep = [Layout.replicated(graph.spec(v).rank) for v in (*n.inputs, *n.outputs)]
-            splits, ins, outs = (1,), rep[:len(n.inputs)], rep[len(n.inputs):]
-        else:
-            splits, ins, outs = ns.splits, ns.in_layouts, ns.out_layouts
-        t = operator_time(cm, graph, n, splits, ins, outs, mesh, fused)
+    for n in graph.nodes:  # (a loop: the trip count times its body's operators, as planned)
+        t = planned_time(cm, graph, n, plan.nodes.get(n.name) if plan is not None else None,
+                         mesh, fused)
         fwd.append(t)
         back.append(BACKWARD_FACTOR * t if any(grad[v] for v in n.inputs) else 0.0)
     extra = 0.0 if plan is None else sum(plan_communication(graph, plan, cm)[:2])

@@ -44,7 +44,7 @@ from typing import Any, Callable, Mapping
 
 from autopar.errors import AutoParallelError
 from autopar.graph.ir import Graph, Node
-from autopar.graph.loops import LoopBody, data_inputs, loop_body, loop_nodes
+from autopar.graph.loops import LOOP_KIND, LoopBody, data_inputs, loop_body, loop_nodes
 from autopar.strategies.layout import DeviceMesh, Layout
 from autopar.strategies.opspec import legal_splits, tensor_spec
 from autopar.strategies.plan import Plan
@@ -52,7 +52,7 @@ from autopar.strategies.problem import (BodyInputs, Choice, Problem, fused_value
                                         operator_time)
 
 __all__ = ["BodySearch", "Candidate", "LoopChoices", "PlannedLoops", "batch_dims",
-           "has_loops", "loop_time", "planned_problem"]
+           "has_loops", "loop_time", "planned_problem", "planned_time"]
 
 Splits = tuple[int, ...]
 #: searches a loop body for one candidate: (the loop node, its body's inputs) -> the solved
@@ -319,21 +319,24 @@ def has_loops(graph: Graph) -> bool:
 
 def loop_time(cm: Any, node: Node, plan: Plan | None, mesh: DeviceMesh) -> float:
     """Forward seconds of loop ``node`` on one device: the trip count times each operator
-    of its body priced as :func:`~autopar.strategies.problem.operator_time` prices it, under
-    the body plan ``plan`` (None: whole tensors) -- the simulators' rule for a loop."""
-    body = loop_body(node)
-    g = body.graph
+    of its body priced by :func:`planned_time` under the body plan ``plan`` (None: whole
+    tensors) -- the simulators' rule for a loop."""
+    g = loop_body(node).graph
     fused = fused_values(g)
-    total = 0.0
-    for n in g.nodes:
-        ns = plan.nodes.get(n.name) if plan is not None else None
-        if n.kind == node.kind:
-            total += loop_time(cm, n, ns.body if ns is not None else None, mesh)
-            continue
-        if ns is None:
-            rep = [Layout.replicated(g.spec(v).rank) for v in (*n.inputs, *n.outputs)]
-            splits, ins, outs = (1,), rep[:len(n.inputs)], rep[len(n.inputs):]
-        else:
-            splits, ins, outs = ns.splits, ns.in_layouts, ns.out_layouts
-        total += operator_time(cm, g, n, splits, ins, outs, mesh, fused)
-    return body.length * total
+    return loop_body(node).length * sum(
+        planned_time(cm, g, n, plan.nodes.get(n.name) if plan is not None else None, mesh,
+                     fused) for n in g.nodes)
+
+
+def planned_time(cm: Any, graph: Graph, n: Node, ns: Any, mesh: DeviceMesh,
+                 fused: frozenset[str]) -> float:
+    """Forward seconds of operator ``n`` of ``graph`` on one device under its plan entry
+    ``ns`` (None: whole tensors), as :func:`~autopar.strategies.problem.operator_time`
+    prices it; a loop node by :func:`loop_time`. The simulators' one rule per operator."""
+    if n.kind == LOOP_KIND:
+        return loop_time(cm, n, ns.body if ns is not None else None, mesh)
+    if ns is None:
+        rep = [Layout.replicated(graph.spec(v).rank) for v in (*n.inputs, *n.outputs)]
+        return operator_time(cm, graph, n, (1,), rep[:len(n.inputs)], rep[len(n.inputs):],
+                             mesh, fused)
+    return operator_time(cm, graph, n, ns.splits, ns.in_layouts, ns.out_layouts, mesh, fused)
