@@ -36,6 +36,7 @@ from autopar.errors import (
     AutoParallelWarning,
     CommGroupError,
     ContextConflictError,
+    MemoryBudgetError,
     UnknownKeyError,
     UnsupportedOperatorError,
 )
@@ -69,6 +70,9 @@ if TYPE_CHECKING:  # the facade, as type checkers and the import contracts see i
     from autopar.resolve import resolve_context
     from autopar.strategies import CLUSTERS, Cluster, Plan
     from autopar.tune import train_step
+    from autopar.weights import (CheckpointMismatchError, CheckpointStrategyError,
+                                 load_checkpoint, load_distributed_checkpoint, save_checkpoint,
+                                 transform_checkpoints)
 
 __version__ = "0.1.0"
 
@@ -84,10 +88,13 @@ __all__ = [
     "in_shardings", "parallelize", "pipeline_train_step", "to_jax_shardings", "train_step",
     # strategy files
     "import_mindspore_strategy", "load_strategy", "save_strategy",
+    # trained weights across plans
+    "load_checkpoint", "load_distributed_checkpoint", "save_checkpoint", "transform_checkpoints",
     # errors
     "AutoParallelError", "AutoParallelTypeError", "AutoParallelWarning", "AutoparError",
-    "ClusterFileError", "CommGroupError", "ContextConflictError", "StrategyFileError",
-    "UnknownKeyError", "UnsupportedOperatorError",
+    "CheckpointMismatchError", "CheckpointStrategyError", "ClusterFileError", "CommGroupError",
+    "ContextConflictError", "StrategyFileError",
+    "MemoryBudgetError", "UnknownKeyError", "UnsupportedOperatorError",
     # namespaces
     "hccl", "pipeline", "simulation",
 ]
@@ -116,6 +123,9 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     **{name: ("autopar.planner", name) for name in ("explain", "search")},
     "resolve_context": ("autopar.resolve", "resolve_context"),
     "train_step": ("autopar.tune", "train_step"),  # autopar.train's, plus tune=
+    **{name: ("autopar.weights", name) for name in (
+        "CheckpointMismatchError", "CheckpointStrategyError", "load_checkpoint",
+        "load_distributed_checkpoint", "save_checkpoint", "transform_checkpoints")},
     "hccl": ("autopar.hccl", None),
     "pipeline": ("autopar.pipeline", None),
     "simulation": ("autopar.simulation", None),

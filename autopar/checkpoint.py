@@ -9,7 +9,10 @@ autopar needs to rebuild the plan exactly: the graph fingerprint, device_num and
 operator's split per loop dimension, the data inputs' layouts, the cluster the plan was priced
 on, ``enable_alltoall``, the memory weight of the objective and the parallel optimizer's
 threshold (``parallel_optimizer_kb``) and, only when it is not -1 (so files of the default stay
-as they were), its shard group size (``optimizer_weight_shard_size``). A plan chosen by measured
+as they were), its shard group size (``optimizer_weight_shard_size``); likewise, only when
+they are not the default, the mixed precision it was priced with (``gradient_fp32_sync:
+false``; ``optimizer_state``: per parameter the bytes of optimizer state per parameter byte
+``optimizer.init`` keeps, :mod:`autopar.strategies.precision`). A plan chosen by measured
 tuning (:mod:`autopar.tune`) also keeps its measurements (``tuning``: the candidates' predicted
 and measured step times, the chosen one, the machine they were measured on); files without it
 are the files of before, byte for byte.
@@ -40,7 +43,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence
+from typing import Annotated, Any, Literal, Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -192,6 +195,10 @@ class StrategyFile(BaseModel):
     parallel_optimizer_kb: int | None = Field(default=None, ge=0)
     # written only when not -1 (the whole data-parallel group): default files keep their bytes
     optimizer_weight_shard_size: int = Field(default=-1, ge=-1, le=MAX_DEVICES)
+    # mixed precision as priced (strategies.precision), each written only when it is not the
+    # default (gradient_fp32_sync acting; the cluster's optimizer_state_factor)
+    gradient_fp32_sync: bool = True
+    optimizer_state: dict[str, Annotated[float, Field(ge=0, le=1e6)]] | None = None
     current_stage: int = Field(ge=0)
     parallel_strategy_item: dict[str, OperatorEntry]
     parallel_layout_item: dict[str, LayoutEntry]
@@ -296,6 +303,10 @@ def strategy_document(plan: Plan, graph: Graph,
     }
     if plan.optimizer_weight_shard_size != -1:  # absent from files of the default
         doc["optimizer_weight_shard_size"] = int(plan.optimizer_weight_shard_size)
+    if not plan.fp32_sync:
+        doc["gradient_fp32_sync"] = False
+    if plan.optimizer_state is not None:
+        doc["optimizer_state"] = {k: float(v) for k, v in plan.optimizer_state}
     if tuning is not None:  # absent from files of a plan that was not tuned
         doc["tuning"] = _tuning_document(tuning, float(c.total))
     return doc
@@ -472,6 +483,7 @@ def load_plan(path: str | os.PathLike[str], graph: Graph, *, device_num: int,
                       dataset_strategy=dataset, memory_weight=f.memory_weight,
                       fixed_splits=splits, parallel_optimizer_kb=f.parallel_optimizer_kb,
                       optimizer_weight_shard_size=f.optimizer_weight_shard_size,
+                      fp32_sync=f.gradient_fp32_sync, optimizer_state=f.optimizer_state,
                       loops=_file_loops(items, graph, mesh, p, stages, field, f))
     picks = _pick_inputs(f, graph, problem, p)
     plan = Plan.from_picks(problem, picks, f.mode, time.perf_counter() - t0)
@@ -636,7 +648,9 @@ def _file_loops(items: Mapping[str, OperatorEntry], graph: Graph, mesh: DeviceMe
         plan = Plan("loop body", mesh, "", Fingerprint(body), nodes, layouts, Breakdown(), 0.0,
                     enable_alltoall=f.enable_alltoall, memory_weight=f.memory_weight,
                     parallel_optimizer_kb=f.parallel_optimizer_kb,
-                    optimizer_weight_shard_size=f.optimizer_weight_shard_size)
+                    optimizer_weight_shard_size=f.optimizer_weight_shard_size,
+                    fp32_sync=f.gradient_fp32_sync, optimizer_state=None
+                    if f.optimizer_state is None else tuple(sorted(f.optimizer_state.items())))
         out[node.name] = (tuple(e.splits), plan)
     return PlannedLoops(out)
 

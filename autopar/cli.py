@@ -8,6 +8,7 @@ named after the API functions they call: autopar.search, autopar.simulation.simu
     autopar tune    --model mlp --devices 8 -k 4 [--steps 5] [--save FILE | --load FILE]
     autopar simulate --model transformer --devices 8 [--out trace.json] [--png trace.png]
     autopar show    strategy.json
+    autopar reshard CKPT OUT (--to-strategy FILE | --devices N) [--from-strategy FILE]
 
 ``--model`` is a zoo name (mlp, transformer, tfm_stack, resnet50; builder options with
 ``-o KEY=VALUE``) or ``MODULE:FUNCTION`` naming a function that returns ``(fn, example_args)``.
@@ -576,6 +577,24 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reshard(args: argparse.Namespace) -> int:
+    """A checkpoint (``autopar.save_checkpoint``) rewritten under another plan's layouts."""
+    from autopar.checkpoint import read_strategy_file
+
+    n = read_strategy_file(args.to_strategy).device_num if args.to_strategy else args.devices
+    setup_devices(n)  # (JAX is not running yet: the target's devices, emulated)
+    from autopar.weights import read_manifest, reshard
+
+    t0 = time.perf_counter()
+    out = reshard(args.src, args.dst, to_strategy=args.to_strategy, devices=args.devices,
+                  from_strategy=args.from_strategy)
+    m = read_manifest(out)
+    _out(f"resharded {args.src} ({m.source}) -> {out} on {m.device_num} devices: "
+         f"{len(m.params)} parameters, {len(m.opt_state)} optimizer-state arrays "
+         f"({time.perf_counter() - t0:.2f} s)")
+    return 0
+
+
 # ---------------------------------------------------------------------------- parser
 
 
@@ -743,7 +762,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", type=file_path, help="a strategy file (--save, strategy_ckpt_save_file)")
     p.add_argument("--limit", type=positive_int, default=30, help="rows per table (default 30)")
     p.set_defaults(func=cmd_show)
+    _reshard_parser(sub)
     return parser
+
+
+def _reshard_parser(sub: Any) -> None:
+    p = sub.add_parser("reshard", help="rewrite a checkpoint under another plan's layouts "
+                       "(autopar.transform_checkpoints)")
+    p.add_argument("src", help="a checkpoint directory (autopar.save_checkpoint)")
+    p.add_argument("dst", help="the checkpoint directory to write")
+    to = p.add_mutually_exclusive_group(required=True)
+    to.add_argument("--to-strategy", type=file_path, metavar="FILE",
+                    help="the target plan's strategy file")
+    to.add_argument("--devices", type=positive_int, metavar="N",
+                    help="spread every array over N devices (its first dim N divides)")
+    p.add_argument("--from-strategy", type=file_path, metavar="FILE",
+                   help="the strategy file the checkpoint was trained with (checked)")
+    p.set_defaults(func=cmd_reshard, setup=0)
 
 
 #: The commands that run on devices, as one process or several (``_process_args``), and
@@ -799,7 +834,7 @@ def _command_status(args: argparse.Namespace) -> int:
             _JOINS[args.func](args)  # before joining: a bad flag fails here, not its peers
             _distributed(args)
         else:  # the plans are for --devices devices: emulate them (CPU), as a run would
-            setup_devices(getattr(args, "devices", 8))
+            setup_devices(getattr(args, "setup", getattr(args, "devices", 8)))
         return int(args.func(args))
     except (CLIError, AutoparError) as e:  # (a list of unsupported primitives: its summary)
         _error_line(args.command, str(getattr(e, "summary", e)))

@@ -29,6 +29,7 @@ __all__ = [
     "CommGroupError",
     "UnsupportedOperatorError",
     "FileFieldError",
+    "MemoryBudgetError",
     "AutoParallelWarning",
     "validation_problems",
     "from_validation_problem",
@@ -263,3 +264,17 @@ def user_stacklevel() -> int:
 
 def _ours(module: str) -> bool:
     return module == "autopar" or module.startswith("autopar.")
+
+
+class MemoryBudgetError(AutoParallelError):
+    """No plan fits the cluster's memory per device. ``needed`` / ``budget``: the bytes per
+    device of the plan that came closest and the budget; ``lower_bound``: what the state
+    alone needs at the most sharded layout (or None); ``fits``: the knobs tried that make it
+    fit, as ``{setting: bytes per device}`` (:mod:`autopar.strategies.fit`)."""
+
+    def __init__(self, message: str, *, needed: float, budget: float,
+                 lower_bound: float | None = None, fits: dict | None = None) -> None:
+        super().__init__(message)
+        self.key, self.value = "memory", needed
+        self.needed, self.budget, self.lower_bound = needed, budget, lower_bound
+        self.fits = dict(fits or {})

@@ -72,7 +72,9 @@ from jax import lax
 from autopar.collectives import all_gather_dim, psum_scatter_dim
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.graph.prng import is_key
+from autopar.graph.remat import spans
 from autopar.strategies.layout import DeviceMesh, Layout, axis_name
+from autopar.strategies.precision import LOW_PRECISION, fp32_sync_active
 from autopar.strategies.redistribution import STEP_KINDS
 
 __all__ = ["SyncGroup", "sync_groups", "sync_gradients", "bucketed_collective",
@@ -83,8 +85,6 @@ __all__ = ["SyncGroup", "sync_groups", "sync_gradients", "bucketed_collective",
 METHODS = ("tuple", "concat")
 #: collective kinds of :func:`bucketed_collective`: those a ``comm_fusion`` key buckets
 KINDS = tuple(k for k, r in STEP_KINDS.items() if r.comm_fusion)
-#: dtypes that gradient_fp32_sync sums in float32
-LOW_PRECISION = ("bfloat16", "float16")
 
 
 def replicated_axes(layout: Layout, mesh: DeviceMesh) -> tuple[str, ...]:
@@ -128,12 +128,6 @@ def gradient_scale(dp: int, devices: int, *, gradients_mean: bool,
             raise AutoParallelError(key, n, "must be >= 1")
     repeat = max(1, devices // dp)
     return float((1 if gradients_mean else dp) * (1 if loss_repeated_mean else repeat))
-
-
-def fp32_sync_active(gradient_fp32_sync: bool, parallel_mode: str) -> bool:
-    """Whether ``gradient_fp32_sync`` acts: in semi_auto_parallel and auto_parallel only
-    (seed 002); elsewhere gradients are synchronised in their own dtype."""
-    return bool(gradient_fp32_sync) and parallel_mode in ("semi_auto_parallel", "auto_parallel")
 
 
 def fp32_collective(collective: Callable[[list[Any]], list[Any]], xs: Sequence[Any],
@@ -349,7 +343,8 @@ def sync_point(sync: Callable[[list[Any]], list[Any]]) -> Callable[..., tuple[An
 def sync_sites(pg: Any, buckets: Sequence[Sequence[int]]) \
         -> dict[int, list[tuple[int, tuple[str, ...]]]]:
     """Where each bucket's :func:`sync_point` goes in a ParallelGraph: node index of the first
-    use of any of its parameters (``buckets`` hold indices into ``pg.inputs``) ->
+    use of any of its parameters (``buckets`` hold indices into ``pg.inputs``; inside a
+    ``jax.checkpoint`` region, the region's first node) ->
     ``[(bucket, activations live across that node)]``, later buckets first (their points
     are applied first in forward, so their backward runs last). Live activations: values
     produced before the node and read at or after it, floating point, not inputs."""
@@ -364,12 +359,14 @@ def sync_sites(pg: Any, buckets: Sequence[Sequence[int]]) \
                 first_use.setdefault(index[v], i)
         for v in node.outputs:
             producer[v] = i
+    starts = {k: i for i, end in spans(pg.nodes).items() for k in range(i, end)}
     sites: dict[int, list[tuple[int, tuple[str, ...]]]] = {}
     for k, members in enumerate(buckets):
         uses = [first_use[m] for m in members if m in first_use]
         if not uses:
             continue
         at = min(uses)
+        at = starts.get(at, at)  # (inside a recomputation region: at its start)
         live = tuple(v for v, j in producer.items() if j < at and last_use.get(v, -1) >= at
                      and not is_key(pg.values[v].spec.dtype)  # (keys: no NumPy dtype)
                      and np.dtype(pg.values[v].spec.dtype).kind in "fc")

@@ -67,8 +67,9 @@ from autopar.graph.ops import OPERATORS
 from autopar.graph.prng import draw_block, is_key, wrap_key
 from autopar.graph.tracer import flatten, traced_dtype
 from autopar.graph.loops import LOOP_KIND
+from autopar.graph.remat import spans
 from autopar.kernel_rules import FusedKernels, fuse_kernels, run_fused
-from autopar.lower_loops import body_program, run_loop
+from autopar.lower_loops import body_programs, run_loop
 from autopar.parallel_graph import PNode, ParallelGraph
 from autopar.strategies.layout import DeviceMesh, axis_name, jax_mesh
 from autopar.strategies.redistribution import STEP_KINDS, Step
@@ -369,10 +370,9 @@ def run_body(pg: ParallelGraph, *flat: Any,
     ``shard_map(check_vma=True)`` (see :func:`apply_step`).
     """
     env: dict[str, Any] = dict(zip(pg.inputs, flat))
-    for i, node in enumerate(pg.nodes):
-        if before_node is not None:
-            before_node(i, node, env)
-        args = [_read(env, pg, v) for v in node.inputs]
+
+    def one(node: PNode, local: dict[str, Any]) -> None:
+        args = [_read(local, pg, v) for v in node.inputs]
         if node.step is not None:
             out = run_step(node, args[0]) if run_step is not None else None
             outs = [apply_step(args[0], node.step, pg.mesh, vma=vma) if out is None else out]
@@ -382,8 +382,51 @@ def run_body(pg: ParallelGraph, *flat: Any,
             outs = run_loop(node, args, run_body, vma)
         else:
             outs = _bind(node, args, pg, vma)
-        env.update(zip(node.outputs, outs))
+        local.update(zip(node.outputs, outs))
+
+    regions = spans(pg.nodes)
+    last = _last_reads(pg) if regions else {}
+    i = 0
+    while i < len(pg.nodes):
+        end = regions.get(i, i + 1)
+        if before_node is not None:  # (a region's sync points are at its start)
+            for k in range(i, end):
+                before_node(k, pg.nodes[k], env)
+        if i in regions:
+            _run_region(pg, pg.nodes[i:end], env, [v for n in pg.nodes[i:end]
+                                                   for v in n.outputs if last.get(v, -1) >= end],
+                        one)
+        else:
+            one(pg.nodes[i], env)
+        i = end
     return tuple(_read(env, pg, v) for v in pg.outputs)
+
+
+def _last_reads(pg: ParallelGraph) -> dict[str, int]:
+    """Value -> the index of the last node reading it (past the end: a program output)."""
+    out = {v: i for i, n in enumerate(pg.nodes) for v in n.inputs}
+    out.update((v, len(pg.nodes)) for v in pg.outputs)
+    return out
+
+
+def _run_region(pg: ParallelGraph, nodes: Sequence[PNode], env: dict[str, Any],
+                outs: Sequence[str], one: Callable[[PNode, dict[str, Any]], None]) -> None:
+    """One recomputation region's span of the program (:func:`autopar.graph.remat.spans`):
+    its nodes run inside ``jax.checkpoint`` with the user's policy, from the values it reads
+    in ``env`` to ``outs`` (what later nodes read), written into ``env``."""
+    made = {v for n in nodes for v in n.outputs}
+    reads = list(dict.fromkeys(v for n in nodes for v in n.inputs
+                               if v not in made and v in env))
+    remat = next(n.remat for n in nodes if n.remat is not None)
+
+    def region(*xs: Any) -> tuple[Any, ...]:
+        local = dict(zip(reads, xs))
+        for node in nodes:
+            one(node, local)
+        return tuple(local[v] for v in outs)
+
+    fn = jax.checkpoint(region, policy=remat.policy, prevent_cse=remat.prevent_cse)
+    env.update(zip(outs, fn(*(env[v] for v in reads))))
 
 
 # ---------------------------------------------------------------------------- lowering
@@ -507,6 +550,7 @@ def _check_lowerable(pg: ParallelGraph) -> None:
     too)."""
     for node in pg.nodes:
         if node.kind == LOOP_KIND:
-            _check_lowerable(body_program(node))
+            for program in body_programs(node):
+                _check_lowerable(program)
         elif node.step is None and not node.is_fused:
             local_params(node, pg)

@@ -8,6 +8,10 @@ layout (the rewrite moves them back), the ``xs`` are scanned along their leading
 split) and the ``ys`` stacked along it. The program's size and its compile time therefore do
 not grow with the trip count, and its gradient is JAX's transpose of the ``lax.scan``.
 
+A ``cond`` node (one iteration, a program per branch: ``node.params["programs"]``) is lowered
+as one ``lax.switch`` on its index (replicated: every device takes the same branch), every
+branch reading all the operands and making its results in the node's output layouts.
+
 A program holding a loop runs under ``shard_map(check_vma=False)`` (as the training step's
 always does): a carry's variance across the mesh can differ between entering and leaving an
 iteration, which ``lax.scan`` refuses under ``check_vma=True``.
@@ -21,12 +25,17 @@ from jax import lax
 
 from autopar.parallel_graph import PNode, ParallelGraph
 
-__all__ = ["body_program", "run_loop"]
+__all__ = ["body_program", "body_programs", "run_loop"]
 
 
 def body_program(node: PNode) -> ParallelGraph:
     """The per-iteration program of a loop node."""
     return node.params["program"]
+
+
+def body_programs(node: PNode) -> tuple[ParallelGraph, ...]:
+    """Every program of a loop node: its body's, or each branch's of a ``cond``."""
+    return node.params.get("programs") or (node.params["program"],)
 
 
 def run_loop(node: PNode, args: list[Any], run: Callable[..., tuple[Any, ...]],
@@ -35,6 +44,9 @@ def run_loop(node: PNode, args: list[Any], run: Callable[..., tuple[Any, ...]],
     carries and the stacked ``ys``. ``run(pg, *flat, vma=...)`` runs one program
     (:func:`autopar.lower.run_body`)."""
     p = node.params
+    if node.op == "cond":  # one lax.switch of the branches' programs
+        branches = [lambda *a, pg=pg: tuple(run(pg, *a, vma=vma)) for pg in p["programs"]]
+        return list(lax.switch(args[0], branches, *args))
     program = body_program(node)
     nc, nk = p["num_consts"], p["num_carry"]
     consts, init, xs = args[:nc], tuple(args[nc:nc + nk]), tuple(args[nc + nk:])

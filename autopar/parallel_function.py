@@ -118,8 +118,8 @@ def parallelize(fn: Callable[..., Any], *example_args: Any, mode: str | None = N
 def parallel_function(fn: Callable[..., Any], example_args: tuple[Any, ...],
                       uneven: UnevenRequest | None, *, mode: str | None,
                       fixed: Mapping[str, Any] | None, cluster: Any, mesh: Mesh | None,
-                      fused_kernels: FusedKernels, plan: Plan | None = None
-                      ) -> ParallelFunction:
+                      fused_kernels: FusedKernels, plan: Plan | None = None,
+                      optimizer: Any = None) -> ParallelFunction:
     """:func:`parallelize` after its checks: trace, search, rewrite and lower, reading no
     context of its own (the search, :func:`autopar.search`, resolves it). ``uneven``: the
     uneven split :func:`autopar.uneven.plan_uneven` asked for, or None. ``plan``: a plan
@@ -133,7 +133,7 @@ def parallel_function(fn: Callable[..., Any], example_args: tuple[Any, ...],
         if given:
             _check_given_plan(plan, graph)
         else:
-            plan = search(graph, mode=mode, fixed=fixed, cluster=cluster)
+            plan = search(graph, mode=mode, fixed=fixed, cluster=cluster, optimizer=optimizer)
         pg = rewrite(graph, plan, fused_kernels=fused_kernels, cluster=cluster)
         adapter = None
         if uneven is not None and given:  # (the given plan runs as it is, or is refused)

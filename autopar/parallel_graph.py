@@ -68,6 +68,7 @@ class PNode:
     source: str = ""
     note: str = ""                 # for communication: which value, for which consumer
     display: str = ""              # a fused kernel's MindSpore name (autopar/kernel_rules.py)
+    remat: Any = None              # its jax.checkpoint region (autopar/graph/remat.py)
 
     @property
     def is_comm(self) -> bool:

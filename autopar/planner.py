@@ -21,22 +21,27 @@ from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from typing import Any, Iterator, Mapping, Sequence
 
+import jax
+
 from autopar.algo import current_algo_parameters
 from autopar.checkpoint import dumps_strategy, load_plan, save_strategy, strategy_document
 from autopar.clusters import note_devices, resolve_cluster
 from autopar.errors import (AutoParallelError, AutoParallelTypeError, AutoParallelWarning,
-                            user_stacklevel)
+                            MemoryBudgetError, user_stacklevel)
 from autopar.files import writable_target, write_files_atomic
 from autopar.graph.ir import Graph, check_strategy_shape
 from autopar.graph.ms_layout import to_strategy
+from autopar.graph.prng import is_key
 from autopar.limits import MAX_DEVICES
 from autopar.multihost import check_same, several
 from autopar.resolve import resolve_context
 from autopar.strategies.cost import Cluster, CostModel
 from autopar.strategies.explain import Explanation, alternatives
+from autopar.strategies.fit import advise
 from autopar.strategies.modes import (PARALLEL_MODES, SOLVERS, USES_PARAMETER_PLANS,
                                       USES_STRATEGY_FILES, USES_USER_STRATEGIES)
 from autopar.strategies.plan import Plan
+from autopar.strategies.precision import optimizer_state
 from autopar.strategies.search import SearchSettings, ranked_plans, search_plan
 from autopar.strategies.stages import StagePartition
 from autopar.strategies.stages import partition_stages as _partition_stages
@@ -51,8 +56,14 @@ _PENDING: ContextVar[list[tuple[Plan, Graph, Any, Any]] | None] = ContextVar(
 
 def search(graph: Graph, *, mode: str | None = None, device_num: int | None = None,
            cluster: str | Cluster | None = None, fixed: Mapping[str, Any] | None = None,
-           parallel_mode: str | None = None, fully_use_devices: bool | None = None) -> Plan:
+           parallel_mode: str | None = None, fully_use_devices: bool | None = None,
+           optimizer: Any = None) -> Plan:
     """Search a plan for ``graph`` (see the module docstring).
+
+    ``optimizer``: the optax ``GradientTransformation`` the step will run (``train_step``
+    passes its own); the memory and update time price each parameter's optimizer state as
+    ``optimizer.init`` makes it (:func:`autopar.strategies.precision.optimizer_state`).
+    None: the cluster's ``optimizer_state_factor`` (Adam's 2 x the parameter).
 
     ``fully_use_devices`` (MindSpore's algorithm parameter of the same name; None: the value
     of ``set_algo_parameters(fully_use_devices=...)``, True by default): when True an
@@ -62,21 +73,22 @@ def search(graph: Graph, *, mode: str | None = None, device_num: int | None = No
     """
     return plan_graph(graph, resolve_context().config, mode=mode, device_num=device_num,
                       cluster=cluster, fixed=fixed, parallel_mode=parallel_mode,
-                      fully_use_devices=fully_use_devices)
+                      fully_use_devices=fully_use_devices, optimizer=optimizer)
 
 
 def plan_graph(graph: Graph, cfg: Any, *, mode: str | None = None,
                device_num: int | None = None, cluster: str | Cluster | None = None,
                fixed: Mapping[str, Any] | None = None, parallel_mode: str | None = None,
                fully_use_devices: bool | None = None, load_file: str | None = None,
-               save_file: str | None = None) -> Plan:
+               save_file: str | None = None, optimizer: Any = None) -> Plan:
     """:func:`search` on a configuration its caller's entry point has read (the pipelined
     step's, once for all its stages). ``load_file`` / ``save_file`` replace the
     configuration's strategy-file paths (a stage's own files)."""
     load = cfg.strategy_ckpt_load_file if load_file is None else load_file
     save = cfg.strategy_ckpt_save_file if save_file is None else save_file
     s = _search_inputs(graph, cfg, mode=mode, device_num=device_num, fixed=fixed,
-                       parallel_mode=parallel_mode, fully_use_devices=fully_use_devices)
+                       parallel_mode=parallel_mode, fully_use_devices=fully_use_devices,
+                       optimizer=optimizer)
     files = s.pmode in USES_STRATEGY_FILES
     if (load or save) and not files and cfg.parallel_mode in USES_STRATEGY_FILES:
         warnings.warn(f"strategy files are used only in semi_auto_parallel and auto_parallel: "
@@ -89,9 +101,7 @@ def plan_graph(graph: Graph, cfg: Any, *, mode: str | None = None,
                      None if cluster is None else resolve_cluster(cluster), s.fixed_map,
                      s.settings, s.annotated)
     else:
-        plan = search_plan(graph, mode=s.mode, device_num=s.n,
-                           cluster=note_devices(resolve_cluster(cluster), s.n),
-                           fixed=s.fixed_map, settings=s.settings)
+        plan = _advised(search_plan, graph, s, cluster)
     if files and save:
         save_plan(plan, graph, save)
     return plan
@@ -99,15 +109,27 @@ def plan_graph(graph: Graph, cfg: Any, *, mode: str | None = None,
 
 def ranked_candidates(graph: Graph, cfg: Any, *, mode: str | None = None,
                       cluster: str | Cluster | None = None,
-                      fixed: Mapping[str, Any] | None = None) -> list[tuple[str, Plan]]:
+                      fixed: Mapping[str, Any] | None = None,
+                      optimizer: Any = None) -> list[tuple[str, Plan]]:
     """The plans a search weighs, cheapest first, as (name, plan): the search's own and the
     hand plans (:func:`autopar.strategies.search.ranked_plans`), on a configuration its
     caller's entry point has read; no strategy file is read or written."""
     s = _search_inputs(graph, cfg, mode=mode, device_num=None, fixed=fixed,
-                       parallel_mode=None, fully_use_devices=None)
-    return ranked_plans(graph, mode=s.mode, device_num=s.n,
-                        cluster=note_devices(resolve_cluster(cluster), s.n),
-                        fixed=s.fixed_map, settings=s.settings)
+                       parallel_mode=None, fully_use_devices=None, optimizer=optimizer)
+    return _advised(ranked_plans, graph, s, cluster)
+
+
+def _advised(searcher: Any, graph: Graph, s: "_SearchInputs", cluster: Any) -> Any:
+    """``searcher`` (:func:`search_plan` or :func:`ranked_plans`) on the checked inputs; when
+    no plan fits the memory budget, the error says what would
+    (:func:`autopar.strategies.fit.advise`)."""
+    clus = note_devices(resolve_cluster(cluster), s.n)
+    try:
+        return searcher(graph, mode=s.mode, device_num=s.n, cluster=clus, fixed=s.fixed_map,
+                        settings=s.settings)
+    except MemoryBudgetError as e:
+        raise advise(graph, e, mode=s.mode, device_num=s.n, cluster=clus, fixed=s.fixed_map,
+                     settings=s.settings) from None
 
 
 @dataclass(frozen=True)
@@ -122,7 +144,7 @@ class _SearchInputs:
 
 def _search_inputs(graph: Graph, cfg: Any, *, mode: str | None, device_num: int | None,
                    fixed: Mapping[str, Any] | None, parallel_mode: str | None,
-                   fully_use_devices: bool | None) -> _SearchInputs:
+                   fully_use_devices: bool | None, optimizer: Any = None) -> _SearchInputs:
     """The checked values a search takes from its arguments, else the configuration and the
     algorithm parameters."""
     algo = current_algo_parameters()
@@ -145,8 +167,37 @@ def _search_inputs(graph: Graph, cfg: Any, *, mode: str | None, device_num: int 
     settings = SearchSettings.from_config(
         cfg, parallel_mode=pmode, fully_use_devices=fully_use_devices,
         elementwise_op_strategy_follow=algo.elementwise_op_strategy_follow,
-        hand_plan_margin=algo.hand_plan_margin)
+        hand_plan_margin=algo.hand_plan_margin,
+        optimizer_state=_optimizer_state(graph, optimizer))
     return _SearchInputs(pmode, m, n, fixed_map, annotated, settings)
+
+
+def _optimizer_state(graph: Graph, optimizer: Any) -> tuple[tuple[str, float], ...] | None:
+    """Per parameter of ``graph``, the bytes of state ``optimizer`` keeps per parameter byte
+    (:func:`~autopar.strategies.precision.optimizer_state`, on the parameters as the
+    function was traced on them: their tree where the trace kept it); None without one."""
+    if optimizer is None:
+        return None
+    if not callable(getattr(optimizer, "init", None)):
+        raise AutoParallelTypeError("optimizer", optimizer, "an optax GradientTransformation "
+                                    "(with init and update)")
+    names = graph.parameters()
+    # (typed PRNG keys are carried, never trained: the optimizer does not see them)
+    specs = [None if is_key(graph.spec(v).dtype) else
+             jax.ShapeDtypeStruct(graph.spec(v).shape, graph.spec(v).dtype) for v in names]
+    tree = graph.in_tree.children()[0] if graph.in_tree is not None and \
+        graph.in_tree.num_leaves >= len(names) else None
+    params = jax.tree_util.tree_unflatten(tree, specs) \
+        if tree is not None and tree.num_leaves == len(specs) else specs
+    try:
+        ratios = optimizer_state(optimizer, params)
+    except Exception as e:  # noqa: BLE001 - the user's optimizer: priced by the factor
+        warnings.warn(f"optimizer: {type(optimizer).__name__}'s init failed on the traced "
+                      f"parameters ({type(e).__name__}: {e}); its state is priced as the "
+                      "cluster's optimizer_state_factor", AutoParallelWarning,
+                      stacklevel=user_stacklevel())
+        return None
+    return tuple(zip([v for v, s in zip(names, specs) if s is not None], ratios))
 
 
 def _user_strategies(graph: Graph, fixed: Any, pmode: str, n: int) -> tuple[dict, dict]:

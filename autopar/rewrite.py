@@ -141,6 +141,8 @@ class _Rewriter:
                     len(ns.out_layouts) != len(node.outputs):
                 raise AutoParallelError("node", node.name, "the plan's layouts do not match "
                                         "the node's inputs and outputs")
+            if node.kind == LOOP_KIND and node.op == "cond":
+                _check_predicate(node, ns.in_layouts[0])
             ins = tuple(self.read(v, lay, node.name) for v, lay in zip(node.inputs,
                                                                        ns.in_layouts))
             for v, lay in zip(node.outputs, ns.out_layouts):
@@ -150,11 +152,14 @@ class _Rewriter:
                                             f"output layout {lay}")
                 self.home[v] = self.add_value(v, v, lay, "activation")
             params = dict(node.params)
-            if node.kind == LOOP_KIND:  # the per-iteration program, under the body plan
+            if node.kind == LOOP_KIND and node.op == "cond":  # one program per branch
+                params["programs"] = _rewrite_branches(node, ns, self.enable_alltoall)
+                params["program"] = params["programs"][0]
+            elif node.kind == LOOP_KIND:  # the per-iteration program, under the body plan
                 params["program"] = _rewrite_body(node, ns.body, self.enable_alltoall)
             self.nodes.append(PNode(node.name, node.op, node.kind, ins, node.outputs,
                                     params, node.primitive, strategy=ns.strategy,
-                                    source=node.source))
+                                    source=node.source, remat=node.remat))
         outs = []
         for k, v in enumerate(g.outputs):
             if out_layouts is not None:
@@ -180,6 +185,30 @@ def _rewrite_body(node: Node, plan: Plan | None, enable_alltoall: bool) -> Paral
     outs = [plan.layouts[g.inputs[body.num_consts + j]] for j in range(body.num_carry)]
     outs += [plan.layouts[v] for v in g.outputs[body.num_carry:]]
     return _Rewriter(g, plan, enable_alltoall).run(outs)
+
+
+def _check_predicate(node: Node, index: Layout) -> None:
+    """A ``cond``'s predicate (its branch index) is read replicated: every device takes the
+    same branch (the collectives inside a branch need every member of their group)."""
+    if index.partial or index.used_axes():
+        raise AutoParallelError(f"layout of the predicate of cond node {node.name!r} (at "
+                                f"{node.source})", str(index), "a cond's predicate (branch "
+                                "index) must be replicated: the same on every device",
+                                "Do not fix a split or partial layout for it")
+
+
+def _rewrite_branches(node: Node, ns: Any, enable_alltoall: bool
+                      ) -> tuple[ParallelGraph, ...]:
+    """A ``cond`` node's branches under its body plan: one program each, every branch
+    making its results in the node's output layouts (the same local shapes, as
+    ``lax.switch`` needs). Its index must be the same on every device."""
+    if ns.body is None:
+        raise AutoParallelError("node", node.name, "the plan has no body plan for this cond "
+                                "node (plan and graph do not match)",
+                                "Search the plan on this graph")
+    body = loop_body(node)
+    return tuple(_Rewriter(body.branch(i), ns.body, enable_alltoall).run(ns.out_layouts)
+                 for i in range(len(body.branches)))
 
 
 def rewrite(graph: Graph, plan: Plan, *, fused_kernels: FusedKernels = "auto",

@@ -8,7 +8,8 @@ The model (all times from :class:`~autopar.strategies.cost.CostModel`):
   communication and redistribution (a third here, the rest in backward; on another cluster
   than the plan's, re-priced there: :func:`plan_communication`).
 - **backward**: the rest of that communication, then the operators in reverse order, each
-  taking ``BACKWARD_FACTOR`` (2) x its forward time (0 when nothing it reads is trained).
+  taking ``BACKWARD_FACTOR`` (2) x its forward time (0 when nothing it reads is trained),
+  one more where a ``jax.checkpoint`` policy recomputes it (:mod:`autopar.graph.remat`).
   A gradient is *ready* when backward has passed its parameter's first use in forward
   (unused parameters: at the start of backward).
   The optimizer update follows ``Iteration_end`` (``update``; ``step_time`` includes it): with
@@ -389,7 +390,8 @@ def _node_times(graph: Any, plan: Any, cm: Any, mesh: Any
         t = planned_time(cm, graph, n, plan.nodes.get(n.name) if plan is not None else None,
                          mesh, fused)
         fwd.append(t)
-        back.append(BACKWARD_FACTOR * t if any(grad[v] for v in n.inputs) else 0.0)
+        again = 1.0 if n.remat is not None and not n.remat.saved else 0.0  # (recomputed)
+        back.append((BACKWARD_FACTOR + again) * t if any(grad[v] for v in n.inputs) else 0.0)
     extra = 0.0 if plan is None else sum(plan_communication(graph, plan, cm)[:2])
     return fwd, back, extra, update_time(graph, graph.parameters(), plan, cm)
 

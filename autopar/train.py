@@ -156,7 +156,8 @@ class TrainStep(ProgramInspection):
         traced_fn, traced_params = self.split.traced(loss_fn, params, micro)
         self.function = parallel_function(traced_fn, (traced_params, *micro), None, mode=mode,
                                           fixed=fixed, cluster=cluster, mesh=mesh,
-                                          fused_kernels=fused_kernels, plan=plan)
+                                          fused_kernels=fused_kernels, plan=plan,
+                                          optimizer=optimizer)
         self.plan = self.function.plan
         self.parallel_graph = pg = self.function.parallel_graph
         self.mesh: Mesh = self.function.mesh
@@ -740,9 +741,9 @@ def train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
     ``((loss, aux), grads)``: the loss's place holds the pair, as value_and_grad's value
     does. ``aux`` comes back as global arrays (laid out as the plan computed them), the
     values of one device on the whole batch; under ``grad_accumulation_step = g`` each
-    micro-batch's, stacked along a new leading dim of size ``g``. The ``pmap`` backend and
-    the pipelined step (``pipeline_stages > 1``) refuse it (``AutoParallelError`` naming
-    ``has_aux``): they compute a loss per device or per micro-batch and stage only.
+    micro-batch's, stacked along a new leading dim of size ``g`` (the pipelined step's:
+    ``g x micro_batches``). The ``pmap`` backend refuses it (``AutoParallelError`` naming
+    ``has_aux``): it computes a loss per device only.
 
     ``batch``: a tuple of example arrays (a single array is taken as ``(array,)``).
     ``optimizer``: an optax ``GradientTransformation`` (default
@@ -772,10 +773,10 @@ def train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
         if cfg.pipeline_stages > 1:  # the pipelined step (autopar.pipeline), checked here
             cfg = resolve_context().config
             _check_pipelined(cfg.pipeline_stages, backend=backend, mesh=mesh,
-                             sync_method=sync_method, fused_kernels=fused_kernels,
-                             has_aux=has_aux)
+                             sync_method=sync_method, fused_kernels=fused_kernels)
             step: Any = PipelineTrainStep(loss_fn, params, batch, optimizer, config=cfg,
-                                          mode=mode, fixed=fixed, cluster=cluster)
+                                          mode=mode, fixed=fixed, cluster=cluster,
+                                          has_aux=has_aux)
         else:
             step = TrainStep(loss_fn, params, batch, optimizer, config=cfg, mode=mode,
                              fixed=fixed, cluster=cluster, backend=backend, mesh=mesh,
@@ -811,11 +812,6 @@ def check_step_arguments(loss_fn: Any, params: Any, batch: Any, optimizer: Any, 
 def _check_pipelined(stages: int, **given: Any) -> None:
     """Under ``pipeline_stages > 1`` the pipeline builds its own mesh and step: the options
     of the plain step must keep their defaults."""
-    if given["has_aux"]:
-        raise AutoParallelError("has_aux", True, f"pipeline_stages={stages}: the pipelined "
-                                "step computes the loss on its last stage per micro-batch and "
-                                "returns the loss only", "Drop has_aux=, or set "
-                                "pipeline_stages=1")
     for key, default in (("backend", "shard_map"), ("mesh", None), ("sync_method", "tuple"),
                          ("fused_kernels", "auto")):
         value = given[key]

@@ -215,7 +215,7 @@ def tune_step(loss_fn: Callable[..., Any], params: Any, batch: tuple[Any, ...],
         keys_in = options.get("backend", "shard_map") != "pmap"
         graph = trace(*ParamSplit(params, keys_in).traced(loss_fn, params, micro), *micro)
         cands = distinct_plans(ranked_candidates(graph, config, mode=mode, cluster=clus,
-                                                 fixed=fixed), k)
+                                                 fixed=fixed, optimizer=optimizer), k)
         with Progress("tune", len(cands) + steps * (len(cands) > 1),
                       quiet=not (progress and is_lead())) as bar:
             built, runners = [], []

@@ -119,6 +119,66 @@ def llama(seq: int = 1024, layers: int = 2) -> tuple:
     return m.loss, m.params, (tokens, jnp.ones_like(tokens), tokens)
 
 
+def _remat(quick: bool) -> dict[str, Callable[[], tuple]]:
+    """A small decoder (4 layers, hidden 256, 4 heads, sequence 128 -- 64 quick --, batch 8,
+    float32) without recomputation, with ``jax.checkpoint`` per layer (save nothing) and
+    with a names policy (``save_only_these_names("attn_out", "mlp_out")``); its layers
+    scanned (``lax.scan``: XLA's CPU compiler recomputes there) and unrolled (it merges an
+    unrolled recomputation back into forward on CPU)."""
+    import jax
+
+    names = jax.checkpoint_policies.save_only_these_names("attn_out", "mlp_out")
+    seq = 64 if quick else 128
+    out = {}
+    for scan in (True, False):
+        for label, policy in (("", None), ("_remat", "full"), ("_remat_names", names)):
+            if not scan and label == "_remat_names":
+                continue
+            name = f"{'scan' if scan else 'unrolled'}_decoder{label}"
+            out[name] = (lambda scan=scan, policy=policy: remat_decoder(scan, policy, seq))
+    return out
+
+
+def remat_decoder(scan: bool, policy: Any, seq: int = 128, layers: int = 4,
+                  hidden: int = 256, heads: int = 4, batch: int = 8) -> tuple:
+    """(loss, params, batch) of :func:`_remat`'s decoder (``policy``: None, no
+    ``jax.checkpoint``; ``"full"``: the default policy; else the policy)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.ad_checkpoint import checkpoint_name
+
+    def norm(x: Any) -> Any:
+        mu = x.mean(-1, keepdims=True)
+        return (x - mu) * jax.lax.rsqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-5)
+
+    def block(p: dict, x: Any) -> Any:
+        b, s, h = x.shape
+        q, k, v = (jnp.reshape(norm(x) @ p[w], (b, s, heads, h // heads))
+                   for w in ("wq", "wk", "wv"))
+        att = jax.nn.softmax(jnp.einsum("bshd,bthd->bhst", q, k) / (h // heads) ** 0.5)
+        a = jnp.reshape(jnp.einsum("bhst,bthd->bshd", att, v), (b, s, h))
+        x = x + checkpoint_name(a @ p["wo"], "attn_out")
+        return x + checkpoint_name(jax.nn.gelu(norm(x) @ p["w1"]) @ p["w2"], "mlp_out")
+
+    step = block if policy is None else jax.checkpoint(
+        block, policy=None if policy == "full" else policy)
+
+    def loss(params: dict, x: Any) -> Any:
+        if scan:
+            x, _ = jax.lax.scan(lambda c, p: (step(p, c), None), x, params)
+        else:
+            for i in range(layers):
+                x = step(jax.tree.map(lambda a: a[i], params), x)
+        return jnp.mean(x ** 2)
+
+    keys = jax.random.split(jax.random.key(0), 7)
+    shapes = {"wq": (hidden, hidden), "wk": (hidden, hidden), "wv": (hidden, hidden),
+              "wo": (hidden, hidden), "w1": (hidden, 4 * hidden), "w2": (4 * hidden, hidden)}
+    params = {w: jax.random.normal(kk, (layers, *sh)) / sh[0] ** 0.5
+              for kk, (w, sh) in zip(keys, shapes.items())}
+    return loss, params, (jax.random.normal(keys[6], (batch, seq, hidden)),)
+
+
 # ---- measuring -------------------------------------------------------------------------------
 
 def xla_bytes(compiled: Any) -> tuple[float, float]:
@@ -137,14 +197,19 @@ def one_device(loss: Callable, params: Any, batch: tuple, cluster: Any) -> dict[
     import autopar as ap
     from autopar.strategies.cost import CostModel
     from autopar.strategies.layout import DeviceMesh
+    from autopar.strategies.loops import has_loops, planned_problem
     from autopar.strategies.problem import Problem
 
     total, temp = xla_bytes(jax.jit(jax.value_and_grad(loss)).lower(params, *batch).compile())
     graph = ap.trace(loss, params, *batch)
-    problem = Problem(graph, DeviceMesh.for_devices(1), CostModel(cluster), lazy=True)
-    picks = problem.settle({i: (1,) * len(problem.specs[v.name].sizes)
-                            for i, v in problem.iter_ops()})
-    problem.pick_parameters(picks)
+    if has_loops(graph):  # (the loop planner: its one-device plan, re-priced)
+        plan = ap.search(graph, device_num=1, parallel_mode="auto_parallel", cluster=cluster)
+        problem, picks = planned_problem(graph, plan, CostModel(cluster))
+    else:
+        problem = Problem(graph, DeviceMesh.for_devices(1), CostModel(cluster), lazy=True)
+        picks = problem.settle({i: (1,) * len(problem.specs[v.name].sizes)
+                                for i, v in problem.iter_ops()})
+        problem.pick_parameters(picks)
     memory = problem.step_memory(picks, update=False)
     old = sum(graph.spec(v).nbytes for n in graph.nodes for v in n.outputs)
     return {"program": "1 device", "xla_mb": total / MB, "predicted_mb": memory.peak / MB,
@@ -174,8 +239,12 @@ def plan_memory(plan: Any, graph: Any, cluster: Any) -> Any:
     """The :class:`~autopar.strategies.memory.StepMemory` of a plan (its strategies priced
     again: the peak, its phase and its parts)."""
     from autopar.strategies.cost import CostModel
+    from autopar.strategies.loops import has_loops, planned_problem
     from autopar.strategies.problem import Problem
 
+    if has_loops(graph):  # (its loop nodes at the plan's body plans)
+        problem, picks = planned_problem(graph, plan, CostModel(cluster))
+        return problem.step_memory(picks)
     problem = Problem(graph, plan.mesh, CostModel(cluster), fixed_splits={
         k: ns.splits for k, ns in plan.nodes.items()})
     picks = [0] * len(problem.vertices)
@@ -266,6 +335,12 @@ def gpt3_rows(hidden: int = 12288, heads: int = 96, seq: int = 2048) -> list[dic
 
 
 def main(quick: bool = False) -> None:
+    """All rows; with ``--remat``, only :func:`_remat`'s (the other rows kept from the last
+    run's memory.json)."""
+    import sys
+
+    if "--remat" in sys.argv[1:]:
+        return remat_main(quick)
     from benchmarks.bench_models import ensure_models_extra
 
     ensure_models_extra()
@@ -274,7 +349,7 @@ def main(quick: bool = False) -> None:
 
     cluster = CLUSTERS["cpu-emulated"]
     models = {**_zoo(quick), **_corpus(quick),
-              "llama_1024": (lambda: llama(seq=256)) if quick else llama}
+              "llama_1024": (lambda: llama(seq=256)) if quick else llama, **_remat(quick)}
     rows = []
     for name, build in models.items():
         rows += model_rows(name, build, cluster)
@@ -284,6 +359,25 @@ def main(quick: bool = False) -> None:
     write_results("memory", rows, COLUMNS, meta={
         "cluster": cluster.name, "devices": 8, "gpt3": gpt3,
         "xla": "argument + output + temp - alias bytes of compiled.memory_analysis()"})
+    DOC_TABLES.write()
+
+
+def remat_main(quick: bool = False) -> None:
+    """``python -m benchmarks memory --remat``: :func:`_remat`'s rows measured again and put
+    in place of theirs in memory.json (the other rows and the GPT-3 figures kept)."""
+    warnings.simplefilter("ignore")
+    from autopar.strategies.cost import CLUSTERS
+    from benchmarks._common import out_dir, read_results
+
+    cluster = CLUSTERS["cpu-emulated"]
+    models = _remat(quick)
+    new = [r for name, build in models.items() for r in model_rows(name, build, cluster)]
+    for r in new:
+        print(f"{r['model']:>24} {r['program']:>8}: xla {r.get('xla_mb', 0):8.1f} MB, "
+              f"predicted {r.get('predicted_mb', 0):8.1f} MB ({r.get('pred/xla', 0):.3f})")
+    old = read_results("memory", out_dir())
+    rows = [r for r in old["rows"] if r["model"] not in models] + new
+    write_results("memory", rows, COLUMNS, meta=old["meta"])
     DOC_TABLES.write()
 
 

@@ -112,14 +112,26 @@ def _linen_modules() -> dict[str, type]:
             h = nn.Dense(HIDDEN)(nn.gelu(nn.Dense(MLP_WIDTH)(nn.LayerNorm()(x))))
             return x + h
 
+    class ScanBlock(nn.Module):  # (carry, broadcast mask) -> (carry, no per-layer output)
+        @nn.compact
+        def __call__(self, x: jax.Array, mask: jax.Array) -> tuple[jax.Array, None]:
+            return Block()(x, mask), None
+
     class Decoder(nn.Module):
         remat: bool = False
+        scan: bool = False  # the blocks stacked by nn.scan (one lax.scan over the layers)
 
         @nn.compact
         def __call__(self, tokens: jax.Array) -> jax.Array:
             embed = nn.Embed(num_embeddings=VOCAB, features=HIDDEN)
             x = embed(tokens) + nn.Embed(SEQ, HIDDEN)(jnp.arange(tokens.shape[-1]))
             mask = nn.make_causal_mask(tokens)
+            if self.scan:
+                blocks = nn.scan(ScanBlock, variable_axes={"params": 0},
+                                 split_rngs={"params": True}, in_axes=nn.broadcast,
+                                 length=LAYERS)
+                x, _ = blocks(name="blocks")(x, mask)
+                return embed.attend(nn.LayerNorm()(x))
             block = nn.remat(Block) if self.remat else Block
             for i in range(LAYERS):
                 x = block(name=f"block_{i}")(x, mask)
@@ -154,15 +166,16 @@ def linen_cnn() -> CorpusModel:
                        "BatchNorm in inference mode (running statistics closed over)")
 
 
-def _linen_decoder(name: str, remat: bool) -> CorpusModel:
-    model = _linen_modules()["Decoder"](remat=remat)
+def _linen_decoder(name: str, remat: bool, scan: bool = False) -> CorpusModel:
+    model = _linen_modules()["Decoder"](remat=remat, scan=scan)
     tokens, targets = _token_batch()
     params = model.init(jax.random.key(0), tokens)["params"]
 
     def loss(params: Any, tokens: jax.Array, targets: jax.Array) -> jax.Array:
         return _cross_entropy(model.apply({"params": params}, tokens), targets)
 
-    note = "nn.remat on every block" if remat else ""
+    note = "nn.remat on every block" if remat else \
+        "nn.scan over the blocks (one loop node)" if scan else ""
     return CorpusModel(name, "flax.linen", loss, params, (tokens, targets), note)
 
 
@@ -172,6 +185,10 @@ def linen_decoder() -> CorpusModel:
 
 def linen_decoder_remat() -> CorpusModel:
     return _linen_decoder("linen_decoder_remat", remat=True)
+
+
+def linen_decoder_scan() -> CorpusModel:
+    return _linen_decoder("linen_decoder_scan", remat=False, scan=True)
 
 
 # ---- mixture of experts (flax.linen) ----------------------------------------------------------
@@ -443,11 +460,23 @@ def keras_gemma() -> CorpusModel:
     return _keras_causal_lm("keras_gemma", make)
 
 
+def keras_mixtral() -> CorpusModel:
+    def make(keras_hub: Any) -> Any:
+        backbone = keras_hub.models.MixtralBackbone(
+            vocabulary_size=VOCAB, num_layers=LAYERS, num_query_heads=HEADS,
+            num_key_value_heads=2, hidden_dim=HIDDEN, intermediate_dim=MLP_WIDTH,
+            num_experts=4, top_k=2, dropout=0.0)
+        return keras_hub.models.MixtralCausalLM(backbone=backbone, preprocessor=None)
+
+    return _keras_causal_lm("keras_mixtral", make)
+
+
 CORPUS: dict[str, Callable[[], CorpusModel]] = {
     "linen_mlp": linen_mlp,
     "linen_cnn": linen_cnn,
     "linen_decoder": linen_decoder,
     "linen_decoder_remat": linen_decoder_remat,
+    "linen_decoder_scan": linen_decoder_scan,
     "moe_block": moe_block,
     "nnx_mlp": nnx_mlp,
     "nnx_decoder": nnx_decoder,
@@ -456,6 +485,7 @@ CORPUS: dict[str, Callable[[], CorpusModel]] = {
     "keras_gpt2": keras_gpt2,
     "keras_llama": keras_llama,
     "keras_gemma": keras_gemma,
+    "keras_mixtral": keras_mixtral,
 }
 
 

@@ -145,6 +145,10 @@ class Cluster(BaseModel, metaclass=_TypedConstruction):
     devices_per_node: int = Field(ge=1, le=MAX_DEVICES, description="devices sharing the fast "
                                   "intra-node link")
     peak_flops: float = Field(ge=1, description="sustained FLOP/s per device")
+    peak_flops_by_dtype: dict[str, float] = Field(
+        default_factory=dict, description="sustained FLOP/s per device of an operator "
+        "computing in a dtype (e.g. {'bfloat16': 1.56e14, 'float32': 1.9e13}); dtypes not "
+        "listed run at peak_flops")
     memory_bandwidth: float = Field(ge=1, description="device memory bytes/s")
     memory_bytes: float = Field(ge=1, le=_BYTES, description="device memory capacity (the "
                                 "budget)")
@@ -227,11 +231,21 @@ class CostModel:
     _lin: dict = field(default_factory=dict, repr=False, compare=False)
     _step_terms: dict = field(default_factory=dict, repr=False, compare=False)
 
-    def compute_time(self, flops: float, nbytes: float, *, launch: bool = True) -> float:
+    def compute_time(self, flops: float, nbytes: float, *, launch: bool = True,
+                     dtype: str | None = None) -> float:
         """Seconds of one operator's forward on one device: its launch (unless fused into
-        another's) + roofline."""
+        another's) + roofline, its FLOPs at the peak of the dtype it computes in
+        (``peak_flops_by_dtype``, else ``peak_flops``).
+
+        >>> a100 = CLUSTERS["accelerator-8x"].model_copy(
+        ...     update={"peak_flops_by_dtype": {"bfloat16": 2.56e14}})
+        >>> cm = CostModel(a100)
+        >>> cm.compute_time(2.56e14, 0, dtype="bfloat16"), cm.compute_time(2.56e14, 0)
+        (1.0, 2.0)
+        """
         c = self.cluster
-        return (c.op_overhead if launch else 0.0) + max(flops / c.peak_flops,
+        peak = c.peak_flops_by_dtype.get(dtype, c.peak_flops) if dtype else c.peak_flops
+        return (c.op_overhead if launch else 0.0) + max(flops / peak,
                                                          nbytes / c.memory_bandwidth)
 
     @property
@@ -407,18 +421,24 @@ class CostModel:
         return self.collective_time("all_reduce", nbytes, p, intra=intra) - c.barrier - \
             c.barrier_per_byte * nbytes
 
-    def update_time(self, local_bytes: float) -> float:
+    def _state(self, state: float | None) -> float:
+        """Optimizer state bytes per parameter byte: ``state`` (derived from the optimizer,
+        :func:`~autopar.strategies.precision.optimizer_state`), else the cluster's
+        ``optimizer_state_factor``."""
+        return self.cluster.optimizer_state_factor if state is None else state
+
+    def update_time(self, local_bytes: float, state: float | None = None) -> float:
         """Seconds of the optimizer update of one parameter block on one device: it reads
         the parameter, its gradient and its state and writes the parameter and the state
-        (``3 + 2 x optimizer_state_factor`` passes over the block; Adam: 7)."""
+        (``3 + 2 x state`` passes over the block, ``state``: :meth:`_state`; Adam: 7)."""
         c = self.cluster
-        passes = c.update_passes or 3.0 + 2.0 * c.optimizer_state_factor
+        passes = c.update_passes or 3.0 + 2.0 * self._state(state)
         return c.op_overhead + passes * local_bytes / c.memory_bandwidth
 
-    def parameter_memory(self, local_bytes: float, group: int, *,
-                         sharded: bool = False) -> float:
+    def parameter_memory(self, local_bytes: float, group: int, *, sharded: bool = False,
+                         state: float | None = None) -> float:
         """Bytes per device a parameter costs in training: its stored copy, its gradient and
-        its optimizer state (``optimizer_state_factor`` x the parameter).
+        its optimizer state (``state`` x the parameter, :meth:`_state`).
 
         ``local_bytes``: the parameter's block under its layout; ``group``: the size of its
         data-parallel group (the devices it is replicated on). ``sharded`` (the parallel
@@ -431,13 +451,13 @@ class CostModel:
         >>> cm.parameter_memory(800, 8), cm.parameter_memory(800, 8, sharded=True)
         (3200.0, 1100.0)
         """
-        state = self.cluster.optimizer_state_factor
+        state = self._state(state)
         if not sharded or group <= 1:
             return float(local_bytes * (2.0 + state))
         return float(local_bytes * (1.0 + (1.0 + state) / group))
 
-    def parameter_parts(self, local_bytes: float, group: int, *,
-                        sharded: bool = False) -> tuple[float, float, float]:
+    def parameter_parts(self, local_bytes: float, group: int, *, sharded: bool = False,
+                        state: float | None = None) -> tuple[float, float, float]:
         """:meth:`parameter_memory` in its three parts, (stored copy, optimizer state,
         gradient): what a step holds throughout, and the gradient it makes in backward
         (:mod:`autopar.strategies.memory` orders them).
@@ -446,7 +466,7 @@ class CostModel:
         >>> cm.parameter_parts(800, 8), cm.parameter_parts(800, 8, sharded=True)
         ((800.0, 1600.0, 800.0), (100.0, 200.0, 800.0))
         """
-        state = self.cluster.optimizer_state_factor
+        state = self._state(state)
         ways = group if sharded and group > 1 else 1
         return (float(local_bytes / ways), float(local_bytes * state / ways),
                 float(local_bytes))

@@ -52,6 +52,7 @@ def alternatives(graph: Graph, plan: Plan, node: str, cm: CostModel, *, full_use
                           full_use=use, fixed_splits=held,
                           parallel_optimizer_kb=plan.parallel_optimizer_kb,
                           optimizer_weight_shard_size=plan.optimizer_weight_shard_size,
+                          **plan.precision(),
                           annotations=False,  # (an annotated operator's every alternative)
                           loops=PlannedLoops.of(plan))
         i = problem.index[node]

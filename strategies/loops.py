@@ -233,8 +233,10 @@ class LoopChoices:
     def _candidate(self, splits: Splits, bp: Problem, picks: list[int]) -> Candidate:
         """A body problem solved at ``splits`` as a candidate (see the module docstring)."""
         plan = Plan.from_picks(bp, picks, "loop body", 0.0)
-        cost, _ = bp.evaluate(picks)
         g, body, n = self.body.graph, self.body, self.body.length
+        if body.branches:
+            return self._branches(splits, bp, picks, plan)
+        cost, _ = bp.evaluate(picks)
         carries = 0.0
         for j in range(body.num_carry):
             v, home = g.outputs[j], g.inputs[body.num_consts + j]
@@ -243,14 +245,20 @@ class LoopChoices:
         costs = (n * (cost.compute - bp.cm.cluster.step_overhead),
                  n * (cost.communication + cost.redistribution + carries),
                  n * cost.gradient_sync, n * cost.memory_bytes)
-        ins = []
-        for k, v in enumerate(g.inputs):
-            lay = plan.layouts[v]
-            ins.append(Layout(((),) + lay.dims) if body.role(k) == "xs" else lay)
         outs = [plan.layouts[g.inputs[body.num_consts + j]] for j in range(body.num_carry)]
         for v in g.outputs[body.num_carry:]:
             lay = plan.layouts[v]
             outs.append(Layout(((),) + lay.dims, lay.partial))
+        return self._made(splits, bp, plan, costs, outs)
+
+    def _made(self, splits: Splits, bp: Problem, plan: Plan,
+              costs: tuple[float, float, float, float], outs: list[Layout]) -> Candidate:
+        """The candidate of a body plan priced ``costs`` making ``outs``."""
+        g, body = self.body.graph, self.body
+        ins = []
+        for k, v in enumerate(g.inputs):
+            lay = plan.layouts[v]
+            ins.append(Layout(((),) + lay.dims) if body.role(k) == "xs" else lay)
         used = frozenset().union(*(lay.used_axes() for lay in (*ins, *outs)))
         choice = Choice(splits, tuple(ins), tuple(outs), used)
         stored = []
@@ -260,6 +268,32 @@ class LoopChoices:
             stored.append(tuple(Layout(((),) + lay.dims) if body.role(k) == "xs" else lay
                                 for lay in lays))
         return Candidate(splits, choice, costs, plan, tuple(stored))
+
+    def _branches(self, splits: Splits, bp: Problem, picks: list[int],
+                  plan: Plan) -> Candidate:
+        """A ``cond``'s candidate: every branch planned (one body problem), each output
+        made in branch 0's layout (a partial sum resolved; the other branches' moved
+        there), priced as the dearer branch: its operators, its moves and the operands'."""
+        g, body, verts = self.body.graph, self.body, bp.vertices
+        outs = [Layout(plan.layouts[v].dims) if v in plan.layouts else
+                Layout.replicated(g.spec(v).rank) for v in body.branches[0][1]]
+        own = {name: i for i, (names, _) in enumerate(body.branches) for name in names}
+        step = bp.cm.cluster.step_overhead
+        best: tuple[float, tuple[float, float, float, float]] | None = None
+        for i, (_, results) in enumerate(body.branches):
+            keep = {j for j, vert in enumerate(verts)
+                    if vert.node is None or own.get(vert.node.name, i) == i}
+            c = [sum(getattr(verts[j], a).item(picks[j]) for j in keep)
+                 for a in ("compute", "comm", "grad_sync", "memory")]
+            c[1] += sum(x for e in bp.edges if e.v in keep
+                        and (x := bp.pair_cost(e, picks[e.u], picks[e.v])))
+            c[1] += sum(bp.edge_cost(v, plan.layouts[v], lay) for v, lay in zip(results, outs)
+                        if v in plan.layouts and g.values[v].kind not in ("literal", "const"))
+            total = c[0] + c[1] + c[2]
+            if best is None or total > best[0]:
+                best = (total, (c[0], c[1], c[2], c[3]))
+        assert best is not None
+        return self._made(splits, bp, plan, best[1], list(outs))
 
     def stored_layouts(self, k: int) -> tuple[Layout, ...]:
         """The layouts the outer parameter read as operand ``k`` may be stored in: those the
@@ -298,7 +332,7 @@ def planned_problem(graph: Graph, plan: Plan, cm: Any, *, body: BodyInputs | Non
                       fixed_splits={k: ns.splits for k, ns in plan.nodes.items()},
                       parallel_optimizer_kb=plan.parallel_optimizer_kb,
                       optimizer_weight_shard_size=plan.optimizer_weight_shard_size,
-                      loops=PlannedLoops.of(plan), body=body)
+                      **plan.precision(), loops=PlannedLoops.of(plan), body=body)
     picks = [0] * len(problem.vertices)
     for i, vert in enumerate(problem.vertices):
         if vert.kind != "param" or vert.value not in plan.layouts:

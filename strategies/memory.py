@@ -55,7 +55,7 @@ from autopar.graph.ops import NO_GRADIENT
 from autopar.graph.residuals import DIVIDES_BY_ROW, NOT_RECOMPUTED, kept
 from autopar.strategies.layout import Layout
 
-__all__ = ["ParamBytes", "Residuals", "StepMemory", "step_memory"]
+__all__ = ["ParamBytes", "Residuals", "StepMemory", "recomputed_bytes", "size", "step_memory"]
 
 #: a buffer: (value, the layout it is stored in[, "row": a division's row in that shape])
 Key = tuple
@@ -111,9 +111,56 @@ class Residuals:
                 [(node.outputs[0], node.name, ROW) if row and
                  values[node.inputs[j]].spec.shape != shape else (node.inputs[j], node.name, j)
                  for j in ins] + [(node.outputs[i], None, -1) for i in outs]))
-        self.refs = self.resolve(lambda v, reader, j: False)
-        self.kept_outputs = frozenset(v for refs in self.refs.values() for v, _, _ in refs
-                                      if graph.values[v].kind == "activation")
+        self._regions(graph)
+        self.refs, _ = self.split(self.resolve(lambda v, reader, j: False))
+        self.kept_outputs = frozenset(
+            [v for refs in self.refs.values() for v, _, _ in refs
+             if graph.values[v].kind == "activation"] +
+            [v for ins in self.region_inputs.values() for v in ins
+             if graph.values[v].kind == "activation"])
+
+    def _regions(self, graph: Graph) -> None:
+        """The ``jax.checkpoint`` regions (:mod:`autopar.graph.remat`): ``region[node]``,
+        ``saved`` (the values their policies save), and per differentiated region its
+        inputs (what backward keeps to recompute it) and its first differentiated node."""
+        self.region = {n.name: n.remat.region for n in graph.nodes if n.remat is not None}
+        self.saved = frozenset(v for n in graph.nodes if n.remat is not None and n.remat.saved
+                               for v in n.outputs)
+        self.region_inputs: dict[str, tuple[str, ...]] = {}
+        self.region_first: dict[str, str] = {}
+        # loop nodes inside a region: their residuals are made again in their backward
+        self.loops_again = frozenset(n.name for n in graph.nodes if n.kind == LOOP_KIND
+                                     and n.remat is not None and not n.remat.saved)
+        for n in graph.nodes:
+            r = self.region.get(n.name)
+            if r is None or n.name not in self.differentiated:
+                continue
+            self.region_first.setdefault(r, n.name)
+        for n in graph.nodes:
+            r = self.region.get(n.name)
+            if r not in self.region_first:
+                continue
+            ins = [u for u in n.inputs if graph.values[u].kind not in ("literal", "const")
+                   and self.region.get(graph.values[u].producer or "") != r]
+            self.region_inputs[r] = tuple(dict.fromkeys(self.region_inputs.get(r, ()) +
+                                                        tuple(ins)))
+
+    def split(self, resolved: Mapping[str, tuple[Ref, ...]]
+              ) -> tuple[dict[str, tuple[Ref, ...]], dict[str, tuple[Ref, ...]]]:
+        """Resolved refs (:meth:`resolve`) split into what backward keeps from forward and
+        what it recomputes: a value an operator of a ``jax.checkpoint`` region reads that the
+        region made and its policy does not save."""
+        kept: dict[str, tuple[Ref, ...]] = {}
+        again: dict[str, tuple[Ref, ...]] = {}
+        values = self.graph.values
+        for name, refs in resolved.items():
+            r = self.region.get(name)
+            redo = tuple(ref for ref in refs if r is not None and ref[0] not in self.saved
+                         and self.region.get(values[ref[0]].producer or "") == r)
+            kept[name] = tuple(ref for ref in refs if ref not in redo)
+            if redo:
+                again[name] = redo
+        return kept, again
 
     def resolve(self, moved: Callable[[str, str, int], bool]) -> dict[str, tuple[Ref, ...]]:
         """Per differentiated operator, the stored values its backward reads: a fused value
@@ -139,6 +186,8 @@ class Residuals:
         broadcast scale, a causal mask), unless by an operation XLA does not recompute
         (:data:`NOT_RECOMPUTED`). A value that combines a broadcast row (a normalisation's
         mean or scale, a softmax's sum) is stored where backward reads it, as XLA does."""
+        if v in self.saved:  # (a jax.checkpoint policy saves it: stored)
+            return False
         if v not in self.fused or v in self.param_like or v in self.static:
             return v in self.fused
         node = self.graph.producer(v)
@@ -278,7 +327,8 @@ def step_memory(graph: Graph, res: Residuals, requires_grad: Mapping[str, bool],
                 layouts: Mapping[str, Layout], reads: Mapping[str, Sequence[Layout]],
                 local: Callable[[str, Layout], float], params: Mapping[str, ParamBytes],
                 opaque: Mapping[str, float] | None = None,
-                update: bool = True) -> StepMemory:
+                update: bool = True, again_loops: Mapping[str, float] | None = None
+                ) -> StepMemory:
     """The ordered peak of one step (see the module docstring). ``layouts``: every value's
     own layout (its producer's, or its input vertex's); ``reads[node]``: the layouts the
     operator reads its inputs in; ``local(value, layout)``: a device's bytes of it;
@@ -286,7 +336,9 @@ def step_memory(graph: Graph, res: Residuals, requires_grad: Mapping[str, bool],
     for its backward (its candidate's memory); ``update``: the step synchronises the
     gradients and applies the optimizer (else it returns the gradients, as
     ``jax.value_and_grad``: its outputs, which XLA allocates for the whole program apart
-    from its temporaries, so they are held throughout here)."""
+    from its temporaries, so they are held throughout here); ``again_loops[node]``: what a
+    loop node's body recomputes in one iteration's backward (its ``jax.checkpoint``
+    regions': :func:`recomputed_bytes`), live through the loop's backward."""
     plan = _Plan(layouts, reads, local)
     gradients = sum(p.gradient for p in params.values())
     held = sum(p.stored + p.gathered for p in params.values()) + sum(
@@ -295,14 +347,25 @@ def step_memory(graph: Graph, res: Residuals, requires_grad: Mapping[str, bool],
         held += gradients
         params = {v: ParamBytes(p.stored, p.gathered) for v, p in params.items()}
     index = {n.name: i for i, n in enumerate(graph.nodes)}
-    kept = _kept_buffers(graph, res, plan, index)
+    again: dict[str, dict[Key, int]] = {}
+    kept = _kept_buffers(graph, res, plan, index, again)
     live = _Live([x for p in params.values() for x in _output_buffers(p)] if update else ())
     activations = _forward(graph, res, plan, kept, dict(opaque or {}), live)
     grads = _backward(graph, res, requires_grad, plan, params, kept, dict(opaque or {}),
-                      index, live)
+                      index, live, again, again_loops or {})
     outputs = _update(params, grads, live) if update else 0.0
     peak, phase, at = live.best
     return StepMemory(held + peak, phase, at, held, activations, gradients, outputs)
+
+
+def recomputed_bytes(res: Residuals, layouts: Mapping[str, Layout],
+                     local: Callable[[str, Layout], float]) -> float:
+    """The bytes of the residuals a graph's ``jax.checkpoint`` regions make again in
+    backward (each value once, in its own layout): what one iteration of a loop body
+    whose layers are remat'd holds beside the loop's kept residuals in its backward."""
+    _, again = res.split(res.resolve(lambda v, reader, j: False))
+    keys = dict.fromkeys((v, layouts[v]) for refs in again.values() for v, _, _ in refs)
+    return sum(local(v, lay) for v, lay in keys)
 
 
 def _held(graph: Graph, v: str, lay: Layout, plan: _Plan) -> bool:
@@ -313,23 +376,32 @@ def _held(graph: Graph, v: str, lay: Layout, plan: _Plan) -> bool:
                                             lay == plan.layouts[v])
 
 
-def _kept_buffers(graph: Graph, res: Residuals, plan: _Plan, index: Mapping[str, int]
-                  ) -> dict[Key, int]:
+def _kept_buffers(graph: Graph, res: Residuals, plan: _Plan, index: Mapping[str, int],
+                  again: dict[str, dict[Key, int]] | None = None) -> dict[Key, int]:
     """Buffer -> the index of the first operator whose backward reads it (it is released
-    after that operator's backward)."""
+    after that operator's backward). A ``jax.checkpoint`` region keeps its inputs until its
+    first operator's backward; what it recomputes goes to ``again[region]`` instead."""
     out: dict[Key, int] = {}
     layouts, reads = plan.layouts, plan.reads
-    resolved = res.resolve(lambda v, reader, j: reads[reader][j] != layouts[v])
-    for name, refs in resolved.items():
-        k = index[name]
-        for v, reader, j in refs:
-            if j == ROW:  # a division's row, in its output's shape and layout
-                key: Key = (v, layouts[v], "row")
-            else:
-                key = (v, layouts[v] if reader is None else reads[reader][j])
-                if _held(graph, v, key[1], plan):
-                    continue
-            out[key] = min(out.get(key, k), k)
+    kept, redo = res.split(res.resolve(lambda v, reader, j: reads[reader][j] != layouts[v]))
+    for into, resolved in ((out, kept), (None, redo)):
+        for name, refs in resolved.items():
+            k = index[name]
+            dest = out if into is not None else (again if again is not None else {}) \
+                .setdefault(res.region[name], {})
+            for v, reader, j in refs:
+                if j == ROW:  # a division's row, in its output's shape and layout
+                    key: Key = (v, layouts[v], "row")
+                else:
+                    key = (v, layouts[v] if reader is None else reads[reader][j])
+                    if _held(graph, v, key[1], plan):
+                        continue
+                dest[key] = min(dest.get(key, k), k)
+    for r, ins in res.region_inputs.items():
+        k = index[res.region_first[r]]
+        for v in ins:
+            if not _held(graph, v, layouts[v], plan):
+                out[(v, layouts[v])] = min(out.get((v, layouts[v]), k), k)
     return out
 
 
@@ -372,7 +444,7 @@ def _forward(graph: Graph, res: Residuals, plan: _Plan, kept: Mapping[Key, int],
         live.see("forward", node.name, [extra])
         for key in frees.get(i, ()):
             live.free(local(key[0], key[1]))
-        if node.name in res.differentiated:
+        if node.name in res.differentiated and node.name not in res.loops_again:
             live.alloc(extra)  # a loop node's residuals, until its backward
     return live.now
 
@@ -380,12 +452,15 @@ def _forward(graph: Graph, res: Residuals, plan: _Plan, kept: Mapping[Key, int],
 def _backward(graph: Graph, res: Residuals, requires_grad: Mapping[str, bool], plan: _Plan,
               params: Mapping[str, ParamBytes], kept: Mapping[Key, int],
               opaque: Mapping[str, float], index: Mapping[str, int],
-              live: _Live) -> dict[str, float]:
+              live: _Live, again: Mapping[str, Mapping[Key, int]] | None = None,
+              again_loops: Mapping[str, float] | None = None) -> dict[str, float]:
     """Sweep backward over the differentiated operators: each operator's input cotangents
     are made (a parameter's gradient buffer at its first contribution, an activation's
     likewise; a later contribution, or one in a moved layout, is a transient partial), then
-    its outputs' cotangents and the buffers no earlier backward reads are freed. Returns
-    each parameter's gradient bytes (all live at its end)."""
+    its outputs' cotangents and the buffers no earlier backward reads are freed. A
+    ``jax.checkpoint`` region's recomputed residuals (``again``) are made when its backward
+    starts and released like kept ones. Returns each parameter's gradient bytes (all live
+    at its end)."""
     values, layouts, local = graph.values, plan.layouts, plan.local
     release: dict[int, list[float]] = {}
     for key, k in kept.items():
@@ -396,6 +471,14 @@ def _backward(graph: Graph, res: Residuals, requires_grad: Mapping[str, bool], p
         name = node.name
         if name not in res.differentiated:
             continue
+        for key, k in (again or {}).pop(res.region.get(name, ""), {}).items():
+            if key not in kept:  # (its forward again: the region's residuals)
+                live.alloc(local(key[0], key[1]))
+                release.setdefault(k, []).append(local(key[0], key[1]))
+        if name in res.loops_again:  # (a recomputed loop: its residuals made again)
+            live.alloc(opaque.get(name, 0.0))
+        redo = (again_loops or {}).get(name, 0.0)  # (one iteration's recomputation)
+        live.alloc(redo)
         partial = []
         for v, lay in zip(node.inputs, plan.reads[name]):
             kind = values[v].kind
@@ -413,6 +496,7 @@ def _backward(graph: Graph, res: Residuals, requires_grad: Mapping[str, bool], p
         for nbytes in release.get(index[name], ()):
             live.free(nbytes)
         live.free(opaque.get(name, 0.0))
+        live.free(redo)
     for v, p in params.items():  # a parameter backward never reaches: a zero gradient
         if p.gradient and v not in grads:
             grads[v] = p.gradient
@@ -451,3 +535,12 @@ def _update(params: Mapping[str, ParamBytes], grads: Mapping[str, float], live: 
         written += p.output
         live.see("update", v)
     return written
+
+
+def size(nbytes: float) -> str:
+    """Bytes as a person reads them: GiB from 1 GiB up, else MiB.
+
+    >>> size(3 * 2**30), size(5.5 * 2**20)
+    ('3.00 GiB', '5.50 MiB')
+    """
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"

@@ -41,6 +41,7 @@ from typing import Callable, Mapping, Sequence
 
 from autopar.graph.ir import Graph, Node
 from autopar.graph.prng import itemsize
+from autopar.strategies.precision import compute_dtype, state_ratio
 from autopar.strategies.cost import BACKWARD_FACTOR, CostModel
 from autopar.strategies.layout import DeviceMesh
 from autopar.strategies.opspec import OpSpec, op_spec
@@ -87,7 +88,7 @@ class OpRecipe:
     when None), and its parameter inputs (input position, value, block, whether trained)."""
 
     __slots__ = ("flops", "factor", "launch", "moved", "grads", "outs", "params", "key",
-                 "klass")
+                 "klass", "dtype")
 
     def __init__(self, graph: Graph, node: Node, spec: OpSpec,
                  requires_grad: Mapping[str, bool], fused: frozenset[str],
@@ -101,8 +102,12 @@ class OpRecipe:
         outs = [block(v, mp) for v, mp in zip(node.outputs, spec.out_maps)]
         kinds = [graph.values[v].kind for v in node.inputs]
         self.flops = node.flops
-        self.factor = 1.0 + BACKWARD_FACTOR if any(requires_grad[v] for v in node.inputs) \
-            else 1.0
+        self.dtype = compute_dtype(graph, node)  # (the peak its FLOPs run at)
+        # (an operator a jax.checkpoint policy does not save runs its forward again in
+        # backward: autopar/graph/remat.py)
+        again = 1.0 if node.remat is not None and not node.remat.saved else 0.0
+        self.factor = 1.0 + BACKWARD_FACTOR + again \
+            if any(requires_grad[v] for v in node.inputs) else 1.0
         self.launch = not all(v in fused for v in node.outputs)
         self.moved = tuple([b for v, b, k in zip(node.inputs, ins, kinds)
                             if k != "literal" and v not in fused] +
@@ -115,7 +120,8 @@ class OpRecipe:
                             if k == "param")
         # what the price depends on: operators of different signatures (an add and a mul
         # of one shape) with equal keys have equal prices
-        self.key = (self.flops, self.factor, self.launch, tuple(b.key for b in self.moved),
+        self.key = (self.flops, self.dtype, self.factor, self.launch,
+                    tuple(b.key for b in self.moved),
                     tuple((b.key, p) for b, p in self.grads), tuple(b.key for b in self.outs),
                     tuple((b.key, t) for _, _, b, t in self.params))
         self.klass = -1  # the pricer's small int for ``key``
@@ -129,8 +135,12 @@ class OpPricer:
                  requires_grad: Mapping[str, bool], fused: frozenset[str],
                  assign: Callable[[Splits], tuple | None] | None = None,
                  param_like: frozenset[str] = frozenset(),
-                 kept: frozenset[str] | None = None) -> None:
+                 kept: frozenset[str] | None = None, fp32_sync: bool = False,
+                 optimizer_state: Mapping[str, float] | None = None) -> None:
         self.graph, self.mesh, self.cm = graph, mesh, cm
+        # gradient_fp32_sync (a bf16 / fp16 gradient syncs in fp32: strategies.precision)
+        # and each parameter's optimizer state per byte (None: the cluster's factor)
+        self.fp32_sync, self.optimizer_state = fp32_sync, optimizer_state
         self.kept = kept  # the outputs priced in memory (None: all)
         self.assign = mesh.assign if assign is None else assign  # the canonical axes
         self.requires_grad, self.fused = requires_grad, fused
@@ -183,15 +193,16 @@ class OpPricer:
                 n *= size // splits[d]
             nbytes += n
         compute = cm.compute_time(r.flops / math.prod(splits), nbytes,
-                                  launch=r.launch) * r.factor
+                                  launch=r.launch, dtype=r.dtype) * r.factor
         comm = sync = 0.0
         if r.grads:
             for b, is_param in r.grads:
                 missing = self.missing(splits, b.refs)
                 if not missing:
                     continue
-                if is_param:
-                    sync += self.all_reduce(b.local_bytes(splits), missing, gradient=True)
+                if is_param:  # (an fp32 sync of a 2-byte float: twice the bytes)
+                    up = 2 if self.fp32_sync and b.itemsize == 2 else 1
+                    sync += self.all_reduce(up * b.local_bytes(splits), missing, gradient=True)
                 else:
                     comm += self.all_reduce(b.local_bytes(splits), missing)
         memory = float(sum([b.local_bytes(splits) for b in r.outs]))
@@ -212,5 +223,6 @@ class OpPricer:
         """The optimizer update of the parameters the operator reads, each in the block it
         reads it in (``Problem.param_update`` summed in input order)."""
         cm = self.cm
-        return sum([cm.update_time(b.local_bytes(splits)) if trained else 0.0
-                    for _, _, b, trained in r.params])
+        states = self.optimizer_state
+        return sum([cm.update_time(b.local_bytes(splits), state_ratio(states, v))
+                    if trained else 0.0 for _, v, b, trained in r.params])

@@ -102,6 +102,9 @@ class Plan:
     memory_weight: float = 0.0              # seconds per byte of memory in the objective
     parallel_optimizer_kb: int | None = None  # parallel optimizer threshold priced (None: off)
     optimizer_weight_shard_size: int = -1   # its shard group size priced (-1: the whole group)
+    fp32_sync: bool = True                  # gradient_fp32_sync priced (strategies.precision)
+    # per parameter, the optimizer state bytes per byte priced (None: the cluster's factor)
+    optimizer_state: tuple[tuple[str, float], ...] | None = None
     inputs: tuple[str, ...] = ()            # the graph's inputs (parameters and data), in order
     in_tree: Any = field(default=None, repr=False, compare=False)  # pytree of the arguments
     cluster_config: Any = field(default=None, repr=False, compare=False)  # the priced Cluster
@@ -161,8 +164,17 @@ class Plan:
                     memory_weight=problem.memory_weight,
                     parallel_optimizer_kb=problem.parallel_optimizer_kb,
                     optimizer_weight_shard_size=problem.optimizer_weight_shard_size,
+                    fp32_sync=problem.fp32_sync, optimizer_state=None
+                    if problem.optimizer_state is None else
+                    tuple(sorted(problem.optimizer_state.items())),
                     inputs=g.inputs, in_tree=g.in_tree,
                     cluster_config=problem.cm.cluster)
+
+    def precision(self) -> dict[str, Any]:
+        """The mixed-precision settings the plan was priced with, as :class:`~autopar.
+        strategies.problem.Problem` takes them (to price it again)."""
+        return {"fp32_sync": self.fp32_sync, "optimizer_state": None
+                if self.optimizer_state is None else dict(self.optimizer_state)}
 
     def layout(self, name: str) -> Layout:
         """Layout of a value; a node name means its (first) output."""

@@ -30,14 +30,16 @@ import numpy as np
 from autopar.errors import AutoParallelError
 from autopar.gc_pause import paused_gc
 from autopar.graph.ir import Graph, Node
-from autopar.graph.loops import LOOP_KIND
+from autopar.graph.loops import LOOP_KIND, loop_body
 from autopar.graph.ops import FUSED_PRODUCERS, FUSING_READERS, KINDS, NO_GRADIENT
 from autopar.strategies.cost import CostModel
 from autopar.strategies.edge_pricing import EdgePricer
 from autopar.strategies.layout import DeviceMesh, Layout
-from autopar.strategies.memory import ParamBytes, Residuals, StepMemory, step_memory
+from autopar.strategies.memory import (ParamBytes, Residuals, StepMemory, recomputed_bytes,
+                                       step_memory)
 from autopar.strategies.op_pricing import OpPricer
 from autopar.strategies.optimizer_rule import decide_sharding
+from autopar.strategies.precision import compute_dtype, state_ratio, sync_factor
 from autopar.strategies.opspec import OpSpec, legal_splits, op_spec, tensor_spec
 
 __all__ = ["BodyInputs", "Choice", "Vertex", "Edge", "Problem", "Breakdown",
@@ -288,7 +290,8 @@ def operator_time(cm: CostModel, graph: Graph, node: Node, splits: Sequence[int]
                                                                       out_layouts)
                   if v not in fused)
     return cm.compute_time(node.flops / math.prod(splits), nbytes,
-                           launch=not all(v in fused for v in node.outputs))
+                           launch=not all(v in fused for v in node.outputs),
+                           dtype=compute_dtype(graph, node))
 
 
 def parameter_values(graph: Graph) -> frozenset[str]:
@@ -351,8 +354,14 @@ class Problem:
                  lazy: bool = False, parallel_optimizer_kb: int | None = None,
                  optimizer_weight_shard_size: int = -1, annotations: bool = True,
                  parameter_plan: bool = True, loops: Any = None,
-                 body: BodyInputs | None = None, edge_pricer: Any = None) -> None:
+                 body: BodyInputs | None = None, edge_pricer: Any = None,
+                 fp32_sync: bool = True,
+                 optimizer_state: Mapping[str, float] | None = None) -> None:
         self.graph, self.mesh, self.cm = graph, mesh, cost_model
+        # mixed precision (strategies.precision): gradient_fp32_sync as it acts, and per
+        # parameter the optimizer state bytes per parameter byte (None: the cluster's factor)
+        self.fp32_sync = fp32_sync
+        self.optimizer_state = dict(optimizer_state) if optimizer_state is not None else None
         if edge_pricer is not None:  # shared by the problems of one search (a pure cache)
             self._pricer = edge_pricer
         # loop nodes: ``loops.choices(problem, node)`` gives each its candidates (a
@@ -396,7 +405,9 @@ class Problem:
             self._op_pricer = OpPricer(graph, mesh, cost_model, self.requires_grad, self.fused,
                                        self.axes_of,
                                        param_like=self.param_like,
-                                       kept=self.residuals.kept_outputs)
+                                       kept=self.residuals.kept_outputs,
+                                       fp32_sync=fp32_sync,
+                                       optimizer_state=self.optimizer_state)
             itemsize: dict[str, int] = {}  # per dtype name (numpy's lookup is slow)
             self._nbytes = {v: math.prod(val.spec.shape) * (
                 itemsize.get(val.spec.dtype) or itemsize.setdefault(val.spec.dtype,
@@ -485,6 +496,11 @@ class Problem:
     def _local_bytes(self, value: str, layout: Layout) -> int:
         return local_bytes(self.graph, value, layout, self.mesh)
 
+    def state_of(self, value: str) -> float | None:
+        """Optimizer state bytes per byte of parameter ``value`` (None: the cluster's
+        ``optimizer_state_factor``)."""
+        return state_ratio(self.optimizer_state, value)
+
     def param_memory(self, value: str, layout: Layout) -> float:
         """Training bytes per device of parameter ``value`` stored in ``layout``: its copy,
         gradient and optimizer state (:meth:`CostModel.parameter_memory`), the copy and the
@@ -492,7 +508,8 @@ class Problem:
         rule, :func:`~autopar.strategies.optimizer_rule.decide_sharding`, over the axes the
         layout leaves it replicated on)."""
         nbytes, ways, sharded = self._param_shards(value, layout)
-        return self.cm.parameter_memory(nbytes, ways, sharded=sharded)
+        return self.cm.parameter_memory(nbytes, ways, sharded=sharded,
+                                        state=self.state_of(value))
 
     def _param_shards(self, value: str, layout: Layout) -> tuple[int, int, bool]:
         """(local bytes, shard group size, sharded) of parameter ``value`` stored in
@@ -531,10 +548,12 @@ class Problem:
             return ParamBytes(float(nbytes))
         if not update:
             return ParamBytes(float(nbytes), gradient=float(nbytes))
-        copy, state, grad = self.cm.parameter_parts(nbytes, ways, sharded=sharded)
+        copy, state, grad = self.cm.parameter_parts(nbytes, ways, sharded=sharded,
+                                                    state=self.state_of(value))
         used = layout.used_axes()
         synced = grad / ways if sharded else \
             grad if any(a not in used for a in self.mesh.names) else 0.0
+        synced *= sync_factor(spec.dtype, self.fp32_sync)  # (gradient_fp32_sync's fp32 copy)
         return ParamBytes(copy + state, grad if sharded else 0.0, grad, synced,
                           0.0 if donated else copy + state, copy)
 
@@ -542,7 +561,7 @@ class Problem:
         """Seconds of the optimizer update of a trained parameter's block (0 if untrained)."""
         if not self.requires_grad.get(value, False):
             return 0.0
-        return self.cm.update_time(self._local_bytes(value, layout))
+        return self.cm.update_time(self._local_bytes(value, layout), self.state_of(value))
 
     def op_costs(self, node: Node, choice: Choice) -> tuple[float, float, float, float]:
         """(compute, comm, grad_sync, memory) of one operator choice (memoised)."""
@@ -969,6 +988,7 @@ class Problem:
         reads: dict[str, tuple[Layout, ...]] = {}
         params: dict[str, ParamBytes] = {}
         opaque: dict[str, float] = {}
+        again: dict[str, float] = {}
         for vert, k in zip(self.vertices, picks):
             c = vert.choices[k]
             if vert.kind == "op" and vert.node is not None:
@@ -976,6 +996,7 @@ class Problem:
                 layouts.update(zip(vert.node.outputs, c.out_layouts))
                 if vert.node.kind == LOOP_KIND:
                     opaque[vert.node.name] = vert.memory.item(k)
+                    again[vert.node.name] = self._loop_recomputed(vert.node, c.splits)
             elif vert.value is not None:
                 layouts[vert.value] = c.out_layouts[0]
                 if vert.kind == "param":
@@ -993,7 +1014,25 @@ class Problem:
 
         return step_memory(self.graph, self.residuals, self.requires_grad, layouts=layouts,
                            reads=reads, local=local, params=params, opaque=opaque,
-                           update=update)
+                           update=update, again_loops=again)
+
+    def _loop_recomputed(self, node: Node, splits: tuple[int, ...]) -> float:
+        """What one iteration of a loop node's body recomputes in its backward under its
+        body plan at ``splits`` (its ``jax.checkpoint`` regions' residuals:
+        :func:`~autopar.strategies.memory.recomputed_bytes`; 0 without one)."""
+        bg = loop_body(node).graph
+        if all(n.remat is None for n in bg.nodes):
+            return 0.0
+        plan = self.loop_plan(node.name, splits)
+        if plan is None:
+            return 0.0
+        seeds = frozenset(v for v in bg.inputs if bg.values[v].kind != "const")
+        res = Residuals(bg, requires_grad(bg, seeds), fused_values(bg), bg.outputs,
+                        parameter_values(bg))
+        lay = {v: plan.layouts.get(v, Layout.replicated(val.spec.rank))
+               for v, val in bg.values.items()}
+        return recomputed_bytes(res, lay, lambda v, la: float(local_bytes(bg, v, la,
+                                                                          self.mesh)))
 
     def param_totals(self, i: int, dsts: Iterable[Layout],
                      columns: dict[tuple, np.ndarray]) -> np.ndarray:

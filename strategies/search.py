@@ -22,12 +22,13 @@ by the peak's overshoot); if none fits, the error says how much is missing.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 import numpy as np
 
-from autopar.errors import AutoParallelError
+from autopar.errors import AutoParallelError, AutoParallelWarning, MemoryBudgetError
 from autopar.graph.ir import Graph
 from autopar.graph.ops import KINDS
 from autopar.strategies.cost import Cluster, CostModel
@@ -36,8 +37,10 @@ from autopar.graph.loops import loop_body, split_by_loop
 from autopar.strategies.edge_pricing import EdgePricer
 from autopar.strategies.layout import DeviceMesh
 from autopar.strategies.loops import LoopChoices, has_loops
+from autopar.strategies.memory import size
 from autopar.strategies.modes import SOLVERS, USES_PARAMETER_PLANS, USES_USER_STRATEGIES
 from autopar.strategies.plan import Plan
+from autopar.strategies.precision import fp32_sync_active
 from autopar.gc_pause import paused_gc
 from autopar.strategies.problem import BodyInputs, Problem
 
@@ -67,21 +70,31 @@ class SearchSettings:
     # the search's own plan is kept over the cheapest hand plan only when priced cheaper by
     # more than this fraction (the hand_plan_margin algorithm parameter; see _ranked)
     hand_plan_margin: float = HAND_PLAN_MARGIN
+    # gradient_fp32_sync as it acts (strategies.precision.fp32_sync_active): a bf16 / fp16
+    # gradient's synchronisation sends and holds fp32
+    fp32_sync: bool = True
+    # per parameter value, optimizer state bytes per parameter byte as optimizer.init keeps
+    # them (strategies.precision.optimizer_state); None: the cluster's optimizer_state_factor
+    optimizer_state: tuple[tuple[str, float], ...] | None = None
 
     @classmethod
     def from_config(cls, cfg: Any, *, parallel_mode: str | None = None,
                     fully_use_devices: bool = True,
                     elementwise_op_strategy_follow: bool = False,
-                    hand_plan_margin: float = HAND_PLAN_MARGIN) -> "SearchSettings":
+                    hand_plan_margin: float = HAND_PLAN_MARGIN,
+                    optimizer_state: tuple[tuple[str, float], ...] | None = None
+                    ) -> "SearchSettings":
         """The settings of a (resolved) auto-parallel configuration (and, given by the entry
-        point, of the algorithm parameters)."""
+        point, of the algorithm parameters and the optimizer's state per parameter)."""
+        pmode = cfg.parallel_mode if parallel_mode is None else parallel_mode
         po = cfg.parallel_optimizer_config
         po_kb = int(po.parallel_optimizer_threshold) if cfg.enable_parallel_optimizer else None
         shard = int(po.optimizer_weight_shard_size) if cfg.enable_parallel_optimizer else -1
-        return cls(cfg.parallel_mode if parallel_mode is None else parallel_mode,
-                   cfg.enable_alltoall, cfg.dataset_strategy, po_kb, fully_use_devices,
+        return cls(pmode, cfg.enable_alltoall, cfg.dataset_strategy, po_kb, fully_use_devices,
                    elementwise_op_strategy_follow, optimizer_weight_shard_size=shard,
-                   hand_plan_margin=hand_plan_margin)
+                   hand_plan_margin=hand_plan_margin,
+                   fp32_sync=fp32_sync_active(cfg.gradient_fp32_sync, pmode),
+                   optimizer_state=optimizer_state)
 
 
 def data_parallel_splits(problem_specs: Mapping[str, Any], graph: Graph,
@@ -142,6 +155,7 @@ def ranked_plans(graph: Graph, *, mode: str, device_num: int, cluster: Cluster,
     loops = _Loops(solver, budget, label, bodies)
     t0 = time.perf_counter()
     limit = budget  # a memory_constraint solver's bound on the objective's additive memory
+    free = None  # the cheapest plan with memory not priced (weight 0)
     for weight in _MEMORY_WEIGHTS:
         with paused_gc():  # no cycles are made: the collections a traced heap owes wait
             problem, picks, follows = _solve(graph, mesh, cm, fixed_map, settings, weight,
@@ -153,22 +167,42 @@ def ranked_plans(graph: Graph, *, mode: str, device_num: int, cluster: Cluster,
         ranked = _ranked(label, plan, hands, budget, settings.hand_plan_margin)
         best = ranked[0][1]
         best.search_seconds = time.perf_counter() - t0
+        free = free or best
         if follows:
             best.notes.append("elementwise_op_strategy_follow: elementwise operators take the "
                               "split counts of the value they read")
         if best.cost.memory_bytes <= budget:
             if weight:
                 best.notes.append(f"memory priced at {weight:g} s/byte to fit the budget")
+                _warn_slow_fit(best, free, cluster)
             return ranked
         if solver.memory_constraint and plan.cost.memory_bytes > budget:
             # its constraint bounds the additive memory (strategies.memory); the step's
             # ordered peak came out above the budget: tighten the bound by the overshoot
             limit -= plan.cost.memory_bytes - budget
-    raise AutoParallelError(
-        "memory", f"{plan.cost.memory_bytes / 2**30:.2f} GiB per device",
-        f"no plan found within the {cluster.name} budget of "
-        f"{cluster.memory_bytes / 2**30:.2f} GiB per device", "Use more devices, a smaller "
-        "model or batch, or a cluster with more memory")
+    raise MemoryBudgetError(
+        f"memory: {size(plan.cost.memory_bytes)} per device: no plan found within the "
+        f"{cluster.name} budget of {size(cluster.memory_bytes)} per device",
+        needed=plan.cost.memory_bytes, budget=budget)
+
+
+#: a plan that fits the memory budget only at more than this times the step time of the
+#: cheapest plan priced without the budget is warned about, not only noted
+SLOW_FIT = 1.5
+
+
+def _warn_slow_fit(best: Plan, free: Plan | None, cluster: Cluster) -> None:
+    """Warn when ``best`` fits the budget only by giving up more than :data:`SLOW_FIT` x the
+    step time of ``free``, the cheapest plan with memory unpriced."""
+    if free is None or free.cost.total <= 0 or best.cost.total <= SLOW_FIT * free.cost.total:
+        return
+    warnings.warn(f"memory: the plan fits the {cluster.name} budget of "
+                  f"{size(cluster.memory_bytes)} per device only at "
+                  f"{best.cost.total / free.cost.total:.2f}x the step time of the cheapest "
+                  f"plan ({free.cost.total * 1e3:.3f} ms, "
+                  f"{size(free.cost.memory_bytes)} per device); pipeline stages, "
+                  "gradient accumulation, recomputation, the parallel optimizer or more "
+                  "devices may fit at less", AutoParallelWarning, stacklevel=2)
 
 
 def _weighs_hand_plans(settings: SearchSettings, device_num: int) -> bool:
@@ -257,6 +291,9 @@ def _problem(graph: Graph, mesh: DeviceMesh, cm: CostModel, fixed: dict, setting
                   optimizer_weight_shard_size=settings.optimizer_weight_shard_size,
                   annotations=pmode in USES_USER_STRATEGIES,
                   parameter_plan=pmode in USES_PARAMETER_PLANS, body=body,
+                  fp32_sync=settings.fp32_sync,
+                  optimizer_state=None if settings.optimizer_state is None else
+                  dict(settings.optimizer_state),
                   loops=None if loops is None else loops.planner(settings, weight),
                   edge_pricer=None if loops is None else loops.pricer(mesh, cm, settings))
     # (a derived mode only needs this first problem's loop nests and checked fixed strategies,

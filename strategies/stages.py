@@ -49,6 +49,7 @@ from autopar.graph.ir import Graph, Value
 from autopar.limits import MAX_MICRO_BATCHES
 from autopar.graph.loops import loop_body, loop_nodes
 from autopar.strategies.cost import BACKWARD_FACTOR, Cluster, CostModel
+from autopar.strategies.precision import compute_dtype
 
 __all__ = ["Unit", "StagePartition", "stage_units", "partition_stages", "stage_graph",
            "send_time"]
@@ -141,9 +142,9 @@ def stage_units(graph: Graph, cm: CostModel | None = None, devices: int = 1) -> 
         k = seen.get(top, 0)
         seen[top] = k + 1
         name = top if k == 0 else f"{top}#{k}"
-        sec = (2.0 + BACKWARD_FACTOR) * sum(cm.compute_time(n.flops / devices,
-                                        (n.bytes_read + n.bytes_written) / devices)
-                        for n in nodes[start:i])
+        sec = (2.0 + BACKWARD_FACTOR) * sum(cm.compute_time(
+            n.flops / devices, (n.bytes_read + n.bytes_written) / devices,
+            dtype=compute_dtype(graph, n)) for n in nodes[start:i])
         units.append(Unit(len(units), name, start, i, sec))
         start = i
     return tuple(units)

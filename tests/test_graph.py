@@ -169,9 +169,9 @@ def test_unsupported_primitive_names_primitive_and_line():
     assert "'eigh'" in msg and f"test_graph.py:{line}" in msg and "How to proceed" in msg
     assert isinstance(info.value, ValueError)
 
-    def g(x):  # (a scan is a loop node now: tests/test_loops.py; a while is refused)
-        return jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 2.0),
-                                  (0, x))[1].sum()
+    def g(x):  # (scan, cond and a counted while are loop nodes now: tests/test_loops.py; a
+        # while whose trip count depends on the data is refused)
+        return jax.lax.while_loop(lambda c: c.sum() < 3.0, lambda c: c * 2.0, x).sum()
 
     with pytest.raises(ap.UnsupportedOperatorError, match="'while'.*static trip count"):
         ap.trace(g, jnp.ones(4))

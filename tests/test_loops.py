@@ -357,9 +357,142 @@ def test_pipelining_a_loop_is_refused_naming_it():
             ap.train_step(loss, params, batch)
 
 
-def test_while_and_cond_stay_refused():
-    def f(x):
-        return lax.cond(x.sum() > 0, lambda x: x * 2.0, lambda x: x, x).sum()
+def _while(layers: int = 3, hidden: int = 16, batch: int = 8):
+    """``lax.while_loop`` counting ``i`` from 0 to ``layers`` over stacked weights, and its
+    ``fori_loop`` twin (static bounds: a scan, differentiable by jax.grad)."""
+    k = jax.random.split(KEY, 2)
+    w = jax.random.normal(k[0], (layers, hidden, hidden)) / 4
+    x = jax.random.normal(k[1], (batch, hidden))
 
-    with pytest.raises(ap.UnsupportedOperatorError, match="'cond'"):
-        ap.trace(f, jnp.ones(4))
+    def loss(w, x):
+        def body(c):
+            i, h = c
+            return i + 1, jnp.tanh(h @ w[i]) + h
+        return jnp.mean(lax.while_loop(lambda c: c[0] < layers, body, (0, x))[1] ** 2)
+
+    def twin(w, x):
+        return jnp.mean(lax.fori_loop(0, layers, lambda i, h: jnp.tanh(h @ w[i]) + h, x) ** 2)
+
+    return loss, twin, w, x
+
+
+def test_a_counted_while_is_a_loop_planned_and_exact():
+    loss, twin, w, x = _while()
+    g = ap.trace(loss, w, x)
+    (node,) = loop_nodes(g)
+    assert node.op == "while" and loop_body(node).length == 3
+    deeper = ap.trace(_while(layers=6)[0], *_while(layers=6)[2:])
+    assert len(deeper.nodes) == len(g.nodes) and \
+        len(loop_body(loop_nodes(deeper)[0]).graph.nodes) == len(loop_body(node).graph.nodes)
+    with _context():
+        f = ap.parallelize(loss, w, x, fixed={"while_0/dot_general_0": ((1, 1), (1, 8))})
+        step = ap.train_step(loss, w, (x,), optax.sgd(0.1))
+    numerics.assert_close(f(w, x), loss, w, x)
+    numerics.assert_close(jax.grad(f)(w, x), jax.grad(twin), w, x)  # (jax.grad refuses a while)
+    new, _, value = step(w, step.init(w), x)
+    ref = numerics.reference(numerics.optimizer_steps(twin, optax.sgd(0.1), 1), w, x, jit=False)
+    numerics.check((new, [value]), ref, "train step")
+    assert f.as_text(w, x).count("stablehlo.while") == 1
+
+
+@pytest.mark.parametrize("cond, length", [
+    (lambda c: c[0] < 7, 7), (lambda c: 7 > c[0], 7), (lambda c: c[0] <= 7, 8),
+    (lambda c: c[0] != 6, 6), (lambda c: c[0] < 0, 0)])
+def test_the_trip_count_of_a_while_is_read_from_its_condition(cond, length):
+    def f(x):
+        return lax.while_loop(cond, lambda c: (c[0] + 1, jnp.tanh(c[1])), (0, x))[1].sum()
+
+    def bounded(x):  # fori_loop with array bounds: JAX lowers it to a while
+        return lax.fori_loop(jnp.int32(2), jnp.int32(2 + length), lambda i, h: h * 0.5, x).sum()
+
+    for fn in (f, bounded):
+        assert loop_body(loop_nodes(ap.trace(fn, jnp.ones(4)))[0]).length == length
+
+
+def test_a_while_of_unknown_trip_count_is_refused_at_the_users_line():
+    def f(x, n):
+        return lax.fori_loop(0, n, lambda i, h: jnp.tanh(h), x).sum()
+
+    with pytest.raises(ap.UnsupportedOperatorError,
+                       match=r"'while' at .*test_loops.py:\d+ \(.*f\).*trip count known"):
+        ap.trace(f, jnp.ones(4), 3)
+
+
+def _cond():
+    k = jax.random.split(KEY, 3)
+    p = {"w": jax.random.normal(k[0], (16, 16)) / 4, "v": jax.random.normal(k[1], (16, 16)) / 4}
+    x = jax.random.normal(k[2], (8, 16))
+
+    def loss(p, x):
+        h = lax.cond(x.sum() > 0, lambda h: jnp.tanh(h @ p["w"]),
+                     lambda h: h * 2.0 + (h @ p["v"]) @ p["w"], x)
+        return jnp.mean(h ** 2)
+
+    return loss, p, x
+
+
+@pytest.mark.parametrize("pmode", ["auto_parallel", "data_parallel"])
+def test_a_cond_plans_both_branches_runs_one_and_is_exact(pmode):
+    """Both branches planned (Megatron in branch 1 when fixed), the predicate made the same
+    on every device (data parallel: the sum of a split batch, all-reduced), the taken branch
+    run by one lax.switch; forward, gradients and a training step exact for either sign."""
+    loss, p, x = _cond()
+    g = ap.trace(loss, p, x)
+    (node,) = loop_nodes(g)
+    body = loop_body(node)
+    assert node.op == "cond" and len(body.branches) == 2
+    assert node.flops == max(sum(body.graph.node(n).flops for n in names)
+                             for names, _ in body.branches)
+    fixed = {"cond_0/branch1/dot_general_0": ((1, 1), (1, 8))} \
+        if pmode == "auto_parallel" else None
+    with ap.auto_parallel_context(device_num=8, parallel_mode=pmode, gradients_mean=True):
+        f = ap.parallelize(loss, p, x, fixed=fixed)
+        step = ap.train_step(loss, p, (x,), optax.sgd(0.1), fixed=fixed)
+    assert f.plan.nodes["cond_0"].body is not None
+    assert f.as_text(p, x).count("stablehlo.case") == 1
+    for xx in (x, -x):
+        numerics.assert_close(f(p, xx), loss, p, xx)
+        numerics.assert_close(jax.grad(f)(p, xx), jax.grad(loss), p, xx)
+        new, _, value = step(p, step.init(p), xx)
+        ref = numerics.reference(numerics.optimizer_steps(loss, optax.sgd(0.1), 1), p, xx,
+                                 jit=False)
+        numerics.check((new, [value]), ref, "train step")
+
+
+def test_a_cond_is_priced_as_its_dearer_branch_and_switch_runs():
+    k = jax.random.split(KEY, 2)
+    w, x = jax.random.normal(k[0], (16, 16)) / 4, jax.random.normal(k[1], (8, 16))
+
+    def loss(w, i, x):
+        return jnp.mean(lax.switch(i, [lambda h: h, lambda h: jnp.sin(h @ w),
+                                       lambda h: (h @ w) @ w], x) ** 2)
+
+    def light(w, i, x):
+        return jnp.mean(lax.switch(i, [lambda h: h, lambda h: jnp.sin(h)], x) ** 2)
+
+    i = jnp.int32(2)
+    with _context():
+        plans = [ap.search(ap.trace(fn, w, i, x)) for fn in (loss, light)]
+        f = ap.parallelize(loss, w, i, x)
+    assert plans[0].nodes["cond_0"].body is not None
+    assert plans[0].cost.compute > plans[1].cost.compute
+    for j in range(3):
+        numerics.assert_close(f(w, jnp.int32(j), x), loss, w, jnp.int32(j), x)
+
+
+def test_a_split_predicate_is_refused_typed():
+    import dataclasses
+
+    from autopar.rewrite import rewrite
+    from autopar.strategies.layout import Layout
+
+    loss, p, x = _cond()
+    g = ap.trace(loss, p, x)
+    with _context():
+        plan = ap.search(g)
+    ns = plan.nodes["cond_0"]
+    bad = dataclasses.replace(ns, in_layouts=(Layout((), ("a0",)),) + ns.in_layouts[1:])
+    plan.nodes = {**plan.nodes, "cond_0": bad}
+    with pytest.raises(ap.AutoParallelError, match="predicate of cond node 'cond_0'.*"
+                                                   "replicated"):
+        rewrite(g, plan)

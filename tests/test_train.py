@@ -775,6 +775,8 @@ def test_has_aux_under_gradient_accumulation_stacks_each_micro_batchs_aux():
 
 
 def test_has_aux_is_checked_and_refused_where_no_global_aux_exists():
+    """pmap has no global aux; a pipelined step refuses an aux leaf that is an input
+    returned as is (it does not travel the stages)."""
     m, params, x = _mlp()
     with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel",
                                   gradients_mean=True):
@@ -789,7 +791,7 @@ def test_has_aux_is_checked_and_refused_where_no_global_aux_exists():
                           backend="pmap")
     with ap.auto_parallel_context(device_num=8, parallel_mode="semi_auto_parallel",
                                   gradients_mean=True, pipeline_stages=2):
-        with pytest.raises(ap.AutoParallelError, match="has_aux=True.*pipeline_stages=2"):
+        with pytest.raises(ap.AutoParallelError, match="loss_fn aux.*pipeline_stages > 1"):
             ap.train_step(lambda p, x: (m.loss(p, x), x), params, (x,), has_aux=True)
 
 
@@ -825,3 +827,29 @@ def test_an_unset_gradients_mean_is_warned_once_naming_the_factor():
         with pytest.warns(ap.AutoParallelWarning, match="gradients_mean is not set") as seen:
             ap.pipeline_train_step(deep.loss, deep.example_args(KEY)[0], (x,), micro_batches=2)
     assert len(seen) == 1 and seen[0].filename == __file__
+
+
+def test_a_pipelined_step_returns_each_micro_batchs_aux():
+    """pipeline_stages = 2, 2 micro-batches: ``has_aux`` gives ``(loss, aux)``, the new
+    BatchNorm statistics of each micro-batch stacked along a new leading dim (made on the
+    stage holding the BatchNorm, carried to the last), as one device computes them."""
+    loss, variables, x, y = _batch_norm_net()
+    with ap.auto_parallel_context(device_num=4, parallel_mode="semi_auto_parallel",
+                                  gradients_mean=True, pipeline_stages=2):
+        step = ap.train_step(loss, variables, (x, y), has_aux=True)
+
+    def per_micro_batch(v, x, y):
+        outs = [jax.value_and_grad(loss, has_aux=True)(v, x[i:i + 8], y[i:i + 8])
+                for i in (0, 8)]
+        (l0, a0), g0 = outs[0]
+        (l1, a1), g1 = outs[1]
+        return ((l0 + l1) / 2, jax.tree.map(lambda a, b: jnp.stack([a, b]), a0, a1)), \
+            jax.tree.map(lambda a, b: (a + b) / 2, g0, g1)
+
+    (value, aux), g = step.grads(variables, x, y)
+    assert all(a.shape == (2, 32) for a in jax.tree.leaves(aux))
+    ref = numerics.reference(per_micro_batch, variables, x, y)
+    numerics.check(((value, aux), jax.tree.map(lambda a: a, g)), ref)
+    _, _, (value2, aux2) = step(variables, step.init(variables), x, y)
+    numerics.check((value2, aux2), numerics.reference(
+        lambda v, x, y: per_micro_batch(v, x, y)[0], variables, x, y))

@@ -96,6 +96,8 @@ class Node:
     bytes_written: int
     primitive: Any = field(repr=False, default=None)
     annotation: Strategy | None = None
+    # its jax.checkpoint region and what the policy says of it (autopar/graph/remat.py)
+    remat: Any = None
 
 
 def check_strategy_shape(strategy: Any, ranks: list[int] | None, where: str) -> Strategy:

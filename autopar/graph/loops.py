@@ -17,6 +17,17 @@ carries, activations passed in): the search gives each data input a layout per c
 The node's FLOPs are the body's times the trip count; ``reverse`` and ``unroll`` are kept
 and honoured when the loop is lowered (a ``lax.scan`` with the same parameters).
 
+A ``while`` whose trip count is known at trace time (:func:`while_length`: ``i < n`` on a
+counter carried from a constant start by a constant step -- ``lax.while_loop`` so written,
+``fori_loop`` with bounds JAX lowers to a while) is the same loop node (op ``while``): its
+body is a scan body with no ``xs`` (the while's body constants, then its carries), run its
+trip count times; any other ``while`` is an unsupported primitive (named at the user's
+line with the others, :mod:`autopar.graph.unsupported`). A ``cond`` /
+``lax.switch`` is a loop node of one iteration (op ``cond``) whose body holds every branch
+(``LoopBody.branches``): inputs the branch index, then the operands; branch ``i``'s operators
+named ``branch{i}/...``; outputs every branch's results in turn. Its FLOPs are the dearer
+branch's.
+
 >>> import jax, jax.numpy as jnp, autopar
 >>> def loss(w, x):
 ...     h, _ = jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x, w)
@@ -32,7 +43,9 @@ and honoured when the loop is lowered (a ``lax.scan`` with the same parameters).
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -42,11 +55,12 @@ from autopar.graph.ir import Graph, Node, TensorSpec, Value
 from autopar.graph.ops import OpSpec
 
 __all__ = ["LOOP_KIND", "LOOP_PRIMITIVES", "LoopBody", "emit_loop", "is_loop", "loop_body",
-           "loop_nodes", "loop_spec", "qualified", "split_by_loop"]
+           "loop_nodes", "loop_spec", "qualified", "split_by_loop", "UncountedWhile",
+           "while_length"]
 
 #: the node kind of a loop, and the JAX primitives traced into one
 LOOP_KIND = "loop"
-LOOP_PRIMITIVES = frozenset({"scan"})
+LOOP_PRIMITIVES = frozenset({"scan", "while", "cond"})
 #: scan parameters a loop node keeps (the body jaxpr becomes its body graph)
 _KEPT = ("length", "reverse", "unroll", "num_consts", "num_carry")
 
@@ -61,6 +75,9 @@ class LoopBody:
     num_consts: int
     num_carry: int
     length: int
+    #: a ``cond``'s branches: per branch, its operators' names and its outputs (empty for
+    #: a loop)
+    branches: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = ()
 
     def role(self, k: int) -> str:
         """``"const"``, ``"carry"`` or ``"xs"``: what body input ``k`` is."""
@@ -69,8 +86,20 @@ class LoopBody:
         return "carry" if k < self.num_consts + self.num_carry else "xs"
 
     def _asdict(self) -> dict[str, Any]:
-        return {"graph": self.graph.structure(), "num_consts": self.num_consts,
-                "num_carry": self.num_carry, "length": self.length}
+        out = {"graph": self.graph.structure(), "num_consts": self.num_consts,
+               "num_carry": self.num_carry, "length": self.length}
+        if self.branches:
+            out["branches"] = [[list(names), list(outs)] for names, outs in self.branches]
+        return out
+
+    def branch(self, i: int) -> Graph:
+        """Branch ``i`` of a ``cond`` as a graph of its own: every body input, its
+        operators, its outputs (what the rewrite lowers as one ``lax.switch`` branch)."""
+        names, outs = self.branches[i]
+        keep = set(names)
+        g = self.graph
+        return Graph([n for n in g.nodes if n.name in keep], g.values, g.inputs, outs,
+                     name=f"branch{i}", layout_devices=g.layout_devices)
 
     def __repr__(self) -> str:
         return (f"LoopBody({self.graph.fingerprint()[:16]}, {len(self.graph.nodes)} nodes, "
@@ -186,19 +215,35 @@ def _body_input(b: Any, outer: str, role: str, k: int, aval: Any) -> tuple[str, 
     return label, Value(label, _spec(aval), kind, data=data)
 
 
-def _trace_body(b: Any, eqn: Any, outer: list[str], source: str) -> LoopBody:
-    """The body graph of a scan equation, traced by a builder of ``b``'s kind (the tracer's);
-    its annotations and parameter plans are the outer trace's too."""
-    p = eqn.params
-    closed = p["jaxpr"]
-    body = closed.jaxpr
+def _sub_builder(b: Any) -> Any:
+    """A builder of ``b``'s kind (the tracer's) for a body: the outer trace's annotations."""
     sub = type(b)()
     sub.root, sub.rule = b.root, b.rule
-    env: dict[Any, str] = {}
-    for var, c in zip(body.constvars, closed.consts):
+    return sub
+
+
+def _merge(b: Any, sub: Any) -> None:
+    """What tracing a body found that the outer trace keeps (annotations, parameter plans)."""
+    for ident, strategy in sub.pending.items():
+        b.pending.setdefault(ident, strategy)
+    b.done |= sub.done
+    b.plans |= sub.plans
+
+
+def _consts(sub: Any, closed: Any, env: dict[Any, str]) -> None:
+    for var, c in zip(closed.jaxpr.constvars, closed.consts):
         env[var] = sub.add_value("const", Value("const", _spec(var.aval), "const",
                                                 data=np.asarray(c)))
-    nc, nk = p["num_consts"], p["num_carry"]
+
+
+def _trace_body(b: Any, closed: Any, nc: int, nk: int, length: int, outer: list[str],
+                source: str) -> LoopBody:
+    """The body graph of a scan (or counted while) body ``closed``, traced by a builder of
+    ``b``'s kind; its annotations and parameter plans are the outer trace's too."""
+    body = closed.jaxpr
+    sub = _sub_builder(b)
+    env: dict[Any, str] = {}
+    _consts(sub, closed, env)
     inputs = []
     for k, (var, o) in enumerate(zip(body.invars, outer)):
         role = "const" if k < nc else "carry" if k < nc + nk else "xs"
@@ -207,22 +252,164 @@ def _trace_body(b: Any, eqn: Any, outer: list[str], source: str) -> LoopBody:
         inputs.append(env[var])
     sub.run(body, env, [], source)
     outputs = [sub.read(env, v) for v in body.outvars]
-    for ident, strategy in sub.pending.items():
-        b.pending.setdefault(ident, strategy)
-    b.done |= sub.done
-    b.plans |= sub.plans
+    _merge(b, sub)
     graph = Graph(sub.nodes, sub.values, inputs, outputs, name="body",
                   layout_devices=sub.devices)
-    return LoopBody(graph, nc, nk, int(p["length"]))
+    return LoopBody(graph, nc, nk, int(length))
+
+
+def _trace_branches(b: Any, branches: Any, outer: list[str], source: str) -> LoopBody:
+    """The branches of a ``cond`` traced into one body graph: its inputs the index, then the
+    operands (every branch reads them); branch ``i``'s operators named under ``branch{i}/``;
+    its outputs every branch's results in branch order (``LoopBody.branches`` says which)."""
+    sub = _sub_builder(b)
+    inputs = []
+    for k, o in enumerate(outer):
+        label, value = _body_input(b, o, "const", k, _aval(b.values[o]))
+        inputs.append(sub.add_value(label, value))
+    parts, outputs = [], []
+    for i, closed in enumerate(branches):
+        env: dict[Any, str] = {}
+        _consts(sub, closed, env)
+        env.update(zip(closed.jaxpr.invars, inputs[1:]))
+        start = len(sub.nodes)
+        sub.run(closed.jaxpr, env, [f"branch{i}"], source)
+        outs = tuple(sub.read(env, v) for v in closed.jaxpr.outvars)
+        parts.append((tuple(n.name for n in sub.nodes[start:]), outs))
+        outputs += outs
+    _merge(b, sub)
+    graph = Graph(sub.nodes, sub.values, inputs, outputs, name="body",
+                  layout_devices=sub.devices)
+    return LoopBody(graph, len(inputs), 0, 1, tuple(parts))
+
+
+def _aval(value: Value) -> Any:
+    return SimpleNamespace(shape=value.spec.shape, dtype=value.spec.dtype)
+
+
+#: a while's condition, the counter on the left: the comparison kept per primitive
+_COMPARE = {"lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge,
+            "ne": operator.ne}
+_FLIPPED = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "ne": "ne"}
+
+
+def _scalar(b: Any, name: str) -> int | None:
+    """The value of an outer integer scalar known at trace time (a literal or constant)."""
+    val = b.values[name]
+    if val.kind not in ("literal", "const") or val.data is None or val.spec.rank or \
+            not val.spec.dtype.startswith(("int", "uint")):
+        return None
+    return int(np.asarray(val.data))
+
+
+def _producer(jaxpr: Any, var: Any) -> Any:
+    return next((e for e in jaxpr.eqns if any(o is var for o in e.outvars)), None)
+
+
+def _step(body: Any, k: int, bn: int) -> int | None:
+    """The constant step of carry ``k`` of a while body (``c + s`` / ``c - s`` on a literal
+    ``s``), None when the body does not count it so."""
+    var, out = body.invars[bn + k], body.outvars[k]
+    e = _producer(body, out)
+    if e is None or e.primitive.name not in ("add", "sub") or len(e.invars) != 2:
+        return None
+    a, c = e.invars
+    lit = c if a is var else a if (c is var and e.primitive.name == "add") else None
+    if type(lit).__name__ != "Literal":
+        return None
+    step = int(np.asarray(lit.val))
+    return -step if e.primitive.name == "sub" else step
+
+
+class UncountedWhile(Exception):
+    """A ``while`` whose trip count is not known at trace time: the tracer turns it into
+    the error naming every unsupported primitive (:mod:`autopar.graph.unsupported`)."""
+
+    def __init__(self, eqn: Any) -> None:
+        super().__init__("while")
+        self.eqn = eqn
+
+
+def while_length(eqn: Any, known_operand: Any) -> int | None:
+    """The trip count of a ``while`` equation known at trace time, None when it is not: its
+    condition compares a carry counted by a constant step from a known start with a
+    literal, a known constant or a carry the body passes through unchanged from a known
+    start. ``known_operand(i)``: operand ``i``'s integer value known at trace time, or None
+    (always a number: whether the loop has that shape, whatever the values)."""
+    p = eqn.params
+    cond, body = p["cond_jaxpr"].jaxpr, p["body_jaxpr"].jaxpr
+    cn, bn = p["cond_nconsts"], p["body_nconsts"]
+    first = cn + bn  # (operand index of carry 0)
+
+    def known(var: Any) -> tuple[int | None, int | None]:  # (value, carry index)
+        if type(var).__name__ == "Literal":
+            return int(np.asarray(var.val)), None
+        at = next((i for i, v in enumerate(cond.invars) if v is var), None)
+        if at is None:
+            return None, None
+        if at < cn:
+            return known_operand(at), None
+        k = at - cn
+        fixed = body.outvars[k] is body.invars[bn + k]
+        return (known_operand(first + k) if fixed else None), k
+
+    e = _producer(cond, cond.outvars[0])
+    if e is None or e.primitive.name not in _COMPARE or len(e.invars) != 2:
+        return None
+    for side, op in ((0, e.primitive.name), (1, _FLIPPED[e.primitive.name])):
+        _, k = known(e.invars[side])
+        bound, _ = known(e.invars[1 - side])
+        if k is None or bound is None:
+            continue
+        start, step = known_operand(first + k), _step(body, k, bn)
+        if start is None or not step:
+            continue
+        n = _count(_COMPARE[op], start, step, bound)
+        if n is not None:
+            return n
+    return None
+
+
+def _count(cmp: Any, start: int, step: int, bound: int) -> int | None:
+    """How many times ``cmp(i, bound)`` holds for ``i = start, start + step, ...`` before it
+    first fails; None if it never does (an endless loop)."""
+    if not cmp(start, bound):
+        return 0
+    if cmp in (operator.lt, operator.le) and step > 0 or \
+            cmp in (operator.gt, operator.ge) and step < 0:
+        gap = abs(bound - start) + (1 if cmp in (operator.le, operator.ge) else 0)
+        return -(-gap // abs(step))
+    if cmp is operator.ne and (bound - start) % step == 0 and (bound - start) // step > 0:
+        return (bound - start) // step
+    return None
 
 
 def emit_loop(b: Any, eqn: Any, env: dict[Any, str], stack: list[str], source: str) -> None:
-    """Trace a ``scan`` equation into one loop node of builder ``b`` (the tracer's
-    ``_Builder``): its body traced once (:func:`_trace_body`), named like any node."""
-    _check_params(eqn.params, source)
+    """Trace a ``scan``, a counted ``while`` (:func:`while_length`: a scan of its body, with
+    no ``xs``) or a ``cond`` (its branches, :func:`_trace_branches`) equation into one loop
+    node of builder ``b`` (the tracer's ``_Builder``): its body traced once, named like any
+    node."""
     prim = eqn.primitive.name
     outer = [b.read(env, v) for v in eqn.invars]
-    body = _trace_body(b, eqn, outer, source)
+    p = eqn.params
+    if prim == "scan":
+        _check_params(p, source)
+        body = _trace_body(b, p["jaxpr"], p["num_consts"], p["num_carry"], p["length"],
+                           outer, source)
+        params = {k: p[k] for k in _KEPT}
+    elif prim == "while":
+        length = while_length(eqn, lambda i: _scalar(b, outer[i]))
+        if length is None:
+            raise UncountedWhile(eqn)
+        outer = outer[p["cond_nconsts"]:]
+        body = _trace_body(b, p["body_jaxpr"], p["body_nconsts"],
+                           len(outer) - p["body_nconsts"], length, outer, source)
+        params = {"length": length, "reverse": False, "unroll": 1,
+                  "num_consts": body.num_consts, "num_carry": body.num_carry}
+    else:  # cond
+        body = _trace_branches(b, p["branches"], outer, source)
+        params = {"length": 1, "reverse": False, "unroll": 1,
+                  "num_consts": body.num_consts, "num_carry": 0}
     scope, _ = b.scope(stack)
     idx = b.counters.get((scope, prim), 0)
     b.counters[(scope, prim)] = idx + 1
@@ -234,13 +421,18 @@ def emit_loop(b: Any, eqn: Any, env: dict[Any, str], stack: list[str], source: s
         if type(var).__name__ != "DropVar":
             env[var] = vname
         outputs.append(vname)
-    params = {k: eqn.params[k] for k in _KEPT}
     params["body"] = body
+    flops = body.length * (max(_branch_flops(body)) if body.branches else
+                           body.graph.total_flops)
     b.nodes.append(Node(
         name=name, op=prim, kind=LOOP_KIND, inputs=tuple(outer), outputs=tuple(outputs),
-        params=params, scope=scope, source=source,
-        flops=body.length * body.graph.total_flops,
+        params=params, scope=scope, source=source, flops=flops,
         bytes_read=sum(_nbytes(b.values[v].spec) for v in outer
                        if b.values[v].kind != "literal"),
         bytes_written=sum(_nbytes(b.values[v].spec) for v in outputs),
         primitive=eqn.primitive))
+
+
+def _branch_flops(body: LoopBody) -> list[int]:
+    g = body.graph
+    return [sum(g.node(n).flops for n in names) for names, _ in body.branches]

@@ -633,8 +633,9 @@ INLINED: dict[str, str] = {
 }
 
 UNSUPPORTED_HINTS: dict[str, str] = {
-    "while": "use a Python loop with a static trip count",
-    "cond": "use jnp.where / lax.select (both branches computed) or a Python if on static data",
+    "while": "use a Python loop with a static trip count, or give the loop a trip count "
+             "known at trace time (a condition i < n on a counter from a constant start by a "
+             "constant step, n a constant: lax.fori_loop with Python-int bounds), or lax.scan",
     "rng_bit_generator": "draw with jax.random and a jax.random.key (its primitives are "
                          "supported), or outside the traced function and pass the numbers in",
     "random_gamma": "draw outside the traced function and pass the numbers in (jax.random's "

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping
 
 import jax
@@ -33,9 +33,10 @@ from autopar.graph.annotate import (apply_parameter_plans, parse_plan_scope, par
                                     shards_called, untransformed)
 from autopar.graph.custom_rules import RULE_PRIMITIVES, RuleBound, rule_of
 from autopar.graph.ir import Graph, Node, Strategy, TensorSpec, Value
-from autopar.graph.loops import LOOP_PRIMITIVES, emit_loop
+from autopar.graph.loops import LOOP_KIND, LOOP_PRIMITIVES, UncountedWhile, emit_loop
 from autopar.graph.ops import INLINED, KINDS, flops
 from autopar.graph.prng import is_key, itemsize, key_data
+from autopar.graph.remat import REMAT_PRIMITIVES, Remat, policy_saves
 from autopar.graph.unsupported import body, unsupported_error
 
 __all__ = ["check_arrays", "trace"]
@@ -146,6 +147,8 @@ class _Builder:
         self.plans: set[int] = set()  # shard(parameter_plan=...) ids seen while tracing
         self.devices: dict[str, int] = {}  # annotated node -> the devices its Layouts assume
         self.rule: str | None = None  # inside a custom_jvp / custom_vjp body: its rule
+        self.remat: str | None = None  # inside a jax.checkpoint call: its region
+        self.regions = 0  # the regions met so far
         self.root: Any = None  # the traced jaxpr (where the unsupported primitives are counted)
         # (outer scope, name stack) -> (readable scope, annotation markers, plan ids)
         self.scopes: dict[tuple[tuple[str, ...], Any], tuple[str, list, list[int]]] = {}
@@ -173,11 +176,18 @@ class _Builder:
         for eqn in jaxpr.eqns:
             prim = eqn.primitive.name
             stack = scope + [s for s in str(eqn.source_info.name_stack).split("/") if s]
+            if prim in REMAT_PRIMITIVES and self.remat is None:
+                self.remat_call(eqn, env, stack, _source(eqn, source))
+                continue
             if prim in INLINED:
                 self.inline(eqn, env, stack, _source(eqn, source))
                 continue
             if prim in LOOP_PRIMITIVES:  # one loop node, its body traced once
-                emit_loop(self, eqn, env, stack, _source(eqn, source))
+                try:
+                    emit_loop(self, eqn, env, stack, _source(eqn, source))
+                except UncountedWhile as e:  # (a while of unknown trip count: unsupported)
+                    raise unsupported_error(jaxpr if self.root is None else self.root,
+                                            frozenset({id(e.eqn)})) from None
                 continue
             if prim not in KINDS:  # every one of the function named at once
                 raise unsupported_error(jaxpr if self.root is None else self.root)
@@ -205,6 +215,27 @@ class _Builder:
                     self.guard_passed_through(env, outer, start, stack, source)
         finally:
             self.rule = outer_rule
+
+    def remat_call(self, eqn: Any, env: dict[Any, str], stack: list[str],
+                   source: str) -> None:
+        """A ``jax.checkpoint`` call: its body inlined, every node it made tagged with its
+        region and whether the policy saves it (:mod:`autopar.graph.remat`; a checkpoint
+        nested inside is part of this region)."""
+        policy = eqn.params.get("policy")
+        self.remat = region = f"remat_{self.regions}"
+        self.regions += 1
+        start = len(self.nodes)
+        try:
+            self.inline(eqn, env, stack, source)
+        finally:
+            self.remat = None
+        cse = bool(eqn.params.get("prevent_cse", True))
+        for i in range(start, len(self.nodes)):
+            n = self.nodes[i]
+            prim = getattr(n.primitive, "primitive", n.primitive)  # (a RuleBound's own)
+            saved = policy_saves(policy, prim, [self.values[v].spec for v in n.inputs],
+                                 n.params, n.source) if n.kind != LOOP_KIND else False
+            self.nodes[i] = replace(n, remat=Remat(region, policy, saved, cse))
 
     def guard_passed_through(self, env: dict[Any, str], outer: Any, start: int,
                              stack: list[str], source: str) -> None:

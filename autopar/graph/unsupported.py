@@ -31,7 +31,7 @@ import jaxlib
 from jax.extend.core import jaxprs_in_params
 
 from autopar.errors import UnsupportedOperatorError
-from autopar.graph.loops import LOOP_PRIMITIVES
+from autopar.graph.loops import LOOP_PRIMITIVES, while_length
 from autopar.graph.ops import INLINED, KINDS, UNSUPPORTED_HINTS
 
 __all__ = ["DEFAULT_HINT", "Unsupported", "body", "census", "installed", "library_path",
@@ -135,28 +135,39 @@ def body(eqn: Any) -> tuple[Any, list[Any]]:
     return (inner.jaxpr, inner.consts) if hasattr(inner, "consts") else (inner, [])
 
 
-def census(jaxpr: Any) -> dict[str, list[tuple[Any, ...]]]:
+def census(jaxpr: Any, refused: frozenset[int] = frozenset()
+           ) -> dict[str, list[tuple[Any, ...]]]:
     """Each unsupported primitive of ``jaxpr`` (first met first) -> its equations, each with
     the calls around it (innermost first). Inlined bodies are walked as the tracer walks them;
     the bodies of unsupported loops and branches too (what they hold needs rewriting as well
     when the loop is unrolled)."""
     found: dict[str, list[tuple[Any, ...]]] = {}
-    _walk(jaxpr, (), found)
+    _walk(jaxpr, (), found, refused)
     return found
 
 
-def _walk(jaxpr: Any, outer: tuple[Any, ...], found: dict[str, list[tuple[Any, ...]]]) -> None:
+def _counted(eqn: Any, refused: frozenset[int]) -> bool:
+    """A loop the tracer supports: a scan or cond; a while not ``refused`` (the tracer
+    found its trip count unknown: ids of equations) and counted in shape
+    (:func:`~autopar.graph.loops.while_length`, whatever its operands' values)."""
+    if eqn.primitive.name != "while":
+        return True
+    return id(eqn) not in refused and while_length(eqn, lambda i: 0) is not None
+
+
+def _walk(jaxpr: Any, outer: tuple[Any, ...], found: dict[str, list[tuple[Any, ...]]],
+          refused: frozenset[int]) -> None:
     for eqn in jaxpr.eqns:
         prim, chain = eqn.primitive.name, (eqn, *outer)
         if prim in INLINED:
-            _walk(body(eqn)[0], chain, found)
-        elif prim in LOOP_PRIMITIVES:  # a loop node: supported, its body walked
+            _walk(body(eqn)[0], chain, found, refused)
+        elif prim in LOOP_PRIMITIVES and _counted(eqn, refused):  # supported, body walked
             for sub in jaxprs_in_params(eqn.params):
-                _walk(sub, chain, found)
+                _walk(sub, chain, found, refused)
         elif prim not in KINDS:
             found.setdefault(prim, []).append(chain)
             for sub in jaxprs_in_params(eqn.params):
-                _walk(sub, chain, found)
+                _walk(sub, chain, found, refused)
 
 
 @dataclass(frozen=True)
@@ -178,10 +189,12 @@ class Unsupported:
         return f"{self.primitive!r}{times} at {self.where}{lib}: {self.hint}"
 
 
-def unsupported_error(jaxpr: Any) -> UnsupportedOperatorError:
-    """The one error naming every unsupported primitive of ``jaxpr`` (see the module)."""
+def unsupported_error(jaxpr: Any, refused: frozenset[int] = frozenset()
+                      ) -> UnsupportedOperatorError:
+    """The one error naming every unsupported primitive of ``jaxpr`` (see the module), the
+    ``while`` loops the tracer ``refused`` (ids of equations) among them."""
     items = []
-    for prim, chains in census(jaxpr).items():
+    for prim, chains in census(jaxpr, refused).items():
         where, emitted = locate(chains[0])
         hint = UNSUPPORTED_HINTS.get(prim, DEFAULT_HINT).rstrip(".")
         items.append(Unsupported(prim, len(chains), where, emitted, hint))

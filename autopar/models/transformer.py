@@ -28,6 +28,7 @@ from autopar.models.base import (
     Init,
     Model,
     Params,
+    check_bool,
     check_dtype,
     check_int,
     cross_entropy,
@@ -215,7 +216,7 @@ def _gpt_block(p: Params, x: jax.Array, heads: int) -> jax.Array:
 
 def transformer(layers: int = 2, hidden: int = 64, heads: int = 4, seq: int = 16,
                 vocab: int = 128, batch: int = 4, mlp_ratio: int = 4,
-                dtype: Any = jnp.float32) -> Model:
+                dtype: Any = jnp.float32, scan: bool = False) -> Model:
     """A GPT-style decoder-only language model.
 
     ``tokens [B, S] int32`` -> token embedding (a gather) + learned positional embedding ->
@@ -233,6 +234,9 @@ def transformer(layers: int = 2, hidden: int = 64, heads: int = 4, seq: int = 16
     ``embed/pos [seq, H]``, ``block0/ln1/{gamma,beta}``, ``block0/attn/{wqkv,wo}``,
     ``block0/ln2/{gamma,beta}``, ``block0/mlp/{w1,w2}``, ..., ``ln_f/{gamma,beta}``,
     ``head/w``. Embeddings Normal(0, 0.02), weights Normal(0, 1/sqrt(fan_in)).
+    ``scan=True``: the blocks' parameters stacked along a leading dim of ``layers``
+    (``blocks/ln1/gamma [layers, H]``, ...) and run by one ``lax.scan`` (as flax's
+    ``nn.scan`` and MaxText do): traced as one loop node whose body is one block.
 
     Raises:
         AutoParallelTypeError / AutoParallelError: naming the bad argument, value and rule.
@@ -251,12 +255,16 @@ def transformer(layers: int = 2, hidden: int = 64, heads: int = 4, seq: int = 16
     mlp_ratio = check_int("mlp_ratio", mlp_ratio)
     _check_heads(hidden, heads)
     dtype_name = check_dtype("dtype", dtype)
+    scan = check_bool("scan", scan)
 
-    names = key_names("block", layers)
+    names = ["blocks"] if scan else key_names("block", layers)
     config: dict[str, Any] = {"layers": layers, "hidden": hidden, "heads": heads, "seq": seq,
                               "vocab": vocab, "batch": batch, "mlp_ratio": mlp_ratio,
-                              "dtype": dtype_name}
+                              "dtype": dtype_name, "scan": scan}
     spec = _gpt_spec(names, hidden, mlp_ratio * hidden, seq, vocab)
+    if scan:  # one stacked parameter per block parameter
+        spec["blocks"] = jax.tree.map(lambda i: Init(i.kind, (layers,) + i.shape, i.std),
+                                      spec["blocks"])
 
     def init(key: jax.Array) -> Params:
         return init_params(key, spec, dtype_name)
@@ -269,9 +277,13 @@ def transformer(layers: int = 2, hidden: int = 64, heads: int = 4, seq: int = 16
         with jax.named_scope("embed"):
             x = params["embed"]["tokens"].at[tokens].get(mode="clip")  # a gather
             x = x + params["embed"]["pos"][:s]
-        for name in names:
-            with jax.named_scope(name):
-                x = block(params[name], x)
+        if scan:
+            with jax.named_scope("blocks"):
+                x = lax.scan(lambda h, p: (block(p, h), None), x, params["blocks"])[0]
+        else:
+            for name in names:
+                with jax.named_scope(name):
+                    x = block(params[name], x)
         with jax.named_scope("ln_f"):
             x = layer_norm(x, params["ln_f"]["gamma"], params["ln_f"]["beta"])
         with jax.named_scope("head"):

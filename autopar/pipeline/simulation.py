@@ -248,13 +248,16 @@ def simulate_pipeline(graph: Any, stages: int, *, micro_batches: int | None = No
     from autopar.clusters import cluster_for
     from autopar.context import current_config
     from autopar.strategies.cost import BACKWARD_FACTOR, CostModel
+    from autopar.strategies.precision import fp32_sync_active
     from autopar.strategies.stages import partition_stages, send_time
 
     if not isinstance(recompute, bool):
         raise AutoParallelTypeError("recompute", recompute, "must be a bool")
     if schedule not in SCHEDULES:
         build_schedule(schedule, 1, 1)  # raises the typed error
-    n = current_config().device_num if device_num is None else device_num
+    cfg = current_config()
+    n = cfg.device_num if device_num is None else device_num
+    fp32 = fp32_sync_active(cfg.gradient_fp32_sync, cfg.parallel_mode)
     m = stages if micro_batches is None else micro_batches
     # the stages' plans were priced on one cluster: simulate on it unless one is named
     clus = cluster_for(plans[0] if isinstance(plans, (list, tuple)) and plans else None,
@@ -270,7 +273,7 @@ def simulate_pipeline(graph: Any, stages: int, *, micro_batches: int | None = No
     if plans is not None and (not isinstance(plans, (list, tuple)) or len(plans) != stages):
         raise AutoParallelTypeError("plans", plans, f"a list of {stages} stage plans")
     _check_plans(plans, clus, graph, part)
-    fwd, sync = _stage_times(graph, part.stage_nodes, plans, cm, d)
+    fwd, sync = _stage_times(graph, part.stage_nodes, plans, cm, d, fp32)
     bwd = [(BACKWARD_FACTOR + (1.0 if recompute else 0.0)) * t for t in fwd]
     sends = [send_time(b, cm, d) for b in part.crossing_bytes]
     trace = simulate_schedule(fwd, bwd, micro_batches=m, schedule=schedule, sends=sends,
@@ -335,10 +338,12 @@ def _check_plans(plans: Sequence[Any] | None, clus: Any, graph: Any, part: Any) 
 
 
 def _stage_times(graph: Any, stage_nodes: Sequence[Sequence[str]], plans: Sequence[Any] | None,
-                 cm: Any, d: int) -> tuple[list[float], list[float]]:
+                 cm: Any, d: int, fp32: bool = False) -> tuple[list[float], list[float]]:
     """``(forward seconds, gradient-sync seconds)`` of each stage on its ``d`` devices: the
-    stage plan's operator times and communication, or data parallel without plans."""
+    stage plan's operator times and communication, or data parallel without plans (its
+    gradients sent in fp32 where ``fp32``: gradient_fp32_sync)."""
     from autopar.strategies.cost import BACKWARD_FACTOR
+    from autopar.strategies.precision import compute_dtype, sync_factor
     from autopar.strategies.problem import fused_values, operator_time
 
     fwd, sync = [], []
@@ -353,12 +358,14 @@ def _stage_times(graph: Any, stage_nodes: Sequence[Sequence[str]], plans: Sequen
                 t += operator_time(cm, graph, node, ns.splits, ns.in_layouts, ns.out_layouts,
                                    plan.mesh, fused)
             else:  # data parallel over the stage's devices
-                t += cm.compute_time(node.flops / d, (node.bytes_read + node.bytes_written) / d)
+                t += cm.compute_time(node.flops / d, (node.bytes_read + node.bytes_written) / d,
+                                     dtype=compute_dtype(graph, node))
         if plan is not None:
             t += (plan.cost.communication + plan.cost.redistribution) / (1 + BACKWARD_FACTOR)
             sync.append(plan.cost.gradient_sync)
         else:
-            nbytes = sum(graph.spec(v).nbytes for v in dict.fromkeys(
+            nbytes = sum(graph.spec(v).nbytes * sync_factor(graph.spec(v).dtype, fp32)
+                         for v in dict.fromkeys(
                 v for name in names for v in graph.node(name).inputs
                 if graph.values[v].kind == "param"))
             sync.append(cm.collective_time("all_reduce", nbytes, d,

@@ -104,7 +104,8 @@ def _is_float(dt: str) -> bool:
 
 
 class PipelineTrainStep(ProgramInspection):
-    """``step(params, opt_state, *batch) -> (params, opt_state, loss)`` pipelined; ``init``,
+    """``step(params, opt_state, *batch) -> (params, opt_state, loss)`` pipelined (``has_aux``:
+    ``(loss, aux)``, aux stacked per micro-batch); ``init``,
     ``grads``, ``pack`` / ``unpack``, ``as_text``, ``collective_counts``, ``plan``."""
 
     def __init__(self, loss_fn: Callable[..., Any], params: Any, batch: tuple[Any, ...],
@@ -112,10 +113,11 @@ class PipelineTrainStep(ProgramInspection):
                  stages: int | None = None, micro_batches: int | None = None,
                  schedule: str | None = None, boundaries: Sequence[str | int] | None = None,
                  mode: str | None = None, fixed: Mapping[str, Any] | None = None,
-                 cluster: Any = None) -> None:
+                 cluster: Any = None, has_aux: bool = False) -> None:
         """Built by :func:`pipeline_train_step` (or :func:`autopar.train_step`), which reads
         the context once and passes its ``config`` (nothing here reads the context)."""
         self._read_config(config, stages, micro_batches, schedule)
+        self.has_aux = bool(has_aux)
         self.loss_fn, self.optimizer = loss_fn, optimizer
         with saves_on_success():  # the stages' strategy files once the whole step is built
             self._construct(params, batch, config, boundaries, mode, fixed, cluster)
@@ -229,10 +231,20 @@ class PipelineTrainStep(ProgramInspection):
 
     def _trace(self, loss_fn: Callable[..., Any], p_sds: list[jax.ShapeDtypeStruct],
                micro: list[jax.ShapeDtypeStruct]) -> Any:
-        """The loss traced at micro-batch size; it must return one scalar."""
+        """The loss traced at micro-batch size; it must return one scalar (``has_aux``: a
+        pair ``(loss, aux)``, each aux leaf made by an operator)."""
         graph = trace(loss_fn, jax.tree_util.tree_unflatten(self._p_tree, p_sds),
                       *jax.tree_util.tree_unflatten(self._b_tree, micro))
-        check_loss(loss_fn, [graph.spec(v) for v in graph.outputs])
+        check_loss(loss_fn, [graph.spec(v) for v in graph.outputs], graph.out_tree,
+                   self.has_aux)
+        self._aux_tree = graph.out_tree.children()[1] if self.has_aux else None
+        self._aux_names = list(graph.outputs[1:]) if self.has_aux else []
+        for v in self._aux_names:
+            if graph.values[v].kind != "activation":
+                raise AutoParallelError("loss_fn aux", v, "with pipeline_stages > 1 every "
+                                        "aux leaf must be computed by the loss (an input or "
+                                        "constant returned as is does not travel the stages)",
+                                        "Return it from outside the step")
         return graph
 
     def _pipeline_mesh(self) -> Mesh:
@@ -313,7 +325,7 @@ class PipelineTrainStep(ProgramInspection):
 
     # ------------------------------------------------------------------ one stage, locally
     def _forward(self, s: int, pflat: dict[str, Any], xbuf: dict[str, Any],
-                 batch: Sequence[Any]) -> tuple[dict[str, Any], Any]:
+                 batch: Sequence[Any]) -> tuple[dict[str, Any], Any, tuple[Any, ...]]:
         pg, graph, intra = self.parallel_graphs[s], self.graph, self.intra_mesh
         leaves = self.packing.local_leaves(s, pflat)
         recv = self.codec.decode(s - 1, xbuf) if s > 0 else {}
@@ -335,14 +347,21 @@ class PipelineTrainStep(ProgramInspection):
         produced = {v: (x, pg.values[pv].layout) for v, pv, x in zip(sg.outputs, pg.outputs,
                                                                         outs)}
         if s == self.stages - 1:
-            return self.codec.zeros(), produced[graph.outputs[0]][0].astype(jnp.float32)
+            aux = []
+            for v in self._aux_names:  # (made here, or passed through from an earlier stage)
+                x, src = produced[v] if v in produced else (recv[v], self._wire[s - 1][v])
+                spec = graph.spec(v)
+                aux.append(_convert(x, spec.shape, spec.dtype, src,
+                                    Layout.replicated(spec.rank), intra, self.alltoall))
+            return self.codec.zeros(), produced[graph.outputs[0]][0].astype(jnp.float32), \
+                tuple(aux)
         send = {}
         for v in self.partition.crossing[s]:
             x, src = produced[v] if v in produced else (recv[v], self._wire[s - 1][v])
             spec = graph.spec(v)
             send[v] = _convert(x, spec.shape, spec.dtype, src, self._wire[s][v], intra,
                                self.alltoall)
-        return self.codec.encode(s, send), jnp.zeros((), jnp.float32)
+        return self.codec.encode(s, send), jnp.zeros((), jnp.float32), ()
 
     def _backward(self, s: int, pflat: dict[str, Any], xbuf: dict[str, Any],
                   gbuf: dict[str, Any], batch: Sequence[Any]
@@ -353,7 +372,7 @@ class PipelineTrainStep(ProgramInspection):
         xn = {k: v for k, v in xbuf.items() if not _is_float(k)}
 
         def f(pd_: dict[str, Any], xd_: dict[str, Any]) -> tuple[dict[str, Any], Any]:
-            y, loss = self._forward(s, {**pd_, **pn}, {**xd_, **xn}, batch)
+            y, loss, _ = self._forward(s, {**pd_, **pn}, {**xd_, **xn}, batch)
             return {k: v for k, v in y.items() if _is_float(k)}, loss
 
         (y, loss), vjp = jax.vjp(f, pd, xd)
@@ -376,7 +395,8 @@ class PipelineTrainStep(ProgramInspection):
         specs = (self.param_spec,) * len(self.packing.dtypes)
         sharded = jax.shard_map(self._program_body(), mesh=self.mesh,
                                 in_specs=specs + (PartitionSpec(),) * len(self._b_shapes),
-                                out_specs=specs + (PartitionSpec(),), check_vma=False)
+                                out_specs=specs + (PartitionSpec(),) * (1 + len(self._aux_names)),
+                                check_vma=False)
         self._jit(sharded)
 
     def _tick_tables(self) -> list[np.ndarray]:
@@ -392,22 +412,24 @@ class PipelineTrainStep(ProgramInspection):
         each stage, the backward of each stage (adding into the gradient buffer)."""
         codec, packing = self.codec, self.packing
 
-        def idle(pf, xin, gin, bk, gacc, lacc):  # noqa: ANN001, ANN202
-            return codec.zeros(), codec.zeros(), gacc, lacc
+        def idle(pf, xin, gin, bk, gacc, lacc, k, aacc):  # noqa: ANN001, ANN202
+            return codec.zeros(), codec.zeros(), gacc, lacc, aacc
 
         def fwd_branch(s: int) -> Callable[..., Any]:
-            def run(pf, xin, gin, bk, gacc, lacc):  # noqa: ANN001, ANN202
-                y, loss = self._forward(s, pf, xin, bk)
-                return y, codec.zeros(), gacc, lacc + loss
+            def run(pf, xin, gin, bk, gacc, lacc, k, aacc):  # noqa: ANN001, ANN202
+                y, loss, aux = self._forward(s, pf, xin, bk)
+                aacc = tuple(lax.dynamic_update_index_in_dim(a, x.astype(a.dtype), k, 0)
+                             for a, x in zip(aacc, aux)) if aux else aacc
+                return y, codec.zeros(), gacc, lacc + loss, aacc
             return run
 
         def bwd_branch(s: int) -> Callable[..., Any]:
-            def run(pf, xin, gin, bk, gacc, lacc):  # noqa: ANN001, ANN202
+            def run(pf, xin, gin, bk, gacc, lacc, k, aacc):  # noqa: ANN001, ANN202
                 gp, ct = self._backward(s, pf, xin, gin, bk)
                 if self.accumulation_shard:  # reduce-scatter every micro-batch's gradient
                     gp = {k: packing.scatter(s, k, v, self._fp32 and k in LOW_PRECISION)
                           for k, v in gp.items()}
-                return codec.zeros(), ct, {k: gacc[k] + gp[k] for k in gacc}, lacc
+                return codec.zeros(), ct, {d: gacc[d] + gp[d] for d in gacc}, lacc, aacc
             return run
 
         return [idle] + [fwd_branch(s) for s in range(self.stages)] + [
@@ -449,7 +471,7 @@ class PipelineTrainStep(ProgramInspection):
         bwd_perm = [(i + 1, i) for i in range(p - 1)]
 
         def tick(carry: tuple, row: tuple) -> tuple:
-            sx, sg, gacc, lacc = carry
+            sx, sg, gacc, lacc, aacc = carry
             op, k, xs, gs, xw, gw = (r[s] for r in row)
             bk = [lax.dynamic_index_in_dim(x, k, 0, keepdims=False) for x in batch]
             xin = {dt: lax.dynamic_index_in_dim(v, xs, 0, keepdims=False)
@@ -457,7 +479,8 @@ class PipelineTrainStep(ProgramInspection):
             gin = {dt: lax.dynamic_index_in_dim(v, gs, 0, keepdims=False)
                    for dt, v in sg.items()}
             idx = jnp.where(op == IDLE, 0, jnp.where(op == FWD, 1 + s, 1 + p + s))
-            y, ct, gacc, lacc = lax.switch(idx, branches, pf, xin, gin, bk, gacc, lacc)
+            y, ct, gacc, lacc, aacc = lax.switch(idx, branches, pf, xin, gin, bk, gacc, lacc,
+                                                 k, aacc)
             if p > 1:
                 y = {dt: lax.ppermute(v, "stage", fwd_perm) for dt, v in y.items()}
                 ct = {dt: lax.ppermute(v, "stage", bwd_perm) for dt, v in ct.items()}
@@ -465,7 +488,7 @@ class PipelineTrainStep(ProgramInspection):
                   for dt, v in sx.items()}
             sg = {dt: lax.dynamic_update_index_in_dim(v, ct[dt], gw, 0)
                   for dt, v in sg.items()}
-            return (sx, sg, gacc, lacc), None
+            return (sx, sg, gacc, lacc, aacc), None
         return tick
 
     def _program_body(self) -> Callable[..., tuple[Any, ...]]:
@@ -491,14 +514,34 @@ class PipelineTrainStep(ProgramInspection):
             gacc = {dt: jnp.zeros((acc_sizes[dt],), dt) for dt in fdt}
             tick = self._tick(s, pf, batch, branches)
             rows = tuple(jnp.asarray(t) for t in tables)
-            (_, _, gacc, lacc), _ = lax.scan(tick, (stash_x, stash_g, gacc,
-                                                    jnp.zeros((), jnp.float32)), rows)
+            (_, _, gacc, lacc, aacc), _ = lax.scan(tick, (stash_x, stash_g, gacc,
+                                                          jnp.zeros((), jnp.float32),
+                                                          self._aux_zeros()), rows)
             gacc = lax.switch(s, [self._sync_branch(q) for q in range(p)], gacc)
             loss = lax.psum(lacc, "stage") / (g * m)
             grads = tuple((gacc[dt] if dt in gacc else jnp.zeros_like(store[dt])).reshape(1, 1, -1)
                           for dt in packing.dtypes)
-            return grads + (loss,)
+            return grads + (loss,) + tuple(lax.psum(a, "stage") for a in aacc)
         return body
+
+    def _aux_zeros(self) -> tuple[Any, ...]:
+        """Each aux leaf's buffer: one row per micro-batch (booleans held as int32: the
+        last stage's rows are summed over the stage axis)."""
+        parts = self.grad_accumulation_step * self.micro_batches
+        out = []
+        for v in self._aux_names:
+            spec = self.graph.spec(v)
+            dt = jnp.int32 if spec.dtype == "bool" else spec.dtype
+            out.append(jnp.zeros((parts,) + tuple(spec.shape), dt))
+        return tuple(out)
+
+    def _value(self, out: Sequence[Any]) -> Any:
+        """The loss, or under ``has_aux`` ``(loss, aux)``: each aux leaf every
+        micro-batch's, stacked along a new leading dim (as train_step's accumulation)."""
+        if not self.has_aux:
+            return out[0]
+        aux = [a.astype(self.graph.spec(v).dtype) for a, v in zip(out[1:], self._aux_names)]
+        return out[0], jax.tree_util.tree_unflatten(self._aux_tree, aux)
 
     def _jit(self, sharded: Callable[..., Any]) -> None:
         """``grads`` and ``step`` jitted around the program; ``pack`` / ``unpack``."""
@@ -506,8 +549,8 @@ class PipelineTrainStep(ProgramInspection):
 
         def grads(buffers: tuple[Any, ...], batch: list[Any]) -> tuple[Any, tuple[Any, ...]]:
             mb = [x.reshape((parts, x.shape[0] // parts) + x.shape[1:]) for x in batch]
-            out = sharded(*buffers, *mb)
-            return out[-1], tuple(out[:-1])
+            out, nb = sharded(*buffers, *mb), len(packing.dtypes)
+            return self._value(out[nb:]), tuple(out[:nb])
 
         def step(packed: PackedParams, opt_state: Any, batch: list[Any]) -> tuple:
             loss, gr = grads(packed.buffers, batch)
@@ -624,7 +667,7 @@ def pipeline_train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
                         schedule: str | None = None,
                         boundaries: Sequence[str | int] | None = None,
                         mode: str | None = None, fixed: Mapping[str, Any] | None = None,
-                        cluster: Any = None) -> PipelineTrainStep:
+                        cluster: Any = None, has_aux: bool = False) -> PipelineTrainStep:
     """A pipelined training step for ``loss_fn(params, *batch)`` under the current context.
 
     ``stages``: pipeline stages ``p`` (default: the context's ``pipeline_stages``; must divide
@@ -648,15 +691,22 @@ def pipeline_train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
     As in :func:`autopar.train_step`, the floating-point leaves of ``params`` are trained and
     the integer and boolean ones carried (their own packed buffers, which the optimizer never
     sees; ``grads`` holds None there); a typed PRNG key cannot be packed and is refused by
-    name (:class:`~autopar.errors.AutoParallelTypeError`). The loss returns the loss only
-    (no ``has_aux``: the last stage computes it per micro-batch), and ``gradients_mean`` left
-    unset is warned about as there.
+    name (:class:`~autopar.errors.AutoParallelTypeError`). ``has_aux``: ``loss_fn`` returns
+    ``(loss, aux)`` and the step's value is ``(loss, aux)``, each aux leaf every
+    micro-batch's (computed on the stage that makes it, carried to the last), stacked along a
+    new leading dim of ``grad_accumulation_step x micro_batches`` (as
+    :func:`autopar.train_step` under gradient accumulation). ``gradients_mean`` left unset is
+    warned about as there.
     """
     batch, optimizer = step_arguments(loss_fn, batch, optimizer,
                                       "pipeline_train_step needs a callable")
+    if not isinstance(has_aux, bool):
+        raise AutoParallelTypeError("has_aux", has_aux, "True or False: whether loss_fn "
+                                    "returns (loss, aux)")
     config = resolve_context().config  # read and checked once: every stage takes this config
     step = PipelineTrainStep(loss_fn, params, batch, optimizer, config=config, stages=stages,
                              micro_batches=micro_batches, schedule=schedule,
-                             boundaries=boundaries, mode=mode, fixed=fixed, cluster=cluster)
+                             boundaries=boundaries, mode=mode, fixed=fixed, cluster=cluster,
+                             has_aux=has_aux)
     warn_gradients_mean(step.data_parallel_degree, "gradients_mean" in explicit_keys())
     return step
