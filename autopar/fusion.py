@@ -559,14 +559,16 @@ def _from_hccl(gs: tuple[Gradient, ...], strat: Any, kind: str) -> GradientBucke
 
 def gradient_buckets(source: Any, plan: Any = None, *, kind: str = "allreduce",
                      policy: str = "context", resolved: Any = None,
-                     group: str = WORLD_GROUP) -> GradientBuckets:
+                     group: str = WORLD_GROUP, split: Any = None) -> GradientBuckets:
     """The buckets of one collective kind under the settings in force.
 
     ``source`` is a Graph (with an optional Plan: per-device bytes) or a list of
     ``(name, nbytes)`` in backward order. ``resolved`` (a ResolvedContext) replaces the current
-    context's comm_fusion. Precedence (module doc): comm_fusion > HCCL split strategy set for
-    ``group`` (size over index) > fusion closed; ``policy="hccl"``: HCCL's effective strategy,
-    its default [96.54, 3.46] included; ``policy="none"``: fusion closed.
+    context's comm_fusion, ``split`` (a :class:`~autopar.hccl.SplitStrategy` an entry point
+    read, :class:`autopar.setup.Setup`) the HCCL split strategy set for ``group``.
+    Precedence (module doc): comm_fusion > HCCL split strategy set for ``group`` (size over
+    index) > fusion closed; ``policy="hccl"``: HCCL's effective strategy, its default
+    [96.54, 3.46] included; ``policy="none"``: fusion closed.
 
     >>> import autopar
     >>> autopar.set_auto_parallel_context(device_num=8, all_reduce_fusion_config=[1])
@@ -593,7 +595,7 @@ def gradient_buckets(source: Any, plan: Any = None, *, kind: str = "allreduce",
         if kind != "allreduce":
             raise AutoParallelError("policy", policy, f"HCCL split strategies apply to "
                                     f"allreduce only, not {kind}")
-        return _from_hccl(gs, get_split_strategy(group), kind)
+        return _from_hccl(gs, split or get_split_strategy(group), kind)
     if resolved is None:  # the entry point reads the context's comm_fusion
         from autopar.context import current_config
         from autopar.resolve import fusion_setting
@@ -607,7 +609,7 @@ def gradient_buckets(source: Any, plan: Any = None, *, kind: str = "allreduce",
     if setting.mode != "none":
         return _from_setting(gs, setting, kind)
     if kind == "allreduce":
-        strat = get_split_strategy(group)
+        strat = split or get_split_strategy(group)
         if not strat.is_default:
             return _from_hccl(gs, strat, kind)
     return buckets_per_gradient(gs, kind=kind, source=f"fusion closed: no comm_fusion "

@@ -107,9 +107,7 @@ def predict(kind: str, *, flops: float, x_bytes: float, out_bytes: float, comm_b
     compute and move data) nothing overlaps, neither a matmul and a transfer nor the two
     directions of a link (``R = p - 1`` both ways).
     """
-    from autopar.clusters import resolve_cluster
-
-    clus = resolve_cluster(cluster)
+    clus = _resolved(cluster)
     cm = CostModel(clus)
     c = p if chunks is None else int(chunks)
     if c < 1 or p % c:
@@ -140,11 +138,22 @@ def predict(kind: str, *, flops: float, x_bytes: float, out_bytes: float, comm_b
     return {"unfused": unfused, "fused": fused, "gain": unfused / fused}
 
 
+def _resolved(cluster: str | Cluster) -> Cluster:
+    """``cluster`` as a Cluster: a preset name, ``"calibrated"`` or a file resolved
+    (:func:`autopar.clusters.resolve_cluster`); a Cluster is already one."""
+    if isinstance(cluster, Cluster):
+        return cluster
+    from autopar.clusters import resolve_cluster
+
+    return resolve_cluster(cluster)
+
+
 def best_schedule(kind: str, p: int, cluster: str | Cluster,
                   **shapes: Any) -> tuple[dict[str, Any], dict[str, float]]:
     """The ring schedule (``bidirectional``, ``chunks``) the model predicts fastest, and its
     :func:`predict` result; ties go to the simpler schedule (one way, pipelined)."""
     best: tuple[dict[str, Any], dict[str, float]] | None = None
+    cluster = _resolved(cluster)  # (once for the four schedules)
     for bidirectional in (False, True):
         for chunks in (None, 1):
             r = predict(kind, p=p, cluster=cluster, bidirectional=bidirectional,
@@ -212,9 +221,7 @@ def fuse_kernels(pg: ParallelGraph, fused_kernels: FusedKernels = "auto",
     if mode is False:
         return pg
     if cluster is not None:
-        from autopar.clusters import resolve_cluster
-
-        cluster = resolve_cluster(cluster)
+        cluster = _resolved(cluster)
     else:  # the plan's own cluster (custom ones too), else its preset by name
         cluster = getattr(pg.plan, "cluster_config", None)
         if cluster is None:

@@ -28,7 +28,6 @@ from typing import Any, Callable, Mapping
 
 from jax.sharding import Mesh
 
-from autopar.context import current_config
 from autopar.errors import (AutoParallelError, AutoParallelTypeError, AutoParallelWarning,
                             user_stacklevel)
 from autopar.graph.ir import Graph
@@ -41,7 +40,8 @@ from autopar.parallel_graph import ParallelGraph
 from autopar.rewrite import rewrite
 from autopar.strategies.modes import SOLVERS
 from autopar.strategies.plan import Plan
-from autopar.planner import check_same_plans, saves_on_success, search
+from autopar.planner import check_same_plans, plan_graph, saves_on_success
+from autopar.setup import Setup, resolve_setup
 from autopar.uneven import UnevenBatch, UnevenRequest, check_uneven_batch, plan_uneven
 
 __all__ = ["parallelize", "parallel_function", "ParallelFunction"]
@@ -108,39 +108,39 @@ def parallelize(fn: Callable[..., Any], *example_args: Any, mode: str | None = N
     if not callable(fn):
         raise AutoParallelTypeError("fn", fn, "parallelize needs a callable JAX function")
     check_fused_kernels(fused_kernels)
-    cfg = current_config()
-    devices = 1 if cfg.parallel_mode == "stand_alone" else cfg.device_num  # the search's
-    uneven = plan_uneven(fn, example_args, check_uneven_batch(uneven_batch), devices)
-    return parallel_function(fn, example_args, uneven, mode=mode, fixed=fixed, cluster=cluster,
+    setup = resolve_setup(cluster)  # the stores, read once
+    uneven = plan_uneven(fn, example_args, check_uneven_batch(uneven_batch), setup.device_num)
+    return parallel_function(fn, example_args, uneven, setup, mode=mode, fixed=fixed,
                              mesh=mesh, fused_kernels=fused_kernels)
 
 
 def parallel_function(fn: Callable[..., Any], example_args: tuple[Any, ...],
-                      uneven: UnevenRequest | None, *, mode: str | None,
-                      fixed: Mapping[str, Any] | None, cluster: Any, mesh: Mesh | None,
+                      uneven: UnevenRequest | None, setup: Setup, *, mode: str | None,
+                      fixed: Mapping[str, Any] | None, mesh: Mesh | None,
                       fused_kernels: FusedKernels, plan: Plan | None = None,
                       optimizer: Any = None) -> ParallelFunction:
-    """:func:`parallelize` after its checks: trace, search, rewrite and lower, reading no
-    context of its own (the search, :func:`autopar.search`, resolves it). ``uneven``: the
+    """:func:`parallelize` after its checks: trace, search (:func:`autopar.planner.plan_graph`
+    on the entry point's ``setup``), rewrite and lower, reading no store. ``uneven``: the
     uneven split :func:`autopar.uneven.plan_uneven` asked for, or None. ``plan``: a plan
     searched on this function at these shapes, run as it is instead of searching (no
     strategy file read or written, ``mode`` and ``fixed`` unused): a tuning's candidates."""
     args = example_args if uneven is None else uneven.padded_args
     # every process builds it (under jax.distributed): the cluster is process 0's
     with saves_on_success(), together():  # the strategy file once the function is built
-        graph = trace(fn, *args)  # search() resolves the context (restrictions) once
+        graph = trace(fn, *args)
         given = plan is not None
         if given:
             _check_given_plan(plan, graph)
         else:
-            plan = search(graph, mode=mode, fixed=fixed, cluster=cluster, optimizer=optimizer)
+            plan = plan_graph(graph, setup, mode=mode, fixed=fixed, optimizer=optimizer)
+        cluster = setup.cluster if setup.cluster_named else None  # (else the plan's own)
         pg = rewrite(graph, plan, fused_kernels=fused_kernels, cluster=cluster)
         adapter = None
         if uneven is not None and given:  # (the given plan runs as it is, or is refused)
             adapter = uneven.check(graph, pg)
         elif uneven is not None:
-            plan, pg, adapter = _rows_kept(uneven, graph, plan, pg, mode=mode, fixed=fixed,
-                                           cluster=cluster, fused_kernels=fused_kernels)
+            plan, pg, adapter = _rows_kept(uneven, graph, plan, pg, setup, mode=mode,
+                                           fixed=fixed, fused_kernels=fused_kernels)
         check_same_plans([(plan, graph, pg)])  # (under jax.distributed)
         f = ParallelFunction(fn, graph, plan, pg, lower(pg, mesh, adapter=adapter))
     f.uneven = adapter
@@ -161,8 +161,8 @@ def _check_given_plan(plan: Any, graph: Graph) -> None:
                                 "a pipelined plan runs in the pipelined step")
 
 
-def _rows_kept(uneven: UnevenRequest, graph: Graph, plan: Plan, pg: ParallelGraph, *,
-               mode: str | None, fixed: Mapping[str, Any] | None, cluster: Any,
+def _rows_kept(uneven: UnevenRequest, graph: Graph, plan: Plan, pg: ParallelGraph,
+               setup: Setup, *, mode: str | None, fixed: Mapping[str, Any] | None,
                fused_kernels: FusedKernels) -> tuple[Plan, ParallelGraph, UnevenBatch]:
     """The plan, its program and the uneven adapter, the batch rows proven apart
     (:meth:`UnevenRequest.check`). A plan a search mode chose that mixes rows gives way,
@@ -178,10 +178,11 @@ def _rows_kept(uneven: UnevenRequest, graph: Graph, plan: Plan, pg: ParallelGrap
     with warnings.catch_warnings():  # (a strategy file is the auto search's: saved below)
         warnings.filterwarnings("ignore", "strategy files are used only",
                                 AutoParallelWarning)
-        rows = search(graph, parallel_mode="data_parallel", cluster=cluster)
-    plan = search(graph, mode=mode, cluster=cluster,
-                  fixed={name: ns.strategy for name, ns in rows.nodes.items()})
-    pg = rewrite(graph, plan, fused_kernels=fused_kernels, cluster=cluster)
+        rows = plan_graph(graph, setup, parallel_mode="data_parallel")
+    plan = plan_graph(graph, setup, mode=mode,
+                      fixed={name: ns.strategy for name, ns in rows.nodes.items()})
+    pg = rewrite(graph, plan, fused_kernels=fused_kernels,
+                 cluster=setup.cluster if setup.cluster_named else None)
     try:
         adapter = uneven.check(graph, pg)
     except AutoParallelError:

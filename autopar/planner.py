@@ -1,9 +1,11 @@
 """``autopar.search``: the planning entry point — resolve the context, load or search, save.
 
 ``search(graph, *, mode=None, device_num=None, cluster=None, fixed=None, parallel_mode=None,
-fully_use_devices=None)`` reads what it is not given from the auto-parallel context and the
-algorithm parameters (:mod:`autopar.algo`), once: the parallel mode (who chooses), the search
-mode (:mod:`autopar.strategies.modes`), the devices, the cluster that prices the plan
+fully_use_devices=None, optimizer=None)`` reads what it is not given from the auto-parallel
+context and the algorithm parameters (:mod:`autopar.algo`), once, into a
+:class:`~autopar.setup.Setup` (:func:`plan_graph` is the core the other entry points call
+with theirs): the parallel mode (who chooses), the search mode
+(:mod:`autopar.strategies.modes`), the devices, the cluster that prices the plan
 (:func:`autopar.clusters.resolve_cluster`), ``fully_use_devices`` and
 ``elementwise_op_strategy_follow``.
 Under ``semi_auto_parallel`` / ``auto_parallel`` the context's ``strategy_ckpt_load_file``
@@ -23,9 +25,8 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import jax
 
-from autopar.algo import current_algo_parameters
 from autopar.checkpoint import dumps_strategy, load_plan, save_strategy, strategy_document
-from autopar.clusters import note_devices, resolve_cluster
+from autopar.clusters import note_devices
 from autopar.errors import (AutoParallelError, AutoParallelTypeError, AutoParallelWarning,
                             MemoryBudgetError, user_stacklevel)
 from autopar.files import writable_target, write_files_atomic
@@ -34,7 +35,7 @@ from autopar.graph.ms_layout import to_strategy
 from autopar.graph.prng import is_key
 from autopar.limits import MAX_DEVICES
 from autopar.multihost import check_same, several
-from autopar.resolve import resolve_context
+from autopar.setup import Setup, resolve_setup
 from autopar.strategies.cost import Cluster, CostModel
 from autopar.strategies.explain import Explanation, alternatives
 from autopar.strategies.fit import advise
@@ -71,22 +72,23 @@ def search(graph: Graph, *, mode: str | None = None, device_num: int | None = No
     4 MiB of output), which may repeat their work; False lets every operator repeat work on
     some axes — a larger space (slower search) that can pay off when communication is dear.
     """
-    return plan_graph(graph, resolve_context().config, mode=mode, device_num=device_num,
-                      cluster=cluster, fixed=fixed, parallel_mode=parallel_mode,
+    return plan_graph(graph, resolve_setup(cluster), mode=mode, device_num=device_num,
+                      fixed=fixed, parallel_mode=parallel_mode,
                       fully_use_devices=fully_use_devices, optimizer=optimizer)
 
 
-def plan_graph(graph: Graph, cfg: Any, *, mode: str | None = None,
-               device_num: int | None = None, cluster: str | Cluster | None = None,
-               fixed: Mapping[str, Any] | None = None, parallel_mode: str | None = None,
-               fully_use_devices: bool | None = None, load_file: str | None = None,
-               save_file: str | None = None, optimizer: Any = None) -> Plan:
-    """:func:`search` on a configuration its caller's entry point has read (the pipelined
-    step's, once for all its stages). ``load_file`` / ``save_file`` replace the
-    configuration's strategy-file paths (a stage's own files)."""
+def plan_graph(graph: Graph, setup: Setup, *, mode: str | None = None,
+               device_num: int | None = None, fixed: Mapping[str, Any] | None = None,
+               parallel_mode: str | None = None, fully_use_devices: bool | None = None,
+               load_file: str | None = None, save_file: str | None = None,
+               optimizer: Any = None) -> Plan:
+    """:func:`search` on the setup its caller's entry point resolved (the pipelined step's,
+    once for all its stages). ``load_file`` / ``save_file`` replace the configuration's
+    strategy-file paths (a stage's own files)."""
+    cfg = setup.config
     load = cfg.strategy_ckpt_load_file if load_file is None else load_file
     save = cfg.strategy_ckpt_save_file if save_file is None else save_file
-    s = _search_inputs(graph, cfg, mode=mode, device_num=device_num, fixed=fixed,
+    s = _search_inputs(graph, setup, mode=mode, device_num=device_num, fixed=fixed,
                        parallel_mode=parallel_mode, fully_use_devices=fully_use_devices,
                        optimizer=optimizer)
     files = s.pmode in USES_STRATEGY_FILES
@@ -98,32 +100,31 @@ def plan_graph(graph: Graph, cfg: Any, *, mode: str | None = None,
                           if v), AutoParallelWarning, stacklevel=user_stacklevel())
     if files and load:  # priced on the file's own cluster unless named
         plan = _load(graph, load, cfg.pipeline_stages, s.n,
-                     None if cluster is None else resolve_cluster(cluster), s.fixed_map,
+                     setup.cluster if setup.cluster_named else None, s.fixed_map,
                      s.settings, s.annotated)
     else:
-        plan = _advised(search_plan, graph, s, cluster)
+        plan = _advised(search_plan, graph, s, setup)
     if files and save:
         save_plan(plan, graph, save)
     return plan
 
 
-def ranked_candidates(graph: Graph, cfg: Any, *, mode: str | None = None,
-                      cluster: str | Cluster | None = None,
+def ranked_candidates(graph: Graph, setup: Setup, *, mode: str | None = None,
                       fixed: Mapping[str, Any] | None = None,
                       optimizer: Any = None) -> list[tuple[str, Plan]]:
     """The plans a search weighs, cheapest first, as (name, plan): the search's own and the
-    hand plans (:func:`autopar.strategies.search.ranked_plans`), on a configuration its
-    caller's entry point has read; no strategy file is read or written."""
-    s = _search_inputs(graph, cfg, mode=mode, device_num=None, fixed=fixed,
+    hand plans (:func:`autopar.strategies.search.ranked_plans`), on the setup its caller's
+    entry point resolved; no strategy file is read or written."""
+    s = _search_inputs(graph, setup, mode=mode, device_num=None, fixed=fixed,
                        parallel_mode=None, fully_use_devices=None, optimizer=optimizer)
-    return _advised(ranked_plans, graph, s, cluster)
+    return _advised(ranked_plans, graph, s, setup)
 
 
-def _advised(searcher: Any, graph: Graph, s: "_SearchInputs", cluster: Any) -> Any:
+def _advised(searcher: Any, graph: Graph, s: "_SearchInputs", setup: Setup) -> Any:
     """``searcher`` (:func:`search_plan` or :func:`ranked_plans`) on the checked inputs; when
     no plan fits the memory budget, the error says what would
     (:func:`autopar.strategies.fit.advise`)."""
-    clus = note_devices(resolve_cluster(cluster), s.n)
+    clus = note_devices(setup.cluster, s.n)
     try:
         return searcher(graph, mode=s.mode, device_num=s.n, cluster=clus, fixed=s.fixed_map,
                         settings=s.settings)
@@ -142,12 +143,12 @@ class _SearchInputs:
     settings: SearchSettings
 
 
-def _search_inputs(graph: Graph, cfg: Any, *, mode: str | None, device_num: int | None,
+def _search_inputs(graph: Graph, setup: Setup, *, mode: str | None, device_num: int | None,
                    fixed: Mapping[str, Any] | None, parallel_mode: str | None,
                    fully_use_devices: bool | None, optimizer: Any = None) -> _SearchInputs:
-    """The checked values a search takes from its arguments, else the configuration and the
-    algorithm parameters."""
-    algo = current_algo_parameters()
+    """The checked values a search takes from its arguments, else the setup's configuration
+    and algorithm parameters."""
+    cfg, algo = setup.config, setup.algo
     if fully_use_devices is None:
         fully_use_devices = algo.fully_use_devices
     if not isinstance(fully_use_devices, bool):
@@ -322,10 +323,9 @@ def partition_stages(graph: Graph, stages: int, *, boundaries: Sequence[str | in
     :func:`search`. ``boundaries``: fix the cuts instead of searching them.
     ``micro_batches``: ``m`` of the objective (default ``stages``).
     """
-    from autopar.context import current_config
-
-    n = current_config().device_num if device_num is None else device_num
-    return _partition_stages(graph, stages, device_num=n, cluster=resolve_cluster(cluster),
+    setup = resolve_setup(cluster)
+    n = setup.config.device_num if device_num is None else device_num
+    return _partition_stages(graph, stages, device_num=n, cluster=setup.cluster,
                              boundaries=boundaries, micro_batches=micro_batches)
 
 
@@ -356,11 +356,12 @@ def explain(graph: Graph, plan: Plan, node: str, *,
         raise AutoParallelError("plan", f"{len(set(plan.stages.values()))} pipeline stages",
                                 "explain takes one stage's plan and graph (a pipelined "
                                 "step's plans[s] and stage_graphs[s])")
+    setup = resolve_setup(cluster)
     priced = plan.cluster_config if cluster is None and plan.cluster_config is not None \
-        else resolve_cluster(cluster)
+        else setup.cluster
     rows = alternatives(graph, plan, node, CostModel(priced),
-                        full_use=current_algo_parameters().fully_use_devices,
-                        dataset_strategy=resolve_context().config.dataset_strategy)
+                        full_use=setup.algo.fully_use_devices,
+                        dataset_strategy=setup.config.dataset_strategy)
     out = Explanation(node, plan.nodes[node].op, plan.mode, priced.name, tuple(rows))
     mine = out.chosen.objective
     if cluster is None and abs(mine - plan.objective) > 1e-9 * abs(plan.objective):

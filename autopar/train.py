@@ -80,10 +80,9 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar.config import AutoParallelConfig
-from autopar.context import current_config, explicit_keys
 from autopar.cotangents import alike_axes
 from autopar.planner import saves_on_success
-from autopar.resolve import resolve_context
+from autopar.setup import Setup, resolve_setup
 from autopar.errors import AutoParallelError, AutoParallelTypeError, user_stacklevel
 from autopar.fusion import GradientBuckets, buckets_from_ends, gradient_buckets
 from autopar.grad_sync import (LOW_PRECISION, METHODS, data_parallel_degree, fp32_sync_active,
@@ -135,27 +134,29 @@ class TrainStep(ProgramInspection):
     tuning: Any = None
 
     def __init__(self, loss_fn: Callable[..., Any], params: Any, batch: tuple[Any, ...],
-                 optimizer: optax.GradientTransformation, *, config: AutoParallelConfig,
-                 mode: str | None, fixed: Mapping[str, Any] | None, cluster: Any,
+                 optimizer: optax.GradientTransformation, *, setup: Setup,
+                 mode: str | None, fixed: Mapping[str, Any] | None,
                  backend: str, mesh: Mesh | None, sync_method: str,
                  fused_kernels: FusedKernels = "auto", plan: Plan | None = None,
                  has_aux: bool = False) -> None:
-        """Built by :func:`train_step`, which reads the context once and passes its
-        ``config`` (nothing here reads the context). ``plan``: run this plan (searched on
-        the loss at the step's micro-batch) instead of searching, as a tuning does."""
+        """Built by :func:`train_step`, which reads the stores once and passes its ``setup``
+        (:class:`autopar.setup.Setup`; nothing here reads a store). ``plan``: run this plan
+        (searched on the loss at the step's micro-batch) instead of searching, as a tuning
+        does."""
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.backend = backend
         self.sync_method = sync_method
         self.has_aux = has_aux
-        self._read_config(config)
+        self.setup = setup
+        self._read_config(setup.config)
         b_leaves, self._b_tree = jax.tree_util.tree_flatten(tuple(batch))
         self.batch_shapes = [tuple(np.shape(x)) for x in b_leaves]
         micro = micro_batch(batch, self.accumulation)
         self.split = ParamSplit(params, keys_in_program=backend != "pmap")
         traced_fn, traced_params = self.split.traced(loss_fn, params, micro)
-        self.function = parallel_function(traced_fn, (traced_params, *micro), None, mode=mode,
-                                          fixed=fixed, cluster=cluster, mesh=mesh,
+        self.function = parallel_function(traced_fn, (traced_params, *micro), None, setup,
+                                          mode=mode, fixed=fixed, mesh=mesh,
                                           fused_kernels=fused_kernels, plan=plan,
                                           optimizer=optimizer)
         self.plan = self.function.plan
@@ -247,7 +248,8 @@ class TrainStep(ProgramInspection):
         def buckets(kind: str, members: list[str]) -> GradientBuckets | None:
             if not members:
                 return None
-            return gradient_buckets([(m, int(nbytes[m])) for m in members], kind=kind)
+            return gradient_buckets([(m, int(nbytes[m])) for m in members], kind=kind,
+                                    resolved=self.setup.resolved, split=self.setup.split)
 
         ar = [n for n in order if not self._sharded[pos[n]]]
         rs = [n for n in order if self._sharded[pos[n]]]
@@ -767,22 +769,31 @@ def train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
     batch, optimizer = check_step_arguments(loss_fn, params, batch, optimizer,
                                             backend=backend, sync_method=sync_method,
                                             fused_kernels=fused_kernels, has_aux=has_aux)
-    cfg = current_config()  # the context, read once: everything below takes this config
-    explicit = "gradients_mean" in explicit_keys()
+    setup = resolve_setup(cluster)  # the stores, read once: everything below takes this
+    return build_train_step(setup, loss_fn, params, batch, optimizer, mode=mode, fixed=fixed,
+                            backend=backend, mesh=mesh, sync_method=sync_method,
+                            fused_kernels=fused_kernels, has_aux=has_aux)
+
+
+def build_train_step(setup: Setup, loss_fn: Callable[..., Any], params: Any,
+                     batch: tuple[Any, ...], optimizer: optax.GradientTransformation, *,
+                     mode: str | None, fixed: Mapping[str, Any] | None, backend: str,
+                     mesh: Mesh | None, sync_method: str, fused_kernels: FusedKernels,
+                     has_aux: bool) -> Any:
+    """:func:`train_step` on checked arguments and the ``setup`` its entry point resolved:
+    the plain or the pipelined step, its strategy files saved once it is built."""
     with saves_on_success():  # strategy files once the step is built and checked
-        if cfg.pipeline_stages > 1:  # the pipelined step (autopar.pipeline), checked here
-            cfg = resolve_context().config
-            _check_pipelined(cfg.pipeline_stages, backend=backend, mesh=mesh,
+        if setup.config.pipeline_stages > 1:  # the pipelined step (autopar.pipeline)
+            _check_pipelined(setup.config.pipeline_stages, backend=backend, mesh=mesh,
                              sync_method=sync_method, fused_kernels=fused_kernels)
-            step: Any = PipelineTrainStep(loss_fn, params, batch, optimizer, config=cfg,
-                                          mode=mode, fixed=fixed, cluster=cluster,
-                                          has_aux=has_aux)
+            step: Any = PipelineTrainStep(loss_fn, params, batch, optimizer, setup=setup,
+                                          mode=mode, fixed=fixed, has_aux=has_aux)
         else:
-            step = TrainStep(loss_fn, params, batch, optimizer, config=cfg, mode=mode,
-                             fixed=fixed, cluster=cluster, backend=backend, mesh=mesh,
+            step = TrainStep(loss_fn, params, batch, optimizer, setup=setup, mode=mode,
+                             fixed=fixed, backend=backend, mesh=mesh,
                              sync_method=sync_method, fused_kernels=fused_kernels,
                              has_aux=has_aux)
-    warn_gradients_mean(step.data_parallel_degree, explicit)
+    warn_gradients_mean(step.data_parallel_degree, "gradients_mean" in setup.explicit)
     return step
 
 

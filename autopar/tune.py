@@ -46,15 +46,13 @@ from autopar import train as _train
 from autopar.calibration import host_identity
 from autopar.checkpoint import read_strategy_file
 from autopar.cli_util import Progress, table
-from autopar.clusters import resolve_cluster
 from autopar.config import AutoParallelConfig
-from autopar.context import current_config, explicit_keys
 from autopar.errors import (AutoParallelError, AutoParallelTypeError, AutoParallelWarning,
                             user_stacklevel)
 from autopar.graph.tracer import trace
 from autopar.multihost import agree_text, is_lead, together
 from autopar.planner import ranked_candidates, save_plan, saves_on_success
-from autopar.resolve import resolve_context
+from autopar.setup import Setup, resolve_setup
 from autopar.step_inputs import ParamSplit, warn_gradients_mean
 from autopar.strategies.plan import Plan
 from autopar.train import TrainStep
@@ -197,11 +195,11 @@ def _runner(step: TrainStep, params: Any, batch: tuple[Any, ...]) -> Callable[[]
 
 
 def tune_step(loss_fn: Callable[..., Any], params: Any, batch: tuple[Any, ...],
-              optimizer: optax.GradientTransformation, *, config: AutoParallelConfig, k: int,
-              steps: int = DEFAULT_STEPS, cluster: Any = None, progress: bool = True,
+              optimizer: optax.GradientTransformation, *, setup: Setup, k: int,
+              steps: int = DEFAULT_STEPS, progress: bool = True,
               clock: Callable[[], float] = time.perf_counter, **options: Any) -> TrainStep:
-    """The tuning itself, on a configuration its entry point read (nothing here reads the
-    context): trace the loss at the step's micro-batch, rank the candidates
+    """The tuning itself, on the setup its entry point resolved (nothing here reads a
+    store): trace the loss at the step's micro-batch, rank the candidates
     (:func:`autopar.planner.ranked_candidates`), build the first ``k`` distinct, time them
     (:func:`measure_rounds`), keep the fastest (:func:`choose`); its step comes back with
     ``.tuning``, and ``strategy_ckpt_save_file`` (if set) is saved with the measurements.
@@ -210,18 +208,18 @@ def tune_step(loss_fn: Callable[..., Any], params: Any, batch: tuple[Any, ...],
     start = time.perf_counter()
     mode, fixed = options.pop("mode", None), options.pop("fixed", None)
     with together():  # (under jax.distributed: process 0's cluster and measurements)
-        clus = resolve_cluster(cluster)
-        micro = _train.micro_batch(batch, config.grad_accumulation_step)
+        clus = setup.cluster
+        micro = _train.micro_batch(batch, setup.config.grad_accumulation_step)
         keys_in = options.get("backend", "shard_map") != "pmap"
         graph = trace(*ParamSplit(params, keys_in).traced(loss_fn, params, micro), *micro)
-        cands = distinct_plans(ranked_candidates(graph, config, mode=mode, cluster=clus,
-                                                 fixed=fixed, optimizer=optimizer), k)
+        cands = distinct_plans(ranked_candidates(graph, setup, mode=mode, fixed=fixed,
+                                                 optimizer=optimizer), k)
         with Progress("tune", len(cands) + steps * (len(cands) > 1),
                       quiet=not (progress and is_lead())) as bar:
             built, runners = [], []
             for name, plan in cands:
-                step = TrainStep(loss_fn, params, batch, optimizer, config=config, mode=None,
-                                 fixed=None, cluster=clus, plan=plan, **options)
+                step = TrainStep(loss_fn, params, batch, optimizer, setup=setup, mode=None,
+                                 fixed=None, plan=plan, **options)
                 runners.append(_runner(step, params, batch))
                 for _ in range(WARMUP if len(cands) > 1 else 0):
                     runners[-1]()
@@ -240,8 +238,8 @@ def tune_step(loss_fn: Callable[..., Any], params: Any, batch: tuple[Any, ...],
                          time.perf_counter() - start)
     step.plan.notes.append(f"tuning: kept {rows[best].name}, the fastest measured of "
                            f"{len(rows)} plan(s) (.tuning)")
-    if config.strategy_ckpt_save_file:
-        save_plan(step.plan, step.function.graph, config.strategy_ckpt_save_file,
+    if setup.config.strategy_ckpt_save_file:
+        save_plan(step.plan, step.function.graph, setup.config.strategy_ckpt_save_file,
                   tuning=step.tuning.document())
     return step
 
@@ -304,16 +302,15 @@ def tuned_train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
         loss_fn, params, batch, optimizer, backend=options["backend"],
         sync_method=options["sync_method"], fused_kernels=options["fused_kernels"],
         has_aux=options["has_aux"])
-    cfg = current_config()  # the context, read once
-    if not _tunes(cfg, k):
-        return _train.train_step(loss_fn, params, batch, optimizer, **options)
+    setup = resolve_setup(options.pop("cluster"))  # the stores, read once
+    if not _tunes(setup.config, k):
+        return _train.build_train_step(setup, loss_fn, params, batch, optimizer, **options)
     with saves_on_success():  # the strategy file once the step is built
-        if cfg.strategy_ckpt_load_file:
-            return _loaded(cfg, k, loss_fn, params, batch, optimizer, options)
-        cfg = resolve_context().config  # (the mode restrictions, checked once)
-        step = tune_step(loss_fn, params, batch, optimizer, config=cfg, k=k, steps=steps,
+        if setup.config.strategy_ckpt_load_file:
+            return _loaded(setup, k, loss_fn, params, batch, optimizer, options)
+        step = tune_step(loss_fn, params, batch, optimizer, setup=setup, k=k, steps=steps,
                          progress=progress, clock=clock, **options)
-    warn_gradients_mean(step.data_parallel_degree, "gradients_mean" in explicit_keys())
+    warn_gradients_mean(step.data_parallel_degree, "gradients_mean" in setup.explicit)
     return step
 
 
@@ -333,11 +330,12 @@ def _tunes(cfg: AutoParallelConfig, k: int) -> bool:
     return True
 
 
-def _loaded(cfg: AutoParallelConfig, k: int, loss_fn: Callable[..., Any], params: Any,
+def _loaded(setup: Setup, k: int, loss_fn: Callable[..., Any], params: Any,
             batch: tuple[Any, ...], optimizer: optax.GradientTransformation,
             options: Mapping[str, Any]) -> TrainStep:
     """The step of ``strategy_ckpt_load_file``'s plan with the file's measurements as its
     ``.tuning`` (nothing measured); refused when the file holds none."""
+    cfg = setup.config
     path = cfg.strategy_ckpt_load_file
     entry = read_strategy_file(path).tuning
     if entry is None:
@@ -347,7 +345,8 @@ def _loaded(cfg: AutoParallelConfig, k: int, loss_fn: Callable[..., Any], params
                                 "Drop tune= to run the file's plan, or drop "
                                 "strategy_ckpt_load_file to measure (with "
                                 "strategy_ckpt_save_file the measurements are kept)")
-    step = _train.train_step(loss_fn, params, batch, optimizer, **options)  # the file's plan
+    step = _train.build_train_step(setup, loss_fn, params, batch, optimizer,
+                                   **options)  # the file's plan
     step.tuning = Tuning.from_entry(entry, path)
     if cfg.strategy_ckpt_save_file:  # (saved again as loaded: the measurements kept)
         save_plan(step.plan, step.function.graph, cfg.strategy_ckpt_save_file,

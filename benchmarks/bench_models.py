@@ -228,13 +228,12 @@ def build_entries(model: Any, graph: Any, calibrated: Any, tmp: Path) -> list[En
     """The default path, autopar's data_parallel mode, jax.jit DP and every other candidate
     the search weighs (one entry per distinct plan beyond the first two)."""
     from autopar.planner import ranked_candidates
-    from autopar.resolve import resolve_context
+    from autopar.setup import resolve_setup
 
     with _context("auto_parallel"):
-        cfg = resolve_context().config
-        ranked = ranked_candidates(graph, cfg, cluster=calibrated)
-        ranked += [(mode, dict(ranked_candidates(graph, cfg, mode=mode,
-                                                 cluster=calibrated))[mode])
+        setup = resolve_setup(calibrated)
+        ranked = ranked_candidates(graph, setup)
+        ranked += [(mode, dict(ranked_candidates(graph, setup, mode=mode))[mode])
                    for mode in OTHER_MODES]
     names = {p.decisions(): name for name, p in reversed(ranked)}
     entries: list[Entry] = []

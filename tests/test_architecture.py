@@ -20,7 +20,8 @@ CONTRACTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["autopa
     "architecture"]
 PACKAGES = {"autopar": ROOT / "autopar", "autopar.strategies": ROOT / "strategies",
             "autopar.kernels": ROOT / "kernels"}
-CONTEXT_READS = {"current_config", "resolve_context", "explicit_keys"}
+CONTEXT_READS = {"current_config", "resolve_context", "explicit_keys", "resolve_setup",
+                 "current_algo_parameters"}
 
 
 def modules() -> dict[str, Path]:

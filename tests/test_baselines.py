@@ -11,6 +11,7 @@ import pytest
 import autopar as ap
 from autopar.models import mlp, resnet50, tfm_stack, transformer
 from autopar.planner import ranked_candidates
+from autopar.setup import resolve_setup
 from autopar.strategies.baselines import megatron_splits
 from autopar.strategies.layout import DeviceMesh
 
@@ -91,9 +92,8 @@ def test_a_cheaper_hand_plan_replaces_the_solvers_own():
     m = transformer(layers=2, hidden=1024, heads=16, seq=512, vocab=1024, batch=8)
     g = ap.trace(m.loss, *jax.eval_shape(m.example_args, jax.random.key(0)))
     with ap.auto_parallel_context(device_num=64, parallel_mode="auto_parallel"):
-        cfg = ap.resolve_context().config
-        ranked = ranked_candidates(g, cfg, mode="recursive_programming",
-                                   cluster="accelerator-8x")
+        ranked = ranked_candidates(g, resolve_setup("accelerator-8x"),
+                                   mode="recursive_programming")
         plan = ap.search(g, mode="recursive_programming", cluster="accelerator-8x")
     own = dict(ranked)["recursive_programming"]
     assert [p.objective for _, p in ranked] == sorted(p.objective for _, p in ranked)
@@ -117,8 +117,7 @@ def test_the_search_keeps_its_own_plan_only_past_the_hand_plan_margin(name):
     g = _graph(name)
     with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel"):
         with ap.algo_parameters_context(hand_plan_margin=0.0):
-            ranked = dict(ranked_candidates(g, ap.resolve_context().config,
-                                            cluster="accelerator-8x"))
+            ranked = dict(ranked_candidates(g, resolve_setup("accelerator-8x")))
         own = ranked.pop("dynamic_programming")
         hand_name, hand = min(ranked.items(), key=lambda item: item[1].objective)
         saving = 1.0 - own.objective / hand.objective

@@ -9,6 +9,7 @@ import pytest
 
 import autopar as ap
 from autopar.planner import ranked_candidates
+from autopar.setup import resolve_setup
 from autopar.strategies.baselines import HAND_PLAN_MARGIN
 from benchmarks.corpus import CORPUS
 
@@ -25,7 +26,7 @@ def test_library_code_is_never_priced_dearer_than_the_hand_plans(name):
         dp = ap.search(graph, cluster="cpu-emulated")
     with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel"):
         plan = ap.search(graph, cluster="cpu-emulated")
-        ranked = ranked_candidates(graph, ap.resolve_context().config, cluster="cpu-emulated")
+        ranked = ranked_candidates(graph, resolve_setup("cpu-emulated"))
     assert plan.cost.total <= dp.cost.total * (1 + 1e-9), (plan.cost.total, dp.cost.total)
     names = [n for n, _ in ranked]
     assert "data_parallel" in names and "dynamic_programming" in names

@@ -19,6 +19,7 @@ import pytest
 import autopar as ap
 from autopar.models import mlp, tfm_stack, transformer
 from autopar.planner import ranked_candidates
+from autopar.setup import resolve_setup
 from autopar.strategies import recursive_programming
 from autopar.strategies.cost import CLUSTERS, CostModel
 from autopar.strategies.layout import DeviceMesh
@@ -82,7 +83,7 @@ def test_transformer_residual_stream_splits_batch_and_sequence_at_64_devices():
     # dynamic_programming's (8, 8, 1) plan costs 11.38 ms; now 11.44 ms
     g = _graph("tfm")
     ap.set_auto_parallel_context(device_num=64, parallel_mode="auto_parallel")
-    ranked = ranked_candidates(g, ap.resolve_context().config, mode="recursive_programming")
+    ranked = ranked_candidates(g, resolve_setup(), mode="recursive_programming")
     rp = dict(ranked)["recursive_programming"]  # the solver's own plan, hand plans aside
     adds = [n.name for n in g.nodes if n.name.endswith(("attn/add_1", "mlp/add_2"))]
     assert len(adds) == 4

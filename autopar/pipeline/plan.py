@@ -18,8 +18,6 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from autopar.clusters import resolve_cluster
-from autopar.config import AutoParallelConfig
 from autopar.errors import AutoParallelTypeError
 from autopar.graph.ir import Graph
 from autopar.multihost import together
@@ -27,6 +25,7 @@ from autopar.parallel_graph import ParallelGraph
 from autopar.pipeline.schedules import Schedule
 from autopar.planner import check_same_plans, plan_graph, saves_on_success
 from autopar.rewrite import rewrite
+from autopar.setup import Setup
 from autopar.strategies.plan import Plan
 from autopar.strategies.stages import StagePartition, partition_stages, stage_graph
 
@@ -87,16 +86,17 @@ def _rewrite_unfused(graph: Any, plan: Plan) -> ParallelGraph:
     return rewrite(graph, plan, fused_kernels=False)
 
 
-def plan_stages(graph: Graph, p: int, *, config: AutoParallelConfig, micro_batches: int,
+def plan_stages(graph: Graph, p: int, *, setup: Setup, micro_batches: int,
                 boundaries: Sequence[str | int] | None, mode: str | None,
-                fixed: Mapping[str, Any] | None, cluster: Any) -> StagePlans:
+                fixed: Mapping[str, Any] | None) -> StagePlans:
     """Cut ``graph`` into ``p`` stages and search, then rewrite, each one for its
-    ``config.device_num / p`` devices. ``fixed``: strategies by node name of the whole graph
-    (each stage takes its own); ``config``: the step's configuration (its strategy-file
-    paths become one file per stage)."""
+    ``device_num / p`` devices. ``fixed``: strategies by node name of the whole graph
+    (each stage takes its own); ``setup``: the step's (its strategy-file paths become one
+    file per stage; its cluster prices the partition and every stage)."""
+    config = setup.config
     n = config.device_num
     with together():  # every process builds the step: process 0's cluster (jax.distributed)
-        cluster = resolve_cluster(cluster)  # once: the partition and every stage price on it
+        cluster = setup.cluster  # (first used here: the partition and every stage price on it)
     part = partition_stages(graph, p, boundaries=boundaries, device_num=n,
                             micro_batches=micro_batches, cluster=cluster)
     fixed = dict(fixed or {}) if fixed is None or isinstance(fixed, Mapping) else fixed
@@ -111,8 +111,7 @@ def plan_stages(graph: Graph, p: int, *, config: AutoParallelConfig, micro_batch
     with saves_on_success():
         for s, sg in enumerate(sgs):
             mine = {k: v for k, v in fixed.items() if k in {nd.name for nd in sg.nodes}}
-            plan = plan_graph(sg, config, mode=mode, device_num=n // p, cluster=cluster,
-                              fixed=mine,
+            plan = plan_graph(sg, setup, mode=mode, device_num=n // p, fixed=mine,
                               load_file=stage_file(config.strategy_ckpt_load_file, s),
                               save_file=stage_file(config.strategy_ckpt_save_file, s))
             plan.stages.update(dict.fromkeys(plan.nodes, s))  # (its strategy file says so)

@@ -64,8 +64,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar.config import AutoParallelConfig
-from autopar.context import explicit_keys
-from autopar.resolve import pipeline_schedule, resolve_context
+from autopar.resolve import pipeline_schedule
+from autopar.setup import Setup, resolve_setup
 from autopar.errors import (AutoParallelError, AutoParallelTypeError, AutoParallelWarning,
                             user_stacklevel)
 from autopar.grad_sync import (LOW_PRECISION, data_parallel_degree, fp32_collective,
@@ -109,29 +109,30 @@ class PipelineTrainStep(ProgramInspection):
     ``grads``, ``pack`` / ``unpack``, ``as_text``, ``collective_counts``, ``plan``."""
 
     def __init__(self, loss_fn: Callable[..., Any], params: Any, batch: tuple[Any, ...],
-                 optimizer: optax.GradientTransformation, *, config: AutoParallelConfig,
+                 optimizer: optax.GradientTransformation, *, setup: Setup,
                  stages: int | None = None, micro_batches: int | None = None,
                  schedule: str | None = None, boundaries: Sequence[str | int] | None = None,
                  mode: str | None = None, fixed: Mapping[str, Any] | None = None,
-                 cluster: Any = None, has_aux: bool = False) -> None:
+                 has_aux: bool = False) -> None:
         """Built by :func:`pipeline_train_step` (or :func:`autopar.train_step`), which reads
-        the context once and passes its ``config`` (nothing here reads the context)."""
-        self._read_config(config, stages, micro_batches, schedule)
+        the stores once and passes its ``setup`` (nothing here reads a store)."""
+        self._read_config(setup.config, stages, micro_batches, schedule)
         self.has_aux = bool(has_aux)
         self.loss_fn, self.optimizer = loss_fn, optimizer
         with saves_on_success():  # the stages' strategy files once the whole step is built
-            self._construct(params, batch, config, boundaries, mode, fixed, cluster)
+            self._construct(params, batch, setup, boundaries, mode, fixed)
 
-    def _construct(self, params: Any, batch: tuple[Any, ...], config: AutoParallelConfig,
+    def _construct(self, params: Any, batch: tuple[Any, ...], setup: Setup,
                    boundaries: Sequence[str | int] | None, mode: str | None,
-                   fixed: Mapping[str, Any] | None, cluster: Any) -> None:
+                   fixed: Mapping[str, Any] | None) -> None:
         """Trace, cut into stages and plan them, place the parameters, build the program."""
+        config = setup.config
         micro = self._micro_batches(batch)
         p_sds = self._check_parameters(params, self.optimizer, config)
         self.graph = self._trace(self.loss_fn, p_sds, micro)
-        found = plan_stages(self.graph, self.stages, config=config,
+        found = plan_stages(self.graph, self.stages, setup=setup,
                             micro_batches=self.micro_batches, boundaries=boundaries,
-                            mode=mode, fixed=fixed, cluster=cluster)
+                            mode=mode, fixed=fixed)
         self.stage_graphs, self.parallel_graphs = found.graphs, found.parallel_graphs
         self.plan = PipelinePlan(found.partition, self.schedule_table, found.plans,
                                  self.micro_batches, self.grad_accumulation_step)
@@ -703,10 +704,9 @@ def pipeline_train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
     if not isinstance(has_aux, bool):
         raise AutoParallelTypeError("has_aux", has_aux, "True or False: whether loss_fn "
                                     "returns (loss, aux)")
-    config = resolve_context().config  # read and checked once: every stage takes this config
-    step = PipelineTrainStep(loss_fn, params, batch, optimizer, config=config, stages=stages,
+    setup = resolve_setup(cluster)  # the stores, read once: every stage takes this setup
+    step = PipelineTrainStep(loss_fn, params, batch, optimizer, setup=setup, stages=stages,
                              micro_batches=micro_batches, schedule=schedule,
-                             boundaries=boundaries, mode=mode, fixed=fixed, cluster=cluster,
-                             has_aux=has_aux)
-    warn_gradients_mean(step.data_parallel_degree, "gradients_mean" in explicit_keys())
+                             boundaries=boundaries, mode=mode, fixed=fixed, has_aux=has_aux)
+    warn_gradients_mean(step.data_parallel_degree, "gradients_mean" in setup.explicit)
     return step
