@@ -8,7 +8,11 @@ this module alone: a well-kept library for sharded, per-process checkpoint I/O o
 writing it ourselves would mean our own chunked array format and its multi-host barriers).
 Each process writes only the shards it holds (orbax skips replicas); a restore hands orbax
 the target ``NamedSharding`` of every array, so each device reads its own block under the
-target layout from disk, and no process ever holds a whole sharded array.
+target layout from disk, and no process ever holds a whole sharded array. In a job of several
+processes (``jax.distributed``) process 0 alone names the state folder and writes the
+manifest; the devices of the saving and the restoring job need not be in as many processes.
+A typed PRNG key (``jax.random.key``) is written by orbax as its raw ``key_data`` and
+its impl, which the manifest names (``key_impl``): it comes back a key of that impl.
 
 **Names, not layouts, tie the two runs.** A parameter is named by its pytree path
 (``['w1']``), an optimizer-state leaf by its path in the state as ``optimizer.init`` makes it
@@ -55,8 +59,10 @@ from autopar.checkpoint import layout_entry, layout_from_entry, read_strategy_fi
 from autopar.errors import AutoParallelError, AutoParallelTypeError, FileFieldError
 from autopar.files import path_text, read_json_document, validation_failure, write_files_atomic
 from autopar.graph.tracer import traced_dtype
+from autopar.multihost import agree_made
 from autopar.pipeline.buffers import PackedParams
 from autopar.pipeline.step import PipelineTrainStep
+from autopar.step_inputs import is_prng_key
 from autopar.strategies.layout import DeviceMesh, Layout, jax_mesh
 from autopar.strategies.plan import Plan
 from autopar.train import TrainStep
@@ -116,6 +122,7 @@ class ArrayEntry(_Strict):
     dev_matrix: list[int] | None = None
     tensor_map: list[int | list[int]] | None = None
     follows: str | None = None
+    key_impl: str | None = Field(default=None, min_length=1)  # a typed PRNG key's impl
 
 
 class Manifest(_Strict):
@@ -167,8 +174,21 @@ def _names(tree: Any) -> list[tuple[str, Any]]:
 
 
 def _entry(name: str, x: Any, **extra: Any) -> dict[str, Any]:
+    if is_prng_key(x):  # (orbax writes its key_data; the impl rebuilds its dtype)
+        extra["key_impl"] = str(jax.random.key_impl(x))
     return {"name": name, "shape": [int(n) for n in np.shape(x)], "dtype": traced_dtype(x),
             **extra}
+
+
+def _dtype(path: Any, e: ArrayEntry) -> Any:
+    """The dtype of a saved array: a NumPy dtype, or a typed PRNG key's of its impl."""
+    try:
+        if e.key_impl is not None:
+            return jax.eval_shape(lambda: jax.random.key(0, impl=e.key_impl)).dtype
+        return np.dtype(e.dtype)
+    except (TypeError, ValueError) as err:
+        raise CheckpointFileError(path, f"{e.name} dtype", "a NumPy dtype, or a typed PRNG "
+                                  "key's with its key_impl", f"{e.dtype} ({err})") from None
 
 
 def _layout_fields(layout: Layout, shape: tuple[int, ...], mesh: DeviceMesh) -> dict[str, Any]:
@@ -201,16 +221,7 @@ def _state_entries(state: Any, params: Sequence[tuple[dict[str, Any], Any]]
     return out
 
 
-def _refuse_keys(step: Any) -> None:
-    keys = getattr(step.split, "keys", ())
-    if keys:
-        raise AutoParallelTypeError(f"params{step.split.paths[keys[0]]}", "a typed PRNG key",
-                                    "a checkpoint holds arrays only", "Carry the key's raw "
-                                    "data (jax.random.key_data) in params instead")
-
-
 def _from_train_step(step: TrainStep, params: Any, opt_state: Any) -> _Saved:
-    _refuse_keys(step)
     leaves = step._param_leaves(params)
     pg = step.parallel_graph
     values = list(pg.inputs[:step._n_params])
@@ -295,24 +306,21 @@ def _host(x: Any) -> Any:
     return x if isinstance(x, jax.Array) else np.asarray(x)
 
 
-def _barrier(name: str) -> None:
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        multihost_utils.sync_global_devices(name)
-
-
 def _write(path: Any, saved: _Saved, prefix: str = "state-") -> Path:
     """Write the arrays under a new state folder, then the manifest naming it, then remove
-    the older folders (see the module doc)."""
+    the older folders (see the module doc). In a job of several processes process 0 alone
+    creates the directory, names the folder and writes the manifest (each process its own
+    shards, through orbax); where it fails, every process raises (none waits for it)."""
     import orbax.checkpoint as ocp
 
     root = Path(path_text(path, "path"))
     if root.exists() and not root.is_dir():
         raise AutoParallelError("path", str(root), "is a file; a checkpoint is a directory")
-    if jax.process_index() == 0:
+
+    def start() -> str:
         root.mkdir(parents=True, exist_ok=True)
-    _barrier("autopar-checkpoint-mkdir")
-    item = _next_item(root, prefix)
+        return _next_item(root, prefix)
+    item = agree_made(start)
     items: dict[str, Any] = {}
     params, state = [], []
     for kind, pairs, out in (("p", saved.params, params), ("s", saved.state, state)):
@@ -325,13 +333,15 @@ def _write(path: Any, saved: _Saved, prefix: str = "state-") -> Path:
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(root / item, items, force=True)
         ckpt.wait_until_finished()
-    if jax.process_index() == 0:
+
+    def finish() -> str:
         text = json.dumps(manifest.model_dump(exclude_none=True), indent=1, sort_keys=True)
         write_files_atomic([(root / MANIFEST, text + "\n", "path")])
         for old in root.iterdir():
             if old.name != item and old.is_dir() and _ITEM.match(old.name):
                 shutil.rmtree(old, ignore_errors=True)
-    _barrier("autopar-checkpoint-saved")
+        return ""
+    agree_made(finish)
     return root
 
 
@@ -375,12 +385,13 @@ def _state_specs(optimizer: Any, masked: Any) -> tuple[Any, dict[str, tuple]]:
 
 
 def _train_target(step: TrainStep) -> _Target:
-    _refuse_keys(step)
+    shapes = [step.parallel_graph.values[v].spec.shape for v in step.parallel_graph.inputs]
+    # (a typed PRNG key, never trained, is a uint32 stand-in to the optimizer's eval_shape)
     abstract = jax.tree_util.tree_unflatten(step.split.tree, [
-        jax.ShapeDtypeStruct(step.parallel_graph.values[v].spec.shape, d)
-        for v, d in zip(step.parallel_graph.inputs, step._p_dtypes)])
-    params = {n: (tuple(x.shape), str(x.dtype), sh) for (n, x), sh in
-              zip(_names(abstract), step.storage_shardings)}
+        jax.ShapeDtypeStruct(s, np.uint32 if d.startswith("key<") else d)
+        for s, d in zip(shapes, step._p_dtypes)])
+    params = {n: (tuple(x.shape), d, sh) for (n, x), d, sh in
+              zip(_names(abstract), step._p_dtypes, step.storage_shardings)}
     tree, state = _state_specs(step.optimizer, step.split.masked(abstract))
 
     def finish(p: dict[str, Any], s: dict[str, Any]) -> Restored:
@@ -572,10 +583,10 @@ def _restore(path: Any, m: Manifest, matched: dict[str, tuple[ArrayEntry, NamedS
     """Each array read by orbax straight into its target sharding (every device its block)."""
     import orbax.checkpoint as ocp
 
-    abstract = {k: jax.ShapeDtypeStruct(tuple(e.shape), np.dtype(e.dtype), sharding=sh)
+    abstract = {k: jax.ShapeDtypeStruct(tuple(e.shape), _dtype(path, e), sharding=sh)
                 for k, (e, sh) in matched.items()}
-    sizes = [int(np.prod(e.shape, dtype=np.int64)) * np.dtype(e.dtype).itemsize
-             for e, _ in matched.values()] or [0]
+    sizes = [int(np.prod(e.shape, dtype=np.int64)) * x.dtype.itemsize
+             for (e, _), x in zip(matched.values(), abstract.values())] or [0]
     # Reads in flight at once: a quarter of the state, at least its largest array (the host
     # buffers orbax reads into sit beside the restored shards until placed)
     in_flight = max(max(sizes) + 1, sum(sizes) // 4, 1 << 20)

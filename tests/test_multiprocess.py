@@ -268,3 +268,67 @@ def test_processes_given_different_arguments_fail_together_at_once(tmp_path):
         assert p.returncode == 2, err
         lines = [x for x in err.splitlines() if "error:" in x]
         assert len(lines) == 1 and "arguments='process(es) [1]'" in lines[0], err
+
+
+_CHECKPOINT_WORKER = r"""
+import json, sys
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.config.update("jax_num_cpu_devices", 4)
+jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+import numpy as np, optax, autopar as ap
+from autopar.models import mlp
+from orbax.checkpoint._src.serialization import serialization as ser  # (orbax 0.12)
+readers, nbytes, read = set(), [0], ser._read_array_index_and_device_put
+
+
+async def reading(devices, index, t, **kwargs):  # each block orbax reads: whose, how big
+    readers.update(d.process_index for d in devices)
+    shape = [len(range(*i.indices(n))) for i, n in zip(index, kwargs["global_shape"])]
+    nbytes[0] += int(np.prod(shape)) * t.dtype.numpy_dtype.itemsize
+    return await read(devices, index, t, **kwargs)
+
+
+ser._read_array_index_and_device_put = reading
+m = mlp(widths=(8, 16, 16, 8), batch=8)
+params, x = m.example_args(jax.random.key(0))
+with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel", gradients_mean=True,
+                              enable_parallel_optimizer=True,
+                              parallel_optimizer_config={"parallel_optimizer_threshold": 0}):
+    step = ap.train_step(m.loss, params, (x,), optax.adam(1e-2))
+p, s = ap.load_checkpoint(sys.argv[3] + "/ck1", step)
+blocks = {(k, str(b.index)): b.data.nbytes
+          for k, a in enumerate(jax.tree.leaves((p, s))) for b in a.addressable_shards}
+out = {"readers": sorted(readers), "read": nbytes[0], "held": sum(blocks.values()),
+       "whole": sum(a.nbytes for a in jax.tree.leaves((p, s))),
+       "placed": [a.sharding for a in jax.tree.leaves(p)] == step.storage_shardings,
+       "sharded": sum(not a.is_fully_replicated for a in jax.tree.leaves((p, s)))}
+for _ in range(3):
+    p, s, _ = step(p, s, x)
+ap.save_checkpoint(sys.argv[3] + "/ck2", p, s, step)
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_a_checkpoint_moves_between_one_process_and_two(tmp_path):
+    """3 steps on one process (8 devices, Megatron + the parallel optimizer), saved; restored
+    by 2 processes x 4 devices (data parallel + the parallel optimizer: every block read by
+    the process whose device holds it), 3 more steps there, saved by both (each its own
+    shards), restored on one process (4 devices): the parameters of 6 uninterrupted steps."""
+    import autopar as ap
+    from test_weights_checkpoint import KEY, _model, _reference, _step, _train
+
+    m = _model()
+    params, x = m.example_args(KEY)
+    step_a = _step(m, params, x, 8, "megatron_po")
+    p, s = _train(step_a, params, step_a.init(params), x)
+    ap.save_checkpoint(tmp_path / "ck1", p, s, step_a)
+    for rank, (_, res) in enumerate(_workers(_CHECKPOINT_WORKER, tmp_path)):
+        assert res["readers"] == [rank] and res["placed"] and res["sharded"] > 0, res
+        assert res["read"] == res["held"] < res["whole"], res  # its own blocks, once each
+    state = next((tmp_path / "ck2").glob("state-*"))
+    for rank in range(2):  # each process wrote its own shards
+        assert any((state / f"ocdbt.process_{rank}" / "d").iterdir()), rank
+    p2, _ = ap.load_checkpoint(tmp_path / "ck2", _step(m, params, x, 4, "auto"))
+    ref = _reference(m, params, x)
+    numerics.check(p2, numerics.Reference(ref.f64[0], ref.f32[0]), "1 -> 2 -> 1 processes")

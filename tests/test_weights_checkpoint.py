@@ -166,3 +166,38 @@ def test_reshard_verb(tmp_path, capsys):
                  "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "autopar reshard: error:" in err[0] and "manifest" in err[0]
+
+
+def _dropout_loss(p, x):
+    keep = jax.random.bernoulli(p["rng"], 0.5, x.shape)
+    return ((jax.numpy.where(keep, x, 0.0) @ p["w"]) ** 2).mean() + 0.0 * p["more"].size
+
+
+def test_typed_prng_keys_come_back_as_keys_of_their_impl(tmp_path):
+    """orbax writes a typed key's raw data and its impl; the manifest names the impl, the
+    restore makes keys of it again (a dropout key reads the same masks after the move)."""
+    x = jax.numpy.ones((16, 8))
+    params = {"w": jax.numpy.ones((8, 4)), "rng": jax.random.key(1, impl="rbg"),
+              "more": jax.random.split(jax.random.key(2), 8)}
+    steps = []
+    for devices, mode in ((8, "data_parallel"), (4, "auto_parallel")):
+        with ap.auto_parallel_context(device_num=devices, parallel_mode=mode,
+                                      gradients_mean=True):
+            steps.append(ap.train_step(_dropout_loss, params, (x,), OPT))
+    p, s, _ = steps[0](params, steps[0].init(params), x)
+    ap.save_checkpoint(tmp_path / "ck", p, s, steps[0])
+    assert {e.name: e.key_impl for e in read_manifest(tmp_path / "ck").params} == {
+        "['more']": "threefry2x32", "['rng']": "rbg", "['w']": None}
+    p2, s2 = ap.load_checkpoint(tmp_path / "ck", steps[1])
+    for k in ("rng", "more"):
+        assert p2[k].dtype == p[k].dtype and np.array_equal(jax.random.key_data(p2[k]),
+                                                            jax.random.key_data(p[k]))
+    assert np.allclose(steps[1](p2, s2, x)[2], steps[0](p, s, x)[2], rtol=1e-6)
+    by_name, _ = ap.load_checkpoint(tmp_path / "ck", steps[1].plan)
+    assert by_name["rng"].dtype == p["rng"].dtype
+    other = {**params, "rng": jax.random.key(1)}  # threefry, not rbg: refused by name
+    with ap.auto_parallel_context(device_num=4, parallel_mode="data_parallel",
+                                  gradients_mean=True):
+        step = ap.train_step(_dropout_loss, other, (x,), OPT)
+    with pytest.raises(CheckpointMismatchError, match=r"\['rng'\].*key<fry>.*key<rbg>"):
+        ap.load_checkpoint(tmp_path / "ck", step)
