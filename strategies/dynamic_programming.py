@@ -260,17 +260,19 @@ def solve_shared(problem: Problem) -> list[int]:
     residual stream), this solve finds it; the search polishes both under the price and
     keeps the cheaper (:mod:`~autopar.strategies.modes`)."""
     readers = Counter(e.value for e in problem.edges)
-    shared: dict[tuple[int, int], np.ndarray] = {}  # (matrix, readers) -> shared matrix
+    # (matrix, readers) -> (shared matrix, matrix): one array per matrix, so the blocks still
+    # share them, kept across the problems of the price book (the matrix kept: its id)
+    shared = _kept(problem).setdefault("shared", {})
     mats = []
     for e in problem.edges:
         m, r = e.matrix, readers[e.value]
         if e.u == e.v or r == 1:
             mats.append(None if e.u == e.v else m)
             continue
-        hit = shared.get((id(m), r))  # (one array per matrix: the blocks still share them)
+        hit = shared.get((id(m), r))
         if hit is None:
-            hit = shared[id(m), r] = m / r
-        mats.append(hit)
+            hit = shared[id(m), r] = (m / r, m)
+        mats.append(hit[0])
     return _solve(problem, mats)
 
 
@@ -279,4 +281,28 @@ def _solve(problem: Problem, mats: list) -> list[int]:
     # the blocks of a deep network share their cost vectors and edge matrices (the same
     # cached arrays): the memo computes each block's eliminations once
     costs = [v.cost.astype(np.float64, copy=False) for v in problem.vertices]
-    return eliminate(order, costs, mats, Memo())
+    return eliminate(order, costs, mats, _memo(problem))
+
+
+def _kept(problem: Problem) -> dict:
+    """What this solver keeps across the problems of ``problem``'s price book
+    (:meth:`Problem.solver_cache`; a fresh dict for a problem without one)."""
+    cache = getattr(problem, "solver_cache", None)  # (tests solve bare stand-ins)
+    return {} if cache is None else cache("dynamic_programming")
+
+
+def _memo(problem: Problem) -> Memo:
+    """The memo of the problems of one memory weight of ``problem``'s price book (a fresh
+    one without a book): a loop body's problems at one weight (its candidates, the solve
+    with moves shared) share the price book's cost arrays and matrices, so the
+    eliminations their inputs do not reach are computed once. A memo keyed by the arrays'
+    identity is right for any problems (it keeps the arrays alive); one weight's is
+    dropped at the next weight (the arrays of another weight differ: kept, they would only
+    hold memory)."""
+    cache = getattr(problem, "solver_cache", None)
+    if cache is None:
+        return Memo()
+    kept = cache("dynamic_programming")
+    if kept.get("weight") != problem.memory_weight or "memo" not in kept:
+        kept["weight"], kept["memo"] = problem.memory_weight, Memo()
+    return kept["memo"]

@@ -42,7 +42,7 @@ from autopar.strategies.optimizer_rule import decide_sharding
 from autopar.strategies.precision import compute_dtype, state_ratio, sync_factor
 from autopar.strategies.opspec import OpSpec, legal_splits, op_spec, tensor_spec
 
-__all__ = ["BodyInputs", "Choice", "Vertex", "Edge", "Problem", "Breakdown",
+__all__ = ["BodyInputs", "Choice", "Vertex", "Edge", "Problem", "Breakdown", "PriceBooks",
            "redistribution_once"]
 
 
@@ -120,6 +120,12 @@ class Edge:
         hit = p._vector_cache.get(key)
         if hit is not None:
             return hit
+        shared = p._shared_vector_key(self, at, other)
+        if shared is not None:  # (the price book's: another problem of the graph priced it)
+            hit = p._book.vectors.get(shared)  # type: ignore[union-attr]
+            if hit is not None:
+                p._vector_cache[key] = hit
+                return hit
         cu, cv = p.vertices[self.u].choices, p.vertices[self.v].choices
         if at == "u":
             dst = cv[other].in_layouts[self.in_index]
@@ -130,6 +136,8 @@ class Edge:
             vec = np.array([p.edge_cost(self.value, src, c.in_layouts[self.in_index])
                             for c in cv])
         p._vector_cache[key] = vec
+        if shared is not None:
+            p._book.vectors[shared] = vec  # type: ignore[union-attr]
         return vec
 
 
@@ -181,6 +189,70 @@ class KeptAssign:
         if hit is False:
             hit = self.kept[splits] = self.mesh.assign(splits)
         return hit  # type: ignore[return-value]
+
+
+class PriceBook:
+    """What the problems of one graph price alike, whatever their memory weight, fixed
+    operators, loop candidates and parameter options: per signature its operators' loop
+    nest, per (signature, splits) the Choice and the raw (compute, comm, grad_sync, memory)
+    price, per signature the full choice list and its raw prices (a memory weight re-weights
+    them, :meth:`Problem._vertex_arrays`; the cost arrays are kept per weight, so the
+    problems of one weight share the very arrays), the operator pricer, and the edge
+    matrices by their ends' choices (:meth:`Problem._shared_edge_key`). A loop node's are
+    never kept here (its candidates are its problem's body searches)."""
+
+    __slots__ = ("graph", "cm", "sig", "specs", "choices", "costs", "nodes", "op_pricer",
+                 "axes_of", "edges", "vectors", "fixed", "solvers")
+
+    def __init__(self, graph: Graph, cm: CostModel, mesh: DeviceMesh) -> None:
+        self.graph, self.cm = graph, cm  # (kept: the book is found by their ids)
+        self.sig: dict[str, int] | None = None
+        self.specs: dict[str, OpSpec] | None = None
+        self.choices: dict[tuple, Choice] = {}
+        self.costs: dict[tuple, tuple[float, float, float, float]] = {}
+        # signature -> (choices, raw prices, memory weight -> cost arrays)
+        self.nodes: dict[int, tuple[list[Choice], list[tuple[float, ...]], dict]] = {}
+        self.fixed: dict[tuple, dict] = {}  # (signature, splits, weight) -> cost arrays
+        self.op_pricer: Any = None
+        self.axes_of = KeptAssign(mesh)
+        self.edges: dict[tuple, np.ndarray] = {}  # (Problem._shared_edge_key) -> seconds
+        self.vectors: dict[tuple, np.ndarray] = {}  # (.., at, other) -> Edge.vector
+        #: what a solver keeps across the problems of the book (keyed by all else it
+        #: depends on: a memory weight's prices under the weight; never a loop node's)
+        self.solvers: dict[str, dict] = {}
+
+
+class PriceBooks:
+    """The price books of one search (``Problem(prices=...)``, like ``edge_pricer`` a pure
+    cache the search's problems share and drop with it): a loop body is searched again at
+    every memory weight, candidate and hand plan, and its operators' prices do not depend on
+    those. A book is per graph and what its operators' signatures and prices depend on: the
+    mesh, the cost model, the body inputs that carry a gradient, ``full_use``,
+    ``enable_alltoall`` and the mixed-precision settings. Layout pairs' move coefficients
+    are kept per mesh, cost model and ``enable_alltoall``."""
+
+    def __init__(self) -> None:
+        self.books: dict[tuple, PriceBook] = {}
+        self.pairs: dict[tuple, tuple[Any, dict]] = {}
+
+    def book(self, problem: "Problem") -> PriceBook:
+        body = problem.body
+        key = (id(problem.graph), problem.mesh, id(problem.cm),
+               None if body is None else body.grads, problem.full_use,
+               problem.enable_alltoall, problem.fp32_sync,
+               None if problem.optimizer_state is None else
+               tuple(sorted(problem.optimizer_state.items())))
+        hit = self.books.get(key)
+        if hit is None:
+            hit = self.books[key] = PriceBook(problem.graph, problem.cm, problem.mesh)
+        return hit
+
+    def pair_cache(self, problem: "Problem") -> dict:
+        key = (problem.mesh, id(problem.cm), problem.enable_alltoall)
+        hit = self.pairs.get(key)
+        if hit is None:
+            hit = self.pairs[key] = (problem.cm, {})
+        return hit[1]
 
 
 def _divisors_of(n: int) -> list[int]:
@@ -356,8 +428,10 @@ class Problem:
                  parameter_plan: bool = True, loops: Any = None,
                  body: BodyInputs | None = None, edge_pricer: Any = None,
                  fp32_sync: bool = True,
-                 optimizer_state: Mapping[str, float] | None = None) -> None:
+                 optimizer_state: Mapping[str, float] | None = None,
+                 prices: "PriceBooks | None" = None) -> None:
         self.graph, self.mesh, self.cm = graph, mesh, cost_model
+        self._prices = prices  # the search's price books (a pure cache: PriceBooks)
         # mixed precision (strategies.precision): gradient_fp32_sync as it acts, and per
         # parameter the optimizer state bytes per parameter byte (None: the cluster's factor)
         self.fp32_sync = fp32_sync
@@ -650,7 +724,7 @@ class Problem:
         annotated strategies / parameter layouts are fixed too (the parallel modes that use
         the user's strategies)."""
         g, mesh = self.graph, self.mesh
-        self._choice_cache: dict[tuple, Choice] = {}
+        self._share()
         self._intern_signatures()
         self._add_loops()
         for name in fixed:
@@ -677,6 +751,18 @@ class Problem:
         self._add_param_vertices()
         self._add_edges()
 
+    def _fixed_arrays(self, node: Node, c: Choice) -> dict[str, np.ndarray]:
+        """The cost arrays of an operator fixed at choice ``c`` (kept per signature, splits
+        and memory weight in the price book, a loop node's excepted)."""
+        book = self._book
+        if book is None or node.name in self.loops:
+            return self._vertex_arrays([self.op_costs(node, c)])
+        key = (self._sig[node.name], c.splits, self.memory_weight)
+        hit = book.fixed.get(key)
+        if hit is None:
+            hit = book.fixed[key] = self._vertex_arrays([self.op_costs(node, c)])
+        return hit
+
     def _add_loops(self) -> None:
         """Each loop node's candidates (:class:`~autopar.strategies.loops.LoopChoices`),
         from the problem's loop planner."""
@@ -693,9 +779,40 @@ class Problem:
         loop = self.loops.get(name)
         return None if loop is None else loop.get(splits).plan
 
+    def _share(self) -> None:
+        """Take the search's price book of this graph (:class:`PriceBooks`): its Choices,
+        raw prices, operator pricer and layout pairs' coefficients stand for this problem's
+        own caches (the same keys, the same values)."""
+        self._choice_cache: dict[tuple, Choice] = {}
+        prices = self._prices
+        self._book: PriceBook | None = None if prices is None else prices.book(self)
+        book = self._book
+        if book is None:
+            return
+        if book.op_pricer is None:
+            book.op_pricer = OpPricer(self.graph, self.mesh, self.cm, self.requires_grad,
+                                      self.fused, book.axes_of, param_like=self.param_like,
+                                      kept=self.residuals.kept_outputs,
+                                      fp32_sync=self.fp32_sync,
+                                      optimizer_state=self.optimizer_state)
+        self._op_pricer, self.axes_of = book.op_pricer, book.axes_of
+        self._choice_cache, self._cost_cache = book.choices, book.costs
+        self._pair_cache = prices.pair_cache(self)  # type: ignore[union-attr]
+
+    def solver_cache(self, name: str) -> dict:
+        """Solver ``name``'s cache shared by the problems of this one's price book (a fresh
+        dict without one): keep there only what the graph, mesh and cost model decide."""
+        book = self._book
+        return {} if book is None else book.solvers.setdefault(name, {})
+
     def _intern_signatures(self) -> None:
         """Each operator's signature as a small int (cheap to hash in every cache key) and
-        its loop nest, derived once per signature (it depends on the signature only)."""
+        its loop nest, derived once per signature (it depends on the signature only; kept
+        in the price book, when the problem has one)."""
+        book = self._book
+        if book is not None and book.sig is not None:
+            self._sig, self.specs = book.sig, book.specs  # type: ignore[assignment]
+            return
         g, sig_of, specs = self.graph, self._sig, self.specs
         interned: dict[tuple, int] = {}
         described: dict[str, tuple] = {}
@@ -709,6 +826,8 @@ class Problem:
                 spec_of.append(op_spec(node, g))
             sig_of[node.name] = sig
             specs[node.name] = spec_of[sig]
+        if book is not None:
+            book.sig, book.specs = sig_of, specs
 
     def _op_vertices(self) -> None:
         """One vertex per operator: its fixed choice, no choices yet (``lazy``), or every
@@ -723,7 +842,7 @@ class Problem:
             if name in fixed_splits:
                 c = self._op_choice(name, fixed_splits[name])
                 self._add_vertex(Vertex(name, "op", [c], node=node,
-                                        **self._vertex_arrays([self.op_costs(node, c)])))
+                                        **self._fixed_arrays(node, c)))
                 continue
             if self.lazy:
                 index[name] = len(vertices)
@@ -732,15 +851,24 @@ class Problem:
             key = self._sig[name]
             cached = self._node_cache.get(key)
             if cached is None:
-                # small operators (biases, norms' scales, masks, losses) may also repeat
-                # their work on some axes, so they can match any neighbour cheaply
-                splits = self.loops[name].candidates() if name in self.loops else \
-                    enumerate_splits(self.specs[name], mesh.device_num,
-                                     not self.may_repeat(node))
-                choices = [self._op_choice(name, s) for s in splits]
-                arrays = self._vertex_arrays([self.op_costs(node, c) for c in choices])
-                cached = (choices, arrays)
-                self._node_cache[key] = cached
+                shared = None if self._book is None or name in self.loops else \
+                    self._book.nodes  # (a loop's candidates are this problem's)
+                made = None if shared is None else shared.get(key)
+                if made is None:
+                    # small operators (biases, norms' scales, masks, losses) may also repeat
+                    # their work on some axes, so they can match any neighbour cheaply
+                    splits = self.loops[name].candidates() if name in self.loops else \
+                        enumerate_splits(self.specs[name], mesh.device_num,
+                                         not self.may_repeat(node))
+                    choices = [self._op_choice(name, s) for s in splits]
+                    made = (choices, [self.op_costs(node, c) for c in choices], {})
+                    if shared is not None:
+                        shared[key] = made
+                weighted = made[2]  # (per memory weight: the problems of one weight share
+                arrays = weighted.get(self.memory_weight)  # the very arrays)
+                if arrays is None:
+                    arrays = weighted[self.memory_weight] = self._vertex_arrays(made[1])
+                cached = self._node_cache[key] = (made[0], arrays)
             choices, arrays = cached
             self._add_vertex(Vertex(name, "op", list(choices), node=node,
                                     **{k: a for k, a in arrays.items()}))
@@ -881,10 +1009,40 @@ class Problem:
         hit = self._edge_cache.get(key)
         if hit is not None:
             return hit
+        shared = self._shared_edge_key(u, v, j, out_index)
+        if shared is not None:
+            hit = self._book.edges.get(shared)  # type: ignore[union-attr]
+            if hit is not None:
+                self._edge_cache[key] = hit
+                return hit
         m = self._edge_costs(value, [cu.out_layouts[out_index] for cu in u.choices],
                              [cv.in_layouts[j] for cv in v.choices])
         self._edge_cache[key] = m
+        if shared is not None:
+            self._book.edges[shared] = m  # type: ignore[union-attr]
         return m
+
+    def _shared_vector_key(self, e: Edge, at: str, other: int) -> tuple | None:
+        """:meth:`Edge.vector`'s key in the price book (None without one): its edge's
+        :meth:`_shared_edge_key` (from the ends' choices now), the end and the other end's
+        choice."""
+        if self._book is None:
+            return None
+        base = self._shared_edge_key(self.vertices[e.u], self.vertices[e.v], e.in_index,
+                                     e.out_index)
+        return None if base is None else (base, at, other)
+
+    def _shared_edge_key(self, u: Vertex, v: Vertex, j: int, out_index: int) -> tuple | None:
+        """An edge matrix's key in the price book: each end's signature and the split counts
+        of its choices in order (an input vertex: its layouts), which decide its layouts;
+        the consumer's signature and input ``j`` decide the value's bytes and gradient.
+        None without a book, or where a loop node is an end (its choices are its
+        problem's)."""
+        if self._book is None or u.name in self.loops or v.name in self.loops:
+            return None
+        ukey: Any = (self._sig[u.name], tuple(c.splits for c in u.choices)) \
+            if u.kind == "op" else tuple(c.out_layouts[0] for c in u.choices)
+        return (ukey, out_index, self._sig[v.name], tuple(c.splits for c in v.choices), j)
 
     def _edge_costs(self, value: str, srcs: list[Layout], dsts: list[Layout]) -> np.ndarray:
         """[len(srcs), len(dsts)] :meth:`edge_cost` of ``value``, bit for bit. A large edge's

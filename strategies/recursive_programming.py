@@ -178,15 +178,32 @@ class _Rounds:
         self._index_links()
         self.memo = Memo()
         self.no_cost = np.zeros(1)
-        self.interned: dict[tuple, int] = {}   # candidate lists -> small ints
+        # kept across the solves of the problems of one price book (Problem.solver_cache:
+        # a loop body searched at every memory weight and candidate): what the candidate
+        # lists, the tensors' maps and the layouts decide
+        kept = problem.solver_cache("recursive_programming")
+        self.interned: dict[tuple, int] = kept.setdefault("interned", {})  # cands -> int
         self.cands_of: dict[tuple, tuple[list[Splits], int]] = {}  # (state, round) -> cands
-        self.cost_cache: dict[tuple, np.ndarray] = {}  # (signature, candidate list) -> costs
-        self.split_cost: dict[tuple, float] = {}  # (price recipe, splits) -> round cost
+        # (state key, round, peers) -> cands: an operator's are its signature's and splits'
+        self.cands_by_key: dict[tuple, tuple[list[Splits], int]] = kept.setdefault(
+            "candidates", {})
+        # the round costs, per memory weight and parameter pricing (a loop node's apart)
+        weighted = kept.setdefault("weighted", {}).setdefault(
+            (problem.memory_weight, problem.parallel_optimizer_kb,
+             problem.optimizer_weight_shard_size), {})
+        # (signature, candidate list) -> costs
+        self.cost_cache: dict[tuple, np.ndarray] = weighted.setdefault("costs", {})
+        self.loop_costs: dict[tuple, np.ndarray] = {}
+        # (price recipe, splits) -> round cost
+        self.split_cost: dict[tuple, float] = weighted.setdefault("splits", {})
         self.cache: dict[object, np.ndarray] = {}  # link matrices
-        self.layout_cache: dict[tuple, int] = {}  # (map, summed, candidates) -> list id
-        self.layout_ids: dict[tuple[Layout, ...], int] = {}
-        self.layout_lists: list[list[Layout]] = []
-        self.by_layouts: dict[tuple, np.ndarray] = {}  # (bytes, grad, lists) -> matrix
+        self.layout_cache: dict[tuple, int] = kept.setdefault("layout_cache", {})
+        # (map, summed, candidates) -> list id; a loop node's (its problem's) apart:
+        self.loop_layouts: dict[tuple, int] = {}
+        self.layout_ids: dict[tuple[Layout, ...], int] = kept.setdefault("layout_ids", {})
+        self.layout_lists: list[list[Layout]] = kept.setdefault("layout_lists", [])
+        # (bytes, grad, lists) -> matrix
+        self.by_layouts: dict[tuple, np.ndarray] = kept.setdefault("by_layouts", {})
         self.link_ends: np.ndarray | None = None  # [links, 2] cut vertices, for scores
 
     def intern(self, key: tuple) -> int:
@@ -275,18 +292,26 @@ class _Rounds:
         cands: dict[int, list[Splits]] = {}
         cid_of = np.zeros(len(self.state_keys), dtype=np.int64)
         cost_of = np.empty(len(self.state_keys), dtype=object)
+        loops = self.problem.loops
         for st in np.unique(self.op_state).tolist():
             s, cur, is_fixed = self.state_keys[st]
             ckey = (st, rkey, peers.get(s))
             got = self.cands_of.get(ckey)
+            looped = verts[self.rep[st]].name in loops  # (a loop's candidates: its problem's)
             if got is None:
-                cs = [cur] if is_fixed else candidates(self.rep[st], cur)
-                got = self.cands_of[ckey] = (
-                    cs, self.interned.setdefault(tuple(cs), len(self.interned)))
+                shared = None if looped else (self.state_keys[st], rkey, peers.get(s))
+                got = None if shared is None else self.cands_by_key.get(shared)
+                if got is None:
+                    cs = [cur] if is_fixed else candidates(self.rep[st], cur)
+                    got = (cs, self.interned.setdefault(tuple(cs), len(self.interned)))
+                    if shared is not None:
+                        self.cands_by_key[shared] = got
+                self.cands_of[ckey] = got
             cs, c = got
-            cost = self.cost_cache.get((s, c))
+            costs = self.loop_costs if looped else self.cost_cache
+            cost = costs.get((s, c))
             if cost is None:
-                cost = self.cost_cache[s, c] = self._round_costs(verts[self.rep[st]].node, cs)
+                cost = costs[s, c] = self._round_costs(verts[self.rep[st]].node, cs)
             cands[st], cid_of[st], cost_of[st] = cs, c, cost
         sub_cost = cost_of[self.op_state].tolist() + [self.no_cost] * len(self.data)
         return cands, cid_of, sub_cost
@@ -299,10 +324,10 @@ class _Rounds:
         name = self.problem.vertices[i].name
         if name in self.problem.loops:  # a loop node: its candidates' layouts
             key: tuple = ("loop", name, index, out, cid)
-            hit = self.layout_cache.get(key)
+            hit = self.loop_layouts.get(key)
             if hit is None:
                 chosen = [self.problem._op_choice(name, x) for x in cands]
-                hit = self.layout_cache[key] = self._layout_list(tuple(
+                hit = self.loop_layouts[key] = self._layout_list(tuple(
                     c.out_layouts[index] if out else c.in_layouts[index] for c in chosen))
             return hit
         spec = self.problem.specs[name]

@@ -42,7 +42,7 @@ from autopar.strategies.modes import SOLVERS, USES_PARAMETER_PLANS, USES_USER_ST
 from autopar.strategies.plan import Plan
 from autopar.strategies.precision import fp32_sync_active
 from autopar.gc_pause import paused_gc
-from autopar.strategies.problem import BodyInputs, Problem
+from autopar.strategies.problem import BodyInputs, PriceBooks, Problem
 
 __all__ = ["SearchSettings", "data_parallel_splits", "hand_plans", "ranked_plans",
            "search_plan"]
@@ -295,7 +295,8 @@ def _problem(graph: Graph, mesh: DeviceMesh, cm: CostModel, fixed: dict, setting
                   optimizer_state=None if settings.optimizer_state is None else
                   dict(settings.optimizer_state),
                   loops=None if loops is None else loops.planner(settings, weight),
-                  edge_pricer=None if loops is None else loops.pricer(mesh, cm, settings))
+                  edge_pricer=None if loops is None else loops.pricer(mesh, cm, settings),
+                  prices=None if loops is None else loops.prices())
     # (a derived mode only needs this first problem's loop nests and checked fixed strategies,
     # so it is built lazily: no choice lists)
     problem = Problem(graph, mesh, cm, fixed=fixed, fixed_splits=follow, lazy=derived or lazy,
@@ -431,6 +432,14 @@ class _Loops:
         if hit is None:
             hit = self.kept[key] = (EdgePricer(mesh, cm, settings.enable_alltoall), cm)
         return hit[0]
+
+    def prices(self) -> PriceBooks:
+        """The price books every problem of the search shares (per graph: the operators'
+        Choices and raw prices, which no memory weight, candidate or hand plan changes)."""
+        hit = self.kept.get("prices")
+        if hit is None:
+            hit = self.kept["prices"] = PriceBooks()
+        return hit
 
     def planner(self, settings: SearchSettings, weight: float) -> "_Planner":
         return _Planner(self, settings, weight)
