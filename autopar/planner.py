@@ -72,25 +72,46 @@ def search(graph: Graph, *, mode: str | None = None, device_num: int | None = No
     4 MiB of output), which may repeat their work; False lets every operator repeat work on
     some axes — a larger space (slower search) that can pay off when communication is dear.
     """
-    return plan_graph(graph, resolve_setup(cluster), mode=mode, device_num=device_num,
+    setup = resolve_setup(cluster)
+    _one_program(setup, device_num, parallel_mode)
+    return plan_graph(graph, setup, mode=mode, device_num=device_num,
                       fixed=fixed, parallel_mode=parallel_mode,
                       fully_use_devices=fully_use_devices, optimizer=optimizer)
+
+
+def _one_program(setup: Setup, device_num: Any, parallel_mode: Any) -> None:
+    """A search plans one program over its devices: under ``pipeline_stages > 1`` a search
+    over all ``device_num`` devices would ignore the stages, so it is refused (a stage's own
+    search, on ``device_num / pipeline_stages`` devices, is not)."""
+    cfg = setup.config
+    stages = cfg.pipeline_stages
+    whole = device_num is None or device_num == cfg.device_num
+    if stages > 1 and whole and (parallel_mode or cfg.parallel_mode) != "stand_alone":
+        raise AutoParallelError(
+            "pipeline_stages", stages, f"autopar.search plans one program over all "
+            f"device_num={cfg.device_num} devices and would ignore the stages",
+            "Use autopar.pipeline_train_step (or train_step) to plan and run the stages, or "
+            "autopar.partition_stages and search each stage graph with "
+            f"device_num={cfg.device_num // stages}")
 
 
 def plan_graph(graph: Graph, setup: Setup, *, mode: str | None = None,
                device_num: int | None = None, fixed: Mapping[str, Any] | None = None,
                parallel_mode: str | None = None, fully_use_devices: bool | None = None,
                load_file: str | None = None, save_file: str | None = None,
-               optimizer: Any = None) -> Plan:
+               optimizer: Any = None, micro_batches: int = 1) -> Plan:
     """:func:`search` on the setup its caller's entry point resolved (the pipelined step's,
     once for all its stages). ``load_file`` / ``save_file`` replace the configuration's
-    strategy-file paths (a stage's own files)."""
+    strategy-file paths (a stage's own files). ``micro_batches``: the times one optimizer
+    step runs ``graph`` (a training step's ``grad_accumulation_step``, times its micro-batches
+    for a pipeline stage): the objective charges each the gradient sync and the optimizer
+    update once a step (``SearchSettings.micro_batches``)."""
     cfg = setup.config
     load = cfg.strategy_ckpt_load_file if load_file is None else load_file
     save = cfg.strategy_ckpt_save_file if save_file is None else save_file
     s = _search_inputs(graph, setup, mode=mode, device_num=device_num, fixed=fixed,
                        parallel_mode=parallel_mode, fully_use_devices=fully_use_devices,
-                       optimizer=optimizer)
+                       optimizer=optimizer, micro_batches=micro_batches)
     files = s.pmode in USES_STRATEGY_FILES
     if (load or save) and not files and cfg.parallel_mode in USES_STRATEGY_FILES:
         warnings.warn(f"strategy files are used only in semi_auto_parallel and auto_parallel: "
@@ -111,12 +132,14 @@ def plan_graph(graph: Graph, setup: Setup, *, mode: str | None = None,
 
 def ranked_candidates(graph: Graph, setup: Setup, *, mode: str | None = None,
                       fixed: Mapping[str, Any] | None = None,
-                      optimizer: Any = None) -> list[tuple[str, Plan]]:
+                      optimizer: Any = None, micro_batches: int = 1) -> list[tuple[str, Plan]]:
     """The plans a search weighs, cheapest first, as (name, plan): the search's own and the
     hand plans (:func:`autopar.strategies.search.ranked_plans`), on the setup its caller's
-    entry point resolved; no strategy file is read or written."""
+    entry point resolved; no strategy file is read or written (``micro_batches``: as
+    :func:`plan_graph`'s)."""
     s = _search_inputs(graph, setup, mode=mode, device_num=None, fixed=fixed,
-                       parallel_mode=None, fully_use_devices=None, optimizer=optimizer)
+                       parallel_mode=None, fully_use_devices=None, optimizer=optimizer,
+                       micro_batches=micro_batches)
     return _advised(ranked_plans, graph, s, setup)
 
 
@@ -145,7 +168,8 @@ class _SearchInputs:
 
 def _search_inputs(graph: Graph, setup: Setup, *, mode: str | None, device_num: int | None,
                    fixed: Mapping[str, Any] | None, parallel_mode: str | None,
-                   fully_use_devices: bool | None, optimizer: Any = None) -> _SearchInputs:
+                   fully_use_devices: bool | None, optimizer: Any = None,
+                   micro_batches: int = 1) -> _SearchInputs:
     """The checked values a search takes from its arguments, else the setup's configuration
     and algorithm parameters."""
     cfg, algo = setup.config, setup.algo
@@ -169,8 +193,18 @@ def _search_inputs(graph: Graph, setup: Setup, *, mode: str | None, device_num: 
         cfg, parallel_mode=pmode, fully_use_devices=fully_use_devices,
         elementwise_op_strategy_follow=algo.elementwise_op_strategy_follow,
         hand_plan_margin=algo.hand_plan_margin,
-        optimizer_state=_optimizer_state(graph, optimizer))
+        optimizer_state=_optimizer_state(graph, optimizer),
+        micro_batches=_check_micro_batches(micro_batches))
     return _SearchInputs(pmode, m, n, fixed_map, annotated, settings)
+
+
+def _check_micro_batches(m: Any) -> int:
+    if not isinstance(m, int) or isinstance(m, bool):
+        raise AutoParallelTypeError("micro_batches", m, "must be an int")
+    if m < 1:
+        raise AutoParallelError("micro_batches", m, "the micro-batches one optimizer step "
+                                "runs the graph for must be at least 1")
+    return m
 
 
 def _optimizer_state(graph: Graph, optimizer: Any) -> tuple[tuple[str, float], ...] | None:

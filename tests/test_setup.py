@@ -81,3 +81,14 @@ def test_a_setup_is_frozen_and_keeps_what_it_read():
     stage = s.with_config(strategy_ckpt_save_file="/tmp/x.json")
     assert stage.cluster is s.cluster and stage.config.strategy_ckpt_save_file == "/tmp/x.json"
     assert s.config.strategy_ckpt_save_file != "/tmp/x.json"
+
+
+def test_search_under_pipeline_stages_is_refused_not_ignored():
+    loss, params, x = _mlp()
+    g = ap.trace(loss, params, x)
+    with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel",
+                                  pipeline_stages=2):
+        with pytest.raises(ap.AutoParallelError, match="pipeline_stages.*pipeline_train_step"):
+            ap.search(g, cluster="accelerator-8x")
+        plan = ap.search(g, device_num=4, cluster="accelerator-8x")  # a stage's share
+    assert plan.mesh.device_num == 4
