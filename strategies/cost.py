@@ -204,6 +204,23 @@ CLUSTERS: dict[str, Cluster] = {
         name="cpu-emulated", devices_per_node=MAX_DEVICES, peak_flops=4e9, memory_bandwidth=2e9,
         memory_bytes=2.5e9, intra_bandwidth=1e9, intra_alpha=30e-6, inter_bandwidth=1e9,
         inter_alpha=30e-6, overlap=0.0),
+    # NVIDIA DGX nodes (8 GPUs, NVLink / NVSwitch inside, one InfiniBand NIC per GPU). Each
+    # figure is the datasheet's times the fraction large kernels sustain (docs/design/0020):
+    # matmuls 0.85 of A100's dense tensor peak and 0.70 of H100's (cuBLAS on large bf16
+    # GEMMs), HBM 0.85, NVLink and InfiniBand at NCCL's measured bus bandwidth. fp32 matmuls
+    # run as TF32 (XLA's default on these GPUs); memory: 80 GB of 85.9 left to XLA (set
+    # XLA_PYTHON_CLIENT_MEM_FRACTION near 0.93; JAX's default 0.75 leaves 64 GB). Not yet
+    # measured against a GPU here: calibrate where one is at hand.
+    "dgx-a100-80gb": Cluster(
+        name="dgx-a100-80gb", devices_per_node=8, peak_flops=0.85 * 156e12,
+        peak_flops_by_dtype={"bfloat16": 0.85 * 312e12, "float16": 0.85 * 312e12},
+        memory_bandwidth=0.85 * 2.039e12, memory_bytes=80e9, intra_bandwidth=235e9,
+        intra_alpha=2e-6, inter_bandwidth=22e9, inter_alpha=5e-6),
+    "dgx-h100-80gb": Cluster(
+        name="dgx-h100-80gb", devices_per_node=8, peak_flops=0.70 * 494.7e12,
+        peak_flops_by_dtype={"bfloat16": 0.70 * 989.4e12, "float16": 0.70 * 989.4e12},
+        memory_bandwidth=0.85 * 3.35e12, memory_bytes=80e9, intra_bandwidth=360e9,
+        intra_alpha=2e-6, inter_bandwidth=45e9, inter_alpha=5e-6),
 }
 
 

@@ -159,3 +159,17 @@ def test_a_fit_at_more_than_1_5x_the_step_time_warns(monkeypatch):
         with pytest.warns(ap.AutoParallelWarning, match="fits the .* budget .* only at"):
             fit = ap.search(g, cluster=_budget(0.99 * free.cost.memory_bytes))
     assert fit.cost.memory_bytes <= 0.99 * free.cost.memory_bytes
+
+
+@pytest.mark.parametrize("name", ["dgx-a100-80gb", "dgx-h100-80gb"])
+def test_gpu_presets_price_a_bf16_matmul_at_the_tensor_core_rate(name):
+    from autopar.strategies.cost import CostModel
+    c = ap.CLUSTERS[name]
+    cm = CostModel(c)
+    bf16 = cm.compute_time(1e12, 0.0, launch=False, dtype="bfloat16")
+    assert bf16 == pytest.approx(1e12 / c.peak_flops_by_dtype["bfloat16"])
+    assert 1.9 < cm.compute_time(1e12, 0.0, launch=False, dtype="float32") / bf16 < 2.1
+    w, x = jnp.ones((4096, 4096), jnp.bfloat16), jnp.ones((8192, 4096), jnp.bfloat16)
+    g = ap.trace(lambda w, x: jnp.sum((x @ w).astype(jnp.float32)), w, x)
+    with ap.auto_parallel_context(device_num=16, parallel_mode="auto_parallel"):
+        assert ap.search(g, cluster=name).cluster == name
