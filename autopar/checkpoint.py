@@ -12,7 +12,9 @@ threshold (``parallel_optimizer_kb``) and, only when it is not -1 (so files of t
 as they were), its shard group size (``optimizer_weight_shard_size``); likewise, only when
 they are not the default, the mixed precision it was priced with (``gradient_fp32_sync:
 false``; ``optimizer_state``: per parameter the bytes of optimizer state per parameter byte
-``optimizer.init`` keeps, :mod:`autopar.strategies.precision`). A plan chosen by measured
+``optimizer.init`` keeps, :mod:`autopar.strategies.precision`; ``micro_batches``: the
+micro-batches of a step its objective was priced for, :class:`~autopar.strategies.problem.
+Breakdown`). A plan chosen by measured
 tuning (:mod:`autopar.tune`) also keeps its measurements (``tuning``: the candidates' predicted
 and measured step times, the chosen one, the machine they were measured on); files without it
 are the files of before, byte for byte.
@@ -199,6 +201,8 @@ class StrategyFile(BaseModel):
     # default (gradient_fp32_sync acting; the cluster's optimizer_state_factor)
     gradient_fp32_sync: bool = True
     optimizer_state: dict[str, Annotated[float, Field(ge=0, le=1e6)]] | None = None
+    # the micro-batches of a step the objective was priced per (written only when not 1)
+    micro_batches: int = Field(default=1, ge=1, le=2**31 - 1)
     current_stage: int = Field(ge=0)
     parallel_strategy_item: dict[str, OperatorEntry]
     parallel_layout_item: dict[str, LayoutEntry]
@@ -307,6 +311,8 @@ def strategy_document(plan: Plan, graph: Graph,
         doc["gradient_fp32_sync"] = False
     if plan.optimizer_state is not None:
         doc["optimizer_state"] = {k: float(v) for k, v in plan.optimizer_state}
+    if plan.micro_batches != 1:
+        doc["micro_batches"] = int(plan.micro_batches)
     if tuning is not None:  # absent from files of a plan that was not tuned
         doc["tuning"] = _tuning_document(tuning, float(c.total))
     return doc
@@ -484,6 +490,7 @@ def load_plan(path: str | os.PathLike[str], graph: Graph, *, device_num: int,
                       fixed_splits=splits, parallel_optimizer_kb=f.parallel_optimizer_kb,
                       optimizer_weight_shard_size=f.optimizer_weight_shard_size,
                       fp32_sync=f.gradient_fp32_sync, optimizer_state=f.optimizer_state,
+                      micro_batches=f.micro_batches,
                       loops=_file_loops(items, graph, mesh, p, stages, field, f))
     picks = _pick_inputs(f, graph, problem, p)
     plan = Plan.from_picks(problem, picks, f.mode, time.perf_counter() - t0)
@@ -650,7 +657,8 @@ def _file_loops(items: Mapping[str, OperatorEntry], graph: Graph, mesh: DeviceMe
                     parallel_optimizer_kb=f.parallel_optimizer_kb,
                     optimizer_weight_shard_size=f.optimizer_weight_shard_size,
                     fp32_sync=f.gradient_fp32_sync, optimizer_state=None
-                    if f.optimizer_state is None else tuple(sorted(f.optimizer_state.items())))
+                    if f.optimizer_state is None else tuple(sorted(f.optimizer_state.items())),
+                    micro_batches=f.micro_batches)
         out[node.name] = (tuple(e.splits), plan)
     return PlannedLoops(out)
 

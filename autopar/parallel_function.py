@@ -118,12 +118,14 @@ def parallel_function(fn: Callable[..., Any], example_args: tuple[Any, ...],
                       uneven: UnevenRequest | None, setup: Setup, *, mode: str | None,
                       fixed: Mapping[str, Any] | None, mesh: Mesh | None,
                       fused_kernels: FusedKernels, plan: Plan | None = None,
-                      optimizer: Any = None) -> ParallelFunction:
+                      optimizer: Any = None, micro_batches: int = 1) -> ParallelFunction:
     """:func:`parallelize` after its checks: trace, search (:func:`autopar.planner.plan_graph`
     on the entry point's ``setup``), rewrite and lower, reading no store. ``uneven``: the
     uneven split :func:`autopar.uneven.plan_uneven` asked for, or None. ``plan``: a plan
     searched on this function at these shapes, run as it is instead of searching (no
-    strategy file read or written, ``mode`` and ``fixed`` unused): a tuning's candidates."""
+    strategy file read or written, ``mode`` and ``fixed`` unused): a tuning's candidates.
+    ``micro_batches``: the times a training step runs ``fn`` (its grad_accumulation_step),
+    priced by the search (:func:`autopar.planner.plan_graph`)."""
     args = example_args if uneven is None else uneven.padded_args
     # every process builds it (under jax.distributed): the cluster is process 0's
     with saves_on_success(), together():  # the strategy file once the function is built
@@ -132,7 +134,8 @@ def parallel_function(fn: Callable[..., Any], example_args: tuple[Any, ...],
         if given:
             _check_given_plan(plan, graph)
         else:
-            plan = plan_graph(graph, setup, mode=mode, fixed=fixed, optimizer=optimizer)
+            plan = plan_graph(graph, setup, mode=mode, fixed=fixed, optimizer=optimizer,
+                              micro_batches=micro_batches)
         cluster = setup.cluster if setup.cluster_named else None  # (else the plan's own)
         pg = rewrite(graph, plan, fused_kernels=fused_kernels, cluster=cluster)
         adapter = None

@@ -158,7 +158,8 @@ class TrainStep(ProgramInspection):
         self.function = parallel_function(traced_fn, (traced_params, *micro), None, setup,
                                           mode=mode, fixed=fixed, mesh=mesh,
                                           fused_kernels=fused_kernels, plan=plan,
-                                          optimizer=optimizer)
+                                          optimizer=optimizer,
+                                          micro_batches=self.accumulation)
         self.plan = self.function.plan
         self.parallel_graph = pg = self.function.parallel_graph
         self.mesh: Mesh = self.function.mesh

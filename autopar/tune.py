@@ -212,8 +212,9 @@ def tune_step(loss_fn: Callable[..., Any], params: Any, batch: tuple[Any, ...],
         micro = _train.micro_batch(batch, setup.config.grad_accumulation_step)
         keys_in = options.get("backend", "shard_map") != "pmap"
         graph = trace(*ParamSplit(params, keys_in).traced(loss_fn, params, micro), *micro)
-        cands = distinct_plans(ranked_candidates(graph, setup, mode=mode, fixed=fixed,
-                                                 optimizer=optimizer), k)
+        cands = distinct_plans(ranked_candidates(
+            graph, setup, mode=mode, fixed=fixed, optimizer=optimizer,
+            micro_batches=setup.config.grad_accumulation_step), k)
         with Progress("tune", len(cands) + steps * (len(cands) > 1),
                       quiet=not (progress and is_lead())) as bar:
             built, runners = [], []

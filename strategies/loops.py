@@ -289,7 +289,7 @@ class LoopChoices:
                         and (x := bp.pair_cost(e, picks[e.u], picks[e.v])))
             c[1] += sum(bp.edge_cost(v, plan.layouts[v], lay) for v, lay in zip(results, outs)
                         if v in plan.layouts and g.values[v].kind not in ("literal", "const"))
-            total = c[0] + c[1] + c[2]
+            total = c[0] + c[1] + bp.once_per_step(c[2])
             if best is None or total > best[0]:
                 best = (total, (c[0], c[1], c[2], c[3]))
         assert best is not None

@@ -105,6 +105,10 @@ class Plan:
     fp32_sync: bool = True                  # gradient_fp32_sync priced (strategies.precision)
     # per parameter, the optimizer state bytes per byte priced (None: the cluster's factor)
     optimizer_state: tuple[tuple[str, float], ...] | None = None
+    # the micro-batches of a step priced: ``objective`` is one micro-batch's, with 1/that of
+    # the gradient sync and the optimizer update; ``cost`` says what each term is per
+    # (strategies.problem.Breakdown)
+    micro_batches: int = 1
     inputs: tuple[str, ...] = ()            # the graph's inputs (parameters and data), in order
     in_tree: Any = field(default=None, repr=False, compare=False)  # pytree of the arguments
     cluster_config: Any = field(default=None, repr=False, compare=False)  # the priced Cluster
@@ -167,14 +171,17 @@ class Plan:
                     fp32_sync=problem.fp32_sync, optimizer_state=None
                     if problem.optimizer_state is None else
                     tuple(sorted(problem.optimizer_state.items())),
+                    micro_batches=problem.micro_batches,
                     inputs=g.inputs, in_tree=g.in_tree,
                     cluster_config=problem.cm.cluster)
 
     def precision(self) -> dict[str, Any]:
-        """The mixed-precision settings the plan was priced with, as :class:`~autopar.
-        strategies.problem.Problem` takes them (to price it again)."""
+        """The mixed-precision settings (and the micro-batches of a step) the plan was priced
+        with, as :class:`~autopar.strategies.problem.Problem` takes them (to price it
+        again)."""
         return {"fp32_sync": self.fp32_sync, "optimizer_state": None
-                if self.optimizer_state is None else dict(self.optimizer_state)}
+                if self.optimizer_state is None else dict(self.optimizer_state),
+                "micro_batches": self.micro_batches}
 
     def layout(self, name: str) -> Layout:
         """Layout of a value; a node name means its (first) output."""
@@ -206,8 +213,10 @@ class Plan:
 
     def summary(self) -> str:
         c = self.cost
+        m = self.micro_batches
+        step = "step" if m == 1 else f"micro-batch (of {m} a step; gradient sync once a step)"
         return (f"plan[{self.mode}] on {self.device_num} devices ({self.mesh}), cluster "
-                f"{self.cluster}: step {c.total * 1e3:.3f} ms predicted = compute "
+                f"{self.cluster}: {step} {c.total * 1e3:.3f} ms predicted = compute "
                 f"{c.compute * 1e3:.3f} + communication {c.communication * 1e3:.3f} + "
                 f"redistribution {c.redistribution * 1e3:.3f} + gradient sync "
                 f"{c.gradient_sync * 1e3:.3f} ms; memory {c.memory_bytes / 2**20:.1f} MiB per "

@@ -16,6 +16,13 @@ once however many operators read it there, as the rewrite runs it
 edge's matrix cannot see the other readers' choices), and
 :mod:`~autopar.strategies.shared_moves` then moves single operators (and regions) while the
 price drops.
+
+The objective is one micro-batch of a step of ``micro_batches`` (``Problem(micro_batches=m)``:
+gradient accumulation x pipeline micro-batches, the times one optimizer step runs the traced
+graph): compute, activation communication and redistribution as every micro-batch runs them,
+and what a step runs once -- the gradient synchronisation and the optimizer update -- at
+``1/m`` of its price (:meth:`Problem.once_per_step`, the one rule). With ``m = 1`` (the
+default) that is the whole step, bit for bit the prices of before.
 """
 
 from __future__ import annotations
@@ -143,6 +150,16 @@ class Edge:
 
 @dataclass
 class Breakdown:
+    """A plan's seconds by kind (and its memory), each at what it is *per*: ``compute``
+    (forward and backward of every operator, plus the step's launch and the optimizer
+    update), ``communication`` (activation gradients' all-reduces) and ``redistribution`` as
+    one micro-batch runs them; ``gradient_sync`` (the parameters' gradient all-reduces) as
+    the step runs it, once. Under ``micro_batches = m`` the step runs the first three m times
+    (the launch and the update once) and the gradient sync once, and the objective
+    (``Plan.objective``) charges one micro-batch with ``1/m`` of the update and the sync
+    (:meth:`Problem.once_per_step`). ``total``: the sum as written, the step's time when
+    ``m = 1`` (one micro-batch and the step's sync otherwise)."""
+
     compute: float = 0.0
     communication: float = 0.0
     redistribution: float = 0.0
@@ -238,7 +255,7 @@ class PriceBooks:
     def book(self, problem: "Problem") -> PriceBook:
         body = problem.body
         key = (id(problem.graph), problem.mesh, id(problem.cm),
-               None if body is None else body.grads, problem.full_use,
+               None if body is None else body.grads, problem.full_use, problem.micro_batches,
                problem.enable_alltoall, problem.fp32_sync,
                None if problem.optimizer_state is None else
                tuple(sorted(problem.optimizer_state.items())))
@@ -429,8 +446,10 @@ class Problem:
                  body: BodyInputs | None = None, edge_pricer: Any = None,
                  fp32_sync: bool = True,
                  optimizer_state: Mapping[str, float] | None = None,
-                 prices: "PriceBooks | None" = None) -> None:
+                 prices: "PriceBooks | None" = None, micro_batches: int = 1) -> None:
         self.graph, self.mesh, self.cm = graph, mesh, cost_model
+        # the micro-batches one optimizer step runs the graph for (see once_per_step)
+        self.micro_batches = micro_batches
         self._prices = prices  # the search's price books (a pure cache: PriceBooks)
         # mixed precision (strategies.precision): gradient_fp32_sync as it acts, and per
         # parameter the optimizer state bytes per parameter byte (None: the cluster's factor)
@@ -631,8 +650,23 @@ class Problem:
         return ParamBytes(copy + state, grad if sharded else 0.0, grad, synced,
                           0.0 if donated else copy + state, copy)
 
+    def once_per_step(self, seconds: Any) -> Any:
+        """The objective's share of what a step runs once (the gradient sync, the optimizer
+        update), per micro-batch: ``seconds / micro_batches`` (a float or an array; unchanged,
+        bit for bit, when ``micro_batches`` is 1). The one rule every mode's objective
+        prices per-step terms by (:meth:`_vertex_arrays`, recursive_programming's candidate
+        costs, a loop's dearer branch).
+
+        >>> import types
+        >>> Problem.once_per_step(types.SimpleNamespace(micro_batches=8), 0.8)
+        0.1
+        """
+        m = self.micro_batches
+        return seconds if m == 1 else seconds / m
+
     def param_update(self, value: str, layout: Layout) -> float:
-        """Seconds of the optimizer update of a trained parameter's block (0 if untrained)."""
+        """Seconds of the optimizer update of a trained parameter's block (0 if untrained),
+        once per step (the objective takes :meth:`once_per_step` of it)."""
         if not self.requires_grad.get(value, False):
             return 0.0
         return self.cm.update_time(self._local_bytes(value, layout), self.state_of(value))
@@ -685,11 +719,17 @@ class Problem:
         self.vertices.append(vertex)
         return self.index[vertex.name]
 
-    def _vertex_arrays(self, rows: list[tuple[float, float, float, float]]) -> dict:
+    def _vertex_arrays(self, rows: list[tuple[float, float, float, float]], *,
+                       update: bool = False) -> dict:
+        """The cost arrays of a vertex from its (compute, comm, grad_sync, memory) rows; its
+        objective ``cost`` per micro-batch (:meth:`once_per_step` of the gradient sync and,
+        ``update``: a parameter's rows, whose compute is its optimizer update, of that)."""
         arr = np.array(rows, dtype=np.float64).reshape(-1, 4)
         compute, comm, sync, mem = arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3]
+        once = self.once_per_step
         return {"compute": compute, "comm": comm, "grad_sync": sync, "memory": mem,
-                "cost": compute + comm + sync + self.memory_weight * mem}
+                "cost": (once(compute) if update else compute) + comm + once(sync)
+                + self.memory_weight * mem}
 
     def _data_layout(self, value: str, position: int, dataset_strategy: Any) -> Layout:
         spec = self.graph.spec(value)
@@ -942,7 +982,7 @@ class Problem:
                 (self.param_update(v, lay), 0.0, 0.0, self.param_memory(v, lay))
                 for lay in lays]
         return ([Choice(lay.split_counts(mesh), (), (lay,), lay.used_axes()) for lay in lays],
-                self._vertex_arrays(rows))
+                self._vertex_arrays(rows, update=True))
 
     def widen_param(self, v: str, layouts: Iterable[Layout]) -> None:
         """Add ``layouts`` to parameter ``v``'s choices (a plan searched with more choices,
@@ -1112,8 +1152,9 @@ class Problem:
 
     def evaluate(self, picks: Sequence[int], *, peak: bool = False) -> tuple[Breakdown, float]:
         """The cost breakdown of one choice index per vertex, and the objective: the plan's
-        price with memory priced in where it is (every vertex's cost, then each value's
-        moves, a value moved to one layout counted once: :func:`redistribution_once`). The
+        price per micro-batch (:meth:`once_per_step`) with memory priced in where it is
+        (every vertex's cost, then each value's moves, a value moved to one layout counted
+        once: :func:`redistribution_once`). The
         searches minimise an upper bound of it, every edge's entry
         (:mod:`~autopar.strategies.shared_moves` then prices the shared moves once).
         The breakdown's ``memory_bytes`` is the objective's additive memory (every vertex's:

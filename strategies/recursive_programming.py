@@ -257,12 +257,12 @@ class _Rounds:
             hit = done.get(key)
             if hit is None:
                 compute, comm, sync, mem = pricer.costs(recipe, splits)
-                compute += pricer.update(recipe, splits)
+                compute += problem.once_per_step(pricer.update(recipe, splits))
                 if weight:
                     lays = problem.op_choice(node, splits).in_layouts
                     mem += sum([problem.param_memory(v, lays[j])
                                 for j, v, _, _ in recipe.params])
-                hit = done[key] = compute + comm + sync + weight * mem
+                hit = done[key] = compute + comm + problem.once_per_step(sync) + weight * mem
             out.append(hit)
         return np.array(out)
 
@@ -278,7 +278,7 @@ class _Rounds:
             x = 0.0
             for v, lay in zip(node.inputs, c.in_layouts):
                 if problem.graph.values[v].kind == "param":
-                    x += problem.param_update(v, lay)
+                    x += problem.once_per_step(problem.param_update(v, lay))
                     x += weight * problem.param_memory(v, lay) if weight else 0.0
             extra.append(x)
         return out + np.array(extra)

@@ -76,16 +76,23 @@ class SearchSettings:
     # per parameter value, optimizer state bytes per parameter byte as optimizer.init keeps
     # them (strategies.precision.optimizer_state); None: the cluster's optimizer_state_factor
     optimizer_state: tuple[tuple[str, float], ...] | None = None
+    # the micro-batches one optimizer step runs the traced graph for (grad_accumulation_step
+    # x the pipeline's micro-batches): the objective is one micro-batch's, the gradient sync
+    # and the optimizer update charged 1/micro_batches of their step's price
+    # (Problem.once_per_step); 1: the graph is the whole step
+    micro_batches: int = 1
 
     @classmethod
     def from_config(cls, cfg: Any, *, parallel_mode: str | None = None,
                     fully_use_devices: bool = True,
                     elementwise_op_strategy_follow: bool = False,
                     hand_plan_margin: float = HAND_PLAN_MARGIN,
-                    optimizer_state: tuple[tuple[str, float], ...] | None = None
-                    ) -> "SearchSettings":
+                    optimizer_state: tuple[tuple[str, float], ...] | None = None,
+                    micro_batches: int = 1) -> "SearchSettings":
         """The settings of a (resolved) auto-parallel configuration (and, given by the entry
-        point, of the algorithm parameters and the optimizer's state per parameter)."""
+        point, of the algorithm parameters, the optimizer's state per parameter and the
+        micro-batches a step runs the graph for: a training step's grad_accumulation_step,
+        times the pipeline's micro-batches for a stage)."""
         pmode = cfg.parallel_mode if parallel_mode is None else parallel_mode
         po = cfg.parallel_optimizer_config
         po_kb = int(po.parallel_optimizer_threshold) if cfg.enable_parallel_optimizer else None
@@ -94,7 +101,7 @@ class SearchSettings:
                    elementwise_op_strategy_follow, optimizer_weight_shard_size=shard,
                    hand_plan_margin=hand_plan_margin,
                    fp32_sync=fp32_sync_active(cfg.gradient_fp32_sync, pmode),
-                   optimizer_state=optimizer_state)
+                   optimizer_state=optimizer_state, micro_batches=micro_batches)
 
 
 def data_parallel_splits(problem_specs: Mapping[str, Any], graph: Graph,
@@ -161,6 +168,8 @@ def ranked_plans(graph: Graph, *, mode: str, device_num: int, cluster: Cluster,
             problem, picks, follows = _solve(graph, mesh, cm, fixed_map, settings, weight,
                                              solver, limit, loops)
             plan = Plan.from_picks(problem, picks, label, 0.0)
+            # what the solver says of its plan (dynamic_programming: a core too large to prove)
+            plan.notes += problem.solver_cache(solver.name).get("notes", [])
             del problem  # freed inside the pause: the collector then has nothing of it to walk
             hands = hand_plans(graph, mesh, cm, fixed_map, settings, weight, label, budget,
                                loops) if _weighs_hand_plans(settings, device_num) else []
@@ -296,7 +305,8 @@ def _problem(graph: Graph, mesh: DeviceMesh, cm: CostModel, fixed: dict, setting
                   dict(settings.optimizer_state),
                   loops=None if loops is None else loops.planner(settings, weight),
                   edge_pricer=None if loops is None else loops.pricer(mesh, cm, settings),
-                  prices=None if loops is None else loops.prices())
+                  prices=None if loops is None else loops.prices(),
+                  micro_batches=settings.micro_batches)
     # (a derived mode only needs this first problem's loop nests and checked fixed strategies,
     # so it is built lazily: no choice lists)
     problem = Problem(graph, mesh, cm, fixed=fixed, fixed_splits=follow, lazy=derived or lazy,

@@ -92,7 +92,10 @@ def plan_stages(graph: Graph, p: int, *, setup: Setup, micro_batches: int,
     """Cut ``graph`` into ``p`` stages and search, then rewrite, each one for its
     ``device_num / p`` devices. ``fixed``: strategies by node name of the whole graph
     (each stage takes its own); ``setup``: the step's (its strategy-file paths become one
-    file per stage; its cluster prices the partition and every stage)."""
+    file per stage; its cluster prices the partition and every stage). Each stage is
+    searched as one of the ``grad_accumulation_step x micro_batches`` micro-batches of a
+    step: its gradient sync and optimizer update charged once a step
+    (``SearchSettings.micro_batches``)."""
     config = setup.config
     n = config.device_num
     with together():  # every process builds the step: process 0's cluster (jax.distributed)
@@ -113,7 +116,8 @@ def plan_stages(graph: Graph, p: int, *, setup: Setup, micro_batches: int,
             mine = {k: v for k, v in fixed.items() if k in {nd.name for nd in sg.nodes}}
             plan = plan_graph(sg, setup, mode=mode, device_num=n // p, fixed=mine,
                               load_file=stage_file(config.strategy_ckpt_load_file, s),
-                              save_file=stage_file(config.strategy_ckpt_save_file, s))
+                              save_file=stage_file(config.strategy_ckpt_save_file, s),
+                              micro_batches=micro_batches * config.grad_accumulation_step)
             plan.stages.update(dict.fromkeys(plan.nodes, s))  # (its strategy file says so)
             plans.append(plan)
             pgs.append(_rewrite_unfused(sg, plan))
