@@ -72,6 +72,8 @@ GOALS = (
      "wall (median) <= 2 s", "command", None, 2.0),
     *((f"{mode}, scanned GPT-3 width 96 layers / 1024 devices <= 2 s (issue 36)", "search",
        (96, 1024, mode), 2.0) for mode in ("recursive_programming", "dynamic_programming")),
+    ("dynamic_programming, Llama RoPE 32 layers / 64 devices <= 10 s (issue 38)", "search",
+     (32, 64, "dynamic_programming"), 10.0),
 )
 
 #: The one-command goal's command line (``autopar`` + these): trace and search the 48-block
@@ -132,7 +134,10 @@ import jax
 import autopar as ap
 from autopar.models import tfm_stack, transformer
 model, size, devices, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-if model == "transformer":
+m = None
+if model == "llama_rope":  # Llama-2 7B's blocks with RoPE, bfloat16, traced below (issue 38)
+    from benchmarks.llama_rope import trace_llama
+elif model == "transformer":
     m = transformer(layers=size, hidden=1024, heads=16, seq=512, vocab=32768, batch=8)
 elif model == "gpt3_scan":  # GPT-3's width, its blocks one lax.scan (shapes only)
     m = transformer(layers=size, hidden=12288, heads=96, seq=2048, vocab=50257, batch=8,
@@ -140,7 +145,8 @@ elif model == "gpt3_scan":  # GPT-3's width, its blocks one lax.scan (shapes onl
 else:
     m = tfm_stack(blocks=size)
 t0 = time.perf_counter()
-g = ap.trace(m.loss, *jax.eval_shape(m.example_args, jax.random.key(0)))
+g = trace_llama(size) if m is None else ap.trace(
+    m.loss, *jax.eval_shape(m.example_args, jax.random.key(0)))
 trace_s = time.perf_counter() - t0
 fixed = None
 if mode == "sharding_propagation":   # ANCHORS: qkv and w1 matmuls fixed to ((dp, 1), (1, mp))
@@ -271,6 +277,23 @@ def scanned_rows(quick: bool, limit: float) -> list[dict]:
     return rows
 
 
+def llama_rows(quick: bool, limit: float) -> list[dict]:
+    """Llama-2 7B with RoPE (hidden 4096, seq 4096, 32 heads, bfloat16; quick: 1 layer on 8
+    devices) at 2 / 8 / 32 layers on 64 devices: dynamic_programming, whose core past its
+    bound falls back to recursive_programming's cuts (issue 38), beside
+    recursive_programming."""
+    rows = []
+    for layers in ((1,) if quick else (2, 8, 32)):  # (rows keyed by layers, devices)
+        devices = 8 if quick else 64
+        for mode in ("recursive_programming", "dynamic_programming"):
+            r = run("llama_rope", layers, devices, mode, limit)
+            rows.append({"model": "llama_rope", "layers": layers, "devices": devices,
+                         "mode": mode, "trace_s": r.get("trace_s", ""),
+                         "search_s": r.get("search_s", ""), "step_ms": r.get("step_ms", ""),
+                         "ratio_to_exact": "", "status": r["status"]})
+    return rows
+
+
 def main(quick: bool = False) -> None:
     limit = 60.0 if quick else 300.0
     rows = []
@@ -291,6 +314,7 @@ def main(quick: bool = False) -> None:
                              "step_ms": r.get("step_ms", ""), "ratio_to_exact": ratio,
                              "status": r["status"]})
     rows += scanned_rows(quick, limit)
+    rows += llama_rows(quick, limit)
     write_results("search", rows, SEARCH_COLUMNS,
                   meta={"cluster": "accelerator-8x", "limit_s": limit})
 

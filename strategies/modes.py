@@ -25,6 +25,7 @@ the search drives them (data, not special cases in the search):
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -63,21 +64,65 @@ class Solver:
             return best
         price = problem.evaluate(best)[1]
         for start in self.starts:
-            other = polish(problem, start(problem), self.moves)
+            began = start(problem)
+            if began == picks:  # (the same start polishes to the same plan)
+                continue
+            other = polish(problem, began, self.moves)
             other_price = problem.evaluate(other)[1]
             if other_price < price:
                 best, price = other, other_price
         return best
 
 
+#: The note a plan of dynamic_programming gets when its core was too large to solve exactly.
+CORE_FALLBACK_NOTE = (
+    "dynamic_programming: the core the elimination leaves ({columns:,} integer-program "
+    "columns) is over its bound ({bound:,}): planned from recursive_programming's cuts "
+    "instead, then polished (not proven optimal)")
+
+
+def _dp_fallback(problem: Any) -> list[int] | None:
+    """recursive_programming's picks where ``problem``'s core is over
+    :data:`~autopar.strategies.dynamic_programming.CORE_COLUMNS` (an integer program that
+    grows with depth: RoPE's slice -> mul -> concatenate diamonds, whose tables every block
+    reads), noted in the solver's cache; None where the core solves exactly."""
+    columns = dynamic_programming.core_columns(problem)
+    bound = dynamic_programming.CORE_COLUMNS
+    if columns <= bound:
+        return None
+    kept = problem.solver_cache("dynamic_programming")
+    note = CORE_FALLBACK_NOTE.format(columns=columns, bound=bound)
+    if note not in kept.setdefault("notes", []):
+        kept["notes"].append(note)
+    last = kept.get("fallback")  # (the solve and the second start: one set of cuts)
+    if last is not None and last[0]() is problem:
+        return list(last[1])
+    picks = recursive_programming.solve(problem)
+    kept["fallback"] = (weakref.ref(problem), list(picks))
+    return picks
+
+
+def _dp_solve(problem: Any) -> list[int]:
+    """dynamic_programming's solve, or its fallback (:func:`_dp_fallback`)."""
+    picks = _dp_fallback(problem)
+    return dynamic_programming.solve(problem) if picks is None else picks
+
+
+def _dp_solve_shared(problem: Any) -> list[int]:
+    """dynamic_programming's second start, or its fallback (:func:`_dp_fallback`)."""
+    picks = _dp_fallback(problem)
+    return dynamic_programming.solve_shared(problem) if picks is None else picks
+
+
 SOLVERS: dict[str, Solver] = {s.name: s for s in (
     Solver("recursive_programming", recursive_programming.solve,
            "one prime factor of device_num per round (SAPP); for very large graphs or devices",
            lazy_choices=True, polish=True, moves=recursive_programming.neighbourhood),
-    Solver("dynamic_programming", dynamic_programming.solve,
-           "eliminations plus an exact solve of the core, then shared moves priced once "
-           "(from it and from the solve with each move shared by its readers)",
-           polish=True, starts=(dynamic_programming.solve_shared,)),
+    Solver("dynamic_programming", _dp_solve,
+           "eliminations plus an exact solve of the core (recursive_programming's cuts where "
+           "the core is too large), then shared moves priced once (from it and from the "
+           "solve with each move shared by its readers)",
+           polish=True, starts=(_dp_solve_shared,)),
     Solver("sharding_propagation", sharding_propagation.solve,
            "propagates the fixed strategies to their neighbours (needs at least one)"),
     Solver("exact", exact.solve,
