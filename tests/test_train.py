@@ -753,6 +753,19 @@ def test_has_aux_returns_new_batch_norm_statistics_as_one_device_does(split):
     numerics.check((new, (value, aux)), numerics.reference(sgd_step, variables, x, y))
 
 
+def _two_micro_batches(loss):
+    """The reference of a step of two micro-batches of 8 rows: the mean loss, each
+    micro-batch's aux stacked along a new leading dim, the mean gradients."""
+    def per_micro_batch(v, x, y):
+        outs = [jax.value_and_grad(loss, has_aux=True)(v, x[i:i + 8], y[i:i + 8])
+                for i in (0, 8)]
+        (l0, a0), g0 = outs[0]
+        (l1, a1), g1 = outs[1]
+        return ((l0 + l1) / 2, jax.tree.map(lambda a, b: jnp.stack([a, b]), a0, a1)), \
+            jax.tree.map(lambda a, b: (a + b) / 2, g0, g1)
+    return per_micro_batch
+
+
 def test_has_aux_under_gradient_accumulation_stacks_each_micro_batchs_aux():
     """grad_accumulation_step = 2: the loss is the micro-batches' mean, the gradients their
     mean, and the aux each micro-batch's, stacked along a new leading dim."""
@@ -761,14 +774,7 @@ def test_has_aux_under_gradient_accumulation_stacks_each_micro_batchs_aux():
                                   gradients_mean=True, grad_accumulation_step=2):
         step = ap.train_step(loss, variables, (x, y), has_aux=True)
 
-    def per_micro_batch(v, x, y):
-        outs = [jax.value_and_grad(loss, has_aux=True)(v, x[i:i + 8], y[i:i + 8])
-                for i in (0, 8)]
-        (l0, a0), g0 = outs[0]
-        (l1, a1), g1 = outs[1]
-        return ((l0 + l1) / 2, jax.tree.map(lambda a, b: jnp.stack([a, b]), a0, a1)), \
-            jax.tree.map(lambda a, b: (a + b) / 2, g0, g1)
-
+    per_micro_batch = _two_micro_batches(loss)
     (value, aux), g = step.grads(variables, x, y)
     assert all(a.shape == (2, 32) for a in jax.tree.leaves(aux))
     numerics.check(((value, aux), g), numerics.reference(per_micro_batch, variables, x, y))
@@ -838,18 +844,10 @@ def test_a_pipelined_step_returns_each_micro_batchs_aux():
                                   gradients_mean=True, pipeline_stages=2):
         step = ap.train_step(loss, variables, (x, y), has_aux=True)
 
-    def per_micro_batch(v, x, y):
-        outs = [jax.value_and_grad(loss, has_aux=True)(v, x[i:i + 8], y[i:i + 8])
-                for i in (0, 8)]
-        (l0, a0), g0 = outs[0]
-        (l1, a1), g1 = outs[1]
-        return ((l0 + l1) / 2, jax.tree.map(lambda a, b: jnp.stack([a, b]), a0, a1)), \
-            jax.tree.map(lambda a, b: (a + b) / 2, g0, g1)
-
+    per_micro_batch = _two_micro_batches(loss)
     (value, aux), g = step.grads(variables, x, y)
     assert all(a.shape == (2, 32) for a in jax.tree.leaves(aux))
-    ref = numerics.reference(per_micro_batch, variables, x, y)
-    numerics.check(((value, aux), jax.tree.map(lambda a: a, g)), ref)
+    numerics.check(((value, aux), g), numerics.reference(per_micro_batch, variables, x, y))
     _, _, (value2, aux2) = step(variables, step.init(variables), x, y)
     numerics.check((value2, aux2), numerics.reference(
         lambda v, x, y: per_micro_batch(v, x, y)[0], variables, x, y))
