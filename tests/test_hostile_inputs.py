@@ -21,6 +21,7 @@ import autopar as ap
 from autopar import files
 from autopar.errors import AutoparError, safe_repr, same_value
 from autopar.models import mlp
+from test_pipeline import tiny_loss  # (mean((tanh(x @ w1) @ w2 - y) ** 2), one scope per layer)
 
 KEY = jax.random.key(0)
 CLUSTER = "accelerator-8x"
@@ -78,15 +79,6 @@ def test_a_set_of_files_is_written_all_or_nothing(tmp_path, monkeypatch):
         files.write_files_atomic([(a, "x", "k"), (tmp_path / "." / "a.json", "y", "k")])
 
 
-def _tiny_loss(p, x, y):
-    with jax.named_scope("l1"):
-        h = jnp.tanh(x @ p["w1"])
-    with jax.named_scope("l2"):
-        out = h @ p["w2"]
-    with jax.named_scope("loss"):
-        return jnp.mean((out - y) ** 2)
-
-
 def test_a_pipelined_step_whose_second_stage_file_fails_changes_no_file(tmp_path,
                                                                          monkeypatch):
     """Stage files were saved one by one: with the second on a full disk, the first was
@@ -101,7 +93,7 @@ def test_a_pipelined_step_whose_second_stage_file_fails_changes_no_file(tmp_path
     with ap.auto_parallel_context(pipeline_stages=2, strategy_ckpt_save_file=str(
             tmp_path / "s.json"), **PIPE):
         with pytest.raises(ap.AutoParallelError, match="s_stage1.json.*No space left"):
-            ap.pipeline.pipeline_train_step(_tiny_loss, params, (x, y))
+            ap.pipeline.pipeline_train_step(tiny_loss, params, (x, y))
     assert [(tmp_path / f"s_stage{s}.json").read_text() for s in range(2)] == ["OLD 0",
                                                                                "OLD 1"]
     assert _litter(tmp_path) == []
