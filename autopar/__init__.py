@@ -65,7 +65,7 @@ if TYPE_CHECKING:  # the facade, as type checkers and the import contracts see i
     from autopar.hccl import get_group_size, get_rank
     from autopar.mindspore_import import import_mindspore_strategy
     from autopar.parallel_function import parallelize
-    from autopar.pipeline import pipeline_train_step
+    from autopar.pipeline import pipeline_train_step, search_configuration
     from autopar.planner import explain, search
     from autopar.resolve import resolve_context
     from autopar.strategies import CLUSTERS, Cluster, Plan
@@ -85,7 +85,8 @@ __all__ = [
     # trace, plan, run
     "Graph", "Layout", "matmul", "shard", "trace",
     "CLUSTERS", "Cluster", "Plan", "calibrate", "compare_modes", "explain", "search",
-    "in_shardings", "parallelize", "pipeline_train_step", "to_jax_shardings", "train_step",
+    "in_shardings", "parallelize", "pipeline_train_step", "search_configuration",
+    "to_jax_shardings", "train_step",
     # strategy files
     "import_mindspore_strategy", "load_strategy", "save_strategy",
     # trained weights across plans
@@ -120,6 +121,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "import_mindspore_strategy": ("autopar.mindspore_import", "import_mindspore_strategy"),
     "parallelize": ("autopar.parallel_function", "parallelize"),
     "pipeline_train_step": ("autopar.pipeline", "pipeline_train_step"),
+    "search_configuration": ("autopar.pipeline", "search_configuration"),
     **{name: ("autopar.planner", name) for name in ("explain", "search")},
     "resolve_context": ("autopar.resolve", "resolve_context"),
     "train_step": ("autopar.tune", "train_step"),  # autopar.train's, plus tune=

@@ -60,7 +60,7 @@ from autopar.strategies.cost import Cluster, CostModel, get_cluster
 from autopar.strategies.layout import DeviceMesh, Layout
 from autopar.strategies.modes import PARALLEL_MODES, SEARCH_MODES
 from autopar.strategies.loops import PlannedLoops
-from autopar.strategies.plan import Fingerprint, NodeStrategy, Plan
+from autopar.strategies.plan import Fingerprint, NodeStrategy, Plan, Pricing
 from autopar.strategies.problem import Breakdown, Problem, splits_from_strategy
 from autopar.strategies.search import SearchSettings
 
@@ -281,7 +281,7 @@ def strategy_document(plan: Plan, graph: Graph,
     cluster_doc = plan.cluster_config
     if cluster_doc is None and plan.cluster in _preset_names():
         cluster_doc = get_cluster(plan.cluster)
-    c = plan.cost
+    c, priced = plan.cost, plan.pricing
     doc = {
         "format": FORMAT, "version": VERSION, "fingerprint": plan.fingerprint,
         "device_num": plan.device_num,
@@ -289,8 +289,8 @@ def strategy_document(plan: Plan, graph: Graph,
         "mode": plan.mode,
         "cluster": cluster_doc.model_dump(mode="json") if cluster_doc is not None else
         {"name": plan.cluster},
-        "enable_alltoall": plan.enable_alltoall, "memory_weight": float(plan.memory_weight),
-        "parallel_optimizer_kb": plan.parallel_optimizer_kb,
+        "enable_alltoall": priced.enable_alltoall, "memory_weight": float(priced.memory_weight),
+        "parallel_optimizer_kb": priced.parallel_optimizer_kb,
         "current_stage": max(stages.values(), default=0),  # (a stage's file: its stage)
         "parallel_strategy_item": {name: _operator_entry(n, int(stages.get(name, 0)), graph,
                                                          mesh)
@@ -305,14 +305,14 @@ def strategy_document(plan: Plan, graph: Graph,
                       "gradient_sync": float(c.gradient_sync),
                       "memory_bytes": float(c.memory_bytes), "objective": float(plan.objective)},
     }
-    if plan.optimizer_weight_shard_size != -1:  # absent from files of the default
-        doc["optimizer_weight_shard_size"] = int(plan.optimizer_weight_shard_size)
-    if not plan.fp32_sync:
+    if priced.optimizer_weight_shard_size != -1:  # absent from files of the default
+        doc["optimizer_weight_shard_size"] = int(priced.optimizer_weight_shard_size)
+    if not priced.fp32_sync:
         doc["gradient_fp32_sync"] = False
-    if plan.optimizer_state is not None:
-        doc["optimizer_state"] = {k: float(v) for k, v in plan.optimizer_state}
-    if plan.micro_batches != 1:
-        doc["micro_batches"] = int(plan.micro_batches)
+    if priced.optimizer_state is not None:
+        doc["optimizer_state"] = {k: float(v) for k, v in priced.optimizer_state}
+    if priced.micro_batches != 1:
+        doc["micro_batches"] = int(priced.micro_batches)
     if tuning is not None:  # absent from files of a plan that was not tuned
         doc["tuning"] = _tuning_document(tuning, float(c.total))
     return doc
@@ -497,10 +497,8 @@ def load_plan(path: str | os.PathLike[str], graph: Graph, *, device_num: int,
     _check_loop_strategies(items, plan, p, field)
     if cluster is None:  # priced on the file's own cluster: the file's prediction must hold
         _check_predicted(f, plan, p)
-    plan.notes.append(f"loaded from {p}")
-    plan.source = str(p)
-    plan.stages = {k: e.stage for k, e in sorted(f.parallel_strategy_item.items()) if e.stage}
-    return plan
+    return dataclasses.replace(plan.with_notes(f"loaded from {p}"), source=str(p), stages={
+        k: e.stage for k, e in sorted(f.parallel_strategy_item.items()) if e.stage})
 
 
 def _known_modes() -> set[str]:
@@ -653,12 +651,11 @@ def _file_loops(items: Mapping[str, OperatorEntry], graph: Graph, mesh: DeviceMe
                                  inner.bodies[k][1] if k in inner.bodies else None)
                  for k, s in ops.items()}
         plan = Plan("loop body", mesh, "", Fingerprint(body), nodes, layouts, Breakdown(), 0.0,
-                    enable_alltoall=f.enable_alltoall, memory_weight=f.memory_weight,
-                    parallel_optimizer_kb=f.parallel_optimizer_kb,
-                    optimizer_weight_shard_size=f.optimizer_weight_shard_size,
-                    fp32_sync=f.gradient_fp32_sync, optimizer_state=None
-                    if f.optimizer_state is None else tuple(sorted(f.optimizer_state.items())),
-                    micro_batches=f.micro_batches)
+                    pricing=Pricing(f.enable_alltoall, f.memory_weight,
+                                    f.parallel_optimizer_kb, f.optimizer_weight_shard_size,
+                                    f.gradient_fp32_sync, None if f.optimizer_state is None
+                                    else tuple(sorted(f.optimizer_state.items())),
+                                    f.micro_batches))
         out[node.name] = (tuple(e.splits), plan)
     return PlannedLoops(out)
 

@@ -109,7 +109,7 @@ def compare_modes(graph: Graph, *, device_num: int | None = None, cluster: Any =
             plans[mode] = search(graph, mode=mode, device_num=device_num, cluster=cluster,
                                  fixed=fixed, parallel_mode="auto_parallel")
         if fixed:
-            plans[mode].notes.append(f"seeded with {fixed}")
+            plans[mode] = plans[mode].with_notes(f"seeded with {fixed}")
         if on_done is not None:
             on_done(mode)
     rows = [_figures(graph, plans[m]) for m in order]

@@ -289,8 +289,6 @@ NO_EFFECT_REASONS: dict[str, str] = {
     "pipeline_config.pipeline_interleave": "autopar has no interleaved (virtual-stage) "
     "schedules: each stage holds one contiguous part of the network and runs the chosen "
     "pipeline_scheduler without interleaving (same gradients, a larger bubble)",
-    "auto_pipeline": "autopar does not choose the number of stages: pipeline_stages is used "
-    "as given (autopar.pipeline.partition_stages searches where the stages begin)",
     "force_fp32_communication": "autopar's collectives communicate in the tensor's own dtype; "
     "only gradient synchronisation is upcast, by gradient_fp32_sync (semi_auto_parallel / "
     "auto_parallel)",
@@ -476,8 +474,11 @@ class AutoParallelConfig(BaseModel):
     auto_pipeline: bool = Field(
         default=False, description="Choose the number of stages automatically (1 .. "
         "pipeline_stages).",
-        json_schema_extra=_meta("bool", "-", "auto_parallel, recursive_programming",
-                                jax=_warned("auto_pipeline")))
+        json_schema_extra=_meta("bool", "-", "auto_parallel",
+                                jax="train_step searches the pipeline stages (up to "
+                                "pipeline_stages where set, else any divisor of device_num), "
+                                "the micro-batches (on one stage: grad_accumulation_step) and "
+                                "the schedule with the layouts: autopar.search_configuration"))
     force_fp32_communication: bool = Field(
         default=False, description="AllReduce / ReduceScatter communicate in fp32.",
         json_schema_extra=_meta("bool", "-", jax=_warned("force_fp32_communication")))

@@ -53,8 +53,9 @@ micro-step.
 
 The search prices the same rule (:mod:`autopar.strategies.optimizer_rule`, where it lives;
 :meth:`autopar.strategies.problem.Problem.param_memory`:
-stored copy and state ``1 / N``), plans record the size (``Plan.optimizer_weight_shard_size``;
-a strategy file carries it only when it is not ``-1``). The pipelined step
+stored copy and state ``1 / N``), plans record the size
+(``Plan.pricing.optimizer_weight_shard_size``; a strategy file carries it only when it is not
+``-1``). The pipelined step
 (:mod:`autopar.pipeline.step`) shards over the whole group only and refuses another size.
 
 Reusable API (a pipelined step calls it inside its ``shard_map``)::

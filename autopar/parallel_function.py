@@ -193,6 +193,6 @@ def _rows_kept(uneven: UnevenRequest, graph: Graph, plan: Plan, pg: ParallelGrap
     warnings.warn(f"uneven_batch='all_gather_v': in the {searched} plan {mixing}; the "
                   "data-parallel plan runs instead, every operator split along the batch",
                   AutoParallelWarning, stacklevel=user_stacklevel())
-    plan.notes.append("uneven_batch: every operator split along the batch (the searched "
-                      "plan mixed batch rows)")
+    plan = plan.with_notes("uneven_batch: every operator split along the batch (the "
+                           "searched plan mixed batch rows)")
     return plan, pg, adapter

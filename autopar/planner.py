@@ -80,12 +80,19 @@ def search(graph: Graph, *, mode: str | None = None, device_num: int | None = No
 
 
 def _one_program(setup: Setup, device_num: Any, parallel_mode: Any) -> None:
-    """A search plans one program over its devices: under ``pipeline_stages > 1`` a search
-    over all ``device_num`` devices would ignore the stages, so it is refused (a stage's own
-    search, on ``device_num / pipeline_stages`` devices, is not)."""
+    """A search plans one program over its devices: under ``pipeline_stages > 1`` (or
+    ``auto_pipeline``) a search over all ``device_num`` devices would ignore the stages, so it
+    is refused (a stage's own search, on ``device_num / pipeline_stages`` devices, is not)."""
     cfg = setup.config
     stages = cfg.pipeline_stages
     whole = device_num is None or device_num == cfg.device_num
+    if cfg.auto_pipeline and whole:
+        raise AutoParallelError(
+            "auto_pipeline", True, "autopar.search plans one program for the graph's batch "
+            "and would ignore it: the stages and the micro-batches are chosen from the "
+            "training step's loss, parameters and batch",
+            "Use autopar.search_configuration(loss_fn, params, batch) or train_step, or set "
+            "auto_pipeline=False")
     if stages > 1 and whole and (parallel_mode or cfg.parallel_mode) != "stand_alone":
         raise AutoParallelError(
             "pipeline_stages", stages, f"autopar.search plans one program over all "
@@ -99,13 +106,15 @@ def plan_graph(graph: Graph, setup: Setup, *, mode: str | None = None,
                device_num: int | None = None, fixed: Mapping[str, Any] | None = None,
                parallel_mode: str | None = None, fully_use_devices: bool | None = None,
                load_file: str | None = None, save_file: str | None = None,
-               optimizer: Any = None, micro_batches: int = 1) -> Plan:
+               optimizer: Any = None, micro_batches: int = 1,
+               stage: int | None = None) -> Plan:
     """:func:`search` on the setup its caller's entry point resolved (the pipelined step's,
     once for all its stages). ``load_file`` / ``save_file`` replace the configuration's
     strategy-file paths (a stage's own files). ``micro_batches``: the times one optimizer
     step runs ``graph`` (a training step's ``grad_accumulation_step``, times its micro-batches
     for a pipeline stage): the objective charges each the gradient sync and the optimizer
-    update once a step (``SearchSettings.micro_batches``)."""
+    update once a step (``SearchSettings.micro_batches``). ``stage``: a pipeline stage's
+    plan has every operator in that stage (``Plan.stages``; its strategy file says so)."""
     cfg = setup.config
     load = cfg.strategy_ckpt_load_file if load_file is None else load_file
     save = cfg.strategy_ckpt_save_file if save_file is None else save_file
@@ -125,6 +134,8 @@ def plan_graph(graph: Graph, setup: Setup, *, mode: str | None = None,
                      s.settings, s.annotated)
     else:
         plan = _advised(search_plan, graph, s, setup)
+    if stage is not None:
+        plan = replace(plan, stages={**plan.stages, **dict.fromkeys(plan.nodes, stage)})
     if files and save:
         save_plan(plan, graph, save)
     return plan

@@ -69,6 +69,11 @@ RESTRICTIONS: tuple[Restriction, ...] = (
     Restriction("pipeline_stages", "error", "device_num must be divisible by pipeline_stages",
                 lambda c, e: c.device_num % c.pipeline_stages != 0,
                 "choose pipeline_stages dividing device_num"),
+    Restriction("auto_pipeline", "error",
+                "auto_pipeline needs parallel_mode 'auto_parallel' (as MindSpore): the stages' "
+                "layouts are searched with them",
+                lambda c, e: c.auto_pipeline and _mode(c) != "auto_parallel",
+                "set parallel_mode='auto_parallel', or auto_pipeline=False"),
     Restriction("grad_accumulation_step", "error",
                 "grad_accumulation_step > 1 needs parallel_mode semi_auto_parallel or "
                 "auto_parallel", lambda c, e: c.grad_accumulation_step > 1 and _mode(c) not in
@@ -140,7 +145,8 @@ RESTRICTIONS: tuple[Restriction, ...] = (
                 "do not set enable_alltoall in this mode"),
     Restriction("pipeline_config", "warning",
                 "pipeline_config only matters with pipeline_stages > 1 (a pipelined step)",
-                lambda c, e: "pipeline_config" in e and c.pipeline_stages == 1,
+                lambda c, e: "pipeline_config" in e and c.pipeline_stages == 1
+                and not c.auto_pipeline,
                 "set pipeline_stages > 1 or do not set pipeline_config"),
     *(Restriction(key, "warning",
                   "strategy files (this key or strategy_ckpt_config) are used only in "

@@ -215,8 +215,9 @@ def rewrite(graph: Graph, plan: Plan, *, fused_kernels: FusedKernels = "auto",
             cluster: Any = None) -> ParallelGraph:
     """The parallel program of ``graph`` under ``plan`` (see the module docstring).
 
-    Redistributions use the table the plan was priced with (``plan.enable_alltoall``: AlltoAll
-    rather than AllGather + slice for moving a split between dims).
+    Redistributions use the table the plan was priced with
+    (``plan.pricing.enable_alltoall``: AlltoAll rather than AllGather + slice for moving a
+    split between dims).
 
     ``fused_kernels``: replace a matmul whose partial output is reduce-scattered by
     ``autopar.kernels.mm_reduce_scatter`` and an all-gather feeding a matmul by
@@ -233,5 +234,5 @@ def rewrite(graph: Graph, plan: Plan, *, fused_kernels: FusedKernels = "auto",
         raise AutoParallelError("plan", plan.fingerprint[:12], "the plan was searched on "
                                 f"another graph (this graph's fingerprint is "
                                 f"{graph.fingerprint()[:12]})", "Search the plan on this graph")
-    return fuse_kernels(_Rewriter(graph, plan, plan.enable_alltoall).run(), mode, cluster)
+    return fuse_kernels(_Rewriter(graph, plan, plan.pricing.enable_alltoall).run(), mode, cluster)
 

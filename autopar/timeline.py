@@ -429,11 +429,12 @@ def plan_communication(graph: Any, plan: Any, cm: Any) -> tuple[float, float, fl
                                 f"on cluster {cm.cluster.name!r} (it was priced on "
                                 f"{plan.cluster!r}) needs a strategy for every operator",
                                 "Simulate it on its own cluster (cluster=None)")
-    problem = Problem(graph, plan.mesh, cm, enable_alltoall=plan.enable_alltoall,
-                      memory_weight=plan.memory_weight,
+    priced = plan.pricing
+    problem = Problem(graph, plan.mesh, cm, enable_alltoall=priced.enable_alltoall,
+                      memory_weight=priced.memory_weight,
                       fixed_splits={k: ns.splits for k, ns in plan.nodes.items()},
-                      parallel_optimizer_kb=plan.parallel_optimizer_kb,
-                      optimizer_weight_shard_size=plan.optimizer_weight_shard_size,
+                      parallel_optimizer_kb=priced.parallel_optimizer_kb,
+                      optimizer_weight_shard_size=priced.optimizer_weight_shard_size,
                       loops=PlannedLoops.of(plan))
     comm = sync = 0.0
     for _, vert in problem.iter_ops():  # one choice each: the plan's splits

@@ -97,6 +97,7 @@ from autopar.optimizer_shard import (ShardDecision, decide_sharding, gather_para
                                      warn_fallbacks)
 from autopar.parallel_graph import ParallelGraph
 from autopar.parallel_function import parallel_function
+from autopar.pipeline.configure import configured
 from autopar.pipeline.step import PipelineTrainStep
 from autopar.strategies.plan import Plan
 from autopar.step_inputs import (DEFAULT_LEARNING_RATE, ParamSplit, broadcast_parameters,
@@ -129,9 +130,12 @@ class TrainStep(ProgramInspection):
     ``.sharding``). ``.tuning``: the measurements that chose the plan
     (:class:`autopar.tune.Tuning`) when the step was tuned (``train_step(..., tune=k)``),
     else None. ``.split``: which parameter leaves are trained and which carried
-    (:class:`autopar.step_inputs.ParamSplit`)."""
+    (:class:`autopar.step_inputs.ParamSplit`). ``.configuration``: under
+    ``auto_pipeline=True``, the configuration search that chose one stage
+    (:class:`autopar.pipeline.configure.ConfigurationSearch`), else None."""
 
     tuning: Any = None
+    configuration: Any = None
 
     def __init__(self, loss_fn: Callable[..., Any], params: Any, batch: tuple[Any, ...],
                  optimizer: optax.GradientTransformation, *, setup: Setup,
@@ -771,24 +775,31 @@ def train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
                                             backend=backend, sync_method=sync_method,
                                             fused_kernels=fused_kernels, has_aux=has_aux)
     setup = resolve_setup(cluster)  # the stores, read once: everything below takes this
-    return build_train_step(setup, loss_fn, params, batch, optimizer, mode=mode, fixed=fixed,
+    found, micro = None, None
+    if setup.config.auto_pipeline:  # stages, micro-batches and schedule searched first
+        setup, micro, found = configured(setup, loss_fn, params, batch, optimizer, mode, fixed)
+    step = build_train_step(setup, loss_fn, params, batch, optimizer, mode=mode, fixed=fixed,
                             backend=backend, mesh=mesh, sync_method=sync_method,
-                            fused_kernels=fused_kernels, has_aux=has_aux)
+                            fused_kernels=fused_kernels, has_aux=has_aux, micro_batches=micro)
+    step.configuration = found
+    return step
 
 
 def build_train_step(setup: Setup, loss_fn: Callable[..., Any], params: Any,
                      batch: tuple[Any, ...], optimizer: optax.GradientTransformation, *,
                      mode: str | None, fixed: Mapping[str, Any] | None, backend: str,
                      mesh: Mesh | None, sync_method: str, fused_kernels: FusedKernels,
-                     has_aux: bool) -> Any:
+                     has_aux: bool, micro_batches: int | None = None) -> Any:
     """:func:`train_step` on checked arguments and the ``setup`` its entry point resolved:
-    the plain or the pipelined step, its strategy files saved once it is built."""
+    the plain or the pipelined step (of ``micro_batches``, default its stages), its strategy
+    files saved once it is built."""
     with saves_on_success():  # strategy files once the step is built and checked
         if setup.config.pipeline_stages > 1:  # the pipelined step (autopar.pipeline)
             _check_pipelined(setup.config.pipeline_stages, backend=backend, mesh=mesh,
                              sync_method=sync_method, fused_kernels=fused_kernels)
             step: Any = PipelineTrainStep(loss_fn, params, batch, optimizer, setup=setup,
-                                          mode=mode, fixed=fixed, has_aux=has_aux)
+                                          micro_batches=micro_batches, mode=mode, fixed=fixed,
+                                          has_aux=has_aux)
         else:
             step = TrainStep(loss_fn, params, batch, optimizer, setup=setup, mode=mode,
                              fixed=fixed, backend=backend, mesh=mesh,

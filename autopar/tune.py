@@ -237,8 +237,8 @@ def tune_step(loss_fn: Callable[..., Any], params: Any, batch: tuple[Any, ...],
     step = built[best]
     step.tuning = Tuning(tuple(rows), _machine(step), clus.name, steps,
                          time.perf_counter() - start)
-    step.plan.notes.append(f"tuning: kept {rows[best].name}, the fastest measured of "
-                           f"{len(rows)} plan(s) (.tuning)")
+    step.plan = step.function.plan = step.plan.with_notes(
+        f"tuning: kept {rows[best].name}, the fastest measured of {len(rows)} plan(s) (.tuning)")
     if setup.config.strategy_ckpt_save_file:
         save_plan(step.plan, step.function.graph, setup.config.strategy_ckpt_save_file,
                   tuning=step.tuning.document())
@@ -316,8 +316,14 @@ def tuned_train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
 
 
 def _tunes(cfg: AutoParallelConfig, k: int) -> bool:
-    """Whether the context lets a tuning choose: refused under pipeline_stages > 1, ignored
+    """Whether the context lets a tuning choose: refused under pipeline_stages > 1 and
+    auto_pipeline, ignored
     (warned) under every parallel mode but auto_parallel."""
+    if cfg.auto_pipeline:
+        raise AutoParallelError("tune", k, "auto_pipeline=True: the configuration search "
+                                "chooses stages and micro-batches by their price, and a "
+                                "tuning measures one-stage plans only",
+                                "Drop tune= or set auto_pipeline=False")
     if cfg.pipeline_stages > 1:
         raise AutoParallelError("tune", k, f"pipeline_stages={cfg.pipeline_stages}: a tuning "
                                 "measures one-stage plans; the pipelined step searches its "

@@ -47,12 +47,8 @@ def alternatives(graph: Graph, plan: Plan, node: str, cm: CostModel, *, full_use
     held = {name: ns.splits for name, ns in plan.nodes.items() if name != node}
     mine = plan.nodes[node].splits
     for use in (full_use, False):  # (a plan's own strategy outside that space: all of them)
-        problem = Problem(graph, plan.mesh, cm, enable_alltoall=plan.enable_alltoall,
-                          dataset_strategy=dataset_strategy, memory_weight=plan.memory_weight,
-                          full_use=use, fixed_splits=held,
-                          parallel_optimizer_kb=plan.parallel_optimizer_kb,
-                          optimizer_weight_shard_size=plan.optimizer_weight_shard_size,
-                          **plan.precision(),
+        problem = Problem(graph, plan.mesh, cm, dataset_strategy=dataset_strategy,
+                          full_use=use, fixed_splits=held, **plan.pricing.problem_args(),
                           annotations=False,  # (an annotated operator's every alternative)
                           loops=PlannedLoops.of(plan))
         i = problem.index[node]

@@ -327,12 +327,9 @@ def planned_problem(graph: Graph, plan: Plan, cm: Any, *, body: BodyInputs | Non
                     ) -> tuple[Problem, list[int]]:
     """The problem of ``graph`` with every operator at ``plan``'s splits (loop bodies at
     its body plans) and the picks of its inputs' layouts: the plan re-priced on ``cm``."""
-    problem = Problem(graph, plan.mesh, cm, enable_alltoall=plan.enable_alltoall,
-                      dataset_strategy=dataset_strategy, memory_weight=plan.memory_weight,
+    problem = Problem(graph, plan.mesh, cm, dataset_strategy=dataset_strategy,
                       fixed_splits={k: ns.splits for k, ns in plan.nodes.items()},
-                      parallel_optimizer_kb=plan.parallel_optimizer_kb,
-                      optimizer_weight_shard_size=plan.optimizer_weight_shard_size,
-                      **plan.precision(), loops=PlannedLoops.of(plan), body=body)
+                      **plan.pricing.problem_args(), loops=PlannedLoops.of(plan), body=body)
     picks = [0] * len(problem.vertices)
     for i, vert in enumerate(problem.vertices):
         if vert.kind != "param" or vert.value not in plan.layouts:

@@ -1,5 +1,8 @@
 """Plan: the chosen strategy of every operator, the layout of every tensor, the predicted cost.
 
+A plan is a value: frozen, its mappings read-only. A change is a new plan
+(``dataclasses.replace(plan, stages=...)``, :meth:`Plan.with_notes`).
+
 >>> plan.split_counts("params/layer0/w")   # doctest: +SKIP
 (1, 8)
 >>> print(plan)                              # doctest: +SKIP
@@ -7,8 +10,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.strategies.layout import DeviceMesh, Layout
@@ -17,7 +20,7 @@ from autopar.strategies.problem import Breakdown, Problem
 if TYPE_CHECKING:
     from autopar.graph.ir import Graph
 
-__all__ = ["Fingerprint", "NodeStrategy", "Plan"]
+__all__ = ["Fingerprint", "NodeStrategy", "Plan", "Pricing", "ReadOnlyDict"]
 
 
 class Fingerprint:
@@ -69,6 +72,74 @@ class Fingerprint:
         return self
 
 
+class ReadOnlyDict(dict):
+    """A dict that refuses every change after construction: a plan's mappings. It reads,
+    compares, prints and serialises (JSON, pickle) as the dict it was built from.
+
+    >>> d = ReadOnlyDict({"a": 1})
+    >>> d["a"], d == {"a": 1}, d
+    (1, True, {'a': 1})
+    >>> d["b"] = 2
+    Traceback (most recent call last):
+    ...
+    TypeError: a plan's mappings are read-only: make a new plan with dataclasses.replace
+    """
+
+    __slots__ = ()
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("a plan's mappings are read-only: make a new plan with "
+                        "dataclasses.replace")
+
+    __setitem__ = __delitem__ = __ior__ = _refuse
+    clear = pop = popitem = setdefault = update = _refuse
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (dict(self),))
+
+
+@dataclass(frozen=True, slots=True)
+class Pricing:
+    """The settings a plan was priced with, beside the cluster: the redistribution table
+    (``enable_alltoall``), memory's weight in the objective (seconds per byte), the parallel
+    optimizer (threshold in KiB, None: off; its shard group size, -1: the whole group), the
+    gradient sync's precision (:mod:`~autopar.strategies.precision`), each parameter's
+    optimizer state bytes per byte (None: the cluster's factor) and the micro-batches of a
+    step (the plan's ``objective`` is one micro-batch's, with 1/that of the gradient sync and
+    the optimizer update)."""
+
+    enable_alltoall: bool = False
+    memory_weight: float = 0.0
+    parallel_optimizer_kb: int | None = None
+    optimizer_weight_shard_size: int = -1
+    fp32_sync: bool = True
+    optimizer_state: tuple[tuple[str, float], ...] | None = None
+    micro_batches: int = 1
+
+    @staticmethod
+    def of(problem: Problem) -> "Pricing":
+        """The settings ``problem`` prices with."""
+        state = problem.optimizer_state
+        return Pricing(problem.enable_alltoall, problem.memory_weight,
+                       problem.parallel_optimizer_kb, problem.optimizer_weight_shard_size,
+                       problem.fp32_sync, None if state is None else tuple(sorted(state.items())),
+                       problem.micro_batches)
+
+    def problem_args(self) -> dict[str, Any]:
+        """The settings as :class:`~autopar.strategies.problem.Problem` takes them (to price
+        the plan again).
+
+        >>> sorted(Pricing(optimizer_state=(("w", 1.0),)).problem_args()["optimizer_state"])
+        ['w']
+        """
+        return {"enable_alltoall": self.enable_alltoall, "memory_weight": self.memory_weight,
+                "parallel_optimizer_kb": self.parallel_optimizer_kb,
+                "optimizer_weight_shard_size": self.optimizer_weight_shard_size,
+                "fp32_sync": self.fp32_sync, "optimizer_state": None
+                if self.optimizer_state is None else dict(self.optimizer_state),
+                "micro_batches": self.micro_batches}
+
+
 @dataclass(frozen=True, slots=True)
 class NodeStrategy:
     name: str
@@ -80,44 +151,48 @@ class NodeStrategy:
     body: "Plan | None" = None              # a loop node's: the plan of its body
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
-    """A searched (or loaded) plan. ``fingerprint`` is its graph's, hashed only when read (see
-    :class:`Fingerprint`); construct with the graph or the string in that position. Plans are
-    equal when every compared field is, the graph fingerprint included (the same graph object
-    is equal without hashing); ``in_tree`` and ``cluster_config`` are not compared."""
+    """A searched (or loaded) plan, frozen: a change is a new plan (``dataclasses.replace``,
+    :meth:`with_notes`); ``nodes``, ``layouts`` and ``stages`` are read-only mappings
+    (:class:`ReadOnlyDict`; any mapping given is copied into one), ``notes`` a tuple.
+    ``fingerprint`` is its graph's, hashed only when read (see :class:`Fingerprint`);
+    construct with the graph or the string in that position. Plans are equal when every
+    compared field is, the graph fingerprint included (the same graph object is equal without
+    hashing); ``in_tree`` and ``cluster_config`` are not compared."""
 
     mode: str
     mesh: DeviceMesh
     cluster: str
     graph_fingerprint: Fingerprint          # a str or Graph given here is wrapped
-    nodes: dict[str, NodeStrategy]
-    layouts: dict[str, Layout]              # every value: producer's (or input's) layout
+    nodes: Mapping[str, NodeStrategy]
+    layouts: Mapping[str, Layout]           # every value: producer's (or input's) layout
+    # each term at what it is per (strategies.problem.Breakdown): under pricing.micro_batches
+    # > 1, ``objective`` is one micro-batch's, with 1/that of the gradient sync and the update
     cost: Breakdown
     objective: float
     search_seconds: float = 0.0
-    notes: list[str] = field(default_factory=list)
+    notes: tuple[str, ...] = ()             # a list given here is made a tuple
     parameters: tuple[str, ...] = ()
-    enable_alltoall: bool = False           # the redistribution table the plan was priced with
-    memory_weight: float = 0.0              # seconds per byte of memory in the objective
-    parallel_optimizer_kb: int | None = None  # parallel optimizer threshold priced (None: off)
-    optimizer_weight_shard_size: int = -1   # its shard group size priced (-1: the whole group)
-    fp32_sync: bool = True                  # gradient_fp32_sync priced (strategies.precision)
-    # per parameter, the optimizer state bytes per byte priced (None: the cluster's factor)
-    optimizer_state: tuple[tuple[str, float], ...] | None = None
-    # the micro-batches of a step priced: ``objective`` is one micro-batch's, with 1/that of
-    # the gradient sync and the optimizer update; ``cost`` says what each term is per
-    # (strategies.problem.Breakdown)
-    micro_batches: int = 1
+    pricing: Pricing = Pricing()            # the settings it was priced with, beside cluster
     inputs: tuple[str, ...] = ()            # the graph's inputs (parameters and data), in order
     in_tree: Any = field(default=None, repr=False, compare=False)  # pytree of the arguments
     cluster_config: Any = field(default=None, repr=False, compare=False)  # the priced Cluster
-    stages: dict[str, int] = field(default_factory=dict)  # pipeline stage per operator; absent = 0
+    stages: Mapping[str, int] = field(default_factory=dict)  # stage per operator; absent = 0
     source: str = ""                        # the strategy file a loaded plan came from
 
     def __post_init__(self) -> None:
         if not isinstance(self.graph_fingerprint, Fingerprint):
-            self.graph_fingerprint = Fingerprint(self.graph_fingerprint)
+            object.__setattr__(self, "graph_fingerprint", Fingerprint(self.graph_fingerprint))
+        for name in ("nodes", "layouts", "stages"):
+            if not isinstance(getattr(self, name), ReadOnlyDict):
+                object.__setattr__(self, name, ReadOnlyDict(getattr(self, name)))
+        if not isinstance(self.notes, tuple):
+            object.__setattr__(self, "notes", tuple(self.notes))
+
+    def with_notes(self, *notes: str) -> "Plan":
+        """This plan with ``notes`` added after its own."""
+        return replace(self, notes=self.notes + notes)
 
     @property
     def fingerprint(self) -> str:
@@ -162,26 +237,9 @@ class Plan:
                 layouts[v] = Layout.replicated(val.spec.rank)
         cost, objective = problem.evaluate(picks, peak=True)
         return Plan(mode, mesh, problem.cm.cluster.name, Fingerprint(g), nodes,
-                    dict(sorted(layouts.items())), cost, objective, seconds,
-                    parameters=g.parameters(),
-                    enable_alltoall=problem.enable_alltoall,
-                    memory_weight=problem.memory_weight,
-                    parallel_optimizer_kb=problem.parallel_optimizer_kb,
-                    optimizer_weight_shard_size=problem.optimizer_weight_shard_size,
-                    fp32_sync=problem.fp32_sync, optimizer_state=None
-                    if problem.optimizer_state is None else
-                    tuple(sorted(problem.optimizer_state.items())),
-                    micro_batches=problem.micro_batches,
-                    inputs=g.inputs, in_tree=g.in_tree,
-                    cluster_config=problem.cm.cluster)
-
-    def precision(self) -> dict[str, Any]:
-        """The mixed-precision settings (and the micro-batches of a step) the plan was priced
-        with, as :class:`~autopar.strategies.problem.Problem` takes them (to price it
-        again)."""
-        return {"fp32_sync": self.fp32_sync, "optimizer_state": None
-                if self.optimizer_state is None else dict(self.optimizer_state),
-                "micro_batches": self.micro_batches}
+                    ReadOnlyDict(sorted(layouts.items())), cost, objective, seconds,
+                    parameters=g.parameters(), pricing=Pricing.of(problem),
+                    inputs=g.inputs, in_tree=g.in_tree, cluster_config=problem.cm.cluster)
 
     def layout(self, name: str) -> Layout:
         """Layout of a value; a node name means its (first) output."""
@@ -213,7 +271,7 @@ class Plan:
 
     def summary(self) -> str:
         c = self.cost
-        m = self.micro_batches
+        m = self.pricing.micro_batches
         step = "step" if m == 1 else f"micro-batch (of {m} a step; gradient sync once a step)"
         return (f"plan[{self.mode}] on {self.device_num} devices ({self.mesh}), cluster "
                 f"{self.cluster}: {step} {c.total * 1e3:.3f} ms predicted = compute "

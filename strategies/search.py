@@ -169,22 +169,22 @@ def ranked_plans(graph: Graph, *, mode: str, device_num: int, cluster: Cluster,
                                              solver, limit, loops)
             plan = Plan.from_picks(problem, picks, label, 0.0)
             # what the solver says of its plan (dynamic_programming: a core too large to prove)
-            plan.notes += problem.solver_cache(solver.name).get("notes", [])
+            plan = plan.with_notes(*problem.solver_cache(solver.name).get("notes", []))
             del problem  # freed inside the pause: the collector then has nothing of it to walk
             hands = hand_plans(graph, mesh, cm, fixed_map, settings, weight, label, budget,
                                loops) if _weighs_hand_plans(settings, device_num) else []
         ranked = _ranked(label, plan, hands, budget, settings.hand_plan_margin)
-        best = ranked[0][1]
-        best.search_seconds = time.perf_counter() - t0
+        kept, best = ranked[0]
+        best = replace(best, search_seconds=time.perf_counter() - t0)
         free = free or best
         if follows:
-            best.notes.append("elementwise_op_strategy_follow: elementwise operators take the "
-                              "split counts of the value they read")
+            best = best.with_notes("elementwise_op_strategy_follow: elementwise operators "
+                                   "take the split counts of the value they read")
         if best.cost.memory_bytes <= budget:
             if weight:
-                best.notes.append(f"memory priced at {weight:g} s/byte to fit the budget")
+                best = best.with_notes(f"memory priced at {weight:g} s/byte to fit the budget")
                 _warn_slow_fit(best, free, cluster)
-            return ranked
+            return [(kept, best), *ranked[1:]]
         if solver.memory_constraint and plan.cost.memory_bytes > budget:
             # its constraint bounds the additive memory (strategies.memory); the step's
             # ordered peak came out above the budget: tighten the bound by the overshoot
@@ -230,7 +230,10 @@ def _ranked(label: str, plan: Plan, hands: list[tuple[str, Plan]], memory: float
     first's notes name every price.
 
     >>> from types import SimpleNamespace as P
-    >>> def plan(ms): return P(objective=ms, notes=[], cost=P(total=ms, memory_bytes=0))
+    >>> def plan(ms):
+    ...     p = P(objective=ms, cost=P(total=ms, memory_bytes=0))
+    ...     p.with_notes = lambda *notes: p  # (a Plan: a new plan, the notes added)
+    ...     return p
     >>> own, dp = plan(0.9), plan(1.0)
     >>> [n for n, _ in _ranked("search", own, [("data_parallel", dp)], 1e9, 0.15)]
     ['data_parallel', 'search']
@@ -246,9 +249,9 @@ def _ranked(label: str, plan: Plan, hands: list[tuple[str, Plan]], memory: float
         kept = ranked[0][0]
         why = f"the search's own is not cheaper by more than {margin:.0%}" \
             if plan.objective < ranked[0][1].objective else "the cheapest"
-        ranked[0][1].notes.append(
+        ranked[0] = (kept, ranked[0][1].with_notes(
             f"hand plans priced: {prices}; the search's own {plan.cost.total * 1e3:.4g} ms"
-            + ("" if ranked[0][1] is plan else f": kept {kept}, {why}"))
+            + ("" if ranked[0][1] is plan else f": kept {kept}, {why}")))
     return ranked
 
 

@@ -3,6 +3,7 @@ fuzz test that mutates valid files and only ever gets the documented error."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -42,9 +43,10 @@ def _auto():
 
 
 def same_plan(a: ap.Plan, b: ap.Plan) -> bool:
-    return (a.nodes, a.layouts, a.cost, a.objective, a.mesh, a.mode, a.enable_alltoall,
-            a.memory_weight) == (b.nodes, b.layouts, b.cost, b.objective, b.mesh, b.mode,
-                                 b.enable_alltoall, b.memory_weight)
+    return (a.nodes, a.layouts, a.cost, a.objective, a.mesh, a.mode, a.pricing.enable_alltoall,
+            a.pricing.memory_weight) == (b.nodes, b.layouts, b.cost, b.objective, b.mesh,
+                                         b.mode, b.pricing.enable_alltoall,
+                                         b.pricing.memory_weight)
 
 
 # ---------------------------------------------------------------------------- round trips
@@ -523,7 +525,7 @@ def test_pipeline_stages_round_trip(tmp_path):
     g = graph("mlp")
     plan = ap.search(g)
     half = len(g.nodes) // 2
-    plan.stages = {n.name: 1 for n in g.nodes[half:]}
+    plan = dataclasses.replace(plan, stages={n.name: 1 for n in g.nodes[half:]})
     path = save_strategy(plan, g, tmp_path / "p.json")
     doc = json.loads(path.read_text())
     assert doc["parallel_strategy_item"][g.nodes[0].name]["stage"] == 0

@@ -492,7 +492,7 @@ def test_a_split_predicate_is_refused_typed():
         plan = ap.search(g)
     ns = plan.nodes["cond_0"]
     bad = dataclasses.replace(ns, in_layouts=(Layout((), ("a0",)),) + ns.in_layouts[1:])
-    plan.nodes = {**plan.nodes, "cond_0": bad}
+    plan = dataclasses.replace(plan, nodes={**plan.nodes, "cond_0": bad})
     with pytest.raises(ap.AutoParallelError, match="predicate of cond node 'cond_0'.*"
                                                    "replicated"):
         rewrite(g, plan)

@@ -322,7 +322,7 @@ def test_optimizer_weight_shard_size_is_priced_and_recorded(tmp_path):
         with ap.auto_parallel_context(**ctx):
             plans[size] = ap.search(g)
         assert ('"optimizer_weight_shard_size"' in path.read_text()) == (size != -1)
-    assert plans[2].optimizer_weight_shard_size == 2
+    assert plans[2].pricing.optimizer_weight_shard_size == 2
     w = 256 * 256 * 4  # the only weight over the 64 KB threshold
     # the copy and state held, and the new ones the update writes (the step's outputs)
     more = 2 * w * (1 + state) * (1 / 2 - 1 / 8)

@@ -159,7 +159,7 @@ def test_memory_bound_plan_with_finer_stored_parameters_runs_like_one_device():
             f = ap.parallelize(m.loss, *args, cluster=small)
         loss = f(*args)
     plan = f.plan
-    assert plan.memory_weight > 0 and plan.cost.memory_bytes <= 4e5
+    assert plan.pricing.memory_weight > 0 and plan.cost.memory_bytes <= 4e5
     g = _graph("tfm1")
     assert [v for v in g.parameters() for c in g.consumers(v)
             if plan.layouts[v] not in plan.nodes[c].in_layouts]

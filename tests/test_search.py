@@ -307,7 +307,7 @@ def test_parallel_optimizer_is_priced_in_the_memory_term(tmp_path):
     with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel",
                                   enable_parallel_optimizer=True):
         on = ap.search(g)
-    assert on.parallel_optimizer_kb == 64 and off.parallel_optimizer_kb is None
+    assert on.pricing.parallel_optimizer_kb == 64 and off.pricing.parallel_optimizer_kb is None
     big = [v for v in g.parameters() if g.spec(v).nbytes >= 64 * 1024]
     assert len(big) == 2  # the two 256 KB weights; the 1 KB biases stay replicated
     # the step's peak (strategies.memory): the copy and state held throughout are 1/8, less
@@ -321,7 +321,7 @@ def test_parallel_optimizer_is_priced_in_the_memory_term(tmp_path):
                                   strategy_ckpt_save_file=str(tmp_path / "s.json")):
         plan = ap.search(g, mode="dynamic_programming")
         loaded = ap.load_strategy(tmp_path / "s.json", g)  # under the same threshold
-    assert loaded.parallel_optimizer_kb == 64
+    assert loaded.pricing.parallel_optimizer_kb == 64
     assert loaded.cost.memory_bytes == plan.cost.memory_bytes
 
 

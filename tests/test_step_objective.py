@@ -68,7 +68,7 @@ def test_a_plan_under_accumulation_charges_its_gradient_sync_once(make):
                          settings=SearchSettings(parallel_mode="data_parallel",
                                                  micro_batches=m)) for m in (1, 8)}
     assert dp[1].decisions() == dp[8].decisions()
-    assert dp[1].micro_batches == 1 and dp[8].micro_batches == 8
+    assert dp[1].pricing.micro_batches == 1 and dp[8].pricing.micro_batches == 8
     # the breakdown is the same: one micro-batch's terms, the step's whole gradient sync
     assert dp[8].cost == dp[1].cost and dp[1].cost.gradient_sync > 0
     # the objective charges each micro-batch 1/8 of the sync and the update
@@ -94,7 +94,7 @@ def test_more_micro_batches_flip_the_choice_to_data_parallel_as_a_hand_pricing_d
     ranked = ranked_plans(g, mode=mode, device_num=8, cluster=CLUSTER,
                           settings=SearchSettings(micro_batches=16))
     best = ranked[0][1]
-    assert best.decisions() == dp.decisions() and best.micro_batches == 16
+    assert best.decisions() == dp.decisions() and best.pricing.micro_batches == 16
     assert best.objective == pytest.approx(hand[16][0], rel=1e-9)
     # the trade: more gradient sync, less redistribution
     assert best.cost.gradient_sync > own.cost.gradient_sync
@@ -112,7 +112,7 @@ def test_strategy_files_keep_the_micro_batches_only_when_not_one(tmp_path):
             files[m] = (plan, json.loads(path.read_text()))
         assert "micro_batches" not in files[1][1] and files[4][1]["micro_batches"] == 4
         loaded = ap.load_strategy(tmp_path / "m4.json", g, cluster=None)
-    assert loaded.micro_batches == 4 and loaded.objective == files[4][0].objective
+    assert loaded.pricing.micro_batches == 4 and loaded.objective == files[4][0].objective
     assert loaded.cost == files[4][0].cost
 
 
@@ -125,7 +125,7 @@ def test_train_step_and_stage_searches_price_their_micro_batches():
     with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel",
                                   grad_accumulation_step=2, gradients_mean=True):
         step = ap.train_step(mlp_loss, params, (x,), optax.sgd(0.1))
-    assert step.plan.micro_batches == 2
+    assert step.plan.pricing.micro_batches == 2
     g = ap.trace(scoped_loss, params, x[:4])
     with ap.auto_parallel_context(device_num=8, parallel_mode="semi_auto_parallel",
                                   pipeline_stages=2, grad_accumulation_step=2):
@@ -133,5 +133,5 @@ def test_train_step_and_stage_searches_price_their_micro_batches():
         found = plan_stages(g, 2, setup=setup, micro_batches=4, boundaries=None, mode=None,
                             fixed=None)
         again = plan_graph(found.graphs[1], setup, device_num=4, micro_batches=8)
-    assert [p.micro_batches for p in found.plans] == [8, 8]
+    assert [p.pricing.micro_batches for p in found.plans] == [8, 8]
     assert found.plans[1].objective == again.objective

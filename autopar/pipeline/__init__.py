@@ -12,6 +12,8 @@
   stages; the facade reads the context once and passes its configuration down.
 * :mod:`~autopar.pipeline.simulation` -- :func:`simulate_pipeline`: the stages x
   micro-batches timeline, the bubble, a Chrome trace.
+* :mod:`~autopar.pipeline.configure` -- :func:`search_configuration`: the stages, the
+  micro-batches and the schedule searched with the layouts (``auto_pipeline=True``).
 
 The stage partition itself is :mod:`autopar.strategies.stages` (:func:`partition_stages`,
 exported here, reads the context and the cluster for it).
@@ -22,9 +24,11 @@ from autopar.pipeline.schedules import Schedule, schedule
 from autopar.pipeline.simulation import PipelineTrace, simulate_pipeline, simulate_schedule
 from autopar.pipeline.plan import PipelinePlan
 from autopar.pipeline.step import PipelineTrainStep, pipeline_train_step
+from autopar.pipeline.configure import Configuration, ConfigurationSearch, search_configuration
 from autopar.planner import partition_stages
 from autopar.strategies.stages import StagePartition
 
-__all__ = ["PackedParams", "PipelinePlan", "PipelineTrace", "PipelineTrainStep", "Schedule",
-           "StagePartition", "partition_stages", "pipeline_train_step", "schedule",
+__all__ = ["Configuration", "ConfigurationSearch", "PackedParams", "PipelinePlan",
+           "PipelineTrace", "PipelineTrainStep", "Schedule", "StagePartition",
+           "partition_stages", "pipeline_train_step", "schedule", "search_configuration",
            "simulate_pipeline", "simulate_schedule"]

@@ -29,7 +29,7 @@ from autopar.setup import Setup
 from autopar.strategies.plan import Plan
 from autopar.strategies.stages import StagePartition, partition_stages, stage_graph
 
-__all__ = ["PipelinePlan", "StagePlans", "plan_stages", "stage_file"]
+__all__ = ["PipelinePlan", "StagePlans", "plan_stages", "search_stages", "stage_file"]
 
 
 @dataclass(frozen=True)
@@ -90,11 +90,26 @@ def plan_stages(graph: Graph, p: int, *, setup: Setup, micro_batches: int,
                 boundaries: Sequence[str | int] | None, mode: str | None,
                 fixed: Mapping[str, Any] | None) -> StagePlans:
     """Cut ``graph`` into ``p`` stages and search, then rewrite, each one for its
-    ``device_num / p`` devices. ``fixed``: strategies by node name of the whole graph
-    (each stage takes its own); ``setup``: the step's (its strategy-file paths become one
-    file per stage; its cluster prices the partition and every stage). Each stage is
-    searched as one of the ``grad_accumulation_step x micro_batches`` micro-batches of a
-    step: its gradient sync and optimizer update charged once a step
+    ``device_num / p`` devices (:func:`search_stages`; strategy files one per stage, written
+    once every stage is planned)."""
+    with saves_on_success():
+        part, sgs, plans = search_stages(graph, p, setup=setup, micro_batches=micro_batches,
+                                         boundaries=boundaries, mode=mode, fixed=fixed)
+        pgs = [_rewrite_unfused(sg, plan) for sg, plan in zip(sgs, plans)]
+        check_same_plans(list(zip(plans, sgs, pgs)))  # (jax.distributed), before any save
+    return StagePlans(part, sgs, plans, tuple(pgs))
+
+
+def search_stages(graph: Graph, p: int, *, setup: Setup, micro_batches: int,
+                  boundaries: Sequence[str | int] | None, mode: str | None,
+                  fixed: Mapping[str, Any] | None
+                  ) -> tuple[StagePartition, tuple[Graph, ...], tuple[Plan, ...]]:
+    """Cut ``graph`` into ``p`` stages and search each one for its ``device_num / p``
+    devices: ``(partition, stage graphs, stage plans)``. ``fixed``: strategies by node name
+    of the whole graph (each stage takes its own); ``setup``: the step's (its strategy-file
+    paths become one file per stage; its cluster prices the partition and every stage).
+    Each stage is searched as one of the ``grad_accumulation_step x micro_batches``
+    micro-batches of a step: its gradient sync and optimizer update charged once a step
     (``SearchSettings.micro_batches``)."""
     config = setup.config
     n = config.device_num
@@ -107,19 +122,14 @@ def plan_stages(graph: Graph, p: int, *, setup: Setup, micro_batches: int,
         raise AutoParallelTypeError("fixed", fixed, "a mapping of node name -> strategy")
     for name in fixed:
         graph.node(name)  # unknown names raise, with suggestions
-    sgs = [stage_graph(graph, part, s) for s in range(p)]
-    plans, pgs = [], []
-    # strategy files: one per stage, as MindSpore keeps them (strategy_stage{s}...); every
-    # stage's target is checked, then all are written, only once every stage is planned
-    with saves_on_success():
-        for s, sg in enumerate(sgs):
-            mine = {k: v for k, v in fixed.items() if k in {nd.name for nd in sg.nodes}}
-            plan = plan_graph(sg, setup, mode=mode, device_num=n // p, fixed=mine,
-                              load_file=stage_file(config.strategy_ckpt_load_file, s),
-                              save_file=stage_file(config.strategy_ckpt_save_file, s),
-                              micro_batches=micro_batches * config.grad_accumulation_step)
-            plan.stages.update(dict.fromkeys(plan.nodes, s))  # (its strategy file says so)
-            plans.append(plan)
-            pgs.append(_rewrite_unfused(sg, plan))
-        check_same_plans(list(zip(plans, sgs, pgs)))  # (jax.distributed), before any save
-    return StagePlans(part, tuple(sgs), tuple(plans), tuple(pgs))
+    sgs = tuple(stage_graph(graph, part, s) for s in range(p))
+    plans = []
+    for s, sg in enumerate(sgs):
+        mine = {k: v for k, v in fixed.items() if k in {nd.name for nd in sg.nodes}}
+        plan = plan_graph(sg, setup, mode=mode, device_num=n // p, fixed=mine,
+                          load_file=stage_file(config.strategy_ckpt_load_file, s),
+                          save_file=stage_file(config.strategy_ckpt_save_file, s),
+                          micro_batches=micro_batches * config.grad_accumulation_step,
+                          stage=s)
+        plans.append(plan)
+    return part, sgs, tuple(plans)

@@ -53,7 +53,8 @@ from autopar.errors import AutoParallelError, AutoParallelTypeError, found
 from autopar.limits import finite
 from autopar.pipeline.schedules import FWD, IDLE, SCHEDULES, schedule as build_schedule
 
-__all__ = ["PipelineBlock", "PipelineTrace", "simulate_schedule", "simulate_pipeline"]
+__all__ = ["PipelineBlock", "PipelineTrace", "pipeline_trace", "simulate_schedule",
+           "simulate_pipeline"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,9 +248,7 @@ def simulate_pipeline(graph: Any, stages: int, *, micro_batches: int | None = No
     takes resolved values)."""
     from autopar.clusters import cluster_for
     from autopar.context import current_config
-    from autopar.strategies.cost import BACKWARD_FACTOR, CostModel
     from autopar.strategies.precision import fp32_sync_active
-    from autopar.strategies.stages import partition_stages, send_time
 
     if not isinstance(recompute, bool):
         raise AutoParallelTypeError("recompute", recompute, "must be a bool")
@@ -258,10 +257,27 @@ def simulate_pipeline(graph: Any, stages: int, *, micro_batches: int | None = No
     cfg = current_config()
     n = cfg.device_num if device_num is None else device_num
     fp32 = fp32_sync_active(cfg.gradient_fp32_sync, cfg.parallel_mode)
-    m = stages if micro_batches is None else micro_batches
     # the stages' plans were priced on one cluster: simulate on it unless one is named
     clus = cluster_for(plans[0] if isinstance(plans, (list, tuple)) and plans else None,
                        cluster)
+    return pipeline_trace(graph, stages, device_num=n, cluster=clus, fp32=fp32,
+                          micro_batches=micro_batches, schedule=schedule,
+                          boundaries=boundaries, plans=plans, recompute=recompute)
+
+
+def pipeline_trace(graph: Any, stages: int, *, device_num: int, cluster: Any, fp32: bool,
+                   micro_batches: int | None = None, schedule: str = "1f1b",
+                   boundaries: Sequence[str | int] | None = None,
+                   plans: Sequence[Any] | None = None,
+                   recompute: bool = True) -> PipelineTrace:
+    """:func:`simulate_pipeline` on resolved inputs (it reads nothing): ``cluster`` the
+    :class:`~autopar.strategies.cost.Cluster` the plans were priced on, ``fp32`` whether
+    gradients are synchronised in fp32 (``gradient_fp32_sync`` in effect)."""
+    from autopar.strategies.cost import BACKWARD_FACTOR, CostModel
+    from autopar.strategies.stages import partition_stages, send_time
+
+    n, clus = device_num, cluster
+    m = stages if micro_batches is None else micro_batches
     part = partition_stages(graph, stages, boundaries=boundaries, device_num=n,
                             micro_batches=m, cluster=clus)
     cuts = _cuts_of(graph, part, plans) if boundaries is None else None

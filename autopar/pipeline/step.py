@@ -106,7 +106,11 @@ def _is_float(dt: str) -> bool:
 class PipelineTrainStep(ProgramInspection):
     """``step(params, opt_state, *batch) -> (params, opt_state, loss)`` pipelined (``has_aux``:
     ``(loss, aux)``, aux stacked per micro-batch); ``init``,
-    ``grads``, ``pack`` / ``unpack``, ``as_text``, ``collective_counts``, ``plan``."""
+    ``grads``, ``pack`` / ``unpack``, ``as_text``, ``collective_counts``, ``plan``;
+    ``configuration``: under ``auto_pipeline=True``, the configuration search that chose
+    the stages (:class:`autopar.pipeline.configure.ConfigurationSearch`), else None."""
+
+    configuration: Any = None
 
     def __init__(self, loss_fn: Callable[..., Any], params: Any, batch: tuple[Any, ...],
                  optimizer: optax.GradientTransformation, *, setup: Setup,

@@ -1,0 +1,114 @@
+"""The configuration search (auto_pipeline): stages, micro-batches and schedule with the
+layouts, against a brute-force sweep of the same prices; train_step under auto_pipeline."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import autopar as ap
+from autopar.errors import AutoParallelError, ContextConflictError, MemoryBudgetError
+from autopar.models import transformer
+from autopar.pipeline.configure import _Weigher, micro_graphs, weigh_configurations
+from autopar.setup import resolve_setup
+
+CLUSTER = ap.CLUSTERS["accelerator-8x"]
+
+
+def tiny():
+    """A 2-layer decoder (4 units: embedding, 2 blocks, head) and its shapes."""
+    m = transformer(layers=2, hidden=32, heads=4, seq=16, vocab=64, batch=8)
+    params, *batch = jax.eval_shape(m.example_args, jax.random.key(0))
+    return m, params, tuple(batch)
+
+
+def _brute_force(setup, graph_at, rows):
+    """Every stages x micro-batches x schedule the search may weigh, each priced."""
+    w = _Weigher(graph_at, setup, None, ("gpipe", "1f1b"), None)
+    b = rows[0]
+    return [c for p in range(1, 9) if 8 % p == 0 for m in range(p, b + 1) if b % m == 0
+            and (b // m) & (b // m - 1) == 0 for c in w.weigh(p, m)]
+
+
+@pytest.mark.parametrize("budget_mib", [None, 0.6])
+def test_the_search_finds_what_a_brute_force_sweep_finds(budget_mib):
+    m, params, batch = tiny()
+    clus = CLUSTER if budget_mib is None else CLUSTER.model_copy(
+        update={"memory_bytes": budget_mib * 2 ** 20})
+    with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel",
+                                  auto_pipeline=True):
+        setup = resolve_setup(clus)
+    graph_at, rows = micro_graphs(m.loss, params, batch)
+    found = weigh_configurations(graph_at, rows, setup=setup)
+    sweep = [c for c in _brute_force(setup, graph_at, rows) if c.fits]
+    best = min(sweep, key=lambda c: (c.step_seconds, c.stages, c.micro_batches, c.schedule))
+    got = found.best
+    assert (got.stages, got.micro_batches, got.schedule) == \
+        (best.stages, best.micro_batches, best.schedule)
+    assert got.step_seconds == best.step_seconds and got.fits
+    if budget_mib is not None:  # the budget rules the unconstrained best out
+        assert got.memory_bytes <= budget_mib * 2 ** 20
+        with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel"):
+            free = weigh_configurations(graph_at, rows, setup=resolve_setup(CLUSTER)).best
+        assert free.memory_bytes > budget_mib * 2 ** 20 > got.memory_bytes
+    table = found.table(rows=100)
+    assert table.splitlines()[2].split()[:3] == [str(got.stages), str(got.micro_batches),
+                                                 got.schedule]
+    assert len(table.splitlines()) == len(found.ranked) + 2
+
+
+def test_nothing_fits_raises_with_the_table():
+    m, params, batch = tiny()
+    clus = CLUSTER.model_copy(update={"memory_bytes": 1024.0})
+    with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel"):
+        with pytest.raises(MemoryBudgetError, match="no configuration") as e:
+            ap.search_configuration(m.loss, params, batch, cluster=clus)
+    assert e.value.budget == 1024.0 and e.value.needed > 1024.0
+    assert "stages  micro-batches" in str(e.value)
+
+
+def test_the_search_is_deterministic_and_says_why_one_stage():
+    m, params, batch = tiny()
+    clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
+    with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel",
+                                  pipeline_stages=2):
+        a = ap.search_configuration(m.loss, params, batch, cluster=CLUSTER)
+        b = ap.search_configuration(m.loss, params, batch, cluster=CLUSTER)
+        one = ap.search_configuration(m.loss, params, batch, clipped, cluster=CLUSTER)
+    assert a.table(100) == b.table(100)
+    assert max(c.stages for c in a.ranked) == 2   # pipeline_stages caps the degree
+    assert {c.stages for c in one.ranked} == {1} and "not elementwise" in one.notes[0]
+
+
+def test_auto_pipeline_rules():
+    m, params, batch = tiny()
+    with pytest.raises(ContextConflictError, match="auto_pipeline"):
+        with ap.auto_parallel_context(device_num=8, parallel_mode="semi_auto_parallel",
+                                      auto_pipeline=True):
+            ap.search_configuration(m.loss, params, batch, cluster=CLUSTER)
+    with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel",
+                                  auto_pipeline=True, grad_accumulation_step=2):
+        with pytest.raises(AutoParallelError, match="grad_accumulation_step"):
+            ap.search_configuration(m.loss, params, batch, cluster=CLUSTER)
+    with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel",
+                                  auto_pipeline=True):
+        with pytest.raises(AutoParallelError, match="search_configuration"):
+            ap.search(ap.trace(m.loss, params, *batch), cluster=CLUSTER)
+        with pytest.raises(AutoParallelError, match="tune"):
+            ap.train_step(m.loss, params, batch, tune=2, cluster=CLUSTER)
+
+
+def test_train_step_builds_the_configuration_it_chose():
+    m, _, _ = tiny()
+    params, *batch = m.example_args(jax.random.key(0))
+    clus = CLUSTER.model_copy(update={"memory_bytes": 0.6 * 2 ** 20})
+    with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel",
+                                  auto_pipeline=True, gradients_mean=True):
+        step = ap.train_step(m.loss, params, tuple(batch), optax.sgd(0.1), cluster=clus)
+    best = step.configuration.best
+    assert best.stages > 1 and isinstance(step, ap.pipeline.PipelineTrainStep)
+    assert (step.stages, step.micro_batches, step.schedule_table.name) == \
+        (best.stages, best.micro_batches, best.schedule)
+    _, _, loss = step(params, step.init(params), *batch)
+    # (the pipelined step's gradients against float64 references: tests/test_pipeline.py)
+    np.testing.assert_allclose(float(loss), float(m.loss(params, *batch)), rtol=1e-5)
