@@ -33,7 +33,6 @@ NO_EFFECT = [
     ("strategy_ckpt_config", {"only_trainable_params": False},
      "strategy_ckpt_config.only_trainable_params"),
     ("pipeline_config", {"pipeline_interleave": True}, "pipeline_config.pipeline_interleave"),
-    ("auto_pipeline", True, "auto_pipeline"),
     ("force_fp32_communication", True, "force_fp32_communication"),
     ("pipeline_result_broadcast", True, "pipeline_result_broadcast"),
     ("group_ckpt_save_file", "./group.ckpt", "group_ckpt_save_file"),
