@@ -17,9 +17,11 @@ the same elimination with each value's moves shared by its readers, a second pla
 polishes, keeping the cheaper.
 
 The order of the eliminations depends on the graph's structure only (degrees and indices):
-:class:`Order` finds it, :func:`eliminate` replays it on cost vectors and matrices. Both are
-shared with :mod:`recursive_programming`, whose rounds all have one structure (it finds the
-order once) and which memoises the arithmetic (:class:`Memo`).
+:class:`Order` finds it, :class:`Elimination` compiles it (slots for the vertex pairs, each
+step's operands) and replays it on cost vectors and matrices, its arithmetic memoised on the
+identity of the operands (:class:`Memo`: the blocks of a deep network share their arrays).
+The one elimination of the project: :mod:`recursive_programming`, whose rounds all have one
+structure, compiles the order once and replays it every round.
 """
 
 from __future__ import annotations
@@ -32,27 +34,26 @@ import numpy as np
 
 from autopar.strategies.problem import Problem
 
-__all__ = ["solve", "solve_shared", "Order", "Memo", "eliminate", "core_columns",
-           "CORE_COLUMNS"]
+__all__ = ["solve", "solve_shared", "Order", "Memo", "Elimination", "eliminate",
+           "core_columns", "CORE_COLUMNS"]
 
 _CHUNK = 2_000_000  # floats per temporary in node elimination
 _SMALL = 16_384     # node eliminations of at most this many sums: one temporary, as laid out
+_MIN = np.minimum.reduce  # what ndarray.min computes, without its Python wrapper
 
 
 def _eliminate_middle(a: np.ndarray, cx: np.ndarray, b: np.ndarray) -> tuple[np.ndarray,
                                                                               np.ndarray]:
-    """min / argmin over t of a[s, t] + cx[t] + b[t, u]; chunked over s to bound memory.
+    """min / argmin over t of a[s, t] + cx[t] + b[t, u] past :data:`_SMALL` sums; chunked
+    over s to bound memory.
 
-    Past a few thousand sums they are laid out [s, u, t], t contiguous: numpy's argmin
-    along the contiguous last axis is several times faster than along the middle one (which
-    copies), and the minimum is read at the argmin. The sums are the same floats
-    (``a[s, t] + (cx[t] + b[t, u])``) and argmin gives the first minimal t either way, so the
-    results are the same."""
+    The sums are laid out [s, u, t], t contiguous: numpy's argmin along the contiguous last
+    axis is several times faster than along the middle one (which copies), and the minimum
+    is read at the argmin. The sums are the same floats (``a[s, t] + (cx[t] + b[t, u])``)
+    and argmin gives the first minimal t either way, so the results are those of the small
+    layout (:meth:`Memo.middle`)."""
     sy, sx = a.shape
     sz = b.shape[1]
-    if sy * sx * sz <= _SMALL:
-        t = a[:, :, None] + (cx[:, None] + b)[None, :, :]
-        return t.min(axis=1), t.argmin(axis=1)
     a = np.ascontiguousarray(a)
     bc = np.ascontiguousarray((cx[:, None] + b).T)  # [S_u, S_t]
     best = np.empty((sy, sz))
@@ -128,123 +129,166 @@ class Order:
 
 
 class Memo:
-    """The elimination arithmetic, memoised on the identity of its input arrays (``on``).
+    """The elimination arithmetic, memoised on the identity of its operands as stored: a
+    leaf folds ``min over x of a^T + cost[x]`` into its neighbour, a node of two neighbours
+    becomes the edge ``min over x of a^T[s, x] + (cost[x] + b[x, u])``, parallel edges
+    add, each minimum with its first argmin. A pair's matrix is stored once, [S_lo, S_hi];
+    a step reads it transposed or not (a flag of the key: no transposed view is made unless
+    the step is computed).
 
     The blocks of a deep network give identical cost vectors and edge matrices (the very
     same cached objects), so most eliminations recur once per block: each is computed once.
-    Every key's arrays are kept alive here, so an ``id`` is never reused while the memo
-    lives; no array is ever modified in place. Off, it only computes."""
+    Every key's operands are kept with its result for as long as the memo lives (every
+    round of a recursive_programming search; a memory weight's problems in
+    dynamic_programming), so an ``id`` is never reused while it lives; no array is ever
+    modified in place. ``cost[x] + b`` is kept too (pristine matrices recur) and the minimum
+    is numpy's ``minimum.reduce`` itself (what ``ndarray.min`` calls through a Python
+    wrapper)."""
 
-    def __init__(self, on: bool = True) -> None:
-        self.on = on
-        self.keep: list[object] = []
-        self.sums: dict[tuple[int, int], np.ndarray] = {}
-        self.trans: dict[int, np.ndarray] = {}
-        self.leaves: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
-        self.middles: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
+    __slots__ = ("leaves", "middles", "sums", "trans", "bcs")
+
+    def __init__(self) -> None:
+        self.leaves: dict[tuple, tuple] = {}   # (p, flip, cost) -> (best, arg, operands)
+        self.middles: dict[tuple, tuple] = {}  # (p, flip, cost, q, flip) -> (best, arg, ...)
+        self.sums: dict[tuple, tuple] = {}     # (a, b) -> (a + b, a, b)
+        self.trans: dict[int, tuple] = {}      # id(m) -> (m.T, m)
+        self.bcs: dict[tuple, tuple] = {}      # (cost, q, flip) -> (cost[:, None] + b, ...)
+
+    def t(self, m: np.ndarray) -> np.ndarray:
+        """The transpose of ``m``, one object per array (so what is computed from it is
+        memoised too)."""
+        hit = self.trans.get(id(m))
+        if hit is None:
+            hit = self.trans[id(m)] = (m.T, m)
+        return hit[0]
 
     def add(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        if not self.on:
-            return a + b
         key = (id(a), id(b))
         hit = self.sums.get(key)
         if hit is None:
-            hit = self.sums[key] = a + b
-            self.keep += (a, b)
-        return hit
+            hit = self.sums[key] = (a + b, a, b)
+        return hit[0]
 
-    def t(self, m: np.ndarray) -> np.ndarray:
-        if not self.on:
-            return m.T
-        hit = self.trans.get(id(m))
-        if hit is None:
-            hit = m.T
-            self.trans[id(m)] = hit
-            self.trans[id(hit)] = m
-            self.keep += (m, hit)
-        return hit
+    @staticmethod
+    def leaf(p: np.ndarray, fa: bool, cx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """min / argmin over x of a^T + cx, a = [S_x, S_y] stored as ``p`` (``fa``: as
+        p^T)."""
+        s = (p if fa else p.T) + cx[None, :]
+        return _MIN(s, axis=1), s.argmin(axis=1)
 
-    def leaf(self, a: np.ndarray, cx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """min / argmin over x of a^T + cost[x] (a: [S_x, S_y])."""
-        key = (id(a), id(cx))
-        hit = self.leaves.get(key) if self.on else None
-        if hit is None:
-            s = self.t(a) + cx[None, :]                 # [S_y, S_x]
-            hit = (s.min(axis=1), s.argmin(axis=1))
-            if self.on:
-                self.leaves[key] = hit
-                self.keep += (a, cx)
-        return hit
-
-    def middle(self, a: np.ndarray, cx: np.ndarray,
-               b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """min / argmin over x of a^T + cost[x] + b (a: [S_x, S_y], b: [S_x, S_z])."""
-        key = (id(a), id(cx), id(b))
-        hit = self.middles.get(key) if self.on else None
-        if hit is None:
-            hit = _eliminate_middle(self.t(a), cx, b)
-            if self.on:
-                self.middles[key] = hit
-                self.keep += (a, cx, b)
-        return hit
+    def middle(self, p: np.ndarray, fa: bool, cx: np.ndarray, q: np.ndarray,
+               fb: bool) -> tuple[np.ndarray, np.ndarray]:
+        """min / argmin over x of a^T[s, x] + (cx[x] + b[x, u]), a = [S_x, S_y] stored as
+        ``p`` and b = [S_x, S_z] as ``q`` (each transposed when flagged)."""
+        a = p if fa else p.T
+        if a.shape[0] * q.size > _SMALL:
+            return _eliminate_middle(a, cx, q.T if fb else q)
+        key = (id(cx), id(q), fb)
+        bc = self.bcs.get(key)
+        if bc is None:
+            bc = self.bcs[key] = ((cx[:, None] + (q.T if fb else q))[None, :, :], cx, q)
+        t = a[:, :, None] + bc[0]
+        return _MIN(t, axis=1), t.argmin(axis=1)
 
 
-def _pairs(order: Order, mats: Sequence[np.ndarray],
-           memo: Memo) -> dict[tuple[int, int], np.ndarray]:
-    """(lo, hi) -> [S_lo, S_hi]: each group of parallel links summed in link order."""
-    pair = {key: mats[k] for key, k in order.singles}
-    for key, members in order.multi:
-        acc = None
-        for k, flip in members:
-            m = memo.t(mats[k]) if flip else mats[k]
-            acc = m if acc is None else memo.add(acc, m)
-        pair[key] = acc  # type: ignore[assignment]
-    return pair
+class Elimination:
+    """The eliminations of one :class:`Order`, compiled: the vertex pairs get slots and
+    each step its operands' slots, whether each is read transposed and whether the edge it
+    adds to exists yet -- all of which depend on the structure only -- so a solve replays
+    the steps with no dictionary of pairs and no tests. recursive_programming solves every
+    round's cut problem (one structure) through one; dynamic_programming each problem
+    through its own (:func:`eliminate`)."""
 
+    def __init__(self, order: Order) -> None:
+        self.order = order
+        slot: dict[tuple[int, int], int] = {}
+        self.singles = [(slot.setdefault(key, len(slot)), k) for key, k in order.singles]
+        self.multi = [(slot.setdefault(key, len(slot)), members)
+                      for key, members in order.multi]
+        steps = []
+        for x, y, z in order.steps:
+            sa = slot[min(x, y), max(x, y)]
+            if z < 0:
+                steps.append((x, y, -1, sa, x > y, -1, False, -1, False))
+                continue
+            sb = slot[min(x, z), max(x, z)]
+            old = (y, z) in slot
+            syz = slot.setdefault((y, z), len(slot))
+            steps.append((x, y, z, sa, x > y, sb, x > z, syz, old))
+        self.steps = steps
+        self.back = [(x, y, z) for x, y, z in reversed(order.steps)]
+        self.n_slots = len(slot)
+        self.survivors = [i for i in range(order.n) if i not in order.eliminated]
+        self.core_slots = [slot[e] for e in order.core_edges]
 
-def _core_picks(order: Order, cost: list[np.ndarray],
-                pair: dict[tuple[int, int], np.ndarray]) -> list[int]:
-    """Picks of the vertices no step eliminated: the core exactly (the integer program), the
-    rest (a component's last vertex) by its folded cost."""
-    picks = [-1] * order.n
-    if order.core:
-        from autopar.strategies.exact import milp_picks
+    def solve(self, costs: Sequence[np.ndarray], mats: Sequence[np.ndarray],
+              memo: Memo | None = None) -> list[int]:
+        """One choice per vertex: the eliminations on vertex ``costs`` and one matrix per
+        link (``mats[k]``: [S_u, S_v] of ``order.links[k]``), then the core, then the
+        eliminated vertices replayed backwards (:meth:`replay`)."""
+        memo = Memo() if memo is None else memo
+        leaves, middles, add = memo.leaves, memo.middles, memo.add
+        pair = self._pairs(mats, memo)
+        cost = list(costs)
+        args = []
+        for x, y, z, sa, fa, sb, fb, syz, old in self.steps:
+            p, cx = pair[sa], cost[x]
+            if z < 0:  # leaf: cost[y] += min over x of (a^T + cost[x]), a = [S_x, S_y]
+                key = (id(p), fa, id(cx))
+                hit = leaves.get(key)
+                if hit is None:
+                    hit = leaves[key] = (*memo.leaf(p, fa, cx), p, cx)
+                cost[y] = add(cost[y], hit[0])
+            else:      # middle: edge y-z += min over x of (a^T + cost[x] + b)
+                q = pair[sb]
+                key = (id(p), fa, id(cx), id(q), fb)
+                hit = middles.get(key)
+                if hit is None:
+                    hit = middles[key] = (*memo.middle(p, fa, cx, q, fb), p, cx, q)
+                pair[syz] = add(pair[syz], hit[0]) if old else hit[0]
+            args.append(hit[1])
+        return self.replay(cost, pair, args)
 
-        local = {v: i for i, v in enumerate(order.core)}
-        sub = milp_picks([cost[v] for v in order.core],
-                         [(local[x], local[y], pair[x, y]) for x, y in order.core_edges])
-        for v, k in zip(order.core, sub):
-            picks[v] = k
-    for i in range(order.n):
-        if i not in order.eliminated and picks[i] < 0:
-            picks[i] = int(np.argmin(cost[i]))
-    return picks
+    def replay(self, cost: list[np.ndarray], pair: list, args: list[np.ndarray]) -> list[int]:
+        """The core exactly (the integer program on the folded costs), the other survivors
+        (a component's last vertex) at their cheapest, then each eliminated vertex at its
+        argmin given its neighbours' picks, backwards."""
+        order, picks = self.order, [-1] * self.order.n
+        if order.core:
+            from autopar.strategies.exact import milp_picks
+
+            local = {v: i for i, v in enumerate(order.core)}
+            sub = milp_picks([cost[v] for v in order.core],
+                             [(local[x], local[y], pair[s]) for (x, y), s in
+                              zip(order.core_edges, self.core_slots)])
+            for v, k in zip(order.core, sub):
+                picks[v] = k
+        for i in self.survivors:
+            if picks[i] < 0:
+                picks[i] = int(np.argmin(cost[i]))
+        for (x, y, z), arg in zip(self.back, reversed(args)):
+            picks[x] = arg.item(picks[y]) if z < 0 else arg.item(picks[y], picks[z])
+        return picks
+
+    def _pairs(self, mats: Sequence[np.ndarray], memo: Memo) -> list:
+        """Slot -> [S_lo, S_hi] of its links (parallel links summed in link order)."""
+        pair: list = [None] * self.n_slots
+        for sl, k in self.singles:
+            pair[sl] = mats[k]
+        for sl, members in self.multi:
+            acc = None
+            for k, flip in members:
+                m = memo.t(mats[k]) if flip else mats[k]
+                acc = m if acc is None else memo.add(acc, m)
+            pair[sl] = acc
+        return pair
 
 
 def eliminate(order: Order, costs: Sequence[np.ndarray], mats: Sequence[np.ndarray],
               memo: Memo | None = None) -> list[int]:
-    """One choice per vertex: the eliminations of ``order`` on vertex ``costs`` and one
-    matrix per link (``mats[k]``: [S_u, S_v] of ``order.links[k]``), then the core, then the
-    eliminated vertices replayed backwards."""
-    memo = Memo(on=False) if memo is None else memo
-    pair = _pairs(order, mats, memo)
-    cost = list(costs)
-    log: list[tuple[int, int, int, np.ndarray]] = []
-    for x, y, z in order.steps:
-        a = pair[x, y] if x < y else memo.t(pair[y, x])      # [S_x, S_y]
-        if z < 0:  # leaf: cost[y] += min over x of (a^T + cost[x])
-            best, arg = memo.leaf(a, cost[x])
-            cost[y] = memo.add(cost[y], best)
-        else:      # middle: edge y-z += min over x of (a^T + cost[x] + b)
-            b = pair[x, z] if x < z else memo.t(pair[z, x])  # [S_x, S_z]
-            best, arg = memo.middle(a, cost[x], b)
-            old = pair.get((y, z))
-            pair[y, z] = best if old is None else memo.add(old, best)
-        log.append((x, y, z, arg))
-    picks = _core_picks(order, cost, pair)
-    for x, y, z, arg in reversed(log):
-        picks[x] = int(arg[picks[y]]) if z < 0 else int(arg[picks[y], picks[z]])
-    return picks
+    """One choice per vertex: :meth:`Elimination.solve` of ``order`` (``memo``: the
+    arithmetic's, kept by the caller across solves; None: a fresh one)."""
+    return Elimination(order).solve(costs, mats, memo)
 
 
 #: The largest core the integer program is given (columns: :func:`core_columns`). The

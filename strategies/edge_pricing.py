@@ -5,12 +5,13 @@ every edge: tens of thousands of distinct pairs at 64 devices, hundreds of thous
 Planning each pair's steps (:func:`plan_steps <autopar.strategies.redistribution.plan_steps>`)
 and pricing them (:meth:`CostModel.coefficients
 <autopar.strategies.cost.CostModel.coefficients>`) one by one in Python was 85-97 % of the
-search. :class:`EdgePricer` runs the same planner on every pair of an edge at once, as numpy
-arrays, and adds each step's price as soon as the step is decided, without building it:
+search. :class:`EdgePricer` runs the planner
+(:class:`~autopar.strategies.redistribution.CodedPlan`) on every pair of an edge at once, as
+numpy arrays, and adds each step's price as soon as the step is decided, without building it:
 
-- a layout's dim is a code (its axes as 4-bit digits, outer axis first in the low digits),
-  a length and a bit mask of its axes; "dim ``d`` is on its way to the target" is a masked
-  comparison of codes, "the axis it takes next" a shift;
+- a layout's dim is the planner's code (its axes as 4-bit digits, outer axis first in the
+  low digits), a length and a bit mask of its axes; "dim ``d`` is on its way to the target"
+  is a masked comparison of codes, "the axis it takes next" a shift;
 - the planner's loop runs in lock step over the pairs: in each round every pair still off
   its target takes the one action the planner would (all_to_all, the early slices, a
   gather, the final slices), selected by masks; a pair that is done drops out;
@@ -25,15 +26,19 @@ Every pair's latency and per-byte sums get the very same terms in the very same 
 :meth:`CostModel.coefficients` adds them (a term that does not apply adds ``0.0``, which
 leaves a non-negative float unchanged), so the coefficients are bit for bit those of
 ``plan_steps`` + ``coefficients`` (tests/test_edge_pricing.py checks random pairs). Pairs the
-vectorised planner does not take (an invalid layout, a partial sum the target would
-create, more than 15 mesh axes) return None and are priced one by one as before, which also
-raises the planner's errors.
+planner refuses (an invalid layout, a partial sum the target would create, more than 15 mesh
+axes) return None and are priced one by one, where ``plan_steps`` raises its error.
 
-Small edges (recursive_programming's: a few to a few dozen pairs) are priced pair by pair by
-:class:`_Pair`, the same planner on the same codes with Python ints (:meth:`EdgePricer.pair`,
-:meth:`EdgePricer.small`): numpy's fixed cost per call is more than a whole plan of a few
-pairs, and planning ``Step`` objects and hashing them to price them cost twice as much per
-cold pair. It adds the same terms in the same order too (tests/test_edge_pricing.py).
+Small edges (recursive_programming's: a few to a few dozen pairs) are priced pair by pair
+(:meth:`EdgePricer.pair`, :meth:`EdgePricer.small`): the planner itself,
+:class:`~autopar.strategies.redistribution.CodedPlan`, on Python ints, its coded steps priced
+as they are (no ``Step`` built): numpy's fixed cost per call is more than a whole plan of a
+few pairs. It adds the same terms in the same order too (tests/test_edge_pricing.py).
+
+The lock-step form cannot give way to the coded planner on large edges: most pairs of an edge
+plan differently, and pricing the 130,000 pairs of the large edges of a 32-block tfm_stack at
+64 devices one by one (:meth:`EdgePricer.pair`, every cache on) took 1.2 s against 0.32 s at
+once -- the whole search takes about 1.1 s.
 """
 
 from __future__ import annotations
@@ -44,13 +49,11 @@ import numpy as np
 
 from autopar.strategies.cost import CostModel
 from autopar.strategies.layout import DeviceMesh, Layout
-from autopar.strategies.redistribution import STEP_KINDS, Step, plan_steps, transpose_step
+from autopar.strategies.redistribution import (BITS, DIGIT, MAX_AXES, STEP_KINDS, CodedPlan,
+                                               Step, mesh_codes, plan_steps, transpose_step)
 
 __all__ = ["EdgePricer"]
 
-_BITS = 4  # bits per axis digit in a dim's code (digit = axis index + 1; 0: no axis)
-_MAX_AXES = 15
-_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "slice")
 #: A matrix's coefficients: latency [S, D], seconds per byte [S, D] and the knee terms (flat
 #: entry indices, fraction, knee, extra), in the order the steps add them.
 Coefficients = tuple[np.ndarray, np.ndarray, list]
@@ -69,7 +72,7 @@ class _Tables:
                   for m in range(count)]
         self.knees = False
         self.kinds: dict[str, tuple[tuple[np.ndarray, ...] | None, ...]] = {}
-        for kind in _KINDS:
+        for kind in STEP_KINDS:
             sample = Step(kind, ("x",), 0, src_dim=1)
             back = transpose_step(sample) if backward else None
             parts = []
@@ -117,37 +120,31 @@ class EdgePricer:
     module docstring); one per (mesh, cost model, enable_alltoall)."""
 
     #: Edges with fewer pairs are priced pair by pair (:meth:`small`): numpy's fixed cost
-    #: per call is more than :class:`_Pair` costs on a few hundred pairs (64 devices, cold
-    #: pairs: 16 pairs 2.5 ms at once against 0.7 ms one by one, 256 pairs 5.3 against 4.7).
+    #: per call is more than the coded planner costs on a few hundred pairs (64 devices,
+    #: cold pairs: 16 pairs 2.5 ms at once against 0.7 ms one by one, 256 pairs 5.3 against
+    #: 4.7).
     MIN_PAIRS = 256
 
     def __init__(self, mesh: DeviceMesh, cm: CostModel, enable_alltoall: bool) -> None:
         self.mesh, self.cm, self.enable_alltoall = mesh, cm, enable_alltoall
-        self.index = {n: i for i, n in enumerate(mesh.names)}
+        self.codes = mesh_codes(mesh)  # the planner's codes (and the layouts', kept)
         k = len(mesh.names)
-        self.ok = k <= _MAX_AXES
-        sizes = [mesh.sizes[n] for n in mesh.names]
-        prods = [1] * (1 << k)
-        for m in range(1, 1 << k):
-            low = (m & -m).bit_length() - 1
-            prods[m] = prods[m & (m - 1)] * sizes[low]
-        self.fraction = np.array([1.0 / n for n in prods])  # as the planner: 1.0 / n
-        self.count = np.array([bin(m).count("1") for m in range(1 << k)], dtype=np.int64)
-        self.low = np.array([(1 << (_BITS * j)) - 1 for j in range(k + 2)], dtype=np.int64)
-        self.digit_bit = np.array([0] + [1 << i for i in range((1 << _BITS) - 1)],
-                                  dtype=np.int64)
+        self.ok = self.codes.ok
+        if self.ok:  # the vectorised planner's tables: the same numbers as numpy arrays
+            self.fraction = np.array(self.codes.frac)  # as the planner: 1.0 / n
+            self.count = np.array([m.bit_count() for m in range(1 << k)], dtype=np.int64)
+            self.low = np.array(self.codes.low, dtype=np.int64)
+            self.digit_bit = np.array([0] + [1 << i for i in range(MAX_AXES)],
+                                      dtype=np.int64)
         self._codes: dict[Layout, tuple | None] = {}
         self._tables: dict[bool, _Tables] = {}
         self._grids: dict[tuple, Coefficients | None] = {}
-        # the one-pair path (:meth:`pair`): the same fractions and digit masks as Python
-        # numbers, each (kind, axes mask)'s collective terms per backward (made when met)
-        self._frac, self._low = self.fraction.tolist(), self.low.tolist()
-        self._rounds = 4 * k + 4
+        # the one-pair path (:meth:`pair`): each (kind, axes code)'s collective terms per
+        # backward (made when met)
         self._parts: tuple[dict, dict] = ({}, {})
         self._ids: dict[Layout, int] = {}        # layout -> its number (from 1)
         self._pairs: tuple[dict, dict] = ({}, {})  # per grad: (numbers) -> coefficients
-        self._scalars: dict[Layout, tuple | None] = {}
-        self._enc: list[tuple | None] = [None]  # per layout number: its _scalar codes
+        self._enc: list[tuple | None] = [None]  # per layout number: its planner's codes
         self._shapes: tuple[dict, dict] = ({}, {})  # per grad: pair's split dims -> coef
 
     def tables(self, backward: bool) -> _Tables:
@@ -158,42 +155,29 @@ class EdgePricer:
 
     def encode(self, lay: Layout) -> tuple | None:
         """(per dim (code, length, mask), partial mask, per dim prefix masks, per axis its
-        dim and place) of a layout; None if it is not one the planner meets (an axis used
-        twice or not on the mesh)."""
+        dim and place) of a layout, from the planner's codes (:meth:`MeshCodes.encode
+        <autopar.strategies.redistribution.MeshCodes.encode>`); None if it is not one the
+        planner takes (an axis used twice or not on the mesh) or, as the lock-step planner
+        was never made to, one with an axis both on a dim and in its partial sum (priced
+        pair by pair)."""
         hit = self._codes.get(lay, False)
         if hit is not False:
             return hit
-        index, k = self.index, len(self.mesh.names)
-        seen: set[str] = set()
-        dims, prefix = [], []
-        where, pos = [-1] * k, [0] * k
-        out: tuple | None = None
-        for d, axes in enumerate(lay.dims):
-            code = mask = 0
-            pm = [0] * (k + 1)
-            for j, a in enumerate(axes):
-                if a in seen or a not in index:
-                    break
-                seen.add(a)
-                i = index[a]
-                code |= (i + 1) << (_BITS * j)
-                mask |= 1 << i
-                pm[j + 1:] = [mask] * (k - j)
-                where[i], pos[i] = d, j
-            else:
-                dims.append((code, len(axes), mask))
+        e, out = self.codes.encode(lay), None
+        if e is not None and not e[3] & e[4]:
+            k = len(self.mesh.names)
+            prefix, where, pos = [], [-1] * k, [0] * k
+            for d, code in enumerate(e[0]):
+                pm, mask, j = [0] * (k + 1), 0, 0
+                while code:
+                    i = (code & DIGIT) - 1
+                    mask |= 1 << i
+                    where[i], pos[i] = d, j
+                    j += 1
+                    pm[j:] = [mask] * (k + 1 - j)
+                    code >>= BITS
                 prefix.append(pm)
-                continue
-            break
-        else:
-            partial = 0
-            for a in lay.partial:
-                if a in seen or a not in index:
-                    break
-                seen.add(a)
-                partial |= 1 << index[a]
-            else:
-                out = (dims, partial, prefix, where, pos)
+            out = (list(zip(e[0], e[1], e[2])), e[3], prefix, where, pos)
         self._codes[lay] = out
         return out
 
@@ -266,14 +250,14 @@ class EdgePricer:
         return coef
 
     def _number(self, lay: Layout) -> int:
-        """A new layout's number (from 1), its :meth:`_scalar` codes kept by number."""
+        """A new layout's number (from 1), its planner's codes kept by number."""
         n = self._ids[lay] = len(self._ids) + 1
-        self._enc.append(self._scalar(lay))
+        self._enc.append(self.codes.encode(lay))
         return n
 
     def _coef(self, i: int, j: int, src: Layout, dst: Layout, grad: bool) -> tuple:
-        """:meth:`pair` of layouts numbered ``i`` and ``j``, or the planner's steps priced by
-        the cost model where it does not take the pair (which also raises its errors)."""
+        """:meth:`pair` of layouts numbered ``i`` and ``j``; where the planner does not take
+        the pair, ``plan_steps`` raises its error."""
         coef = self._pair(self._enc[i], self._enc[j], grad)
         if coef is None:
             coef = self.cm.coefficients(plan_steps(src, dst, self.mesh, self.enable_alltoall),
@@ -283,12 +267,14 @@ class EdgePricer:
     def pair(self, src: Layout, dst: Layout, grad: bool
              ) -> tuple[float, float, tuple[tuple[float, float, float], ...]] | None:
         """:meth:`CostModel.coefficients` of ``plan_steps(src, dst, ...)`` for one pair, bit
-        for bit, planned by :class:`_Pair` (no Step built, no numpy), or None: a pair the
-        planner raises on or the codes do not take (then ask the planner)."""
-        return self._pair(self._scalar(src), self._scalar(dst), grad)
+        for bit: the coded steps of :class:`~autopar.strategies.redistribution.CodedPlan`,
+        priced (no Step built, no numpy), or None: a pair the planner refuses or the codes
+        do not take (``plan_steps`` raises on it)."""
+        encode = self.codes.encode
+        return self._pair(encode(src), encode(dst), grad)
 
     def _pair(self, es: tuple | None, ed: tuple | None, grad: bool) -> tuple | None:
-        """:meth:`pair` of two layouts' :meth:`_scalar` codes, kept per the pair's dims that
+        """:meth:`pair` of two layouts' planner's codes, kept per the pair's dims that
         are split on either side (codes, in order) and partial masks: a dim replicated on
         both sides takes no step and holds no axis, so it changes nothing (the prices do
         not depend on which dim a step acts on), and pairs of tensors of other ranks often
@@ -303,42 +289,24 @@ class EdgePricer:
         return coef
 
     def _plan_pair(self, es: tuple, ed: tuple, grad: bool) -> tuple | None:
-        """:meth:`pair` of two layouts' :meth:`_scalar` codes, planned."""
-        plan = _Pair(self, es, ed)
-        if not plan.plan(es[3], ed[3], self.enable_alltoall, self._rounds):
+        """:meth:`pair` of two layouts' planner's codes, planned and priced."""
+        plan = CodedPlan(self.codes, es, ed)
+        if not plan.plan(self.enable_alltoall):
             return None
         parts_of = self._parts[grad]
         a = b = 0.0
         terms = []
-        for kind, mask, frac, _ in plan.steps:  # CostModel.coefficients' sums, in its order
-            parts = parts_of.get((kind, mask))
+        for kind, code, frac, _, _ in plan.steps:  # CostModel.coefficients' sums, in order
+            parts = parts_of.get((kind, code))
             if parts is None:
-                axes = tuple(n for i, n in enumerate(self.mesh.names) if mask >> i & 1)
-                parts = parts_of[kind, mask] = self.cm._step_parts(
-                    Step(kind, axes, 0, src_dim=1), self.mesh, grad)
+                parts = parts_of[kind, code] = self.cm._step_parts(
+                    Step(kind, self.codes.axes(code), 0, src_dim=1), self.mesh, grad)
             for ka, kb, knee, extra in parts:
                 a += ka
                 b += kb * frac
                 if extra:
                     terms.append((frac, knee, extra))
         return a, b, tuple(terms)
-
-    def _scalar(self, lay: Layout) -> tuple | None:
-        """(per dim codes, lengths, masks; partial mask; used mask) of :meth:`encode`, or
-        None; never modified (:class:`_Pair` copies a source's)."""
-        hit = self._scalars.get(lay, False)
-        if hit is False:
-            e = self.encode(lay) if self.ok else None
-            if e is not None:
-                used = 0
-                for x in e[0]:
-                    used |= x[2]
-                hit = ([x[0] for x in e[0]], [x[1] for x in e[0]], [x[2] for x in e[0]],
-                       e[1], used)  # (lists: a target's are compared with the state's)
-            else:
-                hit = None
-            self._scalars[lay] = hit
-        return hit
 
     @staticmethod
     def seconds(coef: Coefficients, nbytes: float) -> np.ndarray:
@@ -376,8 +344,10 @@ def _expand(coef: Coefficients, si: np.ndarray, di: np.ndarray, nd: int) -> Coef
 
 
 class _Run:
-    """The planner over every pair of a grid at once (pair ``i`` = source ``i // D``, target
-    ``i % D``); the state arrays hold the pairs still being planned (``idx``: their entries)."""
+    """The planner (:class:`~autopar.strategies.redistribution.CodedPlan`, whose methods the
+    docstrings below name) over every pair of a grid at once (pair ``i`` = source
+    ``i // D``, target ``i % D``); the state arrays hold the pairs still being planned
+    (``idx``: their entries)."""
 
     def __init__(self, pricer: EdgePricer, grid: _Grid, tables: _Tables, ns: int,
                  nd: int) -> None:
@@ -413,12 +383,12 @@ class _Run:
 
     def next_digit(self, d: int, j: int | np.ndarray = 0) -> np.ndarray:
         """The digit of want[d] at place len(cur[d]) + j (0 past its end)."""
-        shift = np.minimum(_BITS * (self.len[d] + j), 60)
-        return (self.w[d] >> shift) & ((1 << _BITS) - 1)
+        shift = np.minimum(BITS * (self.len[d] + j), 60)
+        return (self.w[d] >> shift) & DIGIT
 
     def last_digit(self, d: int) -> np.ndarray:
         """The digit of cur[d]'s innermost axis (garbage where it has none)."""
-        return (self.c[d] >> (_BITS * np.maximum(self.len[d] - 1, 0))) & ((1 << _BITS) - 1)
+        return (self.c[d] >> (BITS * np.maximum(self.len[d] - 1, 0))) & DIGIT
 
     def wanted_prefix(self, d: int, sel: np.ndarray, allowed: np.ndarray) -> np.ndarray:
         """Per pair of ``sel``, the mask of the longest run of want[d]'s next axes that are
@@ -543,7 +513,7 @@ class _Run:
                 self.emit("reduce_scatter", sel, takes[d], before)
 
     def move(self) -> None:
-        """One round of the planner's ``move_splits`` for every pair (none is done)."""
+        """One round of the planner's loop (``plan``) for every pair (none is done)."""
         n = len(self.idx)
         rest = ~self.all_to_all() if self.p.enable_alltoall else np.ones(n, dtype=bool)
         off = np.zeros(n, dtype=bool)  # some dim is off its way to the target
@@ -615,7 +585,7 @@ class _Run:
                 continue
             todo &= ~sel
             diff = np.where(sel, self.c[d] ^ self.w[d], 1)
-            agree = np.log2((diff & -diff).astype(np.float64)).astype(np.int64) // _BITS
+            agree = np.log2((diff & -diff).astype(np.float64)).astype(np.int64) // BITS
             gone = self.m[d] & ~self.g.prefix[d][self.di * (self.k + 1) + agree]
             whole = sel & ((gone & self.wanted) == 0)
             if whole.any():
@@ -657,165 +627,3 @@ def _or(masks: Sequence[np.ndarray], n: int) -> np.ndarray:
         out = out | m
     return out
 
-
-class _Pair:
-    """The planner on one pair, with Python ints: :class:`_Run`'s state (per dim the code,
-    length and axis mask of the current and target axes) for a single pair, the steps kept
-    as (kind, axes mask, fraction, dim) and priced at the end. For the few pairs of a small
-    edge numpy's fixed cost per call is more than the whole plan, and building
-    :class:`~autopar.strategies.redistribution.Step` objects and hashing them to price them
-    (:meth:`CostModel.coefficients`) was most of a pair's cold cost."""
-
-    __slots__ = ("c", "ln", "m", "w", "wl", "wm", "ok", "used", "wanted", "steps", "frac",
-                 "low")
-
-    def __init__(self, pricer: EdgePricer, es: tuple, ed: tuple) -> None:
-        self.frac, low = pricer._frac, pricer._low
-        self.low = low
-        self.c, self.ln, self.m = list(es[0]), list(es[1]), list(es[2])
-        w, wl = ed[0], ed[1]
-        self.w, self.wl, self.wm = w, wl, ed[2]
-        self.ok = [n <= wl[d] and w[d] & low[n] == c for d, (c, n) in
-                   enumerate(zip(es[0], es[1]))]
-        self.used, self.wanted = es[4], ed[4]
-        self.steps: list[tuple[str, int, float, int]] = []
-
-    def plan(self, src_partial: int, dst_partial: int, alltoall: bool, rounds: int) -> bool:
-        """The planner's ``plan_steps``; False where it raises (the caller then asks it)."""
-        if dst_partial & ~src_partial:
-            return False
-        if src_partial:
-            self.resolve_partials(src_partial & ~dst_partial)
-        c, w, ok = self.c, self.w, self.ok
-        early_done = False
-        for _ in range(rounds):
-            if c == w:
-                return True
-            if alltoall and self.all_to_all():
-                continue
-            if False in ok:
-                if not early_done:
-                    early_done = True
-                    if self.early_slices():
-                        continue
-                self.gather(ok.index(False))
-                continue
-            for d in range(len(c)):
-                if self.ln[d] < self.wl[d]:
-                    self.slice(d, self.wm[d] & ~self.m[d])
-        return False
-
-    def next_run(self, d: int, allowed: int) -> int:
-        """The mask of the longest run of want[d]'s next axes all in ``allowed``."""
-        w, take = self.w[d], 0
-        for j in range(self.ln[d], self.wl[d]):
-            bit = 1 << (((w >> (_BITS * j)) & 15) - 1)
-            if not allowed & bit:
-                break
-            take |= bit
-        return take
-
-    def add(self, d: int, mask: int) -> None:
-        """Split dim ``d`` further over want[d]'s next axes ``mask`` (it stays on its way)."""
-        n = self.ln[d] = self.ln[d] + mask.bit_count()
-        self.c[d] = self.w[d] & self.low[n]
-        self.m[d] |= mask
-        self.used |= mask
-
-    def pop(self, d: int) -> int:
-        """Take cur[d]'s innermost axis off; its digit."""
-        n = self.ln[d] - 1
-        digit = (self.c[d] >> (_BITS * n)) & 15
-        bit = 1 << (digit - 1)
-        c = self.c[d] = self.c[d] & self.low[n]
-        self.ln[d] = n
-        self.m[d] &= ~bit
-        self.used &= ~bit
-        self.ok[d] = n <= self.wl[d] and self.w[d] & self.low[n] == c
-        return digit
-
-    def wants_next(self, d: int, digit: int) -> bool:
-        """Whether dim ``d`` is on its way to the target and takes axis ``digit`` next."""
-        n = self.ln[d]
-        return self.ok[d] and n < self.wl[d] and (self.w[d] >> (_BITS * n)) & 15 == digit
-
-    def slice(self, d: int, mask: int) -> None:
-        """Split ``d`` locally; merged into a slice of the same dim just before it (which
-        keeps its own fraction)."""
-        steps = self.steps
-        if steps and steps[-1][0] == "slice" and steps[-1][3] == d:
-            last = steps[-1]
-            steps[-1] = ("slice", last[1] | mask, last[2], d)
-        else:
-            steps.append(("slice", mask, self.frac[self.used], d))
-        self.add(d, mask)
-
-    def resolve_partials(self, pending: int) -> None:
-        """The planner's ``resolve_partials``: a reduce_scatter into each dim on its way
-        whose next axes are pending partial axes no dim uses, an all_reduce of the rest."""
-        allowed, takes = pending & ~self.used, []
-        for d in range(len(self.c)):
-            take = self.next_run(d, allowed) if self.ok[d] else 0
-            if take:
-                takes.append((d, take))
-                pending &= ~take
-        if pending:
-            self.steps.append(("all_reduce", pending, self.frac[self.used], -1))
-        for d, take in takes:
-            before = self.frac[self.used]
-            self.add(d, take)
-            self.steps.append(("reduce_scatter", take, before, d))
-
-    def all_to_all(self) -> bool:
-        """The planner's ``all_to_all``: the first dim off its target moves its innermost
-        axis to a dim that takes it next; whether one moved."""
-        for d1 in range(len(self.c)):
-            if not self.ln[d1] or self.ok[d1]:
-                continue
-            digit = (self.c[d1] >> (_BITS * (self.ln[d1] - 1))) & 15
-            for d2 in range(len(self.c)):
-                if d2 != d1 and self.wants_next(d2, digit):
-                    before = self.frac[self.used]
-                    self.pop(d1)
-                    bit = 1 << (digit - 1)
-                    self.add(d2, bit)
-                    self.steps.append(("all_to_all", bit, before, d2))
-                    return True
-        return False
-
-    def early_slices(self) -> bool:
-        """The planner's ``early_slices``: each dim on its way slices its next axes no dim
-        uses; whether one did."""
-        moved = False
-        for d in range(len(self.c)):
-            if self.ok[d]:
-                add = self.next_run(d, ~self.used)
-                if add:
-                    self.slice(d, add)
-                    moved = True
-        return moved
-
-    def gather(self, d: int) -> None:
-        """The planner's ``gather`` of dim ``d``: one all_gather of its axes past the
-        agreement with the target when the target wants none of them, else of its innermost
-        axis, sliced at once into the dim that takes it next (unless all are on their way)."""
-        c, w = self.c[d], self.w[d]
-        diff = c ^ w
-        k = ((diff & -diff).bit_length() - 1) // _BITS
-        gone = self.m[d]
-        for j in range(k):
-            gone &= ~(1 << (((c >> (_BITS * j)) & 15) - 1))
-        if not gone & self.wanted:
-            self.c[d], self.ln[d], self.ok[d] = c & self.low[k], k, True
-            self.m[d] &= ~gone
-            self.used &= ~gone
-            self.steps.append(("all_gather", gone, self.frac[self.used], d))
-            return
-        digit = self.pop(d)
-        self.steps.append(("all_gather", 1 << (digit - 1), self.frac[self.used], d))
-        if False not in self.ok:
-            return
-        for d2 in range(len(self.c)):
-            if d2 != d and self.wants_next(d2, digit):
-                self.slice(d2, 1 << (digit - 1))
-                return

@@ -1,10 +1,11 @@
 """The price of an operator under split counts, without building its layouts.
 
 :meth:`Problem.op_costs <autopar.strategies.problem.Problem.op_costs>` prices a strategy of
-an operator: forward + backward compute by :func:`operator_time
-<autopar.strategies.problem.operator_time>`'s rule (FLOPs over the split product, the memory
-passes of its local blocks, its launch), the backward all-reduce of each input gradient over
-the axes where that input is replicated while the operator is split (gradient
+an operator: forward + backward compute by :class:`OpForward`, the one rule of an operator's
+time (FLOPs over the split product, the memory passes of its local blocks, its launch; the
+simulators price a plan's layouts by it through :func:`operator_time
+<autopar.strategies.problem.operator_time>`), the backward all-reduce of each input gradient
+over the axes where that input is replicated while the operator is split (gradient
 synchronisation for a parameter or a value computed from parameters alone, which the training
 step reduces with the parameters' gradients; activation communication otherwise), and the
 memory of its outputs that backward reads (its kept residuals,
@@ -46,7 +47,7 @@ from autopar.strategies.cost import BACKWARD_FACTOR, CostModel
 from autopar.strategies.layout import DeviceMesh
 from autopar.strategies.opspec import OpSpec, op_spec
 
-__all__ = ["Block", "OpRecipe", "OpPricer"]
+__all__ = ["Block", "OpForward", "OpRecipe", "OpPricer"]
 
 Splits = tuple[int, ...]
 
@@ -79,16 +80,43 @@ class Block:
         return n
 
 
+class OpForward:
+    """The one rule of an operator's forward seconds on one device: its FLOPs over the
+    product of its split counts, at the peak of its compute dtype, plus the memory passes of
+    its local blocks -- its inputs but literals and values XLA fuses away, its outputs but
+    fused ones -- plus a launch unless every output is fused into its reader
+    (:meth:`CostModel.compute_time <autopar.strategies.cost.CostModel.compute_time>`). The
+    search prices it from split counts (:class:`OpPricer`), the simulators from a plan's
+    layouts (:func:`~autopar.strategies.problem.operator_time`); both read the blocks this
+    selects (``ins`` / ``outs``: per input / output, whether it moves through memory) and
+    call :meth:`seconds`."""
+
+    __slots__ = ("flops", "dtype", "launch", "ins", "outs")
+
+    def __init__(self, graph: Graph, node: Node, fused: frozenset[str]) -> None:
+        self.flops = node.flops
+        self.dtype = compute_dtype(graph, node)  # (the peak its FLOPs run at)
+        self.launch = not all(v in fused for v in node.outputs)
+        self.ins = tuple(graph.values[v].kind != "literal" and v not in fused
+                         for v in node.inputs)
+        self.outs = tuple(v not in fused for v in node.outputs)
+
+    def seconds(self, cm: CostModel, splits: Sequence[int], nbytes: int) -> float:
+        """Forward seconds under split counts ``splits`` moving ``nbytes`` (the local bytes
+        of the blocks :attr:`ins` and :attr:`outs` select)."""
+        return cm.compute_time(self.flops / math.prod(splits), nbytes, launch=self.launch,
+                               dtype=self.dtype)
+
+
 class OpRecipe:
     """What an operator's price depends on, read once per signature from one of its nodes:
-    FLOPs, the backward factor, whether it launches, the blocks it moves through memory
-    (inputs but literals and fused values; outputs but fused ones), the inputs whose
+    its forward rule (:class:`OpForward`), the backward factor, the blocks it moves
+    through memory (the local blocks :class:`OpForward` selects), the inputs whose
     gradient is reduced (with whether each is a parameter), its outputs backward reads
     (``kept``: :class:`~autopar.strategies.memory.Residuals`' ``kept_outputs``; every output
     when None), and its parameter inputs (input position, value, block, whether trained)."""
 
-    __slots__ = ("flops", "factor", "launch", "moved", "grads", "outs", "params", "key",
-                 "klass", "dtype")
+    __slots__ = ("forward", "factor", "moved", "grads", "outs", "params", "key", "klass")
 
     def __init__(self, graph: Graph, node: Node, spec: OpSpec,
                  requires_grad: Mapping[str, bool], fused: frozenset[str],
@@ -101,17 +129,14 @@ class OpRecipe:
         ins = [block(v, mp) for v, mp in zip(node.inputs, spec.in_maps)]
         outs = [block(v, mp) for v, mp in zip(node.outputs, spec.out_maps)]
         kinds = [graph.values[v].kind for v in node.inputs]
-        self.flops = node.flops
-        self.dtype = compute_dtype(graph, node)  # (the peak its FLOPs run at)
+        fwd = self.forward = OpForward(graph, node, fused)
         # (an operator a jax.checkpoint policy does not save runs its forward again in
         # backward: autopar/graph/remat.py)
         again = 1.0 if node.remat is not None and not node.remat.saved else 0.0
         self.factor = 1.0 + BACKWARD_FACTOR + again \
             if any(requires_grad[v] for v in node.inputs) else 1.0
-        self.launch = not all(v in fused for v in node.outputs)
-        self.moved = tuple([b for v, b, k in zip(node.inputs, ins, kinds)
-                            if k != "literal" and v not in fused] +
-                           [b for v, b in zip(node.outputs, outs) if v not in fused])
+        self.moved = tuple([b for b, keep in zip(ins, fwd.ins) if keep] +
+                           [b for b, keep in zip(outs, fwd.outs) if keep])
         self.grads = tuple((b, k == "param" or v in param_like)  # (problem.parameter_values)
                            for v, b, k in zip(node.inputs, ins, kinds) if requires_grad[v])
         self.outs = tuple(b for v, b in zip(node.outputs, outs) if kept is None or v in kept)
@@ -120,7 +145,7 @@ class OpRecipe:
                             if k == "param")
         # what the price depends on: operators of different signatures (an add and a mul
         # of one shape) with equal keys have equal prices
-        self.key = (self.flops, self.dtype, self.factor, self.launch,
+        self.key = (fwd.flops, fwd.dtype, self.factor, fwd.launch,
                     tuple(b.key for b in self.moved),
                     tuple((b.key, p) for b, p in self.grads), tuple(b.key for b in self.outs),
                     tuple((b.key, t) for _, _, b, t in self.params))
@@ -192,8 +217,7 @@ class OpPricer:
             for size, d in b.split:
                 n *= size // splits[d]
             nbytes += n
-        compute = cm.compute_time(r.flops / math.prod(splits), nbytes,
-                                  launch=r.launch, dtype=r.dtype) * r.factor
+        compute = r.forward.seconds(cm, splits, nbytes) * r.factor
         comm = sync = 0.0
         if r.grads:
             for b, is_param in r.grads:

@@ -44,9 +44,9 @@ from autopar.strategies.edge_pricing import EdgePricer
 from autopar.strategies.layout import DeviceMesh, Layout
 from autopar.strategies.memory import (ParamBytes, Residuals, StepMemory, recomputed_bytes,
                                        step_memory)
-from autopar.strategies.op_pricing import OpPricer
+from autopar.strategies.op_pricing import OpForward, OpPricer
 from autopar.strategies.optimizer_rule import decide_sharding
-from autopar.strategies.precision import compute_dtype, state_ratio, sync_factor
+from autopar.strategies.precision import state_ratio, sync_factor
 from autopar.strategies.opspec import OpSpec, legal_splits, op_spec, tensor_spec
 
 __all__ = ["BodyInputs", "Choice", "Vertex", "Edge", "Problem", "Breakdown", "PriceBooks",
@@ -369,18 +369,17 @@ def local_bytes(graph: Graph, value: str, layout: Layout, mesh: DeviceMesh) -> i
 def operator_time(cm: CostModel, graph: Graph, node: Node, splits: Sequence[int],
                   in_layouts: Sequence[Layout], out_layouts: Sequence[Layout],
                   mesh: DeviceMesh, fused: frozenset[str]) -> float:
-    """Forward seconds of one operator on one device under a strategy: its FLOPs over the
-    split product, the memory passes of its local blocks (values XLA fuses away excluded),
-    its launch unless it is fused into its reader. The one rule the search, the iteration
-    simulator and the pipeline simulator price operators by."""
-    nbytes = sum(local_bytes(graph, v, lay, mesh) for v, lay in zip(node.inputs, in_layouts)
-                 if graph.values[v].kind != "literal" and v not in fused)
-    nbytes += sum(local_bytes(graph, v, lay, mesh) for v, lay in zip(node.outputs,
-                                                                      out_layouts)
-                  if v not in fused)
-    return cm.compute_time(node.flops / math.prod(splits), nbytes,
-                           launch=not all(v in fused for v in node.outputs),
-                           dtype=compute_dtype(graph, node))
+    """Forward seconds of one operator on one device under a strategy, the blocks given by
+    its layouts: :class:`~autopar.strategies.op_pricing.OpForward`'s rule (FLOPs over the
+    split product, the memory passes of its local blocks, values XLA fuses away excluded,
+    its launch unless it is fused into its reader), the one the search prices operators by
+    from split counts. The iteration and the pipeline simulators price operators by it."""
+    fwd = OpForward(graph, node, fused)
+    nbytes = sum(local_bytes(graph, v, lay, mesh) for v, lay, moved in
+                 zip(node.inputs, in_layouts, fwd.ins) if moved)
+    nbytes += sum(local_bytes(graph, v, lay, mesh) for v, lay, moved in
+                  zip(node.outputs, out_layouts, fwd.outs) if moved)
+    return fwd.seconds(cm, splits, nbytes)
 
 
 def parameter_values(graph: Graph) -> frozenset[str]:

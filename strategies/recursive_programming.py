@@ -34,11 +34,11 @@ the exact referee measures how far from optimal it lands.
 
 Speed: every round's cut problem has the same structure (operators and data inputs, one link
 per consumed value), so the elimination order is found once (:class:`dynamic_programming.Order
-<autopar.strategies.dynamic_programming.Order>`) and compiled (:class:`~autopar.strategies.
-cut_solver.CutSolver`); a round replays it with dynamic_programming's arithmetic, memoised on
-the identity of its operands — the identical blocks of a deep network share their cost vectors
-and edge matrices, so most eliminations are computed once, not once per block. The picks are
-exactly dynamic_programming's (the same operations on the same values, same ties).
+<autopar.strategies.dynamic_programming.Order>`) and compiled
+(:class:`~autopar.strategies.dynamic_programming.Elimination`, the one elimination); a round
+replays it, its arithmetic memoised on the identity of its operands — the identical blocks of
+a deep network share their cost vectors and edge matrices, so most eliminations are computed
+once, not once per block. The picks are exactly dynamic_programming's (the same elimination).
 Operators are handled per state (signature, splits): candidates, cost vectors and link
 matrices are built once per distinct state, not per operator; an operator's price comes from
 its split counts (:mod:`~autopar.strategies.op_pricing`, kept per signature recipe and
@@ -54,8 +54,7 @@ from typing import Callable
 
 import numpy as np
 
-from autopar.strategies.cut_solver import CutSolver
-from autopar.strategies.dynamic_programming import Memo, Order
+from autopar.strategies.dynamic_programming import Elimination, Memo, Order
 from autopar.strategies.layout import Layout, prime_factors
 from autopar.strategies.opspec import legal_splits
 from autopar.gc_pause import paused_gc
@@ -169,8 +168,8 @@ class _Rounds:
         self.data = [i for i, v in enumerate(verts) if v.kind == "data"]
         self.local = {i: k for k, i in enumerate(self.ops + self.data)}
         self.links = [e for e in problem.edges if verts[e.u].kind != "param"]
-        self.cut = CutSolver(Order(len(self.local), [(self.local[e.u], self.local[e.v])
-                                                for e in self.links]))
+        self.cut = Elimination(Order(len(self.local), [(self.local[e.u], self.local[e.v])
+                                                  for e in self.links]))
         self.state_keys: list[tuple] = []
         self.state_id: dict[tuple, int] = {}
         self.rep: dict[int, int] = {}  # state -> one operator in it

@@ -13,14 +13,20 @@ explicit communication nodes, the lowering into ``jax.lax`` collectives. Steps:
 Each kind is one :class:`StepKind` record in :data:`STEP_KINDS`: its layout effect, its
 backward counterpart, the collective the cost model prices it as, its ``comm_fusion`` key and
 its display name. The rewrite (layouts), the IR dump (names), the cost model (pricing,
-transposes) and the lowering (whether it communicates) read the record; the ``jax.lax`` rule
-of each kind lives in :mod:`autopar.lower` (execution stays above planning), keyed by the same
-kind. A new kind is a record here, the code of :func:`plan_steps` that emits it, and its
-lowering rule (tests/test_registry.py checks both tables cover the same kinds). The search
-prices layout pairs with twins of the planner in :mod:`autopar.strategies.edge_pricing`
-(a vectorised one for large edges, one on Python ints for small ones): a change to the planner
-is made in both too (tests/test_edge_pricing.py compares them with it on random pairs, bit
-for bit).
+transposes), the search's price tables (:mod:`autopar.strategies.edge_pricing`) and the
+lowering (whether it communicates) read the record; the ``jax.lax`` rule of each kind lives
+in :mod:`autopar.lower` (execution stays above planning), keyed by the same kind. A new kind
+is a record here and its lowering rule (tests/test_registry.py checks both tables cover the
+same kinds).
+
+The planner is :class:`CodedPlan`, on codes of the layouts (:class:`MeshCodes`): it emits
+coded steps, which :func:`plan_steps` decodes into :class:`Step` s and the search prices as
+they are (:meth:`EdgePricer.pair <autopar.strategies.edge_pricing.EdgePricer.pair>`). The
+search's large edges are planned by its lock-step form, which takes the same actions on every
+pair of an edge at once (numpy; a rule the planner changes or a kind it newly emits is
+changed there too: tests/test_edge_pricing.py compares the two on random pairs, bit for bit,
+and tests/test_redistribution_fast.py the planner with the straightforward one it was first
+written as).
 
 With ``enable_alltoall=False`` a move is all_gather + slice, as MindSpore does.
 ``nbytes`` is the per-device byte count the collective formula uses: the gathered (output)
@@ -39,13 +45,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, Sequence
+from typing import Callable
 
 from autopar.errors import AutoParallelError
 from autopar.strategies.layout import DeviceMesh, Layout
 
 __all__ = ["Step", "StepKind", "STEP_KINDS", "redistribute", "plan_steps", "transpose_step",
-           "apply_step_to_layout"]
+           "apply_step_to_layout", "CodedPlan", "MeshCodes", "mesh_codes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,190 +182,310 @@ def redistribute(shape: tuple[int, ...], itemsize: int, src: Layout, dst: Layout
 @lru_cache(maxsize=500_000)
 def plan_steps(src: Layout, dst: Layout, mesh: DeviceMesh,
                enable_alltoall: bool = False) -> tuple[Step, ...]:
-    """The shape-free steps (``fraction`` set, ``nbytes`` 0); pure and cached."""
+    """The shape-free steps (``fraction`` set, ``nbytes`` 0); pure and cached: the
+    :class:`CodedPlan` of the pair, its coded steps decoded."""
     if dst.partial and set(dst.partial) - set(src.partial):
         raise AutoParallelError("layout", str(dst), "a redistribution cannot create a partial "
                                 "sum; only resolve one")
-    plan = _Planner(src, dst, mesh)
-    if src.partial:
-        plan.resolve_partials(src, dst)
-    plan.move_splits(enable_alltoall)
-    return tuple(plan.steps)
+    if src.rank != dst.rank:
+        raise AutoParallelError("layout", f"{src} -> {dst}", "the layouts' ranks differ")
+    codes = mesh_codes(mesh)
+    for lay in (src, dst):
+        if codes.encode(lay) is None:
+            raise AutoParallelError("layout", str(lay), f"each axis of the mesh {mesh} on at "
+                                    "most one dim and at most once in the partial sum (a "
+                                    f"mesh of at most {MAX_AXES} axes)")
+    plan = CodedPlan(codes, codes.encode(src), codes.encode(dst))
+    if not plan.plan(enable_alltoall):  # pragma: no cover - the plan always converges
+        raise AutoParallelError("layout", f"{src} -> {dst}",
+                                "redistribution did not converge")
+    axes = codes.axes
+    return tuple(Step(kind, axes(code), None if d < 0 else d, None if s < 0 else s,
+                      fraction=frac) for kind, code, frac, d, s in plan.steps)
 
 
-@lru_cache(maxsize=65_536)
-def _target(dst: Layout) -> tuple[list[list[str]], frozenset[str]]:
-    """A target's per-dim axes as the planner compares them (lists, never modified) and
-    every axis it uses."""
-    return [list(d) for d in dst.dims], frozenset(a for d in dst.dims for a in d)
+BITS = 4       # bits per axis digit in a code (digit = the axis's index on the mesh + 1)
+DIGIT = (1 << BITS) - 1
+MAX_AXES = DIGIT  # the mesh axes a code can name (DeviceMesh.for_devices makes at most 12)
+_KEPT_LAYOUTS = 200_000  # layouts whose codes a mesh keeps
 
 
-class _Planner:
-    """The steps from ``src`` to ``dst`` so far, and the per-dim axes they reach (``cur``).
+class MeshCodes:
+    """A mesh's axes as the planner's codes. A dim's axes are a code (their digits, outer
+    axis in the low digits), a length and a bit mask (bit ``i``: axis ``i``); a layout is
+    its dims' codes, lengths and masks, its partial sum's mask, the mask of the axes its
+    dims use and its partial sum's code (:meth:`encode`). ``frac[mask]`` is the per-device
+    share of a tensor split over the axes of ``mask`` (``1.0 / n``, n the product of their
+    sizes), ``low[j]`` the mask of a code's first ``j`` digits. One per mesh
+    (:func:`mesh_codes`); the layouts' codes are kept."""
 
-    Hot: the dynamic_programming search plans every distinct layout pair of its edges
-    (tens of thousands at 64 devices), so the state is kept cheap to test: ``n`` is the
-    product of the sizes of the axes in ``cur`` (the fraction is ``1 / n``), ``wanted`` the
-    axes the target uses anywhere (it never changes)."""
+    __slots__ = ("names", "index", "sizes", "frac", "low", "ok", "rounds", "_layouts")
 
-    __slots__ = ("mesh", "rank", "src", "dst", "cur", "want", "steps", "sizes", "n", "wanted",
-                 "ok")
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.names = mesh.names
+        k = len(self.names)
+        self.index = {n: i for i, n in enumerate(self.names)}
+        self.ok = k <= MAX_AXES
+        self.sizes = [mesh.sizes[n] for n in self.names]
+        prods = [1] * (1 << k if self.ok else 1)
+        for m in range(1, len(prods)):
+            low = (m & -m).bit_length() - 1
+            prods[m] = prods[m & (m - 1)] * self.sizes[low]
+        self.frac = [1.0 / n for n in prods]
+        self.low = [(1 << (BITS * j)) - 1 for j in range(k + 2)]
+        self.rounds = 4 * k + 4  # the planner's bound on its rounds (it converges sooner)
+        self._layouts: dict[Layout, tuple | None] = {}
 
-    def __init__(self, src: Layout, dst: Layout, mesh: DeviceMesh) -> None:
-        self.mesh, self.rank, self.src, self.dst = mesh, len(src.dims), src, dst
-        self.cur = [list(d) for d in src.dims]
-        self.want, self.wanted = _target(dst)  # shared between plans: only read
-        self.steps: list[Step] = []
-        self.sizes = mesh.sizes
-        self.n = mesh.size_of(a for d in src.dims for a in d)
-        self.ok = [c == w[:len(c)] for c, w in zip(self.cur, self.want)]  # is_prefix per dim
+    def axes(self, code: int) -> tuple[str, ...]:
+        """The axes a code names, in order."""
+        out = []
+        while code:
+            out.append(self.names[(code & DIGIT) - 1])
+            code >>= BITS
+        return tuple(out)
 
-    def fraction(self) -> float:
-        """Per-device share of the global tensor for the current dims."""
-        return 1.0 / self.n
+    def encode(self, lay: Layout) -> tuple | None:
+        """(per dim codes, lengths, masks: lists; partial mask; used mask: the dims' axes;
+        partial code) of a layout, or None: one the planner does not take (an axis on two
+        dims or twice in the partial sum, an axis not on the mesh, a mesh of more than
+        :data:`MAX_AXES` axes). Never modified: a plan copies a source's lists (a target's
+        are compared with its state)."""
+        hit = self._layouts.get(lay, False)
+        if hit is False:
+            if len(self._layouts) >= _KEPT_LAYOUTS:  # (pure: forgetting costs a re-encode)
+                self._layouts.clear()
+            hit = self._layouts[lay] = self._encode(lay) if self.ok else None
+        return hit
 
-    def is_prefix(self, d: int) -> bool:
-        return self.ok[d]
+    def _encode(self, lay: Layout) -> tuple | None:
+        index, seen = self.index, 0
+        codes, lens, masks = [], [], []
+        for axes in lay.dims:
+            code = mask = 0
+            for j, a in enumerate(axes):
+                i = index.get(a)
+                if i is None or seen >> i & 1:
+                    return None
+                seen |= 1 << i
+                code |= (i + 1) << (BITS * j)
+                mask |= 1 << i
+            codes.append(code)
+            lens.append(len(axes))
+            masks.append(mask)
+        partial = pcode = 0
+        for j, a in enumerate(lay.partial):
+            i = index.get(a)
+            if i is None or partial >> i & 1:
+                return None
+            partial |= 1 << i
+            pcode |= (i + 1) << (BITS * j)
+        return codes, lens, masks, partial, seen, pcode
 
-    def wants_next(self, d: int, a: str) -> bool:
-        """Whether dim ``d`` is on its way to the target and takes axis ``a`` next."""
-        k, w = len(self.cur[d]), self.want[d]
-        return len(w) > k and w[k] == a and self.ok[d]
 
-    def touched(self, d: int) -> None:
-        """Dim ``d``'s axes changed: whether it is still on its way to the target."""
-        c = self.cur[d]
-        self.ok[d] = c == self.want[d][:len(c)]
+@lru_cache(maxsize=256)
+def mesh_codes(mesh: DeviceMesh) -> MeshCodes:
+    """The :class:`MeshCodes` of a mesh (one per mesh: they keep the layouts' codes)."""
+    return MeshCodes(mesh)
 
-    def add(self, d: int, axes: Sequence[str]) -> None:
-        """Split dim ``d`` further over ``axes``."""
-        self.cur[d].extend(axes)
-        for a in axes:
-            self.n *= self.sizes[a]
-        self.touched(d)
 
-    def slice(self, axes: tuple[str, ...], dim: int) -> None:
-        """Split ``dim`` locally over ``axes``; merged with a slice of the same dim just
-        before it (which keeps its own, larger, input fraction: the size its backward
-        all_gather produces)."""
-        last = self.steps[-1] if self.steps else None
-        if last is not None and last.kind == "slice" and last.dim == dim:
-            self.steps[-1] = Step("slice", last.axes + axes, dim, fraction=last.fraction)
-        else:
-            self.steps.append(Step("slice", axes, dim, fraction=1.0 / self.n))
-        self.add(dim, axes)
+def _digits(code: int) -> int:
+    """How many axes a code names (its digits are never 0)."""
+    return (code.bit_length() + BITS - 1) // BITS
 
-    def resolve_partials(self, src: Layout, dst: Layout) -> None:
-        """Resolve partial sums: reduce_scatter where the target splits on that axis next,
-        all_reduce otherwise."""
-        cur, want = self.cur, self.want
-        pending = [a for a in src.partial if a not in dst.partial]
-        scatter: dict[int, list[str]] = {}
-        for d in range(self.rank):
-            if not self.is_prefix(d):
-                continue
-            take = []
-            for a in want[d][len(cur[d]):]:
-                if a not in pending or any(a in c for c in cur):
-                    break
-                take.append(a)
-            if take:
-                scatter[d] = take
-        reduce_axes = [a for a in pending if not any(a in t for t in scatter.values())]
-        if reduce_axes:
-            self.steps.append(Step("all_reduce", tuple(reduce_axes), fraction=self.fraction()))
-        for d in sorted(scatter):
-            before = self.fraction()
-            self.add(d, scatter[d])
-            self.steps.append(Step("reduce_scatter", tuple(scatter[d]), d, fraction=before))
 
-    def move_splits(self, enable_alltoall: bool) -> None:
-        """Move splits until every dim matches the target: all_to_all where allowed, early
-        slices, then gathers, then the final slices."""
+class CodedPlan:
+    """The redistribution planner: the steps from a source to a target layout, on their
+    codes (:class:`MeshCodes`). The state is per dim the code, length and axis mask of the
+    axes reached so far (``c``, ``ln``, ``m``) and of the target's (``w``, ``wl``, ``wm``),
+    whether each dim is on its way to the target (its axes a prefix of the target's:
+    ``ok``), the axes the dims use and the target wants anywhere (``used``, ``wanted``).
+    A step is coded ``(kind, axes code, fraction, dim, src_dim)`` (-1: no dim): the
+    fraction is the per-device share of the tensor it moves, ``frac[used]``.
+
+    :func:`plan_steps` decodes the steps into :class:`Step` s (the rewrite, the lowering and
+    the cost model read those); :class:`~autopar.strategies.edge_pricing.EdgePricer` prices
+    them as they are, for a pair of a small edge; its vectorised planner (``_Run``) takes
+    the same actions on every pair of a large edge at once, in lock step (kept equal bit for
+    bit by tests/test_edge_pricing.py). The planner:
+
+    1. resolve the partial sums the target does not keep: a reduce_scatter into each dim on
+       its way whose next target axes are pending partial axes no dim uses, an all_reduce
+       of the rest;
+    2. then, until every dim is at its target: an all_to_all where allowed (the innermost
+       axis of a dim off its way moves to a dim that takes it next); once, the early slices
+       (each dim on its way slices its next axes no dim uses: the gathers that follow move
+       smaller pieces); a gather of the first dim off its way (:meth:`gather`); when every
+       dim is on its way, the final slices.
+
+    Consecutive slices of one dim merge into one step, which keeps the first's fraction
+    (the size its backward all_gather produces)."""
+
+    __slots__ = ("c", "ln", "m", "w", "wl", "wm", "ok", "used", "wanted", "steps", "frac",
+                 "low", "pcode", "partials", "rounds")
+
+    def __init__(self, codes: MeshCodes, es: tuple, ed: tuple) -> None:
+        self.frac, low, self.rounds = codes.frac, codes.low, codes.rounds
+        self.low = low
+        self.c, self.ln, self.m = list(es[0]), list(es[1]), list(es[2])
+        w, wl = ed[0], ed[1]
+        self.w, self.wl, self.wm = w, wl, ed[2]
+        self.ok = [n <= wl[d] and w[d] & low[n] == c for d, (c, n) in
+                   enumerate(zip(es[0], es[1]))]
+        self.used, self.wanted = es[4], ed[4]
+        self.pcode, self.partials = es[5], (es[3], ed[3])
+        self.steps: list[tuple[str, int, float, int, int]] = []
+
+    def plan(self, alltoall: bool) -> bool:
+        """Plan the steps (:attr:`steps`); False where the planner refuses the pair (a
+        target that creates a partial sum) or does not converge."""
+        src_partial, dst_partial = self.partials
+        if dst_partial & ~src_partial:
+            return False
+        if src_partial:
+            self.resolve_partials(src_partial & ~dst_partial)
+        c, w, ok = self.c, self.w, self.ok
         early_done = False
-        cur, want = self.cur, self.want
-        for _ in range(4 * len(self.mesh.axes) + 4):
-            if cur == want:
-                break
-            if enable_alltoall and self.all_to_all():
+        for _ in range(self.rounds):
+            if c == w:
+                return True
+            if alltoall and self.all_to_all():
                 continue
-            if False in self.ok:  # some dim is off its way to the target
+            if False in ok:  # some dim is off its way to the target
                 if not early_done:
                     early_done = True
                     if self.early_slices():
                         continue
-                self.gather(self.ok.index(False))
+                self.gather(ok.index(False))
                 continue
-            for d in range(self.rank):
-                add = want[d][len(cur[d]):]
-                if add:
-                    self.slice(tuple(add), d)
-        else:  # pragma: no cover - the loop always converges; guard against regressions
-            raise AutoParallelError("layout", f"{self.src} -> {self.dst}",
-                                    "redistribution did not converge")
+            for d in range(len(c)):  # the final slices
+                if self.ln[d] < self.wl[d]:
+                    self.slice(d, self.wm[d] & ~self.m[d], w[d] >> (BITS * self.ln[d]))
+        return False
+
+    def next_run(self, d: int, allowed: int) -> tuple[int, int]:
+        """(mask, code) of the longest run of the target's next axes on dim ``d`` all in
+        ``allowed``."""
+        w, n, take = self.w[d], self.ln[d], 0
+        for j in range(n, self.wl[d]):
+            bit = 1 << (((w >> (BITS * j)) & DIGIT) - 1)
+            if not allowed & bit:
+                break
+            take |= bit
+        else:
+            j = self.wl[d]
+        return take, (w >> (BITS * n)) & self.low[j - n]
+
+    def add(self, d: int, mask: int) -> None:
+        """Split dim ``d`` further over the target's next axes ``mask`` (it stays on its
+        way)."""
+        n = self.ln[d] = self.ln[d] + mask.bit_count()
+        self.c[d] = self.w[d] & self.low[n]
+        self.m[d] |= mask
+        self.used |= mask
+
+    def pop(self, d: int) -> int:
+        """Take dim ``d``'s innermost axis off; its digit."""
+        n = self.ln[d] - 1
+        digit = (self.c[d] >> (BITS * n)) & DIGIT
+        bit = 1 << (digit - 1)
+        c = self.c[d] = self.c[d] & self.low[n]
+        self.ln[d] = n
+        self.m[d] &= ~bit
+        self.used &= ~bit
+        self.ok[d] = n <= self.wl[d] and self.w[d] & self.low[n] == c
+        return digit
+
+    def wants_next(self, d: int, digit: int) -> bool:
+        """Whether dim ``d`` is on its way to the target and takes axis ``digit`` next."""
+        n = self.ln[d]
+        return self.ok[d] and n < self.wl[d] and (self.w[d] >> (BITS * n)) & DIGIT == digit
+
+    def slice(self, d: int, mask: int, code: int) -> None:
+        """Split ``d`` locally over the target's next axes (``mask``, ``code``); merged into
+        a slice of the same dim just before it (which keeps its own fraction)."""
+        steps = self.steps
+        last = steps[-1] if steps else None
+        if last is not None and last[0] == "slice" and last[3] == d:
+            steps[-1] = ("slice", last[1] | code << (BITS * _digits(last[1])), last[2], d, -1)
+        else:
+            steps.append(("slice", code, self.frac[self.used], d, -1))
+        self.add(d, mask)
+
+    def resolve_partials(self, pending: int) -> None:
+        """Step 1: a reduce_scatter into each dim on its way whose next axes are pending
+        partial axes no dim uses, an all_reduce of the rest (in the source's order)."""
+        allowed, takes = pending & ~self.used, []
+        for d in range(len(self.c)):
+            take, code = self.next_run(d, allowed) if self.ok[d] else (0, 0)
+            if take:
+                takes.append((d, take, code))
+                pending &= ~take
+        if pending:
+            code, j, p = 0, 0, self.pcode
+            while p:  # the source's partial axes still pending, in its order
+                digit = p & DIGIT
+                if pending >> (digit - 1) & 1:
+                    code |= digit << (BITS * j)
+                    j += 1
+                p >>= BITS
+            self.steps.append(("all_reduce", code, self.frac[self.used], -1, -1))
+        for d, take, code in takes:
+            before = self.frac[self.used]
+            self.add(d, take)
+            self.steps.append(("reduce_scatter", code, before, d, -1))
 
     def all_to_all(self) -> bool:
-        """Move the innermost axis of a dim off its target to a dim that takes it next."""
-        for d1 in range(self.rank):
-            if not self.cur[d1] or self.is_prefix(d1):
+        """The first dim off its way moves its innermost axis to a dim that takes it next;
+        whether one moved."""
+        for d1 in range(len(self.c)):
+            if not self.ln[d1] or self.ok[d1]:
                 continue
-            a = self.cur[d1][-1]
-            for d2 in range(self.rank):
-                if d2 != d1 and self.wants_next(d2, a):
-                    nb = self.fraction()
-                    self.cur[d1].pop()
-                    self.n //= self.sizes[a]
-                    self.touched(d1)
-                    self.add(d2, (a,))
-                    self.steps.append(Step("all_to_all", (a,), d2, src_dim=d1, fraction=nb))
+            digit = (self.c[d1] >> (BITS * (self.ln[d1] - 1))) & DIGIT
+            for d2 in range(len(self.c)):
+                if d2 != d1 and self.wants_next(d2, digit):
+                    before = self.frac[self.used]
+                    self.pop(d1)
+                    self.add(d2, 1 << (digit - 1))
+                    self.steps.append(("all_to_all", digit, before, d2, d1))
                     return True
         return False
 
     def early_slices(self) -> bool:
-        """Slice first what no gather will touch: axes free now that a good dim wants next.
-        The gathers that follow then move smaller pieces."""
-        used = {a for c in self.cur for a in c}
+        """Each dim on its way slices its next axes no dim uses; whether one did."""
         moved = False
-        for d2 in range(self.rank):
-            if not self.ok[d2]:  # a bad dim (slicing a good one keeps it good)
-                continue
-            add = []
-            for a in self.want[d2][len(self.cur[d2]):]:
-                if a in used:
-                    break
-                add.append(a)
-            if add:
-                self.slice(tuple(add), d2)
-                used.update(add)
-                moved = True
+        for d in range(len(self.c)):
+            if self.ok[d]:
+                add, code = self.next_run(d, ~self.used)
+                if add:
+                    self.slice(d, add, code)
+                    moved = True
         return moved
 
     def gather(self, d: int) -> None:
         """Undo the splits of dim ``d`` past its agreement with the target. A plain un-split
-        is one collective. When some gathered axes split another dim next, gather one axis at
-        a time (innermost first) and slice it where it is wanted at once, never holding more
-        of the tensor than needed. In the alpha-beta ring model this is never dearer than one
+        (the target wants none of its axes) is one all_gather. Otherwise gather one axis at
+        a time, innermost first, each sliced at once into the dim that takes it next (unless
+        every dim is then on its way: the final slices go together), never holding more of
+        the tensor than needed. In the alpha-beta ring model this is never dearer than one
         gather of all the axes followed by slices: the bytes are the same or fewer (later
         steps move smaller pieces) and the latency sum(p_i - 1) <= prod(p_i) - 1."""
-        c, w, sizes = self.cur[d], self.want[d], self.sizes
-        k = 0
-        while k < len(c) and k < len(w) and c[k] == w[k]:
-            k += 1
-        gone = c[k:]
-        if self.wanted.isdisjoint(gone):
-            del c[k:]
-            for a in gone:
-                self.n //= sizes[a]
-            self.touched(d)
-            self.steps.append(Step("all_gather", tuple(gone), d, fraction=1.0 / self.n))
+        c, w = self.c[d], self.w[d]
+        diff = c ^ w
+        k = ((diff & -diff).bit_length() - 1) // BITS
+        gone = self.m[d]
+        for j in range(k):
+            gone &= ~(1 << (((c >> (BITS * j)) & DIGIT) - 1))
+        if not gone & self.wanted:
+            self.c[d], self.ln[d], self.ok[d] = c & self.low[k], k, True
+            self.m[d] &= ~gone
+            self.used &= ~gone
+            self.steps.append(("all_gather", c >> (BITS * k), self.frac[self.used], d, -1))
             return
-        a = c.pop()
-        self.n //= sizes[a]
-        self.touched(d)
-        self.steps.append(Step("all_gather", (a,), d, fraction=1.0 / self.n))
+        digit = self.pop(d)
+        self.steps.append(("all_gather", digit, self.frac[self.used], d, -1))
         if False not in self.ok:
-            return  # no gather follows: the final slices go together
-        for d2 in range(self.rank):
-            if d2 != d and self.wants_next(d2, a):
-                self.slice((a,), d2)
+            return
+        for d2 in range(len(self.c)):
+            if d2 != d and self.wants_next(d2, digit):
+                self.slice(d2, 1 << (digit - 1), digit)
                 return

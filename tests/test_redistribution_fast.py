@@ -1,8 +1,9 @@
 """The fast redistribution planner and cost coefficients equal the straightforward ones.
 
-``strategies/redistribution.py``'s planner keeps its state cheap to test (an incremental
-product for the fraction, a per-dim prefix flag) and ``CostModel.coefficients`` keeps each
-step's collectives by (kind, axes): both are hot in the dynamic_programming search. Here
+``strategies/redistribution.py``'s planner (``CodedPlan``) works on codes of the layouts
+(per dim its axes as digits and a bit mask, a per-dim prefix flag, the fraction looked up by
+the mask of the axes in use), ``plan_steps`` decodes its steps, and ``CostModel.coefficients``
+keeps each step's collectives by (kind, axes): all are hot in the searches. Here
 the planner as it was written first (:class:`_ReferencePlanner`, unchanged) and the
 per-step pricing as it was written first must give exactly the same steps and coefficients
 (bit for bit: the plans of the search must not move) on random layout pairs.
@@ -77,6 +78,18 @@ def test_planner_and_coefficients_equal_the_reference(case, cluster, backward):
     cm = CostModel(CLUSTERS[cluster])
     assert cm.coefficients(got, mesh, backward=backward) == _reference_coefficients(
         cm, want, mesh, backward)
+
+
+def test_a_kept_partial_axis_on_a_dim_is_planned_as_first_written():
+    """Layouts with an axis both on a dim and in the partial sum (the lowering's tests draw
+    them) are planned as the reference plans them."""
+    mesh = DeviceMesh.for_devices(8)
+    pairs = [(Layout(((), ("a1",), ()), ("a0",)), Layout(((), ("a1",), ("a0",)), ("a0",))),
+             (Layout((("a0",), ("a2",)), ("a0", "a1")), Layout((("a1",), ("a0",)), ("a1",)))]
+    for src, dst in pairs:
+        for alltoall in (False, True):
+            want = _reference_plan_steps(src, dst, mesh, alltoall)
+            assert want and plan_steps(src, dst, mesh, alltoall) == want
 
 
 # ------------------------------------------------------------------ the planner as first written
