@@ -658,7 +658,7 @@ def measure(devs: Sequence[Any], *, budget_s: float = 60.0, progress: bool = Tru
     ``max_message_bytes``: the largest collective message measured (default 32 MiB; smaller
     for a quick, coarser calibration).
     """
-    from autopar.cli_util import Progress
+    from autopar.text import Progress
 
     sizes = check_settings(budget_s, progress, max_message_bytes)
     _check_processes(devs)

@@ -57,7 +57,7 @@ from autopar.graph.ir import Graph, check_strategy_shape
 from autopar.graph.loops import LOOP_KIND, loop_body, loop_nodes
 from autopar.limits import MAX_DEVICES
 from autopar.strategies.cost import Cluster, CostModel, get_cluster
-from autopar.strategies.layout import DeviceMesh, Layout
+from autopar.strategies.layout import DeviceMesh, TensorLayout
 from autopar.strategies.modes import PARALLEL_MODES, SEARCH_MODES
 from autopar.strategies.loops import PlannedLoops
 from autopar.strategies.plan import Fingerprint, NodeStrategy, Plan, Pricing
@@ -223,11 +223,11 @@ class StrategyFile(BaseModel):
 # ---------------------------------------------------------------------------- layouts
 
 
-def layout_entry(layout: Layout, shape: tuple[int, ...], mesh: DeviceMesh) -> dict[str, Any]:
+def layout_entry(layout: TensorLayout, shape: tuple[int, ...], mesh: DeviceMesh) -> dict[str, Any]:
     """MindSpore's layout fields for a layout (see :class:`LayoutEntry`).
 
     >>> mesh = DeviceMesh.for_devices(8)
-    >>> layout_entry(Layout(((), ("a1", "a2"))), (16, 32), mesh)["tensor_map"]
+    >>> layout_entry(TensorLayout(((), ("a1", "a2"))), (16, 32), mesh)["tensor_map"]
     [-1, [1, 0]]
     """
     names = mesh.names
@@ -241,8 +241,8 @@ def layout_entry(layout: Layout, shape: tuple[int, ...], mesh: DeviceMesh) -> di
 
 
 def layout_from_entry(entry: LayoutEntry, mesh: DeviceMesh, where: str,
-                      path: str) -> Layout:
-    """The :class:`Layout` of a layout entry, checked against ``mesh``."""
+                      path: str) -> TensorLayout:
+    """The :class:`TensorLayout` of a layout entry, checked against ``mesh``."""
     n = len(mesh.axes)
     dims: list[tuple[str, ...]] = []
     seen: set[int] = set()
@@ -258,7 +258,7 @@ def layout_from_entry(entry: LayoutEntry, mesh: DeviceMesh, where: str,
                                     "by another tensor dim", m)
         seen.update(idx)
         dims.append(tuple(mesh.names[n - 1 - i] for i in idx))
-    return Layout(tuple(dims))
+    return TensorLayout(tuple(dims))
 
 
 # ---------------------------------------------------------------------------- save
@@ -679,7 +679,7 @@ def _check_loop_strategies(items: Mapping[str, OperatorEntry], plan: Plan, path:
 
 
 def _entry_layouts(items: Mapping[str, LayoutEntry], values: Sequence[str], graph: Graph,
-                   mesh: DeviceMesh, path: str, field: str, what: str) -> dict[str, Layout]:
+                   mesh: DeviceMesh, path: str, field: str, what: str) -> dict[str, TensorLayout]:
     """The layouts of ``values`` in a layout field (one entry each, every one checked)."""
     missing = [v for v in values if v not in items]
     extra = sorted(set(items) - set(values))
@@ -716,7 +716,7 @@ def _pick_inputs(f: StrategyFile, graph: Graph, problem: Problem, path: str) -> 
 
 
 def _entry_layout(e: LayoutEntry, shape: tuple[int, ...], mesh: DeviceMesh, path: str,
-                  where: str) -> Layout:
+                  where: str) -> TensorLayout:
     """The layout of one layout entry of a tensor of ``shape``, every field checked."""
     if e.dev_matrix != [s for _, s in mesh.axes]:
         raise StrategyFileError(path, f"{where}.dev_matrix", str([s for _, s in mesh.axes]),

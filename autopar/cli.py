@@ -33,11 +33,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn, Sequence
 
 from autopar.files import write_text_atomic
-from autopar.cli_util import (CLIError, Progress, compare_with_reference, dir_path,
-                              drop_gloo_lines, escape_breaks, file_path, load_model,
-                              non_negative_float, one_device_steps, one_line, parse_options,
-                              positive_int, setup_devices, table)
+from autopar.cli_util import (CLIError, compare_with_reference, dir_path, drop_gloo_lines,
+                              escape_breaks, file_path, load_model, non_negative_float,
+                              one_device_steps, one_line, parse_options, positive_int,
+                              setup_devices)
 from autopar.gc_pause import paused_gc
+from autopar.text import Progress, table
 
 with paused_gc():  # the planning modules bring JAX, NumPy and SciPy: most of the start-up
     from autopar.strategies.modes import PARALLEL_MODES

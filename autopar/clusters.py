@@ -226,7 +226,7 @@ def describe_cluster(cluster: Cluster) -> str:
     barrier 0.0 us + 0.00 us per KiB in a step
     """
     _check_cluster(cluster)
-    from autopar.cli_util import table
+    from autopar.text import table
 
     c = cluster
     head = (f"{c.name} ({'preset' if c.calibration is None else 'calibrated'}): "

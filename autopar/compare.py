@@ -132,7 +132,7 @@ def _seed(graph: Graph, plans: dict[str, Plan]) -> dict[str, Any]:
 
 
 def comparison_rows(rows: Sequence[ModeResult], *, measured: bool = False) -> list[tuple]:
-    """Header + one row per mode, formatted for :func:`autopar.cli_util.table`."""
+    """Header + one row per mode, formatted for :func:`autopar.text.table`."""
     head = ["mode", "step ms", "vs exact", "comm MB", "collectives", "memory MiB",
             "search s"]
     if measured:
@@ -179,7 +179,7 @@ def write_comparison(rows: Sequence[ModeResult], out_dir: str | os.PathLike[str]
     extra), ``compare.png``; returns the paths written. The files are written all or
     nothing (:func:`autopar.files.write_files_atomic`), and a directory made for them is
     removed again when they cannot be written."""
-    from autopar.cli_util import markdown_table
+    from autopar.text import markdown_table
 
     check_comparison_dir(out_dir)  # every target, before the first is written
     out = Path(out_dir)

@@ -20,8 +20,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from autopar.cli_util import (CLIError, Progress, compare_with_reference, dir_path,
-                              one_device_steps, positive_int, table)
+from autopar.cli_util import (CLIError, compare_with_reference, dir_path, one_device_steps,
+                              positive_int)
+from autopar.text import Progress, table
 
 __all__ = ["add_demo_parser", "cmd_demo"]
 

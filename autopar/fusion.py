@@ -63,9 +63,11 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Literal, Sequence
 
-from autopar.hccl import MAX_SEGMENTS, WORLD_GROUP, check_percentages, get_split_strategy
+from autopar.comm_groups import WORLD_GROUP
 from autopar.errors import AutoParallelError, AutoParallelTypeError, found
 from autopar.limits import finite
+from autopar.split_strategies import MAX_SEGMENTS, check_percentages, get_split_strategy
+from autopar.text import table as text_table
 
 __all__ = [
     "MB",
@@ -190,9 +192,7 @@ class GradientBuckets:
                          f"{100.0 * cum / total if total else 0.0:.2f}",
                          b.gradients[0] if len(b) == 1 else
                          f"{b.gradients[0]} -> {b.gradients[-1]}"))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-        lines.insert(1, "  ".join("-" * w for w in widths))
+        lines = text_table(rows, align="l" * len(rows[0])).split("\n")
         lines.append(f"{self.kind}: {len(self.buckets)} bucket(s) over {len(self.gradients)} "
                      f"gradients, {total / MB:.3f} MB; {self.source}")
         return "\n".join(lines)
@@ -564,8 +564,8 @@ def gradient_buckets(source: Any, plan: Any = None, *, kind: str = "allreduce",
 
     ``source`` is a Graph (with an optional Plan: per-device bytes) or a list of
     ``(name, nbytes)`` in backward order. ``resolved`` (a ResolvedContext) replaces the current
-    context's comm_fusion, ``split`` (a :class:`~autopar.hccl.SplitStrategy` an entry point
-    read, :class:`autopar.setup.Setup`) the HCCL split strategy set for ``group``.
+    context's comm_fusion, ``split`` (a :class:`~autopar.split_strategies.SplitStrategy` an
+    entry point read, :class:`autopar.setup.Setup`) the HCCL split strategy set for ``group``.
     Precedence (module doc): comm_fusion > HCCL split strategy set for ``group`` (size over
     index) > fusion closed; ``policy="hccl"``: HCCL's effective strategy, its default
     [96.54, 3.46] included; ``policy="none"``: fusion closed.

@@ -73,7 +73,7 @@ from autopar.collectives import all_gather_dim, psum_scatter_dim
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.graph.prng import is_key
 from autopar.graph.remat import spans
-from autopar.strategies.layout import DeviceMesh, Layout, axis_name
+from autopar.strategies.layout import DeviceMesh, TensorLayout, axis_name
 from autopar.strategies.precision import LOW_PRECISION, fp32_sync_active
 from autopar.strategies.redistribution import STEP_KINDS
 
@@ -87,17 +87,17 @@ METHODS = ("tuple", "concat")
 KINDS = tuple(k for k, r in STEP_KINDS.items() if r.comm_fusion)
 
 
-def replicated_axes(layout: Layout, mesh: DeviceMesh) -> tuple[str, ...]:
+def replicated_axes(layout: TensorLayout, mesh: DeviceMesh) -> tuple[str, ...]:
     """The sync axes of a parameter laid out as ``layout``: the mesh axes (in mesh order, of
     size > 1) it is not split over, so that its gradient is partial over them and must be
     summed over them.
 
     >>> mesh = DeviceMesh((("a0", 2), ("a1", 1), ("a2", 4)))
-    >>> replicated_axes(Layout((("a2",), ())), mesh)
+    >>> replicated_axes(TensorLayout((("a2",), ())), mesh)
     ('a0',)
     """
-    if not isinstance(layout, Layout):
-        raise AutoParallelTypeError("layout", layout, "an autopar Layout")
+    if not isinstance(layout, TensorLayout):
+        raise AutoParallelTypeError("layout", layout, "an autopar TensorLayout")
     if not isinstance(mesh, DeviceMesh):
         raise AutoParallelTypeError("mesh", mesh, "an autopar DeviceMesh")
     used = layout.used_axes()

@@ -2,7 +2,7 @@
 
 :func:`autopar.rewrite.rewrite` turns a traced :class:`~autopar.graph.ir.Graph` and a
 :class:`~autopar.strategies.plan.Plan` into a ParallelGraph: every value carries its global
-spec, its :class:`~autopar.strategies.layout.Layout` and its local (per-device) shape; every
+spec, its :class:`~autopar.strategies.layout.TensorLayout` and its local (per-device) shape; every
 place where a producer's layout differs from what a consumer needs holds explicit
 communication nodes, one per redistribution :class:`~autopar.strategies.redistribution.Step`
 (AllReduce, ReduceScatter, AllGather, AlltoAll, or a local StridedSlice). Printing it gives a
@@ -25,8 +25,9 @@ from typing import Any, Mapping
 import numpy as np
 
 from autopar.graph.ir import Graph, Strategy, TensorSpec
-from autopar.strategies.layout import DeviceMesh, Layout
+from autopar.strategies.layout import DeviceMesh, TensorLayout
 from autopar.strategies.redistribution import STEP_KINDS, Step
+from autopar.text import table as text_table
 
 __all__ = ["PValue", "PNode", "ParallelGraph"]
 
@@ -41,7 +42,7 @@ class PValue:
 
     name: str
     spec: TensorSpec
-    layout: Layout
+    layout: TensorLayout
     local_shape: tuple[int, ...]
     kind: str  # param | data | const | literal | activation | comm
     origin: str
@@ -138,10 +139,10 @@ class ParallelGraph:
                    if n.step is not None and STEP_KINDS[n.step.kind].collective) + \
             sum(int(n.params["nbytes"]) for n in self.fused_nodes())
 
-    def in_layouts(self) -> tuple[Layout, ...]:
+    def in_layouts(self) -> tuple[TensorLayout, ...]:
         return tuple(self.values[v].layout for v in self.inputs)
 
-    def out_layouts(self) -> tuple[Layout, ...]:
+    def out_layouts(self) -> tuple[TensorLayout, ...]:
         return tuple(self.values[v].layout for v in self.outputs)
 
     # ------------------------------------------------------------------ printing
@@ -198,7 +199,4 @@ class ParallelGraph:
 
 
 def _table(rows: list[tuple[str, ...]]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    out = ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    out.insert(1, "  " + "  ".join("-" * w for w in widths))
-    return out
+    return ["  " + line for line in text_table(rows, align="l" * len(rows[0])).split("\n")]

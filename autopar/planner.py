@@ -107,14 +107,17 @@ def plan_graph(graph: Graph, setup: Setup, *, mode: str | None = None,
                parallel_mode: str | None = None, fully_use_devices: bool | None = None,
                load_file: str | None = None, save_file: str | None = None,
                optimizer: Any = None, micro_batches: int = 1,
-               stage: int | None = None) -> Plan:
+               stage: int | None = None, advise: bool = True) -> Plan:
     """:func:`search` on the setup its caller's entry point resolved (the pipelined step's,
     once for all its stages). ``load_file`` / ``save_file`` replace the configuration's
     strategy-file paths (a stage's own files). ``micro_batches``: the times one optimizer
     step runs ``graph`` (a training step's ``grad_accumulation_step``, times its micro-batches
     for a pipeline stage): the objective charges each the gradient sync and the optimizer
     update once a step (``SearchSettings.micro_batches``). ``stage``: a pipeline stage's
-    plan has every operator in that stage (``Plan.stages``; its strategy file says so)."""
+    plan has every operator in that stage (``Plan.stages``; its strategy file says so).
+    ``advise`` False: a plan that does not fit raises the search's own
+    :class:`MemoryBudgetError`, without trying what would fit (a candidate of a larger
+    search)."""
     cfg = setup.config
     load = cfg.strategy_ckpt_load_file if load_file is None else load_file
     save = cfg.strategy_ckpt_save_file if save_file is None else save_file
@@ -133,7 +136,7 @@ def plan_graph(graph: Graph, setup: Setup, *, mode: str | None = None,
                      setup.cluster if setup.cluster_named else None, s.fixed_map,
                      s.settings, s.annotated)
     else:
-        plan = _advised(search_plan, graph, s, setup)
+        plan = _advised(search_plan, graph, s, setup, advise)
     if stage is not None:
         plan = replace(plan, stages={**plan.stages, **dict.fromkeys(plan.nodes, stage)})
     if files and save:
@@ -154,15 +157,18 @@ def ranked_candidates(graph: Graph, setup: Setup, *, mode: str | None = None,
     return _advised(ranked_plans, graph, s, setup)
 
 
-def _advised(searcher: Any, graph: Graph, s: "_SearchInputs", setup: Setup) -> Any:
+def _advised(searcher: Any, graph: Graph, s: "_SearchInputs", setup: Setup,
+             advised: bool = True) -> Any:
     """``searcher`` (:func:`search_plan` or :func:`ranked_plans`) on the checked inputs; when
     no plan fits the memory budget, the error says what would
-    (:func:`autopar.strategies.fit.advise`)."""
+    (:func:`autopar.strategies.fit.advise`; ``advised`` False: the search's own error)."""
     clus = note_devices(setup.cluster, s.n)
     try:
         return searcher(graph, mode=s.mode, device_num=s.n, cluster=clus, fixed=s.fixed_map,
                         settings=s.settings)
     except MemoryBudgetError as e:
+        if not advised:
+            raise
         raise advise(graph, e, mode=s.mode, device_num=s.n, cluster=clus, fixed=s.fixed_map,
                      settings=s.settings) from None
 

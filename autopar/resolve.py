@@ -28,6 +28,7 @@ from autopar.config import (AUTO_FUSION_THRESHOLD_MB, PIPELINE_SCHEDULERS, AutoP
 from autopar.context import current_config, explicit_keys, public_dict
 from autopar.errors import AutoParallelWarning, ContextConflictError
 from autopar.strategies.modes import PIPELINE_MODES
+from autopar.text import table as text_table
 
 __all__ = ["Restriction", "RESTRICTIONS", "FusionSetting", "ResolvedContext", "fusion_setting",
            "pipeline_schedule", "resolve_context"]
@@ -233,13 +234,7 @@ class ResolvedContext:
         for f in (self.allreduce_fusion, self.allgather_fusion, self.reducescatter_fusion):
             rows.append((f"-> {f.kind} fusion", str(f), "resolved"))
         rows.append(("-> pipeline schedule", self.pipeline_schedule, "resolved"))
-        widths = [max(len(r[i]) for r in rows) for i in range(3)]
-        out = []
-        for i, r in enumerate(rows):
-            out.append("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
-            if i == 0:
-                out.append("  ".join("-" * w for w in widths))
-        return "\n".join(out)
+        return text_table(rows, align="lll")
 
 
 def check_restrictions(config: AutoParallelConfig, explicit: frozenset[str]) \

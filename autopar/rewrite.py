@@ -29,7 +29,7 @@ from autopar.graph.ir import Graph, Node
 from autopar.graph.loops import LOOP_KIND, loop_body
 from autopar.kernel_rules import FusedKernels, check_fused_kernels, fuse_kernels
 from autopar.parallel_graph import PNode, PValue, ParallelGraph
-from autopar.strategies.layout import DeviceMesh, Layout
+from autopar.strategies.layout import DeviceMesh, TensorLayout
 from autopar.strategies.opspec import tensor_spec
 from autopar.strategies.plan import Plan
 from autopar.strategies.redistribution import apply_step_to_layout, redistribute
@@ -37,7 +37,7 @@ from autopar.strategies.redistribution import apply_step_to_layout, redistribute
 __all__ = ["rewrite", "apply_step_to_layout"]
 
 
-def _check_local(name: str, shape: tuple[int, ...], layout: Layout, mesh: DeviceMesh) -> None:
+def _check_local(name: str, shape: tuple[int, ...], layout: TensorLayout, mesh: DeviceMesh) -> None:
     if layout.rank != len(shape):
         raise AutoParallelError("layout", str(layout), f"value {name!r} has rank {len(shape)}, "
                                 f"its layout has rank {layout.rank}")
@@ -61,10 +61,10 @@ class _Rewriter:
         self.nodes: list[PNode] = []
         self.values: dict[str, PValue] = {}
         self.home: dict[str, str] = {}                 # graph value -> its own PValue name
-        self.avail: dict[tuple[str, Layout], str] = {}  # (graph value, layout) -> PValue name
+        self.avail: dict[tuple[str, TensorLayout], str] = {}  # (graph value, layout) -> PValue name
         self.counters: dict[str, int] = {}
 
-    def add_value(self, name: str, origin: str, layout: Layout, kind: str,
+    def add_value(self, name: str, origin: str, layout: TensorLayout, kind: str,
                   data: Any = None) -> str:
         spec = self.g.spec(origin)
         _check_local(name, spec.shape, layout, self.mesh)
@@ -82,10 +82,10 @@ class _Rewriter:
             raise AutoParallelError("value", v, "is read before it is produced (the graph is "
                                     "not in topological order)")
         rank = val.spec.rank
-        self.home[v] = self.add_value(v, v, Layout.replicated(rank), val.kind, val.data)
+        self.home[v] = self.add_value(v, v, TensorLayout.replicated(rank), val.kind, val.data)
         return self.home[v]
 
-    def read(self, v: str, dst: Layout, consumer: str) -> str:
+    def read(self, v: str, dst: TensorLayout, consumer: str) -> str:
         """The name of a PValue holding graph value ``v`` in layout ``dst``."""
         src_name = self.source_value(v)
         hit = self.avail.get((v, dst))
@@ -121,12 +121,12 @@ class _Rewriter:
                                     f"in {cur}")
         return cur_name
 
-    def run(self, out_layouts: Sequence[Layout] | None = None) -> ParallelGraph:
+    def run(self, out_layouts: Sequence[TensorLayout] | None = None) -> ParallelGraph:
         """The program; ``out_layouts``: the graph's outputs end in these layouts (a loop
         body's), else as made, partial sums resolved."""
         g, plan = self.g, self.plan
         for v in g.inputs:
-            lay = plan.layouts.get(v, Layout.replicated(g.spec(v).rank))
+            lay = plan.layouts.get(v, TensorLayout.replicated(g.spec(v).rank))
             if lay.partial:
                 raise AutoParallelError("layout", str(lay), f"input {v!r} cannot be placed as a "
                                         f"partial sum")
@@ -166,7 +166,7 @@ class _Rewriter:
                 outs.append(self.read(v, out_layouts[k], "<output>"))
                 continue
             lay = self.values[self.source_value(v)].layout
-            outs.append(self.read(v, Layout(lay.dims), "<output>") if lay.partial
+            outs.append(self.read(v, TensorLayout(lay.dims), "<output>") if lay.partial
                         else self.home[v])
         return ParallelGraph(g.name, self.mesh, tuple(self.nodes), MappingProxyType(self.values),
                              g.inputs, tuple(outs), g, plan, g.in_tree, g.out_tree)
@@ -187,7 +187,7 @@ def _rewrite_body(node: Node, plan: Plan | None, enable_alltoall: bool) -> Paral
     return _Rewriter(g, plan, enable_alltoall).run(outs)
 
 
-def _check_predicate(node: Node, index: Layout) -> None:
+def _check_predicate(node: Node, index: TensorLayout) -> None:
     """A ``cond``'s predicate (its branch index) is read replicated: every device takes the
     same branch (the collectives inside a branch need every member of their group)."""
     if index.partial or index.used_axes():

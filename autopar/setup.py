@@ -3,7 +3,7 @@
 The stores a job is configured through -- the auto-parallel context (checked by its mode
 restrictions, with the keys the user set and the fusion settings derived from it:
 :func:`autopar.resolve.resolve_context`), the algorithm parameters (:mod:`autopar.algo`), the
-HCCL gradient split strategy (:mod:`autopar.hccl`) and the cluster that prices the plans
+HCCL gradient split strategy (:mod:`autopar.split_strategies`) and the cluster that prices the plans
 (:func:`autopar.clusters.resolve_cluster`, process 0's where a program is built under
 ``jax.distributed``) -- are read
 by the public entry points only (``search``, ``parallelize``, ``train_step``,
@@ -32,9 +32,10 @@ from typing import Any
 
 from autopar.algo import AlgoParameters, current_algo_parameters
 from autopar.clusters import resolve_cluster
+from autopar.comm_groups import WORLD_GROUP
 from autopar.config import AutoParallelConfig
-from autopar.hccl import WORLD_GROUP, SplitStrategy, get_split_strategy
 from autopar.resolve import ResolvedContext, resolve_context
+from autopar.split_strategies import SplitStrategy, get_split_strategy
 from autopar.strategies.cost import Cluster
 
 __all__ = ["Setup", "resolve_setup"]

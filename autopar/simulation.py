@@ -4,7 +4,7 @@
   gradient all-reduces on one stream): seed 001's iteration trace, a Chrome trace, a PNG
   (:mod:`autopar.timeline`);
 * :func:`advise_split` / :func:`compare_splits` -- the HCCL gradient split that minimises
-  that iteration, against the usual alternatives (:mod:`autopar.advisor`);
+  that iteration, against the usual alternatives (:mod:`autopar.split_advisor`);
 * :func:`gradient_buckets` -- the buckets the context's ``comm_fusion`` or the HCCL split
   strategy make (:mod:`autopar.fusion`);
 * :func:`simulate_pipeline` / :func:`simulate_schedule` -- the stages x micro-batches
@@ -15,9 +15,9 @@
 ['Bucket', 'GradientBuckets', 'IterationTrace']
 """
 
-from autopar.advisor import SplitAdvice, SplitComparison, advise_split, compare_splits
 from autopar.fusion import Bucket, GradientBuckets, gradient_buckets
 from autopar.pipeline.simulation import PipelineTrace, simulate_pipeline, simulate_schedule
+from autopar.split_advisor import SplitAdvice, SplitComparison, advise_split, compare_splits
 from autopar.timeline import IterationTrace, plot_timeline, simulate
 
 __all__ = ["Bucket", "GradientBuckets", "IterationTrace", "PipelineTrace", "SplitAdvice",

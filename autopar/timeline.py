@@ -52,8 +52,8 @@ import numpy as np
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.fusion import BUCKET_POLICIES, Bucket, GradientBuckets, gradients
 
-__all__ = ["CommSegment", "IterationTrace", "simulate", "plot_timeline",
-           "plan_communication"]
+__all__ = ["CommSegment", "IterationModel", "IterationTrace", "bucket_ends", "simulate",
+           "plot_timeline", "plan_communication"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,9 +254,18 @@ class IterationTrace:
 # ---------------------------------------------------------------------------- the model
 
 
-class _Model:
+class IterationModel:
     """Everything per (graph, plan, cluster, devices) that does not depend on the buckets:
-    node times, gradient ready times, and the price of any contiguous run of gradients."""
+    node times, gradient ready times, and the price of any contiguous run of gradients.
+
+    :func:`simulate` builds one and runs it on one bucketing; the split advisor
+    (:mod:`autopar.split_advisor`) builds one and searches the bucketings on it: ``grads``
+    (backward order), ``ready`` (each gradient's ready time, seconds), ``bp_end``,
+    ``overlap``, :meth:`price` / :meth:`price_matrix` (a bucket's all-reduce) and :meth:`run`
+    (the trace of one bucketing) are what it reads. The arguments are :func:`simulate`'s,
+    checked the same way; without a plan, ``device_num`` must be given (the entry points pass
+    the context's).
+    """
 
     def __init__(self, graph: Any, plan: Any, cluster: Any, device_num: Any,
                  overlap: Any) -> None:
@@ -355,6 +364,8 @@ class _Model:
         return float(self.ready[i:j].max()) if self.overlap else self.bp_end
 
     def run(self, ends: Sequence[int], source: str) -> IterationTrace:
+        """The trace of the buckets ending (exclusive) at ``ends``, issued in order on one
+        stream; ``source`` names the bucketing in the trace."""
         segs = []
         prev_end, start_i = 0.0, 0
         for k, e in enumerate(ends):
@@ -450,8 +461,10 @@ def plan_communication(graph: Any, plan: Any, cm: Any) -> tuple[float, float, fl
     return comm, redistribution_once(moves), sync
 
 
-def _ends_of(model: _Model, buckets: Any) -> tuple[list[int], str]:
-    """Bucket boundaries, checked against the simulated gradients (names, in order)."""
+def bucket_ends(model: IterationModel, buckets: Any) -> tuple[list[int], str]:
+    """``(ends, source)`` of ``buckets`` (a :class:`GradientBuckets` or a list of
+    :class:`Bucket`): each bucket's end (exclusive) in ``model``'s gradients, checked to hold
+    every gradient once, in backward order; and the bucketing's name."""
     names = [g.name for g in model.grads]
     if isinstance(buckets, GradientBuckets):
         seq: Sequence[Bucket] = buckets.buckets
@@ -502,13 +515,13 @@ def simulate(graph: Any, plan: Any = None, *, buckets: Any = None,
                                 "autopar.simulation.gradient_buckets(...) or a list of Bucket")
     if plan is None and device_num is None:
         device_num = current_config().device_num
-    model = _Model(graph, plan, cluster, device_num, overlap)
+    model = IterationModel(graph, plan, cluster, device_num, overlap)
     if buckets is None or isinstance(buckets, str):
         from autopar.fusion import gradient_buckets
 
         buckets = gradient_buckets(list(model.grads),
                                    policy="context" if buckets is None else buckets)
-    ends, source = _ends_of(model, buckets)
+    ends, source = bucket_ends(model, buckets)
     return model.run(ends, source)
 
 

@@ -45,7 +45,6 @@ import optax
 from autopar import train as _train
 from autopar.calibration import host_identity
 from autopar.checkpoint import read_strategy_file
-from autopar.cli_util import Progress, table
 from autopar.config import AutoParallelConfig
 from autopar.errors import (AutoParallelError, AutoParallelTypeError, AutoParallelWarning,
                             user_stacklevel)
@@ -55,6 +54,7 @@ from autopar.planner import ranked_candidates, save_plan, saves_on_success
 from autopar.setup import Setup, resolve_setup
 from autopar.step_inputs import ParamSplit, warn_gradients_mean
 from autopar.strategies.plan import Plan
+from autopar.text import Progress, table
 from autopar.train import TrainStep
 
 __all__ = ["DEFAULT_STEPS", "MAX_TUNE", "WARMUP", "Tuning", "TuningRow", "choose",

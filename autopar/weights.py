@@ -63,7 +63,7 @@ from autopar.multihost import agree_made
 from autopar.pipeline.buffers import PackedParams
 from autopar.pipeline.step import PipelineTrainStep
 from autopar.step_inputs import is_prng_key
-from autopar.strategies.layout import DeviceMesh, Layout, jax_mesh
+from autopar.strategies.layout import DeviceMesh, TensorLayout, jax_mesh
 from autopar.strategies.plan import Plan
 from autopar.train import TrainStep
 
@@ -191,13 +191,14 @@ def _dtype(path: Any, e: ArrayEntry) -> Any:
                                   "key's with its key_impl", f"{e.dtype} ({err})") from None
 
 
-def _layout_fields(layout: Layout, shape: tuple[int, ...], mesh: DeviceMesh) -> dict[str, Any]:
+def _layout_fields(layout: TensorLayout, shape: tuple[int, ...],
+                   mesh: DeviceMesh) -> dict[str, Any]:
     e = layout_entry(layout, shape, mesh)
     return {"dev_matrix": e["dev_matrix"], "tensor_map": e["tensor_map"]}
 
 
 def _param_entries(names: Sequence[str], leaves: Sequence[Any], values: Sequence[str | None],
-                   layouts: Sequence[tuple[Layout, DeviceMesh] | None],
+                   layouts: Sequence[tuple[TensorLayout, DeviceMesh] | None],
                    stages: Sequence[int | None]) -> list[tuple[dict[str, Any], Any]]:
     out = []
     for n, x, v, lm, s in zip(names, leaves, values, layouts, stages):
@@ -230,7 +231,7 @@ def _from_train_step(step: TrainStep, params: Any, opt_state: Any) -> _Saved:
     return _Saved(step.device_num, "train_step", ps, _state_entries(opt_state, ps))
 
 
-def _pipeline_layouts(step: PipelineTrainStep) -> dict[int, tuple[Layout, int]]:
+def _pipeline_layouts(step: PipelineTrainStep) -> dict[int, tuple[TensorLayout, int]]:
     return {sl.leaf: (sl.layout, s) for s in range(step.stages)
             for sl in step.packing.slots[s]}
 

@@ -48,7 +48,7 @@ from typing import Sequence
 import numpy as np
 
 from autopar.strategies.cost import CostModel
-from autopar.strategies.layout import DeviceMesh, Layout
+from autopar.strategies.layout import DeviceMesh, TensorLayout
 from autopar.strategies.redistribution import (BITS, DIGIT, MAX_AXES, STEP_KINDS, CodedPlan,
                                                Step, mesh_codes, plan_steps, transpose_step)
 
@@ -96,8 +96,8 @@ class _Grid:
     (``prefix[d][t * (K + 1) + j]``: the axes of its first ``j`` digits) and where each axis
     is wanted (``where[t * K + axis]``: its dim, -1 for none; ``pos``: its place there)."""
 
-    def __init__(self, pricer: "EdgePricer", srcs: Sequence[Layout],
-                 dsts: Sequence[Layout]) -> None:
+    def __init__(self, pricer: "EdgePricer", srcs: Sequence[TensorLayout],
+                 dsts: Sequence[TensorLayout]) -> None:
         k, rank = len(pricer.mesh.names), srcs[0].rank
         es = [pricer.encode(s) for s in srcs]
         ed = [pricer.encode(t) for t in dsts]
@@ -136,13 +136,13 @@ class EdgePricer:
             self.low = np.array(self.codes.low, dtype=np.int64)
             self.digit_bit = np.array([0] + [1 << i for i in range(MAX_AXES)],
                                       dtype=np.int64)
-        self._codes: dict[Layout, tuple | None] = {}
+        self._codes: dict[TensorLayout, tuple | None] = {}
         self._tables: dict[bool, _Tables] = {}
         self._grids: dict[tuple, Coefficients | None] = {}
         # the one-pair path (:meth:`pair`): each (kind, axes code)'s collective terms per
         # backward (made when met)
         self._parts: tuple[dict, dict] = ({}, {})
-        self._ids: dict[Layout, int] = {}        # layout -> its number (from 1)
+        self._ids: dict[TensorLayout, int] = {}  # layout -> its number (from 1)
         self._pairs: tuple[dict, dict] = ({}, {})  # per grad: (numbers) -> coefficients
         self._enc: list[tuple | None] = [None]  # per layout number: its planner's codes
         self._shapes: tuple[dict, dict] = ({}, {})  # per grad: pair's split dims -> coef
@@ -153,7 +153,7 @@ class EdgePricer:
             hit = self._tables[backward] = _Tables(self.mesh, self.cm, backward)
         return hit
 
-    def encode(self, lay: Layout) -> tuple | None:
+    def encode(self, lay: TensorLayout) -> tuple | None:
         """(per dim (code, length, mask), partial mask, per dim prefix masks, per axis its
         dim and place) of a layout, from the planner's codes (:meth:`MeshCodes.encode
         <autopar.strategies.redistribution.MeshCodes.encode>`); None if it is not one the
@@ -181,7 +181,7 @@ class EdgePricer:
         self._codes[lay] = out
         return out
 
-    def coefficients(self, srcs: Sequence[Layout], dsts: Sequence[Layout],
+    def coefficients(self, srcs: Sequence[TensorLayout], dsts: Sequence[TensorLayout],
                      grad: bool) -> Coefficients | None:
         """(latency [S, D], seconds per byte [S, D], knee terms) of every pair, or None: price
         them one by one (layouts the vectorised planner does not take; see the module
@@ -201,7 +201,7 @@ class EdgePricer:
         self._grids[key] = out
         return out
 
-    def _price(self, srcs: list[Layout], dsts: list[Layout], grad: bool
+    def _price(self, srcs: list[TensorLayout], dsts: list[TensorLayout], grad: bool
                ) -> Coefficients | None:
         grid = _Grid(self, srcs, dsts)
         if np.any(grid.dst_partial[None, :] & ~grid.src_partial[:, None]):
@@ -212,7 +212,7 @@ class EdgePricer:
         return (run.lat.reshape(len(srcs), len(dsts)),
                 run.per_byte.reshape(len(srcs), len(dsts)), run.knees)
 
-    def small(self, srcs: Sequence[Layout], dsts: Sequence[Layout], grad: bool,
+    def small(self, srcs: Sequence[TensorLayout], dsts: Sequence[TensorLayout], grad: bool,
               nbytes: float) -> np.ndarray:
         """The [S, D] seconds of a small edge, entry by entry as :meth:`Problem.edge_cost
         <autopar.strategies.problem.Problem.edge_cost>` computes them (0 for equal layouts,
@@ -240,7 +240,7 @@ class EdgePricer:
             rows.append(row)
         return np.array(rows, dtype=np.float64).reshape(len(srcs), len(dsts))
 
-    def coef(self, src: Layout, dst: Layout, grad: bool) -> tuple:
+    def coef(self, src: TensorLayout, dst: TensorLayout, grad: bool) -> tuple:
         """:meth:`CostModel.coefficients` of ``plan_steps(src, dst, ...)`` (kept)."""
         ids = self._ids
         i, j = ids.get(src) or self._number(src), ids.get(dst) or self._number(dst)
@@ -249,13 +249,13 @@ class EdgePricer:
             coef = self._pairs[grad][i, j] = self._coef(i, j, src, dst, grad)
         return coef
 
-    def _number(self, lay: Layout) -> int:
+    def _number(self, lay: TensorLayout) -> int:
         """A new layout's number (from 1), its planner's codes kept by number."""
         n = self._ids[lay] = len(self._ids) + 1
         self._enc.append(self.codes.encode(lay))
         return n
 
-    def _coef(self, i: int, j: int, src: Layout, dst: Layout, grad: bool) -> tuple:
+    def _coef(self, i: int, j: int, src: TensorLayout, dst: TensorLayout, grad: bool) -> tuple:
         """:meth:`pair` of layouts numbered ``i`` and ``j``; where the planner does not take
         the pair, ``plan_steps`` raises its error."""
         coef = self._pair(self._enc[i], self._enc[j], grad)
@@ -264,7 +264,7 @@ class EdgePricer:
                                         self.mesh, backward=grad)
         return coef
 
-    def pair(self, src: Layout, dst: Layout, grad: bool
+    def pair(self, src: TensorLayout, dst: TensorLayout, grad: bool
              ) -> tuple[float, float, tuple[tuple[float, float, float], ...]] | None:
         """:meth:`CostModel.coefficients` of ``plan_steps(src, dst, ...)`` for one pair, bit
         for bit: the coded steps of :class:`~autopar.strategies.redistribution.CodedPlan`,
@@ -320,9 +320,9 @@ class EdgePricer:
         return m
 
 
-def _unique(items: Sequence[Layout]) -> tuple[list[Layout], np.ndarray]:
+def _unique(items: Sequence[TensorLayout]) -> tuple[list[TensorLayout], np.ndarray]:
     """The distinct layouts in first-seen order and each item's index among them."""
-    seen: dict[Layout, int] = {}
+    seen: dict[TensorLayout, int] = {}
     inv = [seen.setdefault(x, len(seen)) for x in items]
     return list(seen), np.array(inv, dtype=np.int64)
 

@@ -19,12 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from autopar.cli_util import table as text_table
 from autopar.graph.ir import Graph
 from autopar.strategies.cost import CostModel
 from autopar.strategies.loops import PlannedLoops
 from autopar.strategies.plan import Plan
 from autopar.strategies.problem import Breakdown, Problem
+from autopar.text import table as text_table
 
 __all__ = ["Alternative", "Explanation", "alternatives"]
 

@@ -1,4 +1,4 @@
-"""DeviceMesh and Layout: how tensors live on an abstract mesh of devices.
+"""DeviceMesh and TensorLayout: how tensors live on an abstract mesh of devices.
 
 A :class:`DeviceMesh` is abstract: axis names and sizes only. ``device_num`` is factorised
 into prime-size axes, outermost first (8 -> ``a0:2, a1:2, a2:2``; 12 -> ``a0:2, a1:2,
@@ -6,13 +6,13 @@ a2:3``), and devices are numbered row-major, so the last axes connect devices of
 :func:`jax_mesh` places it on JAX devices; :func:`axis_name` names a group of its axes as
 ``jax`` does.
 
-A :class:`Layout` says, for each tensor dimension, the mesh axes it is split over (outer axis
+A :class:`TensorLayout` says, for each tensor dimension, the mesh axes it is split over (outer axis
 first), and the axes over which the tensor is a pending partial sum. Axes used by neither are
 replicated. Short form like DTensor's: ``S(0)[a0]`` = dim 0 split over a0, ``P[a1]`` = partial
 over a1, ``R`` = replicated.
 
 >>> mesh = DeviceMesh.for_devices(8)
->>> lay = Layout(((("a0",)), ("a1", "a2")))
+>>> lay = TensorLayout(((("a0",)), ("a1", "a2")))
 >>> str(lay), lay.split_counts(mesh)
 ('S(0)[a0]S(1)[a1,a2]', (2, 4))
 >>> lay.partition_spec()
@@ -30,7 +30,7 @@ from typing import Any, Iterable, Sequence
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.limits import MAX_DEVICES
 
-__all__ = ["DeviceMesh", "Layout", "axis_name", "jax_mesh", "prime_factors"]
+__all__ = ["DeviceMesh", "TensorLayout", "axis_name", "jax_mesh", "prime_factors"]
 
 
 def prime_factors(n: int) -> list[int]:
@@ -151,14 +151,14 @@ class DeviceMesh:
 
 
 @dataclass(frozen=True, slots=True)
-class Layout:
+class TensorLayout:
     """Per tensor dim, the mesh axes it is split over; plus pending partial-sum axes."""
 
     dims: tuple[tuple[str, ...], ...]
     partial: tuple[str, ...] = ()
     @staticmethod
-    def replicated(rank: int) -> "Layout":
-        return Layout(tuple(() for _ in range(rank)))
+    def replicated(rank: int) -> "TensorLayout":
+        return TensorLayout(tuple(() for _ in range(rank)))
 
     @property
     def rank(self) -> int:
@@ -178,17 +178,17 @@ class Layout:
         return self.split_counts(mesh)
 
     @staticmethod
-    def from_strategy(entry: tuple[int, ...], mesh: DeviceMesh) -> "Layout":
+    def from_strategy(entry: tuple[int, ...], mesh: DeviceMesh) -> "TensorLayout":
         """Canonical layout of a MindSpore strategy entry (repeated axes stay replicated).
 
-        >>> Layout.from_strategy((2, 1), DeviceMesh.for_devices(8))
-        Layout(dims=(('a2',), ()), partial=())
+        >>> TensorLayout.from_strategy((2, 1), DeviceMesh.for_devices(8))
+        TensorLayout(dims=(('a2',), ()), partial=())
         """
         axes = mesh.assign(entry)
         if axes is None or mesh.device_num % math.prod(entry) != 0:
             raise AutoParallelError("strategy", entry, f"split counts must multiply to a "
                                     f"divisor of device_num={mesh.device_num}")
-        return Layout(axes)
+        return TensorLayout(axes)
 
     def partition_spec(self) -> Any:
         """jax.sharding.PartitionSpec of this layout (partial sums cannot be expressed)."""

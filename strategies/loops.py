@@ -45,7 +45,7 @@ from typing import Any, Callable, Mapping
 from autopar.errors import AutoParallelError
 from autopar.graph.ir import Graph, Node
 from autopar.graph.loops import LOOP_KIND, LoopBody, data_inputs, loop_body, loop_nodes
-from autopar.strategies.layout import DeviceMesh, Layout
+from autopar.strategies.layout import DeviceMesh, TensorLayout
 from autopar.strategies.opspec import legal_splits, tensor_spec
 from autopar.strategies.plan import Plan
 from autopar.strategies.problem import (BodyInputs, Choice, Problem, fused_values,
@@ -71,7 +71,7 @@ class Candidate:
     choice: Choice
     costs: tuple[float, float, float, float]
     plan: Plan
-    stored: tuple[tuple[Layout, ...], ...] = ()
+    stored: tuple[tuple[TensorLayout, ...], ...] = ()
 
 
 def batch_dims(problem: Problem) -> dict[str, int]:
@@ -125,7 +125,7 @@ class LoopChoices:
         g = self.body.graph
         return [g.spec(g.inputs[k]).rank for k in self.data]
 
-    def layouts(self, splits: Splits) -> dict[str, Layout]:
+    def layouts(self, splits: Splits) -> dict[str, TensorLayout]:
         """The body's data inputs at ``splits`` (canonical axes, each on its own)."""
         g, mesh, out, at = self.body.graph, self.problem.mesh, {}, 0
         if len(splits) != sum(self.ranks()):
@@ -141,7 +141,7 @@ class LoopChoices:
                 raise AutoParallelError(f"splits of loop node {self.node.name!r}", splits,
                                         f"body input {v!r} of shape {g.spec(v).shape} cannot "
                                         f"be split {counts}")
-            out[v] = Layout.from_strategy(tuple(counts), mesh)
+            out[v] = TensorLayout.from_strategy(tuple(counts), mesh)
         return out
 
     def inputs(self, splits: Splits) -> BodyInputs:
@@ -223,7 +223,7 @@ class LoopChoices:
             n = g.spec(g.inputs[k]).rank
             if body.role(k) == "carry":
                 made = plan.layouts[g.outputs[k - body.num_consts]]
-                counts = Layout(made.dims).split_counts(mesh)
+                counts = TensorLayout(made.dims).split_counts(mesh)
                 if mesh.assign(counts) is not None:
                     out[at:at + n] = counts
             at += n
@@ -248,24 +248,24 @@ class LoopChoices:
         outs = [plan.layouts[g.inputs[body.num_consts + j]] for j in range(body.num_carry)]
         for v in g.outputs[body.num_carry:]:
             lay = plan.layouts[v]
-            outs.append(Layout(((),) + lay.dims, lay.partial))
+            outs.append(TensorLayout(((),) + lay.dims, lay.partial))
         return self._made(splits, bp, plan, costs, outs)
 
     def _made(self, splits: Splits, bp: Problem, plan: Plan,
-              costs: tuple[float, float, float, float], outs: list[Layout]) -> Candidate:
+              costs: tuple[float, float, float, float], outs: list[TensorLayout]) -> Candidate:
         """The candidate of a body plan priced ``costs`` making ``outs``."""
         g, body = self.body.graph, self.body
         ins = []
         for k, v in enumerate(g.inputs):
             lay = plan.layouts[v]
-            ins.append(Layout(((),) + lay.dims) if body.role(k) == "xs" else lay)
+            ins.append(TensorLayout(((),) + lay.dims) if body.role(k) == "xs" else lay)
         used = frozenset().union(*(lay.used_axes() for lay in (*ins, *outs)))
         choice = Choice(splits, tuple(ins), tuple(outs), used)
         stored = []
         for k, v in enumerate(g.inputs):
             i = bp.index.get(f"<param>{v}")
             lays = [] if i is None else [c.out_layouts[0] for c in bp.vertices[i].choices]
-            stored.append(tuple(Layout(((),) + lay.dims) if body.role(k) == "xs" else lay
+            stored.append(tuple(TensorLayout(((),) + lay.dims) if body.role(k) == "xs" else lay
                                 for lay in lays))
         return Candidate(splits, choice, costs, plan, tuple(stored))
 
@@ -275,8 +275,8 @@ class LoopChoices:
         made in branch 0's layout (a partial sum resolved; the other branches' moved
         there), priced as the dearer branch: its operators, its moves and the operands'."""
         g, body, verts = self.body.graph, self.body, bp.vertices
-        outs = [Layout(plan.layouts[v].dims) if v in plan.layouts else
-                Layout.replicated(g.spec(v).rank) for v in body.branches[0][1]]
+        outs = [TensorLayout(plan.layouts[v].dims) if v in plan.layouts else
+                TensorLayout.replicated(g.spec(v).rank) for v in body.branches[0][1]]
         own = {name: i for i, (names, _) in enumerate(body.branches) for name in names}
         step = bp.cm.cluster.step_overhead
         best: tuple[float, tuple[float, float, float, float]] | None = None
@@ -295,7 +295,7 @@ class LoopChoices:
         assert best is not None
         return self._made(splits, bp, plan, best[1], list(outs))
 
-    def stored_layouts(self, k: int) -> tuple[Layout, ...]:
+    def stored_layouts(self, k: int) -> tuple[TensorLayout, ...]:
         """The layouts the outer parameter read as operand ``k`` may be stored in: those the
         body problems of the candidates found so far offered its slice (a parameter may be
         stored more finely split than the loop reads it, gathered once before the loop)."""
@@ -367,7 +367,7 @@ def planned_time(cm: Any, graph: Graph, n: Node, ns: Any, mesh: DeviceMesh,
     if n.kind == LOOP_KIND:
         return loop_time(cm, n, ns.body if ns is not None else None, mesh)
     if ns is None:
-        rep = [Layout.replicated(graph.spec(v).rank) for v in (*n.inputs, *n.outputs)]
+        rep = [TensorLayout.replicated(graph.spec(v).rank) for v in (*n.inputs, *n.outputs)]
         return operator_time(cm, graph, n, (1,), rep[:len(n.inputs)], rep[len(n.inputs):],
                              mesh, fused)
     return operator_time(cm, graph, n, ns.splits, ns.in_layouts, ns.out_layouts, mesh, fused)

@@ -53,7 +53,7 @@ from autopar.graph.ir import Graph
 from autopar.graph.loops import LOOP_KIND
 from autopar.graph.ops import NO_GRADIENT
 from autopar.graph.residuals import DIVIDES_BY_ROW, NOT_RECOMPUTED, kept
-from autopar.strategies.layout import Layout
+from autopar.strategies.layout import TensorLayout
 
 __all__ = ["ParamBytes", "Residuals", "StepMemory", "recomputed_bytes", "size", "step_memory"]
 
@@ -318,14 +318,14 @@ class _Plan:
     """Where a plan puts the values: ``layouts`` (each value's own), ``reads`` (per operator,
     the layouts it reads its inputs in) and ``local(value, layout)`` (a device's bytes)."""
 
-    layouts: Mapping[str, Layout]
-    reads: Mapping[str, Sequence[Layout]]
-    local: Callable[[str, Layout], float]
+    layouts: Mapping[str, TensorLayout]
+    reads: Mapping[str, Sequence[TensorLayout]]
+    local: Callable[[str, TensorLayout], float]
 
 
 def step_memory(graph: Graph, res: Residuals, requires_grad: Mapping[str, bool], *,
-                layouts: Mapping[str, Layout], reads: Mapping[str, Sequence[Layout]],
-                local: Callable[[str, Layout], float], params: Mapping[str, ParamBytes],
+                layouts: Mapping[str, TensorLayout], reads: Mapping[str, Sequence[TensorLayout]],
+                local: Callable[[str, TensorLayout], float], params: Mapping[str, ParamBytes],
                 opaque: Mapping[str, float] | None = None,
                 update: bool = True, again_loops: Mapping[str, float] | None = None
                 ) -> StepMemory:
@@ -358,8 +358,8 @@ def step_memory(graph: Graph, res: Residuals, requires_grad: Mapping[str, bool],
     return StepMemory(held + peak, phase, at, held, activations, gradients, outputs)
 
 
-def recomputed_bytes(res: Residuals, layouts: Mapping[str, Layout],
-                     local: Callable[[str, Layout], float]) -> float:
+def recomputed_bytes(res: Residuals, layouts: Mapping[str, TensorLayout],
+                     local: Callable[[str, TensorLayout], float]) -> float:
     """The bytes of the residuals a graph's ``jax.checkpoint`` regions make again in
     backward (each value once, in its own layout): what one iteration of a loop body
     whose layers are remat'd holds beside the loop's kept residuals in its backward."""
@@ -368,7 +368,7 @@ def recomputed_bytes(res: Residuals, layouts: Mapping[str, Layout],
     return sum(local(v, lay) for v, lay in keys)
 
 
-def _held(graph: Graph, v: str, lay: Layout, plan: _Plan) -> bool:
+def _held(graph: Graph, v: str, lay: TensorLayout, plan: _Plan) -> bool:
     """Whether a value in ``lay`` is held throughout anyway (a parameter or data input in its
     own layout) or is no buffer (a literal, a constant)."""
     kind = graph.values[v].kind

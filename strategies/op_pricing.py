@@ -18,7 +18,7 @@ split vector with a few integer products and the cost model's own formulas
 (``compute_time``, ``all_reduce_time``, ``gradient_sync_time``, ``update_time``): the very
 same arithmetic, in the same order, as pricing through the Choice's layouts
 (tests/test_op_pricing.py checks it bit for bit), several times cheaper --
-recursive_programming prices hundreds of candidates per round, and Layout objects were most
+recursive_programming prices hundreds of candidates per round, and TensorLayout objects were most
 of that.
 
 >>> import jax.numpy as jnp, autopar
@@ -61,7 +61,7 @@ def _itemsize(dtype: str) -> int:
 class Block:
     """One tensor of an operator: its global shape, the loop dim each of its dims follows
     (None: never split) and its item size; :meth:`local_bytes` is the bytes of one device's
-    block under split counts (``Layout.local_shape``'s arithmetic: each dim's size over its
+    block under split counts (``TensorLayout.local_shape``'s arithmetic: each dim's size over its
     split, floored; integers, so the product's order does not matter)."""
 
     __slots__ = ("shape", "dims", "itemsize", "refs", "whole", "split", "key")

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from autopar.errors import AutoParallelError, AutoParallelTypeError
-from autopar.strategies.layout import DeviceMesh, Layout
+from autopar.strategies.layout import DeviceMesh, TensorLayout
 from autopar.strategies.problem import Breakdown, Problem
+from autopar.text import table as text_table
 
 if TYPE_CHECKING:
     from autopar.graph.ir import Graph
@@ -146,8 +147,8 @@ class NodeStrategy:
     op: str
     strategy: tuple[tuple[int, ...], ...]   # MindSpore: one tuple per input
     splits: tuple[int, ...]                 # per iteration dim
-    in_layouts: tuple[Layout, ...]
-    out_layouts: tuple[Layout, ...]
+    in_layouts: tuple[TensorLayout, ...]
+    out_layouts: tuple[TensorLayout, ...]
     body: "Plan | None" = None              # a loop node's: the plan of its body
 
 
@@ -166,7 +167,7 @@ class Plan:
     cluster: str
     graph_fingerprint: Fingerprint          # a str or Graph given here is wrapped
     nodes: Mapping[str, NodeStrategy]
-    layouts: Mapping[str, Layout]           # every value: producer's (or input's) layout
+    layouts: Mapping[str, TensorLayout]     # every value: producer's (or input's) layout
     # each term at what it is per (strategies.problem.Breakdown): under pricing.micro_batches
     # > 1, ``objective`` is one micro-batch's, with 1/that of the gradient sync and the update
     cost: Breakdown
@@ -220,7 +221,7 @@ class Plan:
     def from_picks(problem: Problem, picks: Sequence[int], mode: str, seconds: float) -> "Plan":
         g, mesh = problem.graph, problem.mesh
         nodes: dict[str, NodeStrategy] = {}
-        layouts: dict[str, Layout] = {}
+        layouts: dict[str, TensorLayout] = {}
         for vert, k in zip(problem.vertices, picks):
             c = vert.choices[k]
             if vert.kind == "op" and vert.node is not None:
@@ -234,15 +235,15 @@ class Plan:
                 layouts[vert.value] = c.out_layouts[0]
         for v, val in g.values.items():
             if v not in layouts:
-                layouts[v] = Layout.replicated(val.spec.rank)
+                layouts[v] = TensorLayout.replicated(val.spec.rank)
         cost, objective = problem.evaluate(picks, peak=True)
         return Plan(mode, mesh, problem.cm.cluster.name, Fingerprint(g), nodes,
                     ReadOnlyDict(sorted(layouts.items())), cost, objective, seconds,
                     parameters=g.parameters(), pricing=Pricing.of(problem),
                     inputs=g.inputs, in_tree=g.in_tree, cluster_config=problem.cm.cluster)
 
-    def layout(self, name: str) -> Layout:
-        """Layout of a value; a node name means its (first) output."""
+    def layout(self, name: str) -> TensorLayout:
+        """The layout of a value; a node name means its (first) output."""
         if not isinstance(name, str):
             raise AutoParallelTypeError("name", name, "a value or node name (str)")
         if name in self.layouts:
@@ -287,11 +288,7 @@ class Plan:
         for n in self.nodes.values():
             rows.append((n.name, n.op, str(n.strategy),
                          ", ".join(str(lay) for lay in n.out_layouts)))
-        widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        for i, r in enumerate(rows):
-            lines.append("  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip())
-            if i == 0:
-                lines.append("  ".join("-" * w for w in widths))
+        lines.append(text_table(rows, align="llll"))
         params = [(v, self.layouts[v]) for v in self.parameters]
         if params:
             lines += ["", "parameters:"]

@@ -41,7 +41,7 @@ from autopar.graph.loops import LOOP_KIND, loop_body
 from autopar.graph.ops import FUSED_PRODUCERS, FUSING_READERS, KINDS, NO_GRADIENT
 from autopar.strategies.cost import CostModel
 from autopar.strategies.edge_pricing import EdgePricer
-from autopar.strategies.layout import DeviceMesh, Layout
+from autopar.strategies.layout import DeviceMesh, TensorLayout
 from autopar.strategies.memory import (ParamBytes, Residuals, StepMemory, recomputed_bytes,
                                        step_memory)
 from autopar.strategies.op_pricing import OpForward, OpPricer
@@ -58,8 +58,8 @@ class Choice:
     """One strategy of a vertex."""
 
     splits: tuple[int, ...]                 # per iteration dim (ops) / per tensor dim (inputs)
-    in_layouts: tuple[Layout, ...]
-    out_layouts: tuple[Layout, ...]
+    in_layouts: tuple[TensorLayout, ...]
+    out_layouts: tuple[TensorLayout, ...]
     used_axes: frozenset[str]
     # (mesh, strategy) of the last strategy() (a choice is shared by the operators of one
     # signature and splits: a plan asks once per operator)
@@ -171,18 +171,18 @@ class Breakdown:
         return self.compute + self.communication + self.redistribution + self.gradient_sync
 
 
-def redistribution_once(moves: Iterable[tuple[str, Layout, float]]) -> float:
+def redistribution_once(moves: Iterable[tuple[str, TensorLayout, float]]) -> float:
     """Seconds of a plan's redistributions, from each edge's ``(value, layout it is read in,
     seconds)``: a value moved to one layout is moved once, whatever number of operators read
     it there (the rewrite reuses it, :mod:`autopar.rewrite`; a value has one producer, so
     its source layout is the same on every edge). The one rule :meth:`Problem.evaluate`
     and the iteration simulator price a plan's redistributions by.
 
-    >>> r = Layout.replicated(2)
+    >>> r = TensorLayout.replicated(2)
     >>> redistribution_once([("x", r, 1.0), ("x", r, 1.0), ("y", r, 2.0)])
     3.0
     """
-    seen: set[tuple[str, Layout]] = set()
+    seen: set[tuple[str, TensorLayout]] = set()
     total = 0.0
     for value, dst, seconds in moves:
         if (value, dst) not in seen:
@@ -245,7 +245,7 @@ class PriceBooks:
     every memory weight, candidate and hand plan, and its operators' prices do not depend on
     those. A book is per graph and what its operators' signatures and prices depend on: the
     mesh, the cost model, the body inputs that carry a gradient, ``full_use``,
-    ``enable_alltoall`` and the mixed-precision settings. Layout pairs' move coefficients
+    ``enable_alltoall`` and the mixed-precision settings. TensorLayout pairs' move coefficients
     are kept per mesh, cost model and ``enable_alltoall``."""
 
     def __init__(self) -> None:
@@ -360,14 +360,14 @@ def fused_values(graph: Graph) -> frozenset[str]:
                      all(k in FUSING_READERS for k in readers[v]))
 
 
-def local_bytes(graph: Graph, value: str, layout: Layout, mesh: DeviceMesh) -> int:
+def local_bytes(graph: Graph, value: str, layout: TensorLayout, mesh: DeviceMesh) -> int:
     """Bytes of one device's block of ``value`` under ``layout``."""
     spec = graph.spec(value)
     return math.prod(layout.local_shape(spec.shape, mesh)) * spec.itemsize
 
 
 def operator_time(cm: CostModel, graph: Graph, node: Node, splits: Sequence[int],
-                  in_layouts: Sequence[Layout], out_layouts: Sequence[Layout],
+                  in_layouts: Sequence[TensorLayout], out_layouts: Sequence[TensorLayout],
                   mesh: DeviceMesh, fused: frozenset[str]) -> float:
     """Forward seconds of one operator on one device under a strategy, the blocks given by
     its layouts: :class:`~autopar.strategies.op_pricing.OpForward`'s rule (FLOPs over the
@@ -426,7 +426,7 @@ class BodyInputs:
     parameters stored outside it (stacked, or passed whole): they cost no memory and no
     optimizer update in its problem (the outer parameter does)."""
 
-    layouts: Mapping[str, Layout]
+    layouts: Mapping[str, TensorLayout]
     grads: frozenset[str]
     batch: Mapping[str, int | None]
 
@@ -528,9 +528,9 @@ class Problem:
                                     f"{self.mesh} of operator {name!r}")
         summed = set(spec.summed)
         partial = tuple(a for d in sorted(summed) for a in axes[d])
-        ins = tuple(Layout(tuple(axes[m] if m is not None else () for m in mp))
+        ins = tuple(TensorLayout(tuple(axes[m] if m is not None else () for m in mp))
                     for mp in spec.in_maps)
-        outs = tuple(Layout(tuple(axes[m] if m is not None else () for m in mp), partial)
+        outs = tuple(TensorLayout(tuple(axes[m] if m is not None else () for m in mp), partial)
                      for mp in spec.out_maps)
         c = Choice(splits, ins, outs, frozenset(a for ax in axes for a in ax))
         self._choice_cache[key] = c
@@ -585,7 +585,7 @@ class Problem:
                 v in self.fused, v in self.param_like, v in self.residuals.kept_outputs)
 
     # ------------------------------------------------------------------ costs
-    def _local_bytes(self, value: str, layout: Layout) -> int:
+    def _local_bytes(self, value: str, layout: TensorLayout) -> int:
         return local_bytes(self.graph, value, layout, self.mesh)
 
     def state_of(self, value: str) -> float | None:
@@ -593,7 +593,7 @@ class Problem:
         ``optimizer_state_factor``)."""
         return state_ratio(self.optimizer_state, value)
 
-    def param_memory(self, value: str, layout: Layout) -> float:
+    def param_memory(self, value: str, layout: TensorLayout) -> float:
         """Training bytes per device of parameter ``value`` stored in ``layout``: its copy,
         gradient and optimizer state (:meth:`CostModel.parameter_memory`), the copy and the
         state split over its shard group when the parallel optimizer takes it (the step's own
@@ -603,7 +603,7 @@ class Problem:
         return self.cm.parameter_memory(nbytes, ways, sharded=sharded,
                                         state=self.state_of(value))
 
-    def _param_shards(self, value: str, layout: Layout) -> tuple[int, int, bool]:
+    def _param_shards(self, value: str, layout: TensorLayout) -> tuple[int, int, bool]:
         """(local bytes, shard group size, sharded) of parameter ``value`` stored in
         ``layout``: the parallel optimizer's decision (1, False when it is off)."""
         spec = self.graph.spec(value)
@@ -621,7 +621,7 @@ class Problem:
         ways = math.prod(sizes[a] for a in d.axes) if d.sharded else 1
         return nbytes, ways, d.sharded
 
-    def param_bytes(self, value: str, layout: Layout, *, update: bool = True,
+    def param_bytes(self, value: str, layout: TensorLayout, *, update: bool = True,
                     donated: bool = False) -> ParamBytes:
         """Parameter ``value`` stored in ``layout``, for the ordered peak: its
         :meth:`CostModel.parameter_parts <autopar.strategies.cost.CostModel.parameter_parts>`
@@ -663,7 +663,7 @@ class Problem:
         m = self.micro_batches
         return seconds if m == 1 else seconds / m
 
-    def param_update(self, value: str, layout: Layout) -> float:
+    def param_update(self, value: str, layout: TensorLayout) -> float:
         """Seconds of the optimizer update of a trained parameter's block (0 if untrained),
         once per step (the objective takes :meth:`once_per_step` of it)."""
         if not self.requires_grad.get(value, False):
@@ -693,7 +693,7 @@ class Problem:
         """Operator ``name``'s cost per choice, as its vertex's ``cost`` array prices it."""
         return self._vertex_arrays([self.split_costs(name, c.splits) for c in choices])["cost"]
 
-    def edge_cost(self, value: str, src: Layout, dst: Layout) -> float:
+    def edge_cost(self, value: str, src: TensorLayout, dst: TensorLayout) -> float:
         """Seconds to move ``value`` from layout src to dst (forward + backward transposes)."""
         if src == dst:
             return 0.0
@@ -703,7 +703,7 @@ class Problem:
             coef = self._pair_coefficients(src, dst, grad)
         return CostModel.steps_seconds(coef, self._nbytes[value])
 
-    def _pair_coefficients(self, src: Layout, dst: Layout, grad: bool) -> tuple:
+    def _pair_coefficients(self, src: TensorLayout, dst: TensorLayout, grad: bool) -> tuple:
         """:meth:`CostModel.coefficients` of the steps from ``src`` to ``dst`` (kept): from
         :meth:`EdgePricer.pair <autopar.strategies.edge_pricing.EdgePricer.pair>` (the same
         planner on bit masks, bit for bit the same numbers at half the cold cost: a search
@@ -730,12 +730,12 @@ class Problem:
                 "cost": (once(compute) if update else compute) + comm + once(sync)
                 + self.memory_weight * mem}
 
-    def _data_layout(self, value: str, position: int, dataset_strategy: Any) -> Layout:
+    def _data_layout(self, value: str, position: int, dataset_strategy: Any) -> TensorLayout:
         spec = self.graph.spec(value)
         if value in self.input_layouts:  # a loop body's data input: its candidate's layout
             return self.input_layouts[value]
         if dataset_strategy == "full_batch" or spec.rank == 0:
-            return Layout.replicated(spec.rank)
+            return TensorLayout.replicated(spec.rank)
         if isinstance(dataset_strategy, tuple):
             n_data = len(self.graph.data_inputs())
             if len(dataset_strategy) != n_data:
@@ -748,13 +748,13 @@ class Problem:
                 raise AutoParallelError(
                     "dataset_strategy", dataset_strategy,
                     f"entry {entry} does not fit data input {value!r} of shape {spec.shape}")
-            return Layout.from_strategy(entry, self.mesh)
+            return TensorLayout.from_strategy(entry, self.mesh)
         # data parallel: the batch dim split by the largest divisor of device_num dividing
         # it, on the canonical axes (repeats outermost), as operators place their splits
         batch = tensor_spec(spec.shape[:1])
         s = max(d for d in range(1, self.mesh.device_num + 1)
                 if legal_splits(batch, (d,), self.mesh))
-        return Layout.from_strategy((s,) + (1,) * (spec.rank - 1), self.mesh)
+        return TensorLayout.from_strategy((s,) + (1,) * (spec.rank - 1), self.mesh)
 
     def _build(self, dataset_strategy: Any, fixed: dict[str, Any],
                given_splits: dict[str, tuple[int, ...]], annotations: bool,
@@ -954,19 +954,19 @@ class Problem:
             self._add_param_vertices(replace_existing=True)
         return [0] * len(self.vertices)
 
-    def _fixed_params(self) -> dict[str, Layout]:
+    def _fixed_params(self) -> dict[str, TensorLayout]:
         """The parameters stored at a fixed layout (``shard(parameter_plan=...)``)."""
         out = {}
         for v, splits in self.graph.parameter_layouts().items():
             try:
-                out[v] = Layout.from_strategy(splits, self.mesh)
+                out[v] = TensorLayout.from_strategy(splits, self.mesh)
             except AutoParallelError:
                 raise AutoParallelError(f"parameter_plan for {v!r}", splits, "split counts "
                                         "must multiply to a divisor of device_num="
                                         f"{self.mesh.device_num}") from None
         return out
 
-    def param_choice_set(self, v: str, layouts: Iterable[Layout]
+    def param_choice_set(self, v: str, layouts: Iterable[TensorLayout]
                          ) -> tuple[list[Choice], dict[str, np.ndarray]]:
         """Parameter ``v``'s choices -- replicated plus ``layouts``, deduplicated and ordered
         by split counts then name; only its fixed layout if it has one -- and their cost
@@ -975,7 +975,7 @@ class Problem:
         if v in self.fixed_params:
             seen = {self.fixed_params[v]: None}
         else:
-            seen = dict.fromkeys((Layout.replicated(self.graph.spec(v).rank), *layouts))
+            seen = dict.fromkeys((TensorLayout.replicated(self.graph.spec(v).rank), *layouts))
         lays = sorted(seen, key=lambda lay: (lay.split_counts(mesh), str(lay)))
         rows = [(0.0, 0.0, 0.0, 0.0) if self.view_params else
                 (self.param_update(v, lay), 0.0, 0.0, self.param_memory(v, lay))
@@ -983,7 +983,7 @@ class Problem:
         return ([Choice(lay.split_counts(mesh), (), (lay,), lay.used_axes()) for lay in lays],
                 self._vertex_arrays(rows, update=True))
 
-    def widen_param(self, v: str, layouts: Iterable[Layout]) -> None:
+    def widen_param(self, v: str, layouts: Iterable[TensorLayout]) -> None:
         """Add ``layouts`` to parameter ``v``'s choices (a plan searched with more choices,
         e.g. recursive_programming's, loaded back into a problem with fixed splits)."""
         i = self.index[f"<param>{v}"]
@@ -999,7 +999,7 @@ class Problem:
 
     def _add_param_vertices(self, replace_existing: bool = False) -> None:
         g = self.graph
-        wanted: dict[tuple, tuple[Layout, ...]] = {}   # (consumer signature, input) -> layouts
+        wanted: dict[tuple, tuple[TensorLayout, ...]] = {}  # (consumer signature, input) -> layouts
         made: dict[tuple, tuple[list[Choice], dict]] = {}
         for v in g.parameters():
             spec = g.spec(v)
@@ -1083,7 +1083,8 @@ class Problem:
             if u.kind == "op" else tuple(c.out_layouts[0] for c in u.choices)
         return (ukey, out_index, self._sig[v.name], tuple(c.splits for c in v.choices), j)
 
-    def _edge_costs(self, value: str, srcs: list[Layout], dsts: list[Layout]) -> np.ndarray:
+    def _edge_costs(self, value: str, srcs: list[TensorLayout],
+                    dsts: list[TensorLayout]) -> np.ndarray:
         """[len(srcs), len(dsts)] :meth:`edge_cost` of ``value``, bit for bit. A large edge's
         coefficients come from :meth:`_edge_pricer` all at once (numpy: ``a + b * nbytes``
         over the arrays, then the knee terms of the few pairs that have some); a small one's
@@ -1182,8 +1183,8 @@ class Problem:
         transients, in the order the step runs them); ``update`` / ``donated``: see
         :meth:`param_bytes`. A loop node keeps its vertex's memory (its body's residuals
         times its trip count) until its backward."""
-        layouts: dict[str, Layout] = {}
-        reads: dict[str, tuple[Layout, ...]] = {}
+        layouts: dict[str, TensorLayout] = {}
+        reads: dict[str, tuple[TensorLayout, ...]] = {}
         params: dict[str, ParamBytes] = {}
         opaque: dict[str, float] = {}
         again: dict[str, float] = {}
@@ -1201,10 +1202,10 @@ class Problem:
                     params[vert.value] = self.param_bytes(vert.value, c.out_layouts[0],
                                                           update=update, donated=donated)
         for v, val in self.graph.values.items():
-            layouts.setdefault(v, Layout.replicated(val.spec.rank))
-        sizes: dict[tuple[str, Layout], float] = {}
+            layouts.setdefault(v, TensorLayout.replicated(val.spec.rank))
+        sizes: dict[tuple[str, TensorLayout], float] = {}
 
-        def local(v: str, lay: Layout) -> float:
+        def local(v: str, lay: TensorLayout) -> float:
             hit = sizes.get((v, lay))
             if hit is None:
                 hit = sizes[(v, lay)] = float(self._local_bytes(v, lay))
@@ -1227,12 +1228,12 @@ class Problem:
         seeds = frozenset(v for v in bg.inputs if bg.values[v].kind != "const")
         res = Residuals(bg, requires_grad(bg, seeds), fused_values(bg), bg.outputs,
                         parameter_values(bg))
-        lay = {v: plan.layouts.get(v, Layout.replicated(val.spec.rank))
+        lay = {v: plan.layouts.get(v, TensorLayout.replicated(val.spec.rank))
                for v, val in bg.values.items()}
         return recomputed_bytes(res, lay, lambda v, la: float(local_bytes(bg, v, la,
                                                                           self.mesh)))
 
-    def param_totals(self, i: int, dsts: Iterable[Layout],
+    def param_totals(self, i: int, dsts: Iterable[TensorLayout],
                      columns: dict[tuple, np.ndarray]) -> np.ndarray:
         """Parameter vertex ``i``'s cost per choice with its consumers reading it in
         ``dsts``: its cost vector plus the move to each distinct layout read, once (the

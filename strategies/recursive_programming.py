@@ -55,7 +55,7 @@ from typing import Callable
 import numpy as np
 
 from autopar.strategies.dynamic_programming import Elimination, Memo, Order
-from autopar.strategies.layout import Layout, prime_factors
+from autopar.strategies.layout import TensorLayout, prime_factors
 from autopar.strategies.opspec import legal_splits
 from autopar.gc_pause import paused_gc
 from autopar.strategies.problem import Choice, Problem, enumerate_splits
@@ -199,8 +199,8 @@ class _Rounds:
         self.layout_cache: dict[tuple, int] = kept.setdefault("layout_cache", {})
         # (map, summed, candidates) -> list id; a loop node's (its problem's) apart:
         self.loop_layouts: dict[tuple, int] = {}
-        self.layout_ids: dict[tuple[Layout, ...], int] = kept.setdefault("layout_ids", {})
-        self.layout_lists: list[list[Layout]] = kept.setdefault("layout_lists", [])
+        self.layout_ids: dict[tuple[TensorLayout, ...], int] = kept.setdefault("layout_ids", {})
+        self.layout_lists: list[list[TensorLayout]] = kept.setdefault("layout_lists", [])
         # (bytes, grad, lists) -> matrix
         self.by_layouts: dict[tuple, np.ndarray] = kept.setdefault("by_layouts", {})
         self.link_ends: np.ndarray | None = None  # [links, 2] cut vertices, for scores
@@ -338,12 +338,12 @@ class _Rounds:
             lays = []
             for x in cands:
                 axes = assign(x)
-                lays.append(Layout(tuple(axes[m] if m is not None else () for m in mp),
-                                   tuple(a for d in summed for a in axes[d])))
+                lays.append(TensorLayout(tuple(axes[m] if m is not None else () for m in mp),
+                                         tuple(a for d in summed for a in axes[d])))
             hit = self.layout_cache[key] = self._layout_list(tuple(lays))
         return hit
 
-    def _layout_list(self, lays: tuple[Layout, ...]) -> int:
+    def _layout_list(self, lays: tuple[TensorLayout, ...]) -> int:
         lid = self.layout_ids.setdefault(lays, len(self.layout_lists))
         if lid == len(self.layout_lists):
             self.layout_lists.append(list(lays))
@@ -382,7 +382,7 @@ class _Rounds:
         mats[lk] = umats[inverse.reshape(-1)]
 
     def _matrices(self, cands: dict[int, list[Splits]], cid_of: np.ndarray,
-                  data_layout: dict[int, Layout], dkey: object) -> list[np.ndarray]:
+                  data_layout: dict[int, TensorLayout], dkey: object) -> list[np.ndarray]:
         """One matrix per link: op -> op links, then data inputs (in ``data_layout``)."""
         verts, sig = self.problem.vertices, self.problem._sig
         states = self.op_state.tolist()
@@ -431,7 +431,7 @@ class _Rounds:
         return sum(before_v) + sum(before_m), sum(after_v) + sum(after_m)
 
     def cut_once(self, candidates: Callable[[int, Splits], list[Splits]],
-                 data_layout: dict[int, Layout], dkey: object, score: bool = False,
+                 data_layout: dict[int, TensorLayout], dkey: object, score: bool = False,
                  peers: dict[int, tuple[Splits, ...]] | None = None
                  ) -> tuple[np.ndarray, float, float]:
         """Solve one cut exactly: every operator picks one of ``candidates(op, splits)``
@@ -452,11 +452,11 @@ class _Rounds:
         problem, mesh, verts = self.problem, self.problem.mesh, self.problem.vertices
         for r, p in enumerate(prime_factors(mesh.device_num)):
             used = set(mesh.names[:r + 1])
-            data_layout: dict[int, Layout] = {}
+            data_layout: dict[int, TensorLayout] = {}
             for i in self.data:
                 lay = verts[i].choices[0].out_layouts[0]
                 counts = tuple(mesh.size_of([a for a in d if a in used]) for d in lay.dims)
-                data_layout[i] = Layout(mesh.assign(counts) or lay.dims)
+                data_layout[i] = TensorLayout(mesh.assign(counts) or lay.dims)
             self.op_state = self.cut_once(lambda i, cur, p=p: _candidates(problem, i, cur, p),
                                           data_layout, r)[0]
 
@@ -502,8 +502,8 @@ def _lowers(before: float, after: float) -> bool:
     return after < before - 1e-9 * abs(before)
 
 
-def _edge_costs(problem: Problem, value: str, srcs: list[Layout],
-                dsts: list[Layout]) -> np.ndarray:
+def _edge_costs(problem: Problem, value: str, srcs: list[TensorLayout],
+                dsts: list[TensorLayout]) -> np.ndarray:
     """[len(srcs), len(dsts)] ``Problem.edge_cost`` of ``value`` (``Problem._edge_costs``:
     at once (numpy) for many pairs, pair by pair for a few)."""
     return problem._edge_costs(value, srcs, dsts)
@@ -542,7 +542,7 @@ def _widen_parameters(problem: Problem) -> None:
     parameters keep no choices of their own: the choices are a sorted set, so these are
     simply added), else the parameter's current choices."""
     g, verts = problem.graph, problem.vertices
-    wanted: dict[tuple, tuple[Layout, ...]] = {}   # (consumer signature, input) -> layouts
+    wanted: dict[tuple, tuple[TensorLayout, ...]] = {}   # (consumer signature, input) -> layouts
     made: dict[tuple, tuple[list[Choice], dict]] = {}
     for v in g.parameters():
         spec = g.spec(v)
@@ -575,7 +575,7 @@ def _widen_parameters(problem: Problem) -> None:
             e._matrix = None
 
 
-def _read_layouts(problem: Problem, consumer, j: int) -> tuple[Layout, ...]:
+def _read_layouts(problem: Problem, consumer, j: int) -> tuple[TensorLayout, ...]:
     """The layouts operator ``consumer`` reads its input ``j`` in over its whole strategy
     space (or its fixed strategy), first-seen order: ``op_choice(node, s).in_layouts[j]``
     for each, built from the input's map and the canonical axes alone."""
@@ -591,10 +591,10 @@ def _read_layouts(problem: Problem, consumer, j: int) -> tuple[Layout, ...]:
         all_splits = enumerate_splits(problem.specs[name], problem.mesh.device_num,
                                       not problem.may_repeat(consumer.node))
     mp, assign = problem.specs[name].in_maps[j], problem.axes_of
-    out: dict[Layout, None] = {}
+    out: dict[TensorLayout, None] = {}
     for s in all_splits:
         axes = assign(s)
-        out[Layout(tuple(axes[m] if m is not None else () for m in mp))] = None
+        out[TensorLayout(tuple(axes[m] if m is not None else () for m in mp))] = None
     return tuple(out)
 
 

@@ -34,9 +34,10 @@ size for all_gather, the input size for reduce_scatter, all_reduce and all_to_al
 slice its input size -- the output of the all_gather its backward is (a slice is free in
 forward).
 
->>> from autopar.strategies.layout import DeviceMesh, Layout
+>>> from autopar.strategies.layout import DeviceMesh, TensorLayout
 >>> mesh = DeviceMesh.for_devices(8)
->>> steps = redistribute((16, 16), 4, Layout(((), ()), ("a0",)), Layout((("a0",), ())), mesh)
+>>> src, dst = TensorLayout(((), ()), ("a0",)), TensorLayout((("a0",), ()))
+>>> steps = redistribute((16, 16), 4, src, dst, mesh)
 >>> [(s.kind, s.axes, s.dim) for s in steps]
 [('reduce_scatter', ('a0',), 0)]
 """
@@ -48,7 +49,7 @@ from functools import lru_cache
 from typing import Callable
 
 from autopar.errors import AutoParallelError
-from autopar.strategies.layout import DeviceMesh, Layout
+from autopar.strategies.layout import DeviceMesh, TensorLayout
 
 __all__ = ["Step", "StepKind", "STEP_KINDS", "redistribute", "plan_steps", "transpose_step",
            "apply_step_to_layout", "CodedPlan", "MeshCodes", "mesh_codes"]
@@ -146,10 +147,10 @@ def transpose_step(step: Step) -> Step | None:
     return STEP_KINDS[step.kind].transpose(step)
 
 
-def apply_step_to_layout(layout: Layout, step: Step) -> Layout:
+def apply_step_to_layout(layout: TensorLayout, step: Step) -> TensorLayout:
     """The layout after one redistribution step.
 
-    >>> lay = Layout(((), ("a1",)), ("a0",))
+    >>> lay = TensorLayout(((), ("a1",)), ("a0",))
     >>> str(apply_step_to_layout(lay, Step("reduce_scatter", ("a0",), 0)))
     'S(0)[a0]S(1)[a1]'
     """
@@ -160,13 +161,13 @@ def apply_step_to_layout(layout: Layout, step: Step) -> Layout:
     partial = list(layout.partial)
     for effect in kind.effect:
         effect(dims, partial, step)
-    return Layout(tuple(tuple(d) for d in dims), tuple(partial))
+    return TensorLayout(tuple(tuple(d) for d in dims), tuple(partial))
 
 
 # ---------------------------------------------------------------------------- the planner
 
 
-def redistribute(shape: tuple[int, ...], itemsize: int, src: Layout, dst: Layout,
+def redistribute(shape: tuple[int, ...], itemsize: int, src: TensorLayout, dst: TensorLayout,
                  mesh: DeviceMesh, enable_alltoall: bool = False) -> tuple[Step, ...]:
     """Ordered steps turning a tensor laid out as ``src`` into ``dst``, with byte counts."""
     if src.rank != len(shape) or dst.rank != len(shape):
@@ -180,7 +181,7 @@ def redistribute(shape: tuple[int, ...], itemsize: int, src: Layout, dst: Layout
 
 
 @lru_cache(maxsize=500_000)
-def plan_steps(src: Layout, dst: Layout, mesh: DeviceMesh,
+def plan_steps(src: TensorLayout, dst: TensorLayout, mesh: DeviceMesh,
                enable_alltoall: bool = False) -> tuple[Step, ...]:
     """The shape-free steps (``fraction`` set, ``nbytes`` 0); pure and cached: the
     :class:`CodedPlan` of the pair, its coded steps decoded."""
@@ -234,7 +235,7 @@ class MeshCodes:
         self.frac = [1.0 / n for n in prods]
         self.low = [(1 << (BITS * j)) - 1 for j in range(k + 2)]
         self.rounds = 4 * k + 4  # the planner's bound on its rounds (it converges sooner)
-        self._layouts: dict[Layout, tuple | None] = {}
+        self._layouts: dict[TensorLayout, tuple | None] = {}
 
     def axes(self, code: int) -> tuple[str, ...]:
         """The axes a code names, in order."""
@@ -244,7 +245,7 @@ class MeshCodes:
             code >>= BITS
         return tuple(out)
 
-    def encode(self, lay: Layout) -> tuple | None:
+    def encode(self, lay: TensorLayout) -> tuple | None:
         """(per dim codes, lengths, masks: lists; partial mask; used mask: the dims' axes;
         partial code) of a layout, or None: one the planner does not take (an axis on two
         dims or twice in the partial sum, an axis not on the mesh, a mesh of more than
@@ -257,7 +258,7 @@ class MeshCodes:
             hit = self._layouts[lay] = self._encode(lay) if self.ok else None
         return hit
 
-    def _encode(self, lay: Layout) -> tuple | None:
+    def _encode(self, lay: TensorLayout) -> tuple | None:
         index, seen = self.index, 0
         codes, lens, masks = [], [], []
         for axes in lay.dims:

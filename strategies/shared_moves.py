@@ -42,7 +42,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from autopar.strategies.layout import Layout
+from autopar.strategies.layout import TensorLayout
 from autopar.strategies.opspec import legal_splits
 from autopar.strategies.problem import Choice, Problem
 
@@ -106,11 +106,11 @@ class _Moves:
         self.drops: dict[tuple, Choice | None] = {}  # (signature, splits, axes) -> dropped
         self.region_memo: dict[tuple, Any] = {}  # region situation -> its move (None: none)
 
-    def dst(self, k: int) -> Layout:
+    def dst(self, k: int) -> TensorLayout:
         e = self.edges[k]
         return self.verts[e.v].choices[self.picks[e.v]].in_layouts[e.in_index]
 
-    def src(self, k: int) -> Layout:
+    def src(self, k: int) -> TensorLayout:
         e = self.edges[k]
         return self.verts[e.u].choices[self.picks[e.u]].out_layouts[e.out_index]
 

@@ -6,11 +6,11 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from autopar.strategies.layout import DeviceMesh, Layout
+from autopar.strategies.layout import DeviceMesh, TensorLayout
 
 
 def draw_layout(draw: Any, mesh: DeviceMesh, rank: int,
-                partial_from: tuple[str, ...] | None = None) -> Layout:
+                partial_from: tuple[str, ...] | None = None) -> TensorLayout:
     """Any of the mesh's axes on any of ``rank`` dims, in any order, or left out, or (only
     axes of ``partial_from``; None: any axis) a pending partial sum."""
     dims: list[list[str]] = [[] for _ in range(rank)]
@@ -22,4 +22,4 @@ def draw_layout(draw: Any, mesh: DeviceMesh, rank: int,
             dims[where].append(a)
         elif where == -2:
             partial.append(a)
-    return Layout(tuple(tuple(d) for d in dims), tuple(partial))
+    return TensorLayout(tuple(tuple(d) for d in dims), tuple(partial))

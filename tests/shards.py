@@ -10,7 +10,7 @@ import itertools
 
 import numpy as np
 
-from autopar.strategies.layout import DeviceMesh, Layout
+from autopar.strategies.layout import DeviceMesh, TensorLayout
 from autopar.strategies.redistribution import Step
 
 Coord = tuple[int, ...]
@@ -32,7 +32,7 @@ def _block(x: np.ndarray, dim: int, parts: int, k: int) -> np.ndarray:
     return np.take(x, np.arange(k * n, (k + 1) * n), axis=dim)
 
 
-def shard(x: np.ndarray, layout: Layout, mesh: DeviceMesh,
+def shard(x: np.ndarray, layout: TensorLayout, mesh: DeviceMesh,
           rng: np.random.Generator | None = None) -> dict[Coord, np.ndarray]:
     out = {}
     summands: dict[Coord, np.ndarray] = {}

@@ -112,3 +112,24 @@ def test_train_step_builds_the_configuration_it_chose():
     _, _, loss = step(params, step.init(params), *batch)
     # (the pipelined step's gradients against float64 references: tests/test_pipeline.py)
     np.testing.assert_allclose(float(loss), float(m.loss(params, *batch)), rtol=1e-5)
+
+
+def test_stages_of_one_structure_are_searched_once():
+    """The middle stages of a stack of identical blocks differ only in their names: the
+    first is searched, the others take its plan by position, which is their own search's."""
+    from autopar.pipeline.plan import search_stages
+    from autopar.planner import plan_graph
+
+    m = transformer(layers=8, hidden=64, heads=4, seq=16, vocab=64, batch=8)
+    g = ap.trace(m.loss, *jax.eval_shape(m.example_args, jax.random.key(0)))
+    with ap.auto_parallel_context(device_num=32, parallel_mode="auto_parallel"):
+        setup = resolve_setup(CLUSTER)
+    _, sgs, plans = search_stages(g, 4, setup=setup, micro_batches=4, boundaries=None,
+                                  mode=None, fixed=None)
+    reused = [s for s, plan in enumerate(plans) if plan.search_seconds == 0.0]
+    assert reused and all(sgs[s].fingerprint() != sgs[s - 1].fingerprint() for s in reused)
+    for s in reused:
+        own = plan_graph(sgs[s], setup, device_num=8, micro_batches=4, stage=s)
+        assert plans[s].decisions() == own.decisions() and plans[s].cost == own.cost
+        assert plans[s].fingerprint == sgs[s].fingerprint()
+        assert set(plans[s].stages.values()) == {s}

@@ -32,7 +32,7 @@ MODULES = [name for name in _modules() if _examples(name)]
 
 
 def test_the_examples_are_found():
-    assert {"autopar.advisor", "autopar.strategies.stages",
+    assert {"autopar.split_advisor", "autopar.strategies.stages",
             "autopar.kernels.mm_reduce_scatter"} <= set(MODULES)
 
 

@@ -21,7 +21,7 @@ from autopar.errors import AutoParallelError
 from autopar.models import tfm_stack, transformer
 from autopar.strategies.cost import CLUSTERS, Cluster, CollectiveFit, CostModel
 from autopar.strategies.edge_pricing import EdgePricer
-from autopar.strategies.layout import DeviceMesh, Layout
+from autopar.strategies.layout import DeviceMesh, TensorLayout
 from autopar.strategies.problem import Problem
 from autopar.strategies.redistribution import plan_steps
 from layouts import draw_layout
@@ -50,7 +50,7 @@ def edges(draw):
     mesh = DeviceMesh.for_devices(draw(st.sampled_from([8, 8, 12, 24, 64, 64, 512, 512])))
     rank = draw(st.integers(0, 4))
 
-    def one(partial_from: tuple[str, ...] | None) -> Layout:
+    def one(partial_from: tuple[str, ...] | None) -> TensorLayout:
         return draw_layout(draw, mesh, rank, partial_from)
 
     pool = [one(None) for _ in range(draw(st.integers(1, 5)))]
@@ -62,7 +62,7 @@ def edges(draw):
     return mesh, srcs, dsts
 
 
-def _planned(cm: CostModel, src: Layout, dst: Layout, mesh: DeviceMesh, alltoall: bool,
+def _planned(cm: CostModel, src: TensorLayout, dst: TensorLayout, mesh: DeviceMesh, alltoall: bool,
              grad: bool) -> tuple | None:
     """The planner's coefficients of one pair (None where it refuses the pair)."""
     try:
@@ -102,12 +102,12 @@ def test_edge_coefficients_equal_the_planners(case, cluster, grad, alltoall):
 def test_layouts_the_planner_does_not_take_are_priced_pair_by_pair():
     mesh = DeviceMesh.for_devices(8)
     pricer = EdgePricer(mesh, CostModel(CLUSTERS["accelerator-8x"]), False)
-    twice = Layout((("a0",), ("a0",)))
-    fine = Layout((("a0",), ()))
+    twice = TensorLayout((("a0",), ("a0",)))
+    fine = TensorLayout((("a0",), ()))
     assert pricer.coefficients([twice, fine], [fine], True) is None
-    creates = Layout(((), ()), ("a1",))  # a target cannot create a partial sum
+    creates = TensorLayout(((), ()), ("a1",))  # a target cannot create a partial sum
     assert pricer.coefficients([fine], [creates], False) is None
-    assert pricer.coefficients([fine], [fine, Layout(((), ("a1",)))], False) is not None
+    assert pricer.coefficients([fine], [fine, TensorLayout(((), ("a1",)))], False) is not None
 
 
 @pytest.mark.parametrize("model,devices,alltoall", [
@@ -164,7 +164,7 @@ def test_layouts_the_codes_do_not_take_are_refused():
     mesh = DeviceMesh.for_devices(8)
     cm = CostModel(CLUSTERS["accelerator-8x"])
     pricer = EdgePricer(mesh, cm, False)
-    twice, fine = Layout((("a0",), ("a0",))), Layout((("a0",), ()))
+    twice, fine = TensorLayout((("a0",), ("a0",))), TensorLayout((("a0",), ()))
     assert pricer.pair(twice, fine, True) is None
     for price in (lambda: plan_steps(twice, fine, mesh, False),
                   lambda: pricer.coef(twice, fine, True),
@@ -172,4 +172,4 @@ def test_layouts_the_codes_do_not_take_are_refused():
         with pytest.raises(AutoParallelError, match="at most one dim"):
             price()
     with pytest.raises(AutoParallelError):  # a target creating a partial sum
-        pricer.small([fine], [Layout(((), ()), ("a1",))], False, 1e6)
+        pricer.small([fine], [TensorLayout(((), ()), ("a1",))], False, 1e6)

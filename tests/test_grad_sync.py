@@ -230,23 +230,23 @@ def test_sync_groups_split_buckets_by_axes_and_refuse_bad_buckets():
 
 
 def test_replicated_axes_are_the_unsplit_mesh_axes_of_size_above_one():
-    from autopar.strategies.layout import DeviceMesh, Layout
+    from autopar.strategies.layout import DeviceMesh, TensorLayout
 
     mesh = DeviceMesh((("a0", 2), ("a1", 1), ("a2", 4)))
-    assert replicated_axes(Layout(((), ())), mesh) == ("a0", "a2")     # size-1 a1 dropped
-    assert replicated_axes(Layout((("a2",), ())), mesh) == ("a0",)
-    assert replicated_axes(Layout((("a2",), ("a0",))), mesh) == ()
-    assert replicated_axes(Layout(((),), partial=("a0",)), mesh) == ("a2",)  # partial: used
+    assert replicated_axes(TensorLayout(((), ())), mesh) == ("a0", "a2")     # size-1 a1 dropped
+    assert replicated_axes(TensorLayout((("a2",), ())), mesh) == ("a0",)
+    assert replicated_axes(TensorLayout((("a2",), ("a0",))), mesh) == ()
+    assert replicated_axes(TensorLayout(((),), partial=("a0",)), mesh) == ("a2",)  # partial: used
     with pytest.raises(ap.AutoParallelTypeError, match="layout"):
         replicated_axes(((), ()), mesh)
     with pytest.raises(ap.AutoParallelTypeError, match="mesh"):
-        replicated_axes(Layout(((),)), {"a0": 2})
+        replicated_axes(TensorLayout(((),)), {"a0": 2})
 
 
 def test_gradient_scale_and_data_parallel_degree():
     from types import SimpleNamespace as NS
 
-    from autopar.strategies.layout import DeviceMesh, Layout
+    from autopar.strategies.layout import DeviceMesh, TensorLayout
 
     for mean, rep_mean, want in ((True, True, 1.0), (False, True, 4.0), (True, False, 2.0),
                                  (False, False, 8.0)):   # dp 4 of 8 devices: 2 repeats
@@ -260,7 +260,7 @@ def test_gradient_scale_and_data_parallel_degree():
     with pytest.raises(ap.AutoParallelError, match="devices"):
         gradient_scale(1, -1, gradients_mean=True, loss_repeated_mean=True)
     mesh = DeviceMesh((("a0", 2), ("a1", 4)))
-    val = lambda shape, dims: NS(spec=NS(shape=shape), layout=Layout(dims))  # noqa: E731
+    val = lambda shape, dims: NS(spec=NS(shape=shape), layout=TensorLayout(dims))  # noqa: E731
     assert data_parallel_degree([], mesh) == 1
     assert data_parallel_degree([val((8, 3), (("a0",), ())), val((), ())], mesh) == 2
     assert data_parallel_degree([val((8,), (("a0",),)), val((8,), (("a0", "a1"),))], mesh) == 8

@@ -9,12 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import autopar as ap
-from autopar.hccl import _STATE
+from autopar.comm_groups import _GROUPS
+from autopar.split_strategies import _SPLITS
 
 
 def snapshot():
-    s = _STATE.get()
-    return (dict(s.groups), dict(s.by_size), dict(s.by_idx))
+    s = _SPLITS.get()
+    return (dict(_GROUPS.get()), dict(s.by_size), dict(s.by_idx))
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""DeviceMesh, Layout and the redistribution table (checked by a NumPy shard simulation)."""
+"""DeviceMesh, TensorLayout and the redistribution table (checked by a NumPy shard simulation)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec
 
-from autopar.strategies import CLUSTERS, CostModel, DeviceMesh, Layout, redistribute
+from autopar.strategies import CLUSTERS, CostModel, DeviceMesh, TensorLayout, redistribute
 from autopar.strategies.redistribution import transpose_step
 
 from layouts import draw_layout
@@ -36,19 +36,19 @@ def test_mesh_factorisation_and_inner_axes():
 
 def test_layout_forms():
     mesh = DeviceMesh.for_devices(8)
-    lay = Layout.from_strategy((2, 4), mesh)
+    lay = TensorLayout.from_strategy((2, 4), mesh)
     assert str(lay) == "S(0)[a0]S(1)[a1,a2]" and lay.split_counts(mesh) == (2, 4)
     assert lay.partition_spec() == PartitionSpec("a0", ("a1", "a2"))
     assert lay.local_shape((8, 8), mesh) == (4, 2)
-    rep = Layout.from_strategy((2, 1), mesh)  # repeated calculation: 4 copies on a0, a1
-    assert rep.dims == (("a2",), ()) and str(Layout.replicated(2)) == "R"
-    assert str(Layout(((), ()), ("a1",))) == "P[a1]"
+    rep = TensorLayout.from_strategy((2, 1), mesh)  # repeated calculation: 4 copies on a0, a1
+    assert rep.dims == (("a2",), ()) and str(TensorLayout.replicated(2)) == "R"
+    assert str(TensorLayout(((), ()), ("a1",))) == "P[a1]"
     with pytest.raises(ValueError, match="partial"):
-        Layout(((), ()), ("a1",)).partition_spec()
+        TensorLayout(((), ()), ("a1",)).partition_spec()
     with pytest.raises(ValueError, match="divisor"):
-        Layout.from_strategy((3, 1), mesh)
+        TensorLayout.from_strategy((3, 1), mesh)
     with pytest.raises(ValueError, match="divisor"):
-        Layout.from_strategy((4, 4), mesh)
+        TensorLayout.from_strategy((4, 4), mesh)
 
 
 @st.composite
@@ -57,7 +57,7 @@ def layout_pairs(draw):
     mesh = DeviceMesh.for_devices(n)
     rank = draw(st.integers(1, 3))
 
-    def one(allow_partial: bool) -> Layout:
+    def one(allow_partial: bool) -> TensorLayout:
         return draw_layout(draw, mesh, rank, None if allow_partial else ())
 
     src, dst = one(True), one(False)
@@ -117,22 +117,25 @@ def test_known_redistributions():
     mesh = DeviceMesh.for_devices(8)
     shape = (16, 16)
     # partial -> split on the consumer's dim: one reduce-scatter (cheaper than all-reduce)
-    steps = redistribute(shape, 4, Layout(((), ()), ("a0", "a1", "a2")),
-                         Layout((("a0", "a1", "a2"), ())), mesh)
+    steps = redistribute(shape, 4, TensorLayout(((), ()), ("a0", "a1", "a2")),
+                         TensorLayout((("a0", "a1", "a2"), ())), mesh)
     assert [s.kind for s in steps] == ["reduce_scatter"]
-    steps = redistribute(shape, 4, Layout(((), ()), ("a0",)), Layout.replicated(2), mesh)
+    steps = redistribute(shape, 4, TensorLayout(((), ()), ("a0",)), TensorLayout.replicated(2),
+                         mesh)
     assert [s.kind for s in steps] == ["all_reduce"]
     # move a split between dims: all_to_all, or all_gather + slice without it
-    a, b = Layout((("a0",), ())), Layout(((), ("a0",)))
+    a, b = TensorLayout((("a0",), ())), TensorLayout(((), ("a0",)))
     assert [s.kind for s in redistribute(shape, 4, a, b, mesh, True)] == ["all_to_all"]
     assert [s.kind for s in redistribute(shape, 4, a, b, mesh, False)] == ["all_gather",
                                                                            "slice"]
     # replicated -> split is a free local slice
-    steps = redistribute(shape, 4, Layout.replicated(2), Layout((("a1",), ("a0",))), mesh)
+    steps = redistribute(shape, 4, TensorLayout.replicated(2), TensorLayout((("a1",), ("a0",))),
+                         mesh)
     assert {s.kind for s in steps} == {"slice"}
     assert CostModel(CLUSTERS["accelerator-8x"]).steps_time(steps, mesh) == 0.0
     # bytes: all_gather counts the gathered size
-    steps = redistribute(shape, 4, Layout((("a0", "a1", "a2"), ())), Layout.replicated(2), mesh)
+    steps = redistribute(shape, 4, TensorLayout((("a0", "a1", "a2"), ())),
+                         TensorLayout.replicated(2), mesh)
     assert steps[0].kind == "all_gather" and steps[0].nbytes == 16 * 16 * 4
 
 
@@ -149,20 +152,20 @@ def test_transposes():
 def test_redistribution_rejects_bad_pairs():
     mesh = DeviceMesh.for_devices(8)
     with pytest.raises(ValueError, match="partial"):
-        redistribute((8,), 4, Layout(((),)), Layout(((),), ("a0",)), mesh)
+        redistribute((8,), 4, TensorLayout(((),)), TensorLayout(((),), ("a0",)), mesh)
     with pytest.raises(ValueError, match="rank"):
-        redistribute((8, 8), 4, Layout(((),)), Layout(((),)), mesh)
+        redistribute((8, 8), 4, TensorLayout(((),)), TensorLayout(((),)), mesh)
 
 
-def _through_replicated(src: Layout, dst: Layout, mesh: DeviceMesh) -> tuple:
+def _through_replicated(src: TensorLayout, dst: TensorLayout, mesh: DeviceMesh) -> tuple:
     """The naive route: resolve partial sums, gather every split, then slice to the target."""
     from autopar.strategies.redistribution import plan_steps
 
-    mid = Layout(src.dims)
+    mid = TensorLayout(src.dims)
     first = plan_steps(src, mid, mesh) if src.partial else ()
     gathers = tuple(Step("all_gather", d, i, fraction=_frac(mid.dims[:i], mesh))
                     for i, d in reversed(list(enumerate(mid.dims))) if d)
-    return first + gathers + plan_steps(Layout(tuple(() for _ in src.dims)), dst, mesh)
+    return first + gathers + plan_steps(TensorLayout(tuple(() for _ in src.dims)), dst, mesh)
 
 
 def _frac(dims, mesh):
@@ -185,7 +188,7 @@ def test_table_route_is_never_dearer_than_going_through_replicated(case, cluster
     from autopar.strategies.redistribution import plan_steps
 
     mesh, shape, src, dst, alltoall = case
-    src = Layout(src.dims)  # the moves (partial sums resolve first, by their own rule)
+    src = TensorLayout(src.dims)  # the moves (partial sums resolve first, by their own rule)
     clus = CLUSTERS["accelerator-8x"].model_copy(update={"devices_per_node": 4096}) \
         if cluster == "one-node" else CLUSTERS[cluster]
     cm = CostModel(clus)
@@ -200,7 +203,7 @@ def test_table_route_is_never_dearer_than_going_through_replicated(case, cluster
 def test_multi_axis_moves_do_not_go_through_replicated():
     mesh = DeviceMesh.for_devices(8)
     shape = (16, 16)
-    src, dst = Layout(((), ("a2", "a1", "a0"))), Layout((("a0", "a1", "a2"), ()))
+    src, dst = TensorLayout(((), ("a2", "a1", "a0"))), TensorLayout((("a0", "a1", "a2"), ()))
     steps = redistribute(shape, 4, src, dst, mesh)
     # one axis at a time: gather a0 off dim 1, slice it onto dim 0, then a1, then a2
     assert [(s.kind, s.axes, s.dim) for s in steps] == [
@@ -208,8 +211,8 @@ def test_multi_axis_moves_do_not_go_through_replicated():
         ("slice", ("a1",), 0), ("all_gather", ("a2",), 1), ("slice", ("a2",), 0)]
     assert max(s.nbytes for s in steps) == 16 * 16 * 4 // 4  # never more than a quarter
     # with all_to_all: slice the free axes first, then move the split
-    steps = redistribute(shape, 4, Layout((("a0",), ())), Layout(((), ("a2", "a1", "a0"))),
-                         mesh, True)
+    steps = redistribute(shape, 4, TensorLayout((("a0",), ())),
+                         TensorLayout(((), ("a2", "a1", "a0"))), mesh, True)
     assert [(s.kind, s.axes) for s in steps] == [("slice", ("a2", "a1")),
                                                  ("all_to_all", ("a0",))]
     cm = CostModel(CLUSTERS["accelerator-8x"])

@@ -484,14 +484,14 @@ def test_a_split_predicate_is_refused_typed():
     import dataclasses
 
     from autopar.rewrite import rewrite
-    from autopar.strategies.layout import Layout
+    from autopar.strategies.layout import TensorLayout
 
     loss, p, x = _cond()
     g = ap.trace(loss, p, x)
     with _context():
         plan = ap.search(g)
     ns = plan.nodes["cond_0"]
-    bad = dataclasses.replace(ns, in_layouts=(Layout((), ("a0",)),) + ns.in_layouts[1:])
+    bad = dataclasses.replace(ns, in_layouts=(TensorLayout((), ("a0",)),) + ns.in_layouts[1:])
     plan = dataclasses.replace(plan, nodes={**plan.nodes, "cond_0": bad})
     with pytest.raises(ap.AutoParallelError, match="predicate of cond node 'cond_0'.*"
                                                    "replicated"):

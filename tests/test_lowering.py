@@ -20,7 +20,7 @@ from autopar.lower import apply_step, jax_mesh
 from autopar.models import mlp, resnet50, tfm_stack, transformer
 from clusters import COMPUTE_BOUND
 import numerics
-from autopar.strategies.layout import DeviceMesh, Layout
+from autopar.strategies.layout import DeviceMesh, TensorLayout
 from autopar.strategies.redistribution import redistribute
 
 import shards
@@ -227,7 +227,7 @@ def test_random_mlp_strategies_match_reference(case):
 
 
 def _random_layouts(rng: np.random.Generator, mesh: DeviceMesh, rank: int
-                    ) -> tuple[Layout, Layout]:
+                    ) -> tuple[TensorLayout, TensorLayout]:
     src: list[list[str]] = [[] for _ in range(rank)]
     dst: list[list[str]] = [[] for _ in range(rank)]
     partial = []
@@ -243,11 +243,11 @@ def _random_layouts(rng: np.random.Generator, mesh: DeviceMesh, rank: int
     for d in src + dst:
         rng.shuffle(d)  # any axis order within a dim, not only the mesh order
     keep = [a for a in partial if rng.random() < 0.25]
-    return (Layout(tuple(map(tuple, src)), tuple(partial)),
-            Layout(tuple(map(tuple, dst)), tuple(keep)))
+    return (TensorLayout(tuple(map(tuple, src)), tuple(partial)),
+            TensorLayout(tuple(map(tuple, dst)), tuple(keep)))
 
 
-def _run_steps(x: np.ndarray, src: Layout, steps: tuple, mesh: DeviceMesh) -> None:
+def _run_steps(x: np.ndarray, src: TensorLayout, steps: tuple, mesh: DeviceMesh) -> None:
     local = shards.shard(x, src, mesh, np.random.default_rng(1))
     coords = shards.devices(mesh)
     stacked = np.stack([local[c] for c in coords]).astype(np.float32)
@@ -337,7 +337,7 @@ def test_parallel_graph_dump_and_layouts():
     assert pg.values["params/layer0/w"].local_shape == (64, 128)
     assert pg.values["layer1/dot_general_0"].layout.partial == ("a0", "a1", "a2")
     (out,) = pg.outputs
-    assert pg.values[out].layout == Layout(((), ())) and pg.values[out].kind == "comm"
+    assert pg.values[out].layout == TensorLayout(((), ())) and pg.values[out].kind == "comm"
     assert pg.comm_bytes() == 8 * 64 * 4
     assert "AllReduce 1" in pg.summary()
 

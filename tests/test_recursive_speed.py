@@ -16,7 +16,7 @@ import autopar as ap
 from autopar.models import transformer
 from autopar.strategies import dynamic_programming, recursive_programming
 from autopar.strategies.cost import CLUSTERS, CostModel
-from autopar.strategies.layout import DeviceMesh, Layout
+from autopar.strategies.layout import DeviceMesh, TensorLayout
 from autopar.strategies.problem import Problem
 from cuts import random_cut
 
@@ -134,14 +134,14 @@ def test_parameters_take_the_cheapest_layout_of_their_full_space():
         reads = [(e.value, problem.vertices[e.v].choices[picks[e.v]].in_layouts[e.in_index])
                  for e in problem.edges if e.u == i]
 
-        def cost(lay: Layout) -> float:
+        def cost(lay: TensorLayout) -> float:
             return weight * problem.param_memory(v, lay) + sum(
                 problem.edge_cost(val, lay, dst) for val, dst in reads)
 
         space = [c.out_layouts[0] for c in full.vertices[full.index[f"<param>{v}"]].choices]
         assert chosen in space
         assert cost(chosen) <= min(cost(lay) for lay in space) * (1 + 1e-12)
-        settled = {dst for _, dst in reads} | {Layout.replicated(len(chosen.dims))}
+        settled = {dst for _, dst in reads} | {TensorLayout.replicated(len(chosen.dims))}
         stored_finer += chosen not in settled
     assert stored_finer > 0  # the case exercises layouts the settled consumers do not read
 

@@ -17,12 +17,12 @@ from hypothesis import strategies as st
 from autopar.clusters import CLUSTERS
 from autopar.errors import AutoParallelError
 from autopar.strategies.cost import CostModel
-from autopar.strategies.layout import DeviceMesh, Layout
+from autopar.strategies.layout import DeviceMesh, TensorLayout
 from autopar.strategies.redistribution import STEP_KINDS, Step, plan_steps, transpose_step
 from layouts import draw_layout
 
 
-def _reference_plan_steps(src: Layout, dst: Layout, mesh: DeviceMesh,
+def _reference_plan_steps(src: TensorLayout, dst: TensorLayout, mesh: DeviceMesh,
                           enable_alltoall: bool = False) -> tuple[Step, ...]:
     plan = _ReferencePlanner(src, dst, mesh)
     plan.resolve_partials(src, dst)
@@ -56,7 +56,7 @@ def layout_pairs(draw):
     mesh = DeviceMesh.for_devices(draw(st.sampled_from([4, 8, 12, 24, 64, 512])))
     rank = draw(st.integers(0, 4))
 
-    def one(partial_from: tuple[str, ...] | None) -> Layout:
+    def one(partial_from: tuple[str, ...] | None) -> TensorLayout:
         return draw_layout(draw, mesh, rank, partial_from)
 
     src = one(None)
@@ -84,8 +84,10 @@ def test_a_kept_partial_axis_on_a_dim_is_planned_as_first_written():
     """Layouts with an axis both on a dim and in the partial sum (the lowering's tests draw
     them) are planned as the reference plans them."""
     mesh = DeviceMesh.for_devices(8)
-    pairs = [(Layout(((), ("a1",), ()), ("a0",)), Layout(((), ("a1",), ("a0",)), ("a0",))),
-             (Layout((("a0",), ("a2",)), ("a0", "a1")), Layout((("a1",), ("a0",)), ("a1",)))]
+    pairs = [(TensorLayout(((), ("a1",), ()), ("a0",)),
+              TensorLayout(((), ("a1",), ("a0",)), ("a0",))),
+             (TensorLayout((("a0",), ("a2",)), ("a0", "a1")),
+              TensorLayout((("a1",), ("a0",)), ("a1",)))]
     for src, dst in pairs:
         for alltoall in (False, True):
             want = _reference_plan_steps(src, dst, mesh, alltoall)
@@ -97,7 +99,7 @@ def test_a_kept_partial_axis_on_a_dim_is_planned_as_first_written():
 class _ReferencePlanner:
     """The steps from ``src`` to ``dst`` so far, and the per-dim axes they reach (``cur``)."""
 
-    def __init__(self, src: Layout, dst: Layout, mesh: DeviceMesh) -> None:
+    def __init__(self, src: TensorLayout, dst: TensorLayout, mesh: DeviceMesh) -> None:
         self.mesh, self.rank, self.route = mesh, len(src.dims), f"{src} -> {dst}"
         self.cur = [list(d) for d in src.dims]
         self.want = [list(d) for d in dst.dims]
@@ -130,7 +132,7 @@ class _ReferencePlanner:
             self.steps.append(Step("slice", axes, dim, fraction=self.fraction()))
         self.cur[dim].extend(axes)
 
-    def resolve_partials(self, src: Layout, dst: Layout) -> None:
+    def resolve_partials(self, src: TensorLayout, dst: TensorLayout) -> None:
         """Resolve partial sums: reduce_scatter where the target splits on that axis next,
         all_reduce otherwise."""
         cur, want = self.cur, self.want

@@ -20,7 +20,7 @@ from autopar.graph import ops
 from autopar.graph.ops import KINDS, OPERATORS, op_spec
 from autopar.lower import STEP_LOWERING
 from autopar.strategies.cost import CLUSTERS, COLLECTIVE_KINDS, CostModel
-from autopar.strategies.layout import DeviceMesh, Layout
+from autopar.strategies.layout import DeviceMesh, TensorLayout
 from autopar.strategies.redistribution import (STEP_KINDS, Step, apply_step_to_layout,
                                                plan_steps, transpose_step)
 
@@ -115,11 +115,11 @@ def test_each_kind_traces_specs_and_runs(kind):
 MESH = DeviceMesh.for_devices(8)
 #: per step kind a (source, target) layout pair whose plan is exactly one step of it
 ONE_STEP = {
-    "all_reduce": (Layout(((), ()), ("a0",)), Layout(((), ()))),
-    "reduce_scatter": (Layout(((), ()), ("a0",)), Layout((("a0",), ()))),
-    "all_gather": (Layout((("a0",), ())), Layout(((), ()))),
-    "all_to_all": (Layout((("a0",), ())), Layout(((), ("a0",)))),
-    "slice": (Layout(((), ())), Layout(((), ("a1",)))),
+    "all_reduce": (TensorLayout(((), ()), ("a0",)), TensorLayout(((), ()))),
+    "reduce_scatter": (TensorLayout(((), ()), ("a0",)), TensorLayout((("a0",), ()))),
+    "all_gather": (TensorLayout((("a0",), ())), TensorLayout(((), ()))),
+    "all_to_all": (TensorLayout((("a0",), ())), TensorLayout(((), ("a0",)))),
+    "slice": (TensorLayout(((), ())), TensorLayout(((), ("a1",)))),
 }
 
 

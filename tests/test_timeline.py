@@ -1,4 +1,4 @@
-"""The iteration simulator (autopar.timeline) and the split advisor (autopar.advisor):
+"""The iteration simulator (autopar.timeline) and the split advisor (autopar.split_advisor):
 trace consistency, Chrome trace JSON, the PNG, exactness of the advisor, and that it never
 loses to the usual alternatives on ResNet-50 and the zoo transformer at 8, 64, 512 devices."""
 
@@ -11,10 +11,10 @@ import jax
 import pytest
 
 import autopar as ap
-from autopar.advisor import horovod_buckets, round_percentages
 from autopar.fusion import (buckets_by_index, buckets_by_percent, buckets_from_ends,
                             gradients)
 from autopar.models import mlp, resnet50, transformer
+from autopar.split_advisor import horovod_buckets, round_percentages
 from autopar.strategies.cost import CLUSTERS, CostModel
 from autopar.strategies.problem import requires_grad
 from autopar.timeline import CommSegment

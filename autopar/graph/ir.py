@@ -30,6 +30,7 @@ from autopar.errors import AutoParallelError, AutoParallelTypeError, found, safe
 from autopar.graph.ms_layout import layout_devices, to_strategy
 from autopar.graph.prng import itemsize
 from autopar.limits import MAX_DEVICES
+from autopar.text import table as text_table
 
 __all__ = ["TensorSpec", "Value", "Node", "Graph", "Strategy", "check_strategy_shape"]
 
@@ -334,9 +335,7 @@ class Graph:
             rows.append((n.name, n.op, f"{ins} -> {outs}", f"{n.flops / 1e6:.3f}",
                          f"{n.bytes_read / 1024:.1f}/{n.bytes_written / 1024:.1f}",
                          str(n.annotation) if n.annotation else ""))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-        lines.insert(1, "  ".join("-" * w for w in widths))
+        lines = text_table(rows, align="l" * len(rows[0])).split("\n")
         if max_rows is not None and len(self.nodes) > max_rows:
             lines.append(f"... {len(self.nodes) - max_rows} more nodes")
         n_params = len(self.parameters())

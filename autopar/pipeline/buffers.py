@@ -14,9 +14,9 @@ over the same data-parallel axes) is one contiguous slice: one ``psum`` per grou
 gradients backwards) travels as one flat buffer per dtype, padded to the largest boundary,
 so every stage's branch of the SPMD program has the same signature.
 
->>> from autopar.strategies.layout import DeviceMesh, Layout
+>>> from autopar.strategies.layout import DeviceMesh, TensorLayout
 >>> mesh = DeviceMesh.for_devices(4)
->>> device_block((8, 6), Layout((("a0",), ())), mesh, 3)   # device 3 = (a0=1, a1=1)
+>>> device_block((8, 6), TensorLayout((("a0",), ())), mesh, 3)   # device 3 = (a0=1, a1=1)
 (slice(4, 8, None), slice(0, 6, None))
 """
 
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from autopar.grad_sync import replicated_axes
-from autopar.strategies.layout import DeviceMesh, Layout
+from autopar.strategies.layout import DeviceMesh, TensorLayout
 
 __all__ = ["PackedParams", "ParamSlot", "Segment", "StagePacking", "device_block",
            "BoundaryCodec", "check_elementwise_optimizer"]
@@ -51,7 +51,7 @@ def coords(d: int, mesh: DeviceMesh) -> dict[str, int]:
     return {name: int(i) for (name, _), i in zip(mesh.axes, idx)}
 
 
-def device_block(shape: Sequence[int], layout: Layout, mesh: DeviceMesh, d: int
+def device_block(shape: Sequence[int], layout: TensorLayout, mesh: DeviceMesh, d: int
                  ) -> tuple[slice, ...]:
     """The block of a tensor that device ``d`` holds under ``layout``."""
     c = coords(d, mesh)
@@ -73,7 +73,7 @@ class ParamSlot:
     dtype: str
     offset: int                     # in the stage's working buffer of this dtype
     local_shape: tuple[int, ...]
-    layout: Layout
+    layout: TensorLayout
     sync_axes: tuple[str, ...]      # intra-stage axes the parameter is replicated over
     sharded: bool = False           # stored sharded by the parallel optimizer
 
@@ -115,7 +115,7 @@ class StagePacking:
     """
 
     def __init__(self, shapes: Sequence[tuple[int, ...]], dtypes: Sequence[str],
-                 stage_of: Sequence[int], layouts: Sequence[Layout], names: Sequence[str],
+                 stage_of: Sequence[int], layouts: Sequence[TensorLayout], names: Sequence[str],
                  stages: int, mesh: DeviceMesh, sharded: Sequence[bool] | None = None) -> None:
         self.stages, self.mesh = stages, mesh
         self.shapes = [tuple(s) for s in shapes]

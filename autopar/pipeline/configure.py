@@ -66,7 +66,7 @@ from autopar.strategies.cost import BACKWARD_FACTOR
 from autopar.strategies.modes import PIPELINE_MODES
 from autopar.strategies.stages import partition_stages
 from autopar.strategies.plan import Plan
-from autopar.strategies.precision import fp32_sync_active
+from autopar.strategies.precision import compute_dtype, fp32_sync_active
 
 __all__ = ["Configuration", "ConfigurationSearch", "configured", "micro_batch_counts",
            "micro_graphs", "search_configuration", "stage_counts", "weigh_configurations"]
@@ -192,6 +192,12 @@ def _stash_bytes(part: Any, sched: Any, devices: int) -> float:
     return float((sched.act_slots + sched.grad_slots + 2) * largest)
 
 
+def _peak(clus: Any, graph: Graph, node: Any) -> float:
+    """The FLOP/s an operator computes at: its dtype's peak (as the cost model prices it)."""
+    dtype = compute_dtype(graph, node)
+    return clus.peak_flops_by_dtype.get(dtype, clus.peak_flops) if dtype else clus.peak_flops
+
+
 def _parts(trace: PipelineTrace) -> dict[str, float]:
     span = trace.makespan
     return {"work": span * (1.0 - trace.bubble), "bubble": span * trace.bubble,
@@ -215,7 +221,7 @@ class _Weigher:
 
     def bound(self, p: int, m: int) -> "float | Configuration":
         """A lower bound of the step of ``p`` stages x ``m`` micro-batches under any
-        schedule, from the stage cut alone: every stage's forward its FLOPs at the fastest
+        schedule, from the stage cut alone: every stage's forward its FLOPs at their dtype's
         peak over all of its devices, its backward ``BACKWARD_FACTOR`` (+ 1 recomputed) times
         that, no transfer, gradient sync or update (the simulator is monotone in each);
         0 for a graph with loop nodes (one stage only). The failed configuration when the
@@ -230,9 +236,8 @@ class _Weigher:
             return Configuration(p, m, "-", math.inf, math.inf, self.budget, 1.0, (),
                                  failed=str(e).splitlines()[0])
         clus = self.setup.cluster
-        peak = max([clus.peak_flops, *clus.peak_flops_by_dtype.values()])
-        fwd = [sum(graph.node(name).flops for name in names) * p / self.n / peak
-               for names in part.stage_nodes]
+        fwd = [sum(graph.node(name).flops / _peak(clus, graph, graph.node(name))
+                   for name in names) * p / self.n for names in part.stage_nodes]
         bwd = [(BACKWARD_FACTOR + (1.0 if p > 1 else 0.0)) * t for t in fwd]
         return clus.step_overhead + min(
             simulate_schedule(fwd, bwd, micro_batches=m, schedule=name).makespan
@@ -247,7 +252,7 @@ class _Weigher:
                 warnings.simplefilter("ignore", AutoParallelWarning)
                 part, _, plans = search_stages(graph, p, setup=self.setup, micro_batches=m,
                                                boundaries=None, mode=self.mode,
-                                               fixed=self.fixed)
+                                               fixed=self.fixed, advise=False)
         except AutoParallelError as e:  # (MemoryBudgetError included): a finding, not a stop
             reason = str(e).splitlines()[0]
             budget = self.budget

@@ -14,8 +14,10 @@ keeps them, written only once every stage is planned:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 from autopar.errors import AutoParallelTypeError
@@ -23,13 +25,14 @@ from autopar.graph.ir import Graph
 from autopar.multihost import together
 from autopar.parallel_graph import ParallelGraph
 from autopar.pipeline.schedules import Schedule
-from autopar.planner import check_same_plans, plan_graph, saves_on_success
+from autopar.planner import check_same_plans, plan_graph, save_plan, saves_on_success
 from autopar.rewrite import rewrite
 from autopar.setup import Setup
 from autopar.strategies.plan import Plan
 from autopar.strategies.stages import StagePartition, partition_stages, stage_graph
 
-__all__ = ["PipelinePlan", "StagePlans", "plan_stages", "search_stages", "stage_file"]
+__all__ = ["PipelinePlan", "StagePlans", "plan_stages", "renamed_plan", "search_stages",
+           "stage_file"]
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,7 @@ def plan_stages(graph: Graph, p: int, *, setup: Setup, micro_batches: int,
 
 def search_stages(graph: Graph, p: int, *, setup: Setup, micro_batches: int,
                   boundaries: Sequence[str | int] | None, mode: str | None,
-                  fixed: Mapping[str, Any] | None
+                  fixed: Mapping[str, Any] | None, advise: bool = True
                   ) -> tuple[StagePartition, tuple[Graph, ...], tuple[Plan, ...]]:
     """Cut ``graph`` into ``p`` stages and search each one for its ``device_num / p``
     devices: ``(partition, stage graphs, stage plans)``. ``fixed``: strategies by node name
@@ -110,7 +113,7 @@ def search_stages(graph: Graph, p: int, *, setup: Setup, micro_batches: int,
     paths become one file per stage; its cluster prices the partition and every stage).
     Each stage is searched as one of the ``grad_accumulation_step x micro_batches``
     micro-batches of a step: its gradient sync and optimizer update charged once a step
-    (``SearchSettings.micro_batches``)."""
+    (``SearchSettings.micro_batches``). ``advise``: as :func:`autopar.planner.plan_graph`'s."""
     config = setup.config
     n = config.device_num
     with together():  # every process builds the step: process 0's cluster (jax.distributed)
@@ -123,13 +126,69 @@ def search_stages(graph: Graph, p: int, *, setup: Setup, micro_batches: int,
     for name in fixed:
         graph.node(name)  # unknown names raise, with suggestions
     sgs = tuple(stage_graph(graph, part, s) for s in range(p))
-    plans = []
+    plans: list[Plan] = []
+    searched: dict[str, int] = {}  # a stage's structure without names -> the stage searched
     for s, sg in enumerate(sgs):
         mine = {k: v for k, v in fixed.items() if k in {nd.name for nd in sg.nodes}}
-        plan = plan_graph(sg, setup, mode=mode, device_num=n // p, fixed=mine,
-                          load_file=stage_file(config.strategy_ckpt_load_file, s),
-                          save_file=stage_file(config.strategy_ckpt_save_file, s),
-                          micro_batches=micro_batches * config.grad_accumulation_step,
-                          stage=s)
+        load = stage_file(config.strategy_ckpt_load_file, s)
+        save = stage_file(config.strategy_ckpt_save_file, s)
+        key = None if mine or load else _structure_key(sg)
+        if key in searched:  # the same structure as a stage already searched: its plan
+            plan = renamed_plan(plans[searched[key]], sgs[searched[key]], sg, s)
+            if save:
+                save_plan(plan, sg, save)
+        else:
+            plan = plan_graph(sg, setup, mode=mode, device_num=n // p, fixed=mine,
+                              load_file=load, save_file=save,
+                              micro_batches=micro_batches * config.grad_accumulation_step,
+                              stage=s, advise=advise)
+            if key is not None:
+                searched[key] = s
         plans.append(plan)
     return part, sgs, tuple(plans)
+
+
+def _order(graph: Graph) -> tuple[list[str], list[str]]:
+    """The graph's node names and value names in order: its inputs, then each node's inputs
+    (not met before) and outputs."""
+    values = dict.fromkeys(graph.inputs)
+    for nd in graph.nodes:
+        values.update(dict.fromkeys(nd.inputs))
+        values.update(dict.fromkeys(nd.outputs))
+    return [nd.name for nd in graph.nodes], list(values)
+
+
+def _structure_key(graph: Graph) -> str:
+    """``Graph.structure()`` with every node and value named by its position
+    (:func:`_order`), hashed: stage graphs that differ only in their names (the middle
+    stages of a stack of identical layers) share it."""
+    nodes, values = _order(graph)
+    index = {v: f"v{i}" for i, v in enumerate(values)}
+
+    def named(x: Any) -> Any:
+        if isinstance(x, str):
+            return index.get(x, x)
+        return {**x, "name": index.get(x["name"], x["name"])}
+
+    st = graph.structure()
+    blob = json.dumps({"inputs": [named(e) for e in st["inputs"]],
+                       "outputs": [named(o) for o in st["outputs"]],
+                       "nodes": [{**e, "name": str(i), "inputs": [named(x) for x in e["inputs"]],
+                                  "outputs": [named(x) for x in e["outputs"]]}
+                                 for i, e in enumerate(st["nodes"])]},
+                      sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def renamed_plan(plan: Plan, source: Graph, graph: Graph, stage: int) -> Plan:
+    """``plan`` of ``source`` as the plan of ``graph``, a graph of the same structure
+    (:func:`_structure_key`) under other names: every operator's strategy and every value's
+    layout taken by position; its prices are the same."""
+    (src_n, src_v), (dst_n, dst_v) = _order(source), _order(graph)
+    nmap, vmap = dict(zip(src_n, dst_n)), dict(zip(src_v, dst_v))
+    return replace(plan, graph_fingerprint=graph,
+                   nodes={nmap[k]: replace(ns, name=nmap[k]) for k, ns in plan.nodes.items()},
+                   layouts={vmap.get(k, k): lay for k, lay in plan.layouts.items()},
+                   parameters=tuple(vmap[v] for v in plan.parameters),
+                   inputs=tuple(vmap[v] for v in plan.inputs),
+                   stages={nmap[k]: stage for k in plan.stages}, search_seconds=0.0)

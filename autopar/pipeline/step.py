@@ -82,7 +82,7 @@ from autopar.planner import saves_on_success
 from autopar.step_inputs import (ParamSplit, broadcast_parameters, check_arrays, check_loss,
                                  check_opt_state, check_trainable, is_prng_key,
                                  step_arguments, warn_gradients_mean)
-from autopar.strategies.layout import DeviceMesh, Layout, axis_name, jax_mesh
+from autopar.strategies.layout import DeviceMesh, TensorLayout, axis_name, jax_mesh
 from autopar.strategies.redistribution import redistribute
 from autopar.strategies.modes import PIPELINE_MODES
 from autopar.strategies.stages import check_stages
@@ -90,7 +90,7 @@ from autopar.strategies.stages import check_stages
 __all__ = ["pipeline_train_step", "PipelineTrainStep"]
 
 
-def _convert(x: Any, shape: tuple[int, ...], dtype: str, src: Layout, dst: Layout,
+def _convert(x: Any, shape: tuple[int, ...], dtype: str, src: TensorLayout, dst: TensorLayout,
              mesh: DeviceMesh, alltoall: bool) -> Any:
     if src == dst:
         return x
@@ -267,7 +267,7 @@ class PipelineTrainStep(ProgramInspection):
             owner = next((s for s in range(p) if v in pgs[s].inputs), 0)
             stage_of.append(owner)
             layouts.append(pgs[owner].values[v].layout if v in pgs[owner].values
-                           else Layout.replicated(len(p_sds[i].shape)))
+                           else TensorLayout.replicated(len(p_sds[i].shape)))
         self._param_names = names
         self.shard_decisions = self._shard_decisions(names, layouts, p_sds, cfg)
         self.packing = StagePacking([tuple(x.shape) for x in p_sds], self._p_dtypes, stage_of,
@@ -277,7 +277,7 @@ class PipelineTrainStep(ProgramInspection):
             cfg.parallel_optimizer_config.gradient_accumulation_shard) and \
             self.packing.any_sharded
 
-    def _shard_decisions(self, names: list[str], layouts: list[Layout],
+    def _shard_decisions(self, names: list[str], layouts: list[TensorLayout],
                          p_sds: list[jax.ShapeDtypeStruct], cfg: AutoParallelConfig
                          ) -> list[ShardDecision]:
         """The parallel optimizer: autopar.optimizer_shard's rule, per parameter of its
@@ -300,13 +300,13 @@ class PipelineTrainStep(ProgramInspection):
         """The layout each crossing value travels in (its consumer's), and the codec of the
         padded boundary buffers."""
         graph, pgs, p, part = self.graph, self.parallel_graphs, self.stages, self.partition
-        self._wire: list[dict[str, Layout]] = []
+        self._wire: list[dict[str, TensorLayout]] = []
         for b in range(p - 1):
             wire = {}
             for v in part.crossing[b]:
                 c = next((c for c in range(b + 1, p) if v in pgs[c].inputs), None)
                 wire[v] = pgs[c].values[v].layout if c is not None else \
-                    Layout.replicated(graph.spec(v).rank)
+                    TensorLayout.replicated(graph.spec(v).rank)
             self._wire.append(wire)
         self.codec = BoundaryCodec([[(v, self._wire[b][v].local_shape(graph.spec(v).shape,
                                                                        self.intra_mesh),
@@ -343,7 +343,7 @@ class PipelineTrainStep(ProgramInspection):
             elif v in self._batch_names:
                 x = batch[self._batch_names.index(v)]
                 flat.append(_convert(x, val.spec.shape, val.spec.dtype,
-                                     Layout.replicated(val.spec.rank), val.layout, intra,
+                                     TensorLayout.replicated(val.spec.rank), val.layout, intra,
                                      self.alltoall))
             else:
                 flat.append(recv[v])
@@ -357,7 +357,7 @@ class PipelineTrainStep(ProgramInspection):
                 x, src = produced[v] if v in produced else (recv[v], self._wire[s - 1][v])
                 spec = graph.spec(v)
                 aux.append(_convert(x, spec.shape, spec.dtype, src,
-                                    Layout.replicated(spec.rank), intra, self.alltoall))
+                                    TensorLayout.replicated(spec.rank), intra, self.alltoall))
             return self.codec.zeros(), produced[graph.outputs[0]][0].astype(jnp.float32), \
                 tuple(aux)
         send = {}

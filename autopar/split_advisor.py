@@ -1,4 +1,4 @@
-"""The split advisor: the gradient split that minimises the simulated iteration time.
+"""The HCCL gradient split advisor: the split that minimises the simulated iteration time.
 
 Seed 001's rules for a good split are "hide AR1 inside FP/BP" and "keep the last segment
 short". Both are what the simulation of :mod:`autopar.timeline` measures, so the advisor
@@ -38,13 +38,16 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from autopar.hccl import DEFAULT_SPLIT_SIZES, MAX_SEGMENTS, WORLD_GROUP
+from autopar.comm_groups import WORLD_GROUP
 from autopar.context import current_config
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.fusion import (MB, Gradient, GradientBuckets, buckets_by_percent, buckets_by_size,
                             buckets_from_ends, buckets_per_gradient, buckets_pytorch_ddp,
                             fusion_config, percent_ends)
-from autopar.timeline import IterationTrace, _Model
+from autopar.split_strategies import (DEFAULT_SPLIT_SIZES, MAX_SEGMENTS,
+                                      set_split_strategy_by_size)
+from autopar.text import table as text_table
+from autopar.timeline import IterationModel, IterationTrace, bucket_ends
 
 __all__ = ["SplitAdvice", "SplitComparison", "advise_split", "compare_splits",
            "horovod_buckets", "round_percentages"]
@@ -74,8 +77,6 @@ class SplitAdvice:
 
     def apply(self, group: str = WORLD_GROUP) -> None:
         """Set the advice as the group's HCCL split strategy (``set_split_strategy_by_size``)."""
-        from autopar.hccl import set_split_strategy_by_size
-
         set_split_strategy_by_size(list(self.percentages), group)
 
     def summary(self) -> str:
@@ -146,7 +147,7 @@ def _segment_bytes(sizes: Sequence[int], ends: Sequence[int]) -> list[int]:
     return out
 
 
-def _dp(model: _Model, max_segments: int | None) -> tuple[float, list[int]]:
+def _dp(model: IterationModel, max_segments: int | None) -> tuple[float, list[int]]:
     """Exact DP: (earliest end of the communication stream, bucket ends).
 
     Column by column (gradient boundary j), so memory stays O(n * max_segments). The
@@ -201,7 +202,7 @@ def _check_max_segments(max_segments: Any) -> int:
     return max_segments
 
 
-def _advise(model: _Model, max_segments: int) -> SplitAdvice:
+def _advise(model: IterationModel, max_segments: int) -> SplitAdvice:
     grads = list(model.grads)
     sizes = [g.nbytes for g in grads]
     n = len(grads)
@@ -244,7 +245,7 @@ def advise_split(graph: Any, plan: Any = None, *, cluster: Any = None,
     """
     if plan is None and device_num is None:
         device_num = current_config().device_num
-    model = _Model(graph, plan, cluster, device_num, overlap)
+    model = IterationModel(graph, plan, cluster, device_num, overlap)
     return _advise(model, _check_max_segments(max_segments))
 
 
@@ -256,7 +257,7 @@ def horovod_buckets(model_or_grads: Any, ready: Sequence[float] | None = None, *
 
     ``ready``: each gradient's ready time in seconds (a simulation's ``gradient_ready``).
     """
-    if isinstance(model_or_grads, _Model):
+    if isinstance(model_or_grads, IterationModel):
         grads, ready = list(model_or_grads.grads), list(model_or_grads.ready)
     else:
         grads = list(model_or_grads)
@@ -312,9 +313,7 @@ class SplitComparison:
             rows.append((r["strategy"], str(r["segments"]), f"{r['iteration_ms']:.3f}",
                          f"{r['exposed_ms']:.3f}", f"{r['comm_ms']:.3f}",
                          f"{r['vs_advised']:.4f}"))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-        lines.insert(1, "  ".join("-" * w for w in widths))
+        lines = text_table(rows, align="l" * len(rows[0])).split("\n")
         t = self.advice.trace
         lines.append(f"FP {t.fp_time * 1e3:.3f} ms, BP {t.bp_time * 1e3:.3f} ms, lower bound "
                      f"{self.advice.lower_bound * 1e3:.3f} ms, {t.device_num} devices, "
@@ -333,7 +332,7 @@ def compare_splits(graph: Any, plan: Any = None, *, cluster: Any = None,
     """
     if plan is None and device_num is None:
         device_num = current_config().device_num
-    model = _Model(graph, plan, cluster, device_num, overlap)
+    model = IterationModel(graph, plan, cluster, device_num, overlap)
     advice = _advise(model, _check_max_segments(max_segments))
     grads = list(model.grads)
     alts: dict[str, GradientBuckets] = {
@@ -354,7 +353,5 @@ def compare_splits(graph: Any, plan: Any = None, *, cluster: Any = None,
         if not isinstance(b, GradientBuckets):
             raise AutoParallelTypeError("extra", b, "values must be GradientBuckets")
         alts[name] = b
-    from autopar.timeline import _ends_of
-
-    traces = {name: model.run(_ends_of(model, b)[0], b.source) for name, b in alts.items()}
+    traces = {name: model.run(bucket_ends(model, b)[0], b.source) for name, b in alts.items()}
     return SplitComparison(advice, traces, alts)
