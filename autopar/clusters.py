@@ -53,7 +53,7 @@ from autopar.strategies.cost import CLUSTERS, Cluster, get_cluster
 __all__ = ["CACHE_ENV", "CLUSTER_ENV", "ClusterFileError", "FORMAT", "MAX_FILE_BYTES",
            "PLATFORM_PRESETS", "cached_calibration", "calibrate", "cluster_for",
            "describe_cluster", "dumps_cluster", "forget_calibration", "load_cluster",
-           "note_devices", "resolve_cluster", "save_cluster", "store_calibration"]
+           "note_devices", "plan_cluster", "resolve_cluster", "save_cluster", "store_calibration"]
 
 FORMAT = "autopar-cluster"
 VERSION = 1
@@ -385,11 +385,17 @@ def cluster_for(plan: Any, cluster: Any = None) -> Cluster:
     """The cluster that prices work on ``plan``: the one named, else the plan's own (so a
     simulation, a fused-kernel choice or a re-pricing agrees with the search), else the
     default (:func:`resolve_cluster`)."""
-    if cluster is None and plan is not None:
-        own = getattr(plan, "cluster_config", None)
-        if isinstance(own, Cluster):
-            return own
-        name = getattr(plan, "cluster", None)
-        if isinstance(name, str) and name in CLUSTERS:
-            return CLUSTERS[name]
-    return resolve_cluster(cluster)
+    own = plan_cluster(plan) if cluster is None else None
+    return resolve_cluster(cluster) if own is None else own
+
+
+def plan_cluster(plan: Any) -> Cluster | None:
+    """The cluster ``plan`` was priced on (its own, or its preset's by name); None without
+    a plan or when it names none known."""
+    if plan is None:
+        return None
+    own = getattr(plan, "cluster_config", None)
+    if isinstance(own, Cluster):
+        return own
+    name = getattr(plan, "cluster", None)
+    return CLUSTERS[name] if isinstance(name, str) and name in CLUSTERS else None

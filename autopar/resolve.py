@@ -31,7 +31,7 @@ from autopar.strategies.modes import PIPELINE_MODES
 from autopar.text import table as text_table
 
 __all__ = ["Restriction", "RESTRICTIONS", "FusionSetting", "ResolvedContext", "fusion_setting",
-           "pipeline_schedule", "resolve_context"]
+           "pipeline_schedule", "read_context", "resolve_context"]
 
 SEMI_AUTO = ("semi_auto_parallel", "auto_parallel")
 MB = 1024 * 1024
@@ -267,6 +267,18 @@ def resolve_context(config: AutoParallelConfig | None = None,
         raise ContextConflictError(f"{len(errors)} conflicting setting(s): " + " ".join(errors))
     for w in warns:
         warnings.warn(w, AutoParallelWarning, stacklevel=2)
-    return ResolvedContext(config, explicit, tuple(warns), fusion_setting(config, "allreduce"),
+    return _resolved(config, explicit, tuple(warns))
+
+
+def read_context() -> ResolvedContext:
+    """The current context as set, unchecked: no conflict raised or warned. What the
+    analysis entry points read (a simulation, the split advisor): they ask what a setting
+    would do, on any context (a stand_alone one with ``device_num=8`` included)."""
+    return _resolved(current_config(), explicit_keys(), ())
+
+
+def _resolved(config: AutoParallelConfig, explicit: frozenset[str],
+              warns: tuple[str, ...]) -> ResolvedContext:
+    return ResolvedContext(config, explicit, warns, fusion_setting(config, "allreduce"),
                            fusion_setting(config, "allgather"),
                            fusion_setting(config, "reducescatter"))

@@ -7,7 +7,8 @@ HCCL gradient split strategy (:mod:`autopar.split_strategies`) and the cluster t
 (:func:`autopar.clusters.resolve_cluster`, process 0's where a program is built under
 ``jax.distributed``) -- are read
 by the public entry points only (``search``, ``parallelize``, ``train_step``,
-``pipeline_train_step``, the tuned step), each exactly once, into one frozen
+``pipeline_train_step``, the tuned step; ``simulate`` and the split advisor, which read the
+context as set, unchecked), each exactly once, into one frozen
 :class:`Setup`. The planner, the function builder, the training steps and the stage planner
 take it as an argument and read no store themselves (``tests/test_architecture.py``: the
 context readers are named there; ``tests/test_setup.py`` counts the reads of one
@@ -31,10 +32,10 @@ from functools import cached_property
 from typing import Any
 
 from autopar.algo import AlgoParameters, current_algo_parameters
-from autopar.clusters import resolve_cluster
+from autopar.clusters import plan_cluster, resolve_cluster
 from autopar.comm_groups import WORLD_GROUP
 from autopar.config import AutoParallelConfig
-from autopar.resolve import ResolvedContext, resolve_context
+from autopar.resolve import ResolvedContext, read_context, resolve_context
 from autopar.split_strategies import SplitStrategy, get_split_strategy
 from autopar.strategies.cost import Cluster
 
@@ -83,6 +84,13 @@ class Setup:
         """HCCL's gradient split strategy of the world group, read once."""
         return get_split_strategy(WORLD_GROUP)
 
+    def cluster_for(self, plan: Any) -> Cluster:
+        """The cluster that prices work on ``plan``: the entry point's when it named one, else
+        the plan's own (a simulation agrees with the search), else :attr:`cluster`
+        (:func:`autopar.clusters.cluster_for`, the cluster resolved once)."""
+        own = None if self.cluster_named else plan_cluster(plan)
+        return self.cluster if own is None else own
+
     @cached_property
     def cluster(self) -> Cluster:
         """The cluster that prices the plans: resolved once, on first use. An entry point
@@ -102,8 +110,11 @@ class Setup:
         return out
 
 
-def resolve_setup(cluster: Any = None) -> Setup:
+def resolve_setup(cluster: Any = None, *, check: bool = True) -> Setup:
     """Read the stores once: the context (its mode restrictions checked) and the algorithm
     parameters; ``cluster``: the entry point's ``cluster=`` argument (resolved on first
-    use, as the HCCL split strategy)."""
-    return Setup(resolve_context(), current_algo_parameters(), cluster)
+    use, as the HCCL split strategy). ``check=False``: the context as set, neither checked
+    nor warned about (:func:`autopar.resolve.read_context`: the simulation and the split
+    advisor price what a setting would do, on any context)."""
+    return Setup(resolve_context() if check else read_context(), current_algo_parameters(),
+                 cluster)

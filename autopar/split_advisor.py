@@ -39,11 +39,11 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from autopar.comm_groups import WORLD_GROUP
-from autopar.context import current_config
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.fusion import (MB, Gradient, GradientBuckets, buckets_by_percent, buckets_by_size,
                             buckets_from_ends, buckets_per_gradient, buckets_pytorch_ddp,
                             fusion_config, percent_ends)
+from autopar.setup import resolve_setup
 from autopar.split_strategies import (DEFAULT_SPLIT_SIZES, MAX_SEGMENTS,
                                       set_split_strategy_by_size)
 from autopar.text import table as text_table
@@ -243,9 +243,10 @@ def advise_split(graph: Any, plan: Any = None, *, cluster: Any = None,
     ``device_num`` defaults to the plan's, else the context's. ``overlap``: as
     :func:`autopar.simulation.simulate`'s (``None``: as the cluster measured).
     """
+    setup = resolve_setup(cluster, check=False)  # the stores, read once (the context unchecked)
     if plan is None and device_num is None:
-        device_num = current_config().device_num
-    model = IterationModel(graph, plan, cluster, device_num, overlap)
+        device_num = setup.config.device_num
+    model = IterationModel(graph, plan, setup, device_num, overlap)
     return _advise(model, _check_max_segments(max_segments))
 
 
@@ -330,9 +331,10 @@ def compare_splits(graph: Any, plan: Any = None, *, cluster: Any = None,
     ``extra``: more named bucketings to include (e.g. ``gradient_buckets(graph)`` under the
     current context).
     """
+    setup = resolve_setup(cluster, check=False)  # the stores, read once (the context unchecked)
     if plan is None and device_num is None:
-        device_num = current_config().device_num
-    model = IterationModel(graph, plan, cluster, device_num, overlap)
+        device_num = setup.config.device_num
+    model = IterationModel(graph, plan, setup, device_num, overlap)
     advice = _advise(model, _check_max_segments(max_segments))
     grads = list(model.grads)
     alts: dict[str, GradientBuckets] = {

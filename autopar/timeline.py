@@ -264,13 +264,15 @@ class IterationModel:
     ``overlap``, :meth:`price` / :meth:`price_matrix` (a bucket's all-reduce) and :meth:`run`
     (the trace of one bucketing) are what it reads. The arguments are :func:`simulate`'s,
     checked the same way; without a plan, ``device_num`` must be given (the entry points pass
-    the context's).
+    the context's). ``cluster``: as :func:`simulate`'s, or the entry point's
+    :class:`~autopar.setup.Setup` (its cluster resolved once: :meth:`Setup.cluster_for`).
     """
 
     def __init__(self, graph: Any, plan: Any, cluster: Any, device_num: Any,
                  overlap: Any) -> None:
         from autopar.graph.ir import Graph
         from autopar.clusters import cluster_for
+        from autopar.setup import Setup
         from autopar.strategies.cost import BACKWARD_FACTOR, CostModel
         from autopar.strategies.layout import DeviceMesh
 
@@ -280,7 +282,8 @@ class IterationModel:
             raise AutoParallelTypeError("overlap", overlap, "must be a bool, or None (as the "
                                         "cluster measured)")
         grads = gradients(graph, plan) if plan is not None else None  # checks the plan
-        clus = cluster_for(plan, cluster)  # before pricing on its cluster
+        clus = cluster.cluster_for(plan) if isinstance(cluster, Setup) \
+            else cluster_for(plan, cluster)  # before pricing on its cluster
         self.cm = CostModel(clus)
         self.overlap = self.cm.overlaps_communication if overlap is None else overlap
         if device_num is not None and (isinstance(device_num, bool) or
@@ -506,21 +509,26 @@ def simulate(graph: Any, plan: Any = None, *, buckets: Any = None,
     :func:`plan_communication`). ``overlap``: whether the gradient all-reduces run beside
     backward; ``None``: as the cluster measured
     (:attr:`~autopar.strategies.cost.CostModel.overlaps_communication`).
+
+    The stores (the context as set, unchecked; the HCCL split strategy; the cluster) are read
+    once, here (:func:`autopar.setup.resolve_setup`); everything below takes that setup.
     """
-    from autopar.context import current_config
+    from autopar.setup import resolve_setup
 
     if isinstance(buckets, str) and buckets not in BUCKET_POLICIES:
         raise AutoParallelError("buckets", buckets, f"a policy name must be one of "
                                 f"{list(BUCKET_POLICIES)}", "Or pass None (the context's), "
                                 "autopar.simulation.gradient_buckets(...) or a list of Bucket")
+    setup = resolve_setup(cluster, check=False)
     if plan is None and device_num is None:
-        device_num = current_config().device_num
-    model = IterationModel(graph, plan, cluster, device_num, overlap)
+        device_num = setup.config.device_num
+    model = IterationModel(graph, plan, setup, device_num, overlap)
     if buckets is None or isinstance(buckets, str):
         from autopar.fusion import gradient_buckets
 
-        buckets = gradient_buckets(list(model.grads),
-                                   policy="context" if buckets is None else buckets)
+        policy = "context" if buckets is None else buckets
+        buckets = gradient_buckets(list(model.grads), policy=policy, resolved=setup.resolved,
+                                   split=setup.split if policy != "none" else None)
     ends, source = bucket_ends(model, buckets)
     return model.run(ends, source)
 

@@ -148,7 +148,7 @@ class Edge:
         return vec
 
 
-@dataclass
+@dataclass(frozen=True)
 class Breakdown:
     """A plan's seconds by kind (and its memory), each at what it is *per*: ``compute``
     (forward and backward of every operator, plus the step's launch and the optimizer
@@ -158,7 +158,8 @@ class Breakdown:
     (the launch and the update once) and the gradient sync once, and the objective
     (``Plan.objective``) charges one micro-batch with ``1/m`` of the update and the sync
     (:meth:`Problem.once_per_step`). ``total``: the sum as written, the step's time when
-    ``m = 1`` (one micro-batch and the step's sync otherwise)."""
+    ``m = 1`` (one micro-batch and the step's sync otherwise). Frozen, as the plan that
+    holds it: a changed figure is a new breakdown (``dataclasses.replace``)."""
 
     compute: float = 0.0
     communication: float = 0.0
@@ -1160,20 +1161,23 @@ class Problem:
         The breakdown's ``memory_bytes`` is the objective's additive memory (every vertex's:
         parameters, data inputs, each operator's kept residuals); ``peak``: the step's
         ordered peak instead (:meth:`step_memory`, what a plan reports)."""
-        b = Breakdown(compute=self.cm.cluster.step_overhead)  # the step's launch
+        compute = self.cm.cluster.step_overhead  # the step's launch
+        comm = grad_sync = memory = 0.0  # (Breakdown's defaults: the same sums, in order)
         for vert, k in zip(self.vertices, picks):  # (item: the entry as a Python float)
-            b.compute += vert.compute.item(k)
-            b.communication += vert.comm.item(k)
-            b.gradient_sync += vert.grad_sync.item(k)
-            b.memory_bytes += vert.memory.item(k)
+            compute += vert.compute.item(k)
+            comm += vert.comm.item(k)
+            grad_sync += vert.grad_sync.item(k)
+            memory += vert.memory.item(k)
         verts = self.vertices
-        b.redistribution = redistribution_once(  # (an edge that moves nothing adds nothing)
+        moved = redistribution_once(  # (an edge that moves nothing adds nothing)
             [(e.value, verts[e.v].choices[picks[e.v]].in_layouts[e.in_index], x)
              for e in self.edges if (x := self.pair_cost(e, picks[e.u], picks[e.v]))])
         total = sum(vert.cost.item(k) for vert, k in zip(self.vertices, picks))
         if peak:
-            b.memory_bytes = self.step_memory(picks).peak
-        return b, total + b.redistribution
+            memory = self.step_memory(picks).peak
+        b = Breakdown(compute=compute, communication=comm, redistribution=moved,
+                      gradient_sync=grad_sync, memory_bytes=memory)
+        return b, total + moved
 
     def step_memory(self, picks: Sequence[int], *, update: bool = True,
                     donated: bool = False) -> StepMemory:

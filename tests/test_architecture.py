@@ -21,7 +21,7 @@ CONTRACTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["autopa
 PACKAGES = {"autopar": ROOT / "autopar", "autopar.strategies": ROOT / "strategies",
             "autopar.kernels": ROOT / "kernels"}
 CONTEXT_READS = {"current_config", "resolve_context", "explicit_keys", "resolve_setup",
-                 "current_algo_parameters"}
+                 "current_algo_parameters", "read_context"}
 
 
 def modules() -> dict[str, Path]:

@@ -11,7 +11,7 @@ import pytest
 import autopar as ap
 from autopar import algo, clusters, hccl, resolve
 
-STORES = {"resolve_context": resolve.resolve_context,
+STORES = {"resolve_context": resolve.resolve_context, "read_context": resolve.read_context,
           "current_algo_parameters": algo.current_algo_parameters,
           "get_split_strategy": hccl.get_split_strategy,
           "resolve_cluster": clusters.resolve_cluster}
@@ -54,7 +54,8 @@ def test_one_train_step_reads_each_store_once(reads, stages):
                                   gradients_mean=True, pipeline_stages=stages):
         step = ap.train_step(loss, params, (x,), cluster="accelerator-8x")
         step(params, step.init(params), x)
-    once = {"resolve_context": 1, "current_algo_parameters": 1, "resolve_cluster": 1,
+    once = {"resolve_context": 1, "read_context": 0, "current_algo_parameters": 1,
+            "resolve_cluster": 1,
             "get_split_strategy": 1 if stages == 1 else 0}   # (the pipelined step: no buckets)
     assert reads == once
 
@@ -63,12 +64,36 @@ def test_parallelize_and_search_read_each_store_once(reads):
     loss, params, x = _mlp()
     with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel"):
         ap.parallelize(loss, params, x, cluster="accelerator-8x")
-        assert reads == {"resolve_context": 1, "current_algo_parameters": 1,
+        assert reads == {"resolve_context": 1, "read_context": 0, "current_algo_parameters": 1,
                          "resolve_cluster": 1, "get_split_strategy": 0}
         ap.search(ap.trace(loss, params, x), cluster="accelerator-8x")
-    assert reads == {"resolve_context": 2, "current_algo_parameters": 2, "resolve_cluster": 2,
-                     "get_split_strategy": 0}
+    assert reads == {"resolve_context": 2, "read_context": 0, "current_algo_parameters": 2,
+                     "resolve_cluster": 2, "get_split_strategy": 0}
 
+
+@pytest.mark.parametrize("planned", [False, True])
+def test_simulate_and_the_split_advisor_read_each_store_once(reads, planned):
+    """simulate, advise_split and compare_splits read the context as set (unchecked: a
+    stand_alone context with device_num=8 neither warns nor raises), the algorithm
+    parameters and the cluster once each (with a plan, its own cluster: none resolved);
+    simulate also the split strategy (its buckets under the context's policy)."""
+    from autopar.split_advisor import advise_split, compare_splits
+    from autopar.timeline import simulate
+
+    loss, params, x = _mlp()
+    graph = ap.trace(loss, params, x)
+    plan = None
+    if planned:
+        with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel"):
+            plan = ap.search(graph, cluster="accelerator-8x")
+    cluster = 0 if planned else 1
+    with ap.auto_parallel_context(device_num=8):
+        for entry, split in ((simulate, 1), (advise_split, 0), (compare_splits, 0)):
+            before = dict(reads)
+            entry(graph, plan)
+            assert {k: reads[k] - before[k] for k in reads} == {
+                "resolve_context": 0, "read_context": 1, "current_algo_parameters": 1,
+                "resolve_cluster": cluster, "get_split_strategy": split}, entry.__name__
 
 def test_a_setup_is_frozen_and_keeps_what_it_read():
     from autopar.setup import resolve_setup
