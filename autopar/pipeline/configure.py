@@ -23,8 +23,8 @@ and micro-batch count ``m`` (a divisor of the batch, at least ``p``):
 Every pair (:func:`stage_counts` x :func:`micro_batch_counts`: micro-batches of a
 power-of-two size, the sizes training recipes use) is weighed unless it cannot win: the
 pairs go cheapest lower bound first (:meth:`_Weigher.bound`: the stage cut's FLOPs at peak
-through the schedule, nothing else), and a pair whose bound is not below the best fitting
-step found so far is not searched (so the answer is the sweep's; the step is not unimodal in
+through the schedule, nothing else), and a pair whose bound is above the best fitting step
+found so far is not searched (so the answer is the sweep's; the step is not unimodal in
 ``m``, since a micro-batch too small to split over a stage's devices gets other layouts).
 The fastest configuration within the cluster's ``memory_bytes`` wins; ties go to fewer
 stages, then fewer micro-batches, then the schedule's name.
@@ -61,15 +61,17 @@ from autopar.pipeline.simulation import PipelineTrace, pipeline_trace, simulate_
 from autopar.resolve import pipeline_schedule
 from autopar.setup import Setup, resolve_setup
 from autopar.step_inputs import is_prng_key, step_arguments
-from autopar.strategies.memory import size
 from autopar.strategies.cost import BACKWARD_FACTOR
+from autopar.strategies.memory import size
 from autopar.strategies.modes import PIPELINE_MODES
-from autopar.strategies.stages import partition_stages
 from autopar.strategies.plan import Plan
 from autopar.strategies.precision import compute_dtype, fp32_sync_active
+from autopar.strategies.stages import partition_stages
+from autopar.text import table
 
 __all__ = ["Configuration", "ConfigurationSearch", "configured", "micro_batch_counts",
            "micro_graphs", "search_configuration", "stage_counts", "weigh_configurations"]
+
 
 @dataclass(frozen=True)
 class Configuration:
@@ -145,10 +147,7 @@ class ConfigurationSearch:
                         f"{c.step_seconds / self.best.step_seconds:.3f}" if ok else "-",
                         f"{c.bubble:.1%}" if ok else "-", size(c.memory_bytes) if ok else "-",
                         "yes" if c.fits else "no", c.lost_on(self.best)))
-        widths = [max(len(r[i]) for r in out) for i in range(len(head))]
-        lines = ["  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip() for r in out]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        return "\n".join(lines)
+        return table(out, align="l" * len(head))
 
     def summary(self) -> str:
         b = self.best
@@ -199,6 +198,7 @@ def _peak(clus: Any, graph: Graph, node: Any) -> float:
 
 
 def _parts(trace: PipelineTrace) -> dict[str, float]:
+    """The step in three parts: the stages' work, the bubble, the sync and update after."""
     span = trace.makespan
     return {"work": span * (1.0 - trace.bubble), "bubble": span * trace.bubble,
             "sync and update": trace.step_time - span}
@@ -254,10 +254,8 @@ class _Weigher:
                                                boundaries=None, mode=self.mode,
                                                fixed=self.fixed, advise=False)
         except AutoParallelError as e:  # (MemoryBudgetError included): a finding, not a stop
-            reason = str(e).splitlines()[0]
-            budget = self.budget
-            return [Configuration(p, m, "-", math.inf, math.inf, budget, 1.0, (),
-                                  failed=reason)]
+            return [Configuration(p, m, "-", math.inf, math.inf, self.budget, 1.0, (),
+                                  failed=str(e).splitlines()[0])]
         peak = max(plan.cost.memory_bytes for plan in plans)
         out = []
         for name in (self.schedules if p > 1 else ("gpipe",)):  # (one stage: no schedule)
@@ -303,7 +301,7 @@ def weigh_configurations(graph_at: Callable[[int], Graph], batch_rows: Sequence[
                 break
     best, skipped = math.inf, 0
     for (p, m), low in sorted(bounds.items(), key=lambda kv: (kv[1], kv[0])):
-        if low >= best:  # (its lower bound already prices it out)
+        if low > best:  # (its lower bound already prices it out; a tie may still win)
             skipped += 1
             continue
         confs = weigher.weigh(p, m)
