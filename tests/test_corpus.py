@@ -15,7 +15,7 @@ from benchmarks.corpus import CORPUS
 
 # one model per library the dev extra installs (keras-hub, with TensorFlow, is the
 # benchmark's: python -m benchmarks models)
-MODELS = ("linen_decoder", "nnx_mlp", "eqx_decoder")
+MODELS = ("linen_decoder", "linen_decoder_scan", "nnx_mlp", "eqx_decoder")
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -60,3 +60,26 @@ def test_equinox_partitioned_parameters_train_exactly():
     for got, p, g in zip(jax.tree.leaves(new), jax.tree.leaves(model.params),
                          jax.tree.leaves(grads)):
         assert jnp.allclose(got, p - g, atol=1e-6, rtol=1e-5)
+
+
+def test_a_scanned_linen_decoder_trains_exactly():
+    """nn.scan over the blocks traces to one loop node; one SGD step of the searched plan
+    equals jax.grad's on one device (float32, the loop's body planned once)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    model = CORPUS["linen_decoder_scan"]()
+    graph = ap.trace(model.loss, model.params, *model.batch)
+    assert sum(n.kind == "loop" for n in graph.nodes) == 1
+    want_loss, grads = jax.jit(jax.value_and_grad(model.loss))(model.params, *model.batch)
+    with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel",
+                                  gradients_mean=True):
+        step = ap.train_step(model.loss, model.params, model.batch, optax.sgd(1.0),
+                             cluster="cpu-emulated")
+    new, _, loss = step(model.params, step.init(model.params), *model.batch)
+    assert "while" in step.as_text(model.params, step.init(model.params), *model.batch)
+    assert float(loss) == pytest.approx(float(want_loss), rel=1e-5)
+    for got, p, g in zip(jax.tree.leaves(new), jax.tree.leaves(model.params),
+                         jax.tree.leaves(grads)):
+        assert jnp.allclose(got, p - g, atol=1e-5, rtol=1e-4)
