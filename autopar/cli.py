@@ -129,7 +129,8 @@ def _check_plan_files(args: argparse.Namespace) -> None:
 
 
 def cmd_search(args: argparse.Namespace) -> int:
-    import autopar as ap
+    from autopar.planner import explain_node, search_graph
+    from autopar.setup import resolve_setup
 
     _check_plan_files(args)
     _outputs_first(("--save", args.save), inputs=(("--load", args.load),
@@ -144,9 +145,10 @@ def cmd_search(args: argparse.Namespace) -> int:
         fixed = _fixed_strategies(args.fix or (), graph)
         with _context(args, strategy_ckpt_save_file=save, strategy_ckpt_load_file=load):
             with Progress("search", 1) as bar:
-                plan = ap.search(graph, mode=args.mode, cluster=cluster, fixed=fixed or None)
+                setup = resolve_setup(cluster)  # the stores, read once for the command
+                plan = search_graph(graph, setup, mode=args.mode, fixed=fixed or None)
                 bar.advance(plan.mode)
-            explained = [ap.explain(graph, plan, name) for name in args.explain or ()]
+            explained = [explain_node(graph, plan, name, setup) for name in args.explain or ()]
     _out(f"{desc}: {len(graph.nodes)} operators, {len(graph.parameters())} parameters, "
          f"fingerprint {graph.fingerprint()[:12]}")
     _out(plan.summary())
@@ -507,7 +509,9 @@ def _outputs_first(*named: tuple[str, Any], inputs: Sequence[tuple[str, Any]] = 
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    import autopar as ap
+    from autopar.planner import search_graph
+    from autopar.setup import resolve_setup
+    from autopar.timeline import simulate_setup
 
     _outputs_first(("--out", args.out), ("--png", args.png),
                    inputs=(("--cluster", args.cluster),))
@@ -515,9 +519,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     cluster = _cluster(args)
     with _context(args):
         with Progress("search + simulate", 2) as bar:
-            plan = ap.search(graph, mode=args.mode, cluster=cluster)
+            setup = resolve_setup(cluster)  # the stores, read once for the command
+            plan = search_graph(graph, setup, mode=args.mode)
             bar.advance(plan.mode)
-            it = ap.simulation.simulate(graph, plan, buckets=args.buckets, cluster=cluster)
+            it = simulate_setup(graph, plan, setup, buckets=args.buckets)
             bar.advance("iteration trace")
     _out(f"{desc}: {plan.summary()}\n")
     _out(it.summary())

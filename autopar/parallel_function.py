@@ -40,7 +40,7 @@ from autopar.parallel_graph import ParallelGraph
 from autopar.rewrite import rewrite
 from autopar.strategies.modes import SOLVERS
 from autopar.strategies.plan import Plan
-from autopar.planner import check_same_plans, plan_graph, saves_on_success
+from autopar.planner import check_same_plans, plan_graph, save_strategies, strategy_saves
 from autopar.setup import Setup, resolve_setup
 from autopar.uneven import UnevenBatch, UnevenRequest, check_uneven_batch, plan_uneven
 
@@ -110,8 +110,10 @@ def parallelize(fn: Callable[..., Any], *example_args: Any, mode: str | None = N
     check_fused_kernels(fused_kernels)
     setup = resolve_setup(cluster)  # the stores, read once
     uneven = plan_uneven(fn, example_args, check_uneven_batch(uneven_batch), setup.device_num)
-    return parallel_function(fn, example_args, uneven, setup, mode=mode, fixed=fixed,
-                             mesh=mesh, fused_kernels=fused_kernels)
+    f = parallel_function(fn, example_args, uneven, setup, mode=mode, fixed=fixed,
+                          mesh=mesh, fused_kernels=fused_kernels)
+    save_strategies(strategy_saves(f.plan, f.graph, setup))  # once the function is built
+    return f
 
 
 def parallel_function(fn: Callable[..., Any], example_args: tuple[Any, ...],
@@ -120,7 +122,8 @@ def parallel_function(fn: Callable[..., Any], example_args: tuple[Any, ...],
                       fused_kernels: FusedKernels, plan: Plan | None = None,
                       optimizer: Any = None, micro_batches: int = 1) -> ParallelFunction:
     """:func:`parallelize` after its checks: trace, search (:func:`autopar.planner.plan_graph`
-    on the entry point's ``setup``), rewrite and lower, reading no store. ``uneven``: the
+    on the entry point's ``setup``), rewrite and lower, reading no store and writing no
+    file (the entry point saves the plan: :func:`autopar.planner.strategy_saves`). ``uneven``: the
     uneven split :func:`autopar.uneven.plan_uneven` asked for, or None. ``plan``: a plan
     searched on this function at these shapes, run as it is instead of searching (no
     strategy file read or written, ``mode`` and ``fixed`` unused): a tuning's candidates.
@@ -128,7 +131,7 @@ def parallel_function(fn: Callable[..., Any], example_args: tuple[Any, ...],
     priced by the search (:func:`autopar.planner.plan_graph`)."""
     args = example_args if uneven is None else uneven.padded_args
     # every process builds it (under jax.distributed): the cluster is process 0's
-    with saves_on_success(), together():  # the strategy file once the function is built
+    with together():
         graph = trace(fn, *args)
         given = plan is not None
         if given:

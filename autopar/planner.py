@@ -10,22 +10,21 @@ with theirs): the parallel mode (who chooses), the search mode
 ``elementwise_op_strategy_follow``.
 Under ``semi_auto_parallel`` / ``auto_parallel`` the context's ``strategy_ckpt_load_file``
 replaces the search by a checked load of a saved plan, and ``strategy_ckpt_save_file`` saves
-the plan (:mod:`autopar.checkpoint`) -- inside :func:`saves_on_success` (the training steps
-and ``parallelize``) only once the whole entry point has succeeded. The search itself is
+the plan (:mod:`autopar.checkpoint`). :func:`plan_graph` writes no file: each entry point
+loads or searches, builds, then saves (:func:`strategy_saves`, :func:`save_strategies`), so
+one that fails (a later check, a pipeline's next stage) writes nothing. The search itself is
 :func:`autopar.strategies.search.search_plan`, which reads no context and writes no file.
 """
 
 from __future__ import annotations
 
 import warnings
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass, replace
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 
-from autopar.checkpoint import dumps_strategy, load_plan, save_strategy, strategy_document
+from autopar.checkpoint import dumps_strategy, load_plan, strategy_document
 from autopar.clusters import note_devices
 from autopar.errors import (AutoParallelError, AutoParallelTypeError, AutoParallelWarning,
                             MemoryBudgetError, user_stacklevel)
@@ -47,12 +46,9 @@ from autopar.strategies.search import SearchSettings, ranked_plans, search_plan
 from autopar.strategies.stages import StagePartition
 from autopar.strategies.stages import partition_stages as _partition_stages
 
-__all__ = ["check_same_plans", "explain", "partition_stages", "plan_graph",
-           "ranked_candidates", "save_plan", "saves_on_success", "search"]
-
-#: The strategy-file saves waiting for the entry point inside :func:`saves_on_success`.
-_PENDING: ContextVar[list[tuple[Plan, Graph, Any, Any]] | None] = ContextVar(
-    "autopar_saves", default=None)
+__all__ = ["StrategySave", "check_same_plans", "explain", "explain_node", "partition_stages",
+           "plan_graph", "ranked_candidates", "save_strategies", "search", "search_graph",
+           "strategy_saves"]
 
 
 def search(graph: Graph, *, mode: str | None = None, device_num: int | None = None,
@@ -72,11 +68,23 @@ def search(graph: Graph, *, mode: str | None = None, device_num: int | None = No
     4 MiB of output), which may repeat their work; False lets every operator repeat work on
     some axes — a larger space (slower search) that can pay off when communication is dear.
     """
-    setup = resolve_setup(cluster)
+    return search_graph(graph, resolve_setup(cluster), mode=mode, device_num=device_num,
+                        fixed=fixed, parallel_mode=parallel_mode,
+                        fully_use_devices=fully_use_devices, optimizer=optimizer)
+
+
+def search_graph(graph: Graph, setup: Setup, *, mode: str | None = None,
+                 device_num: int | None = None, fixed: Mapping[str, Any] | None = None,
+                 parallel_mode: str | None = None, fully_use_devices: bool | None = None,
+                 optimizer: Any = None) -> Plan:
+    """:func:`search` on the setup its caller resolved (the CLI's, once per command),
+    reading no store: load or search (:func:`plan_graph`), then save."""
     _one_program(setup, device_num, parallel_mode)
-    return plan_graph(graph, setup, mode=mode, device_num=device_num,
+    plan = plan_graph(graph, setup, mode=mode, device_num=device_num,
                       fixed=fixed, parallel_mode=parallel_mode,
                       fully_use_devices=fully_use_devices, optimizer=optimizer)
+    save_strategies(strategy_saves(plan, graph, setup, parallel_mode=parallel_mode))
+    return plan
 
 
 def _one_program(setup: Setup, device_num: Any, parallel_mode: Any) -> None:
@@ -110,7 +118,9 @@ def plan_graph(graph: Graph, setup: Setup, *, mode: str | None = None,
                stage: int | None = None, advise: bool = True) -> Plan:
     """:func:`search` on the setup its caller's entry point resolved (the pipelined step's,
     once for all its stages). ``load_file`` / ``save_file`` replace the configuration's
-    strategy-file paths (a stage's own files). ``micro_batches``: the times one optimizer
+    strategy-file paths (a stage's own files); no file is written here (the entry point saves
+    once it has built the step: :func:`strategy_saves`), but a save path that cannot be
+    written fails at once. ``micro_batches``: the times one optimizer
     step runs ``graph`` (a training step's ``grad_accumulation_step``, times its micro-batches
     for a pipeline stage): the objective charges each the gradient sync and the optimizer
     update once a step (``SearchSettings.micro_batches``). ``stage``: a pipeline stage's
@@ -139,8 +149,8 @@ def plan_graph(graph: Graph, setup: Setup, *, mode: str | None = None,
         plan = _advised(search_plan, graph, s, setup, advise)
     if stage is not None:
         plan = replace(plan, stages={**plan.stages, **dict.fromkeys(plan.nodes, stage)})
-    if files and save:
-        save_plan(plan, graph, save)
+    if files and save:  # (written by the entry point: a bad path fails before the build)
+        writable_target(save, "strategy_ckpt_save_file")
     return plan
 
 
@@ -289,39 +299,41 @@ def _user_strategies(graph: Graph, fixed: Any, pmode: str, n: int) -> tuple[dict
                        for name, a in graph.annotations().items() if name not in fixed_map}
 
 
-def save_plan(plan: Plan, graph: Graph, path: Any,
-              tuning: Mapping[str, Any] | None = None) -> None:
-    """Save ``plan``'s strategy file now, or when the enclosing :func:`saves_on_success`
-    block succeeds (a later plan for the same path replaces one waiting). ``tuning``: the
-    measurements that chose the plan (:mod:`autopar.tune`), kept in the file."""
-    pending = _PENDING.get()
-    if pending is None:
-        save_strategy(plan, graph, path, tuning=tuning)
-    else:
-        writable_target(path, "strategy_ckpt_save_file")  # a bad path fails at once
-        pending[:] = [p for p in pending if str(p[2]) != str(path)]  # a later plan wins
-        pending.append((plan, graph, path, tuning))
+@dataclass(frozen=True)
+class StrategySave:
+    """A strategy file an entry point writes once it has built what the plan runs: ``plan``
+    searched on ``graph``, its ``path``, and ``tuning``: the measurements that chose it
+    (:mod:`autopar.tune`, kept in the file) or None."""
+
+    plan: Plan
+    graph: Graph
+    path: Any
+    tuning: Mapping[str, Any] | None = None
 
 
-@contextmanager
-def saves_on_success() -> Iterator[None]:
-    """The strategy files the searches inside save (:func:`save_plan`) are written when the
-    block ends without an error, all or nothing (:func:`autopar.files.write_files_atomic`):
-    an entry point that fails after its search (a later check, a pipeline's next stage)
-    writes no file, and one whose second file cannot be written (a full disk) leaves the
-    first as it was. Nested blocks leave the writing to the outermost."""
-    if _PENDING.get() is not None:
-        yield
-        return
-    pending: list[tuple[Plan, Graph, Any, Any]] = []
-    token = _PENDING.set(pending)
-    try:
-        yield
-    finally:
-        _PENDING.reset(token)
-    if pending:
-        write_files_atomic([(path, dumps_strategy(strategy_document(plan, graph, tuning)),
-                             "strategy_ckpt_save_file") for plan, graph, path, tuning in pending])
+def strategy_saves(plan: Plan, graph: Graph, setup: Setup, *, path: Any = None,
+                   parallel_mode: str | None = None,
+                   tuning: Mapping[str, Any] | None = None) -> tuple[StrategySave, ...]:
+    """The save of ``plan``'s strategy file (one, or none): to ``path`` (default the
+    configuration's ``strategy_ckpt_save_file``; empty: none) where the parallel mode
+    (default the configuration's) uses strategy files, as :func:`plan_graph` planned it."""
+    cfg = setup.config
+    path = cfg.strategy_ckpt_save_file if path is None else path
+    pmode = cfg.parallel_mode if parallel_mode is None else parallel_mode
+    if not path or pmode not in USES_STRATEGY_FILES:
+        return ()
+    return (StrategySave(plan, graph, path, tuning),)
+
+
+def save_strategies(saves: Sequence[StrategySave]) -> None:
+    """Write ``saves``, the last step of an entry point (load or search; build; then save):
+    all or nothing (:func:`autopar.files.write_files_atomic`), so one whose second file
+    cannot be written (a full disk) leaves the first as it was. Every process of a
+    ``jax.distributed`` job writes the same bytes (:func:`check_same_plans` checked them)."""
+    if saves:
+        write_files_atomic([(s.path, dumps_strategy(strategy_document(s.plan, s.graph,
+                                                                      s.tuning)),
+                             "strategy_ckpt_save_file") for s in saves])
 
 
 def _check_parallel_mode(pmode: Any) -> str:
@@ -389,6 +401,21 @@ def explain(graph: Graph, plan: Plan, node: str, *,
     :class:`Cluster`) -- where the plan's choice is then not the cheapest, that is what the
     other model would change. Data inputs are laid out by the context's dataset_strategy.
     ``print(ap.explain(graph, plan, name))`` shows the table."""
+    _check_explain(graph, plan, node)
+    return _explained(graph, plan, node, resolve_setup(cluster), own=cluster is None)
+
+
+def explain_node(graph: Graph, plan: Plan, node: str, setup: Setup, *,
+                 own_cluster: bool = True) -> Explanation:
+    """:func:`explain` on the setup its caller resolved (the CLI's, once per command),
+    reading no store: priced on the plan's own cluster where ``own_cluster`` (as
+    ``explain(cluster=None)``), else on the setup's."""
+    _check_explain(graph, plan, node)
+    return _explained(graph, plan, node, setup, own=own_cluster)
+
+
+def _check_explain(graph: Any, plan: Any, node: Any) -> None:
+    """:func:`explain`'s checks of its arguments."""
     if not isinstance(graph, Graph):
         raise AutoParallelTypeError("graph", graph, "the Graph returned by autopar.trace")
     if not isinstance(plan, Plan):
@@ -407,15 +434,19 @@ def explain(graph: Graph, plan: Plan, node: str, *,
         raise AutoParallelError("plan", f"{len(set(plan.stages.values()))} pipeline stages",
                                 "explain takes one stage's plan and graph (a pipelined "
                                 "step's plans[s] and stage_graphs[s])")
-    setup = resolve_setup(cluster)
-    priced = plan.cluster_config if cluster is None and plan.cluster_config is not None \
+
+
+def _explained(graph: Graph, plan: Plan, node: str, setup: Setup, *,
+               own: bool) -> Explanation:
+    """:func:`explain`'s table on a checked plan and node (``own``: the plan's cluster)."""
+    priced = plan.cluster_config if own and plan.cluster_config is not None \
         else setup.cluster
     rows = alternatives(graph, plan, node, CostModel(priced),
                         full_use=setup.algo.fully_use_devices,
                         dataset_strategy=setup.config.dataset_strategy)
     out = Explanation(node, plan.nodes[node].op, plan.mode, priced.name, tuple(rows))
     mine = out.chosen.objective
-    if cluster is None and abs(mine - plan.objective) > 1e-9 * abs(plan.objective):
+    if own and abs(mine - plan.objective) > 1e-9 * abs(plan.objective):
         out = replace(out, notes=(f"note: the plan re-priced here costs {mine * 1e3:.4g} ms, "
                                   f"{plan.objective * 1e3:.4g} ms when it was searched "
                                   "(another dataset_strategy or search setting)",))

@@ -53,7 +53,7 @@ from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.fusion import BUCKET_POLICIES, Bucket, GradientBuckets, gradients
 
 __all__ = ["CommSegment", "IterationModel", "IterationTrace", "bucket_ends", "simulate",
-           "plot_timeline", "plan_communication"]
+           "simulate_setup", "plot_timeline", "plan_communication"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -511,15 +511,29 @@ def simulate(graph: Any, plan: Any = None, *, buckets: Any = None,
     (:attr:`~autopar.strategies.cost.CostModel.overlaps_communication`).
 
     The stores (the context as set, unchecked; the HCCL split strategy; the cluster) are read
-    once, here (:func:`autopar.setup.resolve_setup`); everything below takes that setup.
+    once, here (:func:`autopar.setup.resolve_setup`); everything below takes that setup
+    (:func:`simulate_setup`).
     """
     from autopar.setup import resolve_setup
 
+    _check_buckets(buckets)
+    return simulate_setup(graph, plan, resolve_setup(cluster, check=False), buckets=buckets,
+                          device_num=device_num, overlap=overlap)
+
+
+def _check_buckets(buckets: Any) -> None:
     if isinstance(buckets, str) and buckets not in BUCKET_POLICIES:
         raise AutoParallelError("buckets", buckets, f"a policy name must be one of "
                                 f"{list(BUCKET_POLICIES)}", "Or pass None (the context's), "
                                 "autopar.simulation.gradient_buckets(...) or a list of Bucket")
-    setup = resolve_setup(cluster, check=False)
+
+
+def simulate_setup(graph: Any, plan: Any, setup: Any, *, buckets: Any = None,
+                   device_num: int | None = None,
+                   overlap: bool | None = None) -> IterationTrace:
+    """:func:`simulate` on the setup its caller resolved (the CLI's, once per command),
+    reading no store."""
+    _check_buckets(buckets)
     if plan is None and device_num is None:
         device_num = setup.config.device_num
     model = IterationModel(graph, plan, setup, device_num, overlap)

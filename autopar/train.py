@@ -81,7 +81,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar.config import AutoParallelConfig
 from autopar.cotangents import alike_axes
-from autopar.planner import saves_on_success
+from autopar.planner import StrategySave, save_strategies, strategy_saves
 from autopar.setup import Setup, resolve_setup
 from autopar.errors import AutoParallelError, AutoParallelTypeError, user_stacklevel
 from autopar.fusion import GradientBuckets, buckets_from_ends, gradient_buckets
@@ -98,6 +98,7 @@ from autopar.optimizer_shard import (ShardDecision, decide_sharding, gather_para
 from autopar.parallel_graph import ParallelGraph
 from autopar.parallel_function import parallel_function
 from autopar.pipeline.configure import configured
+from autopar.pipeline.plan import stage_saves
 from autopar.pipeline.step import PipelineTrainStep
 from autopar.strategies.plan import Plan
 from autopar.step_inputs import (DEFAULT_LEARNING_RATE, ParamSplit, broadcast_parameters,
@@ -781,6 +782,8 @@ def train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
     step = build_train_step(setup, loss_fn, params, batch, optimizer, mode=mode, fixed=fixed,
                             backend=backend, mesh=mesh, sync_method=sync_method,
                             fused_kernels=fused_kernels, has_aux=has_aux, micro_batches=micro)
+    save_strategies(step_saves(step, setup))  # load or search; build; then save
+    warn_gradients_mean(step.data_parallel_degree, "gradients_mean" in setup.explicit)
     step.configuration = found
     return step
 
@@ -791,22 +794,28 @@ def build_train_step(setup: Setup, loss_fn: Callable[..., Any], params: Any,
                      mesh: Mesh | None, sync_method: str, fused_kernels: FusedKernels,
                      has_aux: bool, micro_batches: int | None = None) -> Any:
     """:func:`train_step` on checked arguments and the ``setup`` its entry point resolved:
-    the plain or the pipelined step (of ``micro_batches``, default its stages), its strategy
-    files saved once it is built."""
-    with saves_on_success():  # strategy files once the step is built and checked
-        if setup.config.pipeline_stages > 1:  # the pipelined step (autopar.pipeline)
-            _check_pipelined(setup.config.pipeline_stages, backend=backend, mesh=mesh,
-                             sync_method=sync_method, fused_kernels=fused_kernels)
-            step: Any = PipelineTrainStep(loss_fn, params, batch, optimizer, setup=setup,
-                                          micro_batches=micro_batches, mode=mode, fixed=fixed,
-                                          has_aux=has_aux)
-        else:
-            step = TrainStep(loss_fn, params, batch, optimizer, setup=setup, mode=mode,
-                             fixed=fixed, backend=backend, mesh=mesh,
-                             sync_method=sync_method, fused_kernels=fused_kernels,
-                             has_aux=has_aux)
-    warn_gradients_mean(step.data_parallel_degree, "gradients_mean" in setup.explicit)
-    return step
+    the plain or the pipelined step (of ``micro_batches``, default its stages), built; no
+    file written (the entry point then saves :func:`step_saves`) and no warning given."""
+    if setup.config.pipeline_stages > 1:  # the pipelined step (autopar.pipeline)
+        _check_pipelined(setup.config.pipeline_stages, backend=backend, mesh=mesh,
+                         sync_method=sync_method, fused_kernels=fused_kernels)
+        return PipelineTrainStep(loss_fn, params, batch, optimizer, setup=setup,
+                                 micro_batches=micro_batches, mode=mode, fixed=fixed,
+                                 has_aux=has_aux)
+    return TrainStep(loss_fn, params, batch, optimizer, setup=setup, mode=mode, fixed=fixed,
+                     backend=backend, mesh=mesh, sync_method=sync_method,
+                     fused_kernels=fused_kernels, has_aux=has_aux)
+
+
+def step_saves(step: Any, setup: Setup,
+               tuning: Mapping[str, Any] | None = None) -> tuple[StrategySave, ...]:
+    """The strategy files of a built step (:func:`build_train_step`'s), for its entry point to
+    write (:func:`autopar.planner.save_strategies`): the pipelined step's one per stage
+    (:func:`autopar.pipeline.plan.stage_saves`), the plain step's one, with ``tuning`` (the
+    measurements that chose its plan) when given."""
+    if isinstance(step, PipelineTrainStep):
+        return stage_saves(step.plans, step.stage_graphs, setup)
+    return strategy_saves(step.plan, step.function.graph, setup, tuning=tuning)
 
 
 def check_step_arguments(loss_fn: Any, params: Any, batch: Any, optimizer: Any, *,

@@ -50,7 +50,7 @@ from autopar.errors import (AutoParallelError, AutoParallelTypeError, AutoParall
                             user_stacklevel)
 from autopar.graph.tracer import trace
 from autopar.multihost import agree_text, is_lead, together
-from autopar.planner import ranked_candidates, save_plan, saves_on_success
+from autopar.planner import ranked_candidates, save_strategies
 from autopar.setup import Setup, resolve_setup
 from autopar.step_inputs import ParamSplit, warn_gradients_mean
 from autopar.strategies.plan import Plan
@@ -202,7 +202,8 @@ def tune_step(loss_fn: Callable[..., Any], params: Any, batch: tuple[Any, ...],
     store): trace the loss at the step's micro-batch, rank the candidates
     (:func:`autopar.planner.ranked_candidates`), build the first ``k`` distinct, time them
     (:func:`measure_rounds`), keep the fastest (:func:`choose`); its step comes back with
-    ``.tuning``, and ``strategy_ckpt_save_file`` (if set) is saved with the measurements.
+    ``.tuning`` (its entry point saves ``strategy_ckpt_save_file``, if set, with the
+    measurements: :func:`autopar.train.step_saves`).
     ``options``: the other :class:`~autopar.train.TrainStep` options (``mode``, ``fixed``,
     ``backend``, ``mesh``, ``sync_method``, ``fused_kernels``)."""
     start = time.perf_counter()
@@ -239,9 +240,6 @@ def tune_step(loss_fn: Callable[..., Any], params: Any, batch: tuple[Any, ...],
                          time.perf_counter() - start)
     step.plan = step.function.plan = step.plan.with_notes(
         f"tuning: kept {rows[best].name}, the fastest measured of {len(rows)} plan(s) (.tuning)")
-    if setup.config.strategy_ckpt_save_file:
-        save_plan(step.plan, step.function.graph, setup.config.strategy_ckpt_save_file,
-                  tuning=step.tuning.document())
     return step
 
 
@@ -305,12 +303,14 @@ def tuned_train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
         has_aux=options["has_aux"])
     setup = resolve_setup(options.pop("cluster"))  # the stores, read once
     if not _tunes(setup.config, k):
-        return _train.build_train_step(setup, loss_fn, params, batch, optimizer, **options)
-    with saves_on_success():  # the strategy file once the step is built
-        if setup.config.strategy_ckpt_load_file:
-            return _loaded(setup, k, loss_fn, params, batch, optimizer, options)
+        step = _train.build_train_step(setup, loss_fn, params, batch, optimizer, **options)
+        save_strategies(_train.step_saves(step, setup))  # build; then save
+    elif setup.config.strategy_ckpt_load_file:
+        return _loaded(setup, k, loss_fn, params, batch, optimizer, options)
+    else:
         step = tune_step(loss_fn, params, batch, optimizer, setup=setup, k=k, steps=steps,
                          progress=progress, clock=clock, **options)
+        save_strategies(_train.step_saves(step, setup, tuning=step.tuning.document()))
     warn_gradients_mean(step.data_parallel_degree, "gradients_mean" in setup.explicit)
     return step
 
@@ -354,10 +354,10 @@ def _loaded(setup: Setup, k: int, loss_fn: Callable[..., Any], params: Any,
                                 "strategy_ckpt_save_file the measurements are kept)")
     step = _train.build_train_step(setup, loss_fn, params, batch, optimizer,
                                    **options)  # the file's plan
+    warn_gradients_mean(step.data_parallel_degree, "gradients_mean" in setup.explicit)
     step.tuning = Tuning.from_entry(entry, path)
-    if cfg.strategy_ckpt_save_file:  # (saved again as loaded: the measurements kept)
-        save_plan(step.plan, step.function.graph, cfg.strategy_ckpt_save_file,
-                  tuning=step.tuning.document())
+    # (saved again as loaded: the measurements kept)
+    save_strategies(_train.step_saves(step, setup, tuning=step.tuning.document()))
     return step
 
 

@@ -3,9 +3,9 @@
 The loss, traced at micro-batch size, is cut into ``p`` stages
 (:func:`autopar.strategies.stages.partition_stages`: searched, or at the user's boundaries);
 each stage's subgraph is searched for its ``device_num / p`` devices with the ordinary
-:func:`autopar.search` (strategy files one per stage, ``strategy_stage{s}``, as MindSpore
-keeps them, written only once every stage is planned:
-:func:`autopar.planner.saves_on_success`) and rewritten without the fused ring kernels.
+:func:`autopar.search` and rewritten without the fused ring kernels. The strategy files are
+one per stage, ``strategy_stage{s}``, as MindSpore keeps them (:func:`stage_saves`), written
+together by the entry point once the whole step is built.
 :class:`PipelinePlan` is the result a step shows as ``.plan``.
 
 >>> stage_file("/tmp/strategy.json", 1)
@@ -21,18 +21,19 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 from autopar.errors import AutoParallelTypeError
+from autopar.files import writable_target
 from autopar.graph.ir import Graph
 from autopar.multihost import together
 from autopar.parallel_graph import ParallelGraph
 from autopar.pipeline.schedules import Schedule
-from autopar.planner import check_same_plans, plan_graph, save_plan, saves_on_success
+from autopar.planner import StrategySave, check_same_plans, plan_graph, strategy_saves
 from autopar.rewrite import rewrite
 from autopar.setup import Setup
 from autopar.strategies.plan import Plan
 from autopar.strategies.stages import StagePartition, partition_stages, stage_graph
 
 __all__ = ["PipelinePlan", "StagePlans", "plan_stages", "renamed_plan", "search_stages",
-           "stage_file"]
+           "stage_file", "stage_saves"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,16 @@ def stage_file(path: str, stage: int) -> str:
     return f"{root}_stage{stage}{ext}"
 
 
+def stage_saves(plans: Sequence[Plan], graphs: Sequence[Graph],
+                setup: Setup) -> tuple[StrategySave, ...]:
+    """The stages' strategy files (:func:`stage_file` of the configuration's
+    ``strategy_ckpt_save_file``, in stage order), for the entry point to write together
+    (:func:`autopar.planner.save_strategies`: all or none) once the step is built."""
+    path = setup.config.strategy_ckpt_save_file
+    return tuple(save for s, (plan, sg) in enumerate(zip(plans, graphs))
+                 for save in strategy_saves(plan, sg, setup, path=stage_file(path, s)))
+
+
 def _rewrite_unfused(graph: Any, plan: Plan) -> ParallelGraph:
     """``rewrite`` without the fused ring kernels: their ``collective_permute`` inside a
     stage's branch would deadlock (XLA's CPU runtime meets a collective-permute with every
@@ -93,13 +104,12 @@ def plan_stages(graph: Graph, p: int, *, setup: Setup, micro_batches: int,
                 boundaries: Sequence[str | int] | None, mode: str | None,
                 fixed: Mapping[str, Any] | None) -> StagePlans:
     """Cut ``graph`` into ``p`` stages and search, then rewrite, each one for its
-    ``device_num / p`` devices (:func:`search_stages`; strategy files one per stage, written
-    once every stage is planned)."""
-    with saves_on_success():
-        part, sgs, plans = search_stages(graph, p, setup=setup, micro_batches=micro_batches,
-                                         boundaries=boundaries, mode=mode, fixed=fixed)
-        pgs = [_rewrite_unfused(sg, plan) for sg, plan in zip(sgs, plans)]
-        check_same_plans(list(zip(plans, sgs, pgs)))  # (jax.distributed), before any save
+    ``device_num / p`` devices (:func:`search_stages`; no file written: the entry point
+    saves the stages' files, :func:`stage_saves`)."""
+    part, sgs, plans = search_stages(graph, p, setup=setup, micro_batches=micro_batches,
+                                     boundaries=boundaries, mode=mode, fixed=fixed)
+    pgs = [_rewrite_unfused(sg, plan) for sg, plan in zip(sgs, plans)]
+    check_same_plans(list(zip(plans, sgs, pgs)))  # (jax.distributed), before any save
     return StagePlans(part, sgs, plans, tuple(pgs))
 
 
@@ -135,8 +145,8 @@ def search_stages(graph: Graph, p: int, *, setup: Setup, micro_batches: int,
         key = None if mine or load else _structure_key(sg)
         if key in searched:  # the same structure as a stage already searched: its plan
             plan = renamed_plan(plans[searched[key]], sgs[searched[key]], sg, s)
-            if save:
-                save_plan(plan, sg, save)
+            if save:  # (saved by the entry point: a bad path fails at once)
+                writable_target(save, "strategy_ckpt_save_file")
         else:
             plan = plan_graph(sg, setup, mode=mode, device_num=n // p, fixed=mine,
                               load_file=load, save_file=save,

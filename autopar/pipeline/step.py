@@ -76,9 +76,9 @@ from autopar.lower import apply_step, put_on, run_body
 from autopar.optimizer_shard import ShardDecision, decide_sharding
 from autopar.pipeline.buffers import (BoundaryCodec, PackedParams, StagePacking,
                                       check_elementwise_optimizer)
-from autopar.pipeline.plan import PipelinePlan, plan_stages
+from autopar.pipeline.plan import PipelinePlan, plan_stages, stage_saves
 from autopar.pipeline.schedules import FWD, IDLE, schedule as build_schedule
-from autopar.planner import saves_on_success
+from autopar.planner import save_strategies
 from autopar.step_inputs import (ParamSplit, broadcast_parameters, check_arrays, check_loss,
                                  check_opt_state, check_trainable, is_prng_key,
                                  step_arguments, warn_gradients_mean)
@@ -119,12 +119,12 @@ class PipelineTrainStep(ProgramInspection):
                  mode: str | None = None, fixed: Mapping[str, Any] | None = None,
                  has_aux: bool = False) -> None:
         """Built by :func:`pipeline_train_step` (or :func:`autopar.train_step`), which reads
-        the stores once and passes its ``setup`` (nothing here reads a store)."""
+        the stores once and passes its ``setup``, then saves the stages' strategy files
+        (nothing here reads a store or writes a file)."""
         self._read_config(setup.config, stages, micro_batches, schedule)
         self.has_aux = bool(has_aux)
         self.loss_fn, self.optimizer = loss_fn, optimizer
-        with saves_on_success():  # the stages' strategy files once the whole step is built
-            self._construct(params, batch, setup, boundaries, mode, fixed)
+        self._construct(params, batch, setup, boundaries, mode, fixed)
 
     def _construct(self, params: Any, batch: tuple[Any, ...], setup: Setup,
                    boundaries: Sequence[str | int] | None, mode: str | None,
@@ -712,5 +712,6 @@ def pipeline_train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
     step = PipelineTrainStep(loss_fn, params, batch, optimizer, setup=setup, stages=stages,
                              micro_batches=micro_batches, schedule=schedule,
                              boundaries=boundaries, mode=mode, fixed=fixed, has_aux=has_aux)
+    save_strategies(stage_saves(step.plans, step.stage_graphs, setup))  # all or none
     warn_gradients_mean(step.data_parallel_degree, "gradients_mean" in setup.explicit)
     return step
