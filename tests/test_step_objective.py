@@ -108,7 +108,8 @@ def test_strategy_files_keep_the_micro_batches_only_when_not_one(tmp_path):
         setup = resolve_setup("accelerator-8x")
         for m in (1, 4):
             path = tmp_path / f"m{m}.json"
-            plan = plan_graph(g, setup, save_file=str(path), micro_batches=m)
+            plan = plan_graph(g, setup, micro_batches=m)
+            ap.save_strategy(plan, g, path)
             files[m] = (plan, json.loads(path.read_text()))
         assert "micro_batches" not in files[1][1] and files[4][1]["micro_batches"] == 4
         loaded = ap.load_strategy(tmp_path / "m4.json", g, cluster=None)
