@@ -26,11 +26,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["llama_loss", "llama_shapes", "trace_llama", "LLAMA_7B"]
+__all__ = ["llama_loss", "llama_shapes", "trace_llama", "LLAMA_7B", "LLAMA_70B"]
 
 #: Llama-2 7B (hidden 4096, 32 heads, MLP 11008, vocab 32000), one sequence of 4096 (a
 #: micro-batch: at 32 layers a batch of 8 needs 122 GiB per device on 64, over any budget).
 LLAMA_7B = dict(hidden=4096, heads=32, seq=4096, ffn=11008, vocab=32000, batch=1)
+#: Llama-2 70B (hidden 8192, 64 heads of which 8 key / value heads, MLP 28672), one sequence
+LLAMA_70B = dict(hidden=8192, heads=64, kv_heads=8, seq=4096, ffn=28672, vocab=32000, batch=1)
 
 
 def _rms(x: jax.Array, g: jax.Array) -> jax.Array:
@@ -47,10 +49,14 @@ def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 def _block(p: dict, x: jax.Array, heads: int, cos: jax.Array, sin: jax.Array) -> jax.Array:
     b, s, h_ = x.shape
     d = h_ // heads
+    kv = p["wk"].shape[1] // d  # grouped-query attention: kv heads, each shared by heads / kv
     with jax.named_scope("attn"):
         h = _rms(x, p["norm1"])
-        q, k, v = ((h @ p[w]).reshape(b, s, heads, d) for w in ("wq", "wk", "wv"))
+        q = (h @ p["wq"]).reshape(b, s, heads, d)
+        k, v = ((h @ p[w]).reshape(b, s, kv, d) for w in ("wk", "wv"))
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        if kv != heads:
+            k, v = (jnp.repeat(t, heads // kv, axis=2) for t in (k, v))
         a = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
         a = a + jnp.where(jnp.tril(jnp.ones((s, s), bool)), 0.0, -1e9)
         a = jnp.exp(a - lax.stop_gradient(jnp.max(a, axis=-1, keepdims=True)))
@@ -80,13 +86,16 @@ def llama_loss(params: dict, tokens: jax.Array, targets: jax.Array, heads: int) 
 
 
 def llama_shapes(layers: int, hidden: int, heads: int, seq: int, ffn: int, vocab: int,
-                 batch: int, dtype: Any = jnp.float32) -> tuple[Any, ...]:
-    """``(params, tokens, targets)`` as ``jax.ShapeDtypeStruct`` s (nothing allocated)."""
+                 batch: int, dtype: Any = jnp.float32, kv_heads: int | None = None
+                 ) -> tuple[Any, ...]:
+    """``(params, tokens, targets)`` as ``jax.ShapeDtypeStruct`` s (nothing allocated);
+    ``kv_heads``: grouped-query attention's key / value heads (default ``heads``)."""
     def sds(*shape: int, dt: Any = dtype) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dt)
 
-    block = {"norm1": sds(hidden), "wq": sds(hidden, hidden), "wk": sds(hidden, hidden),
-             "wv": sds(hidden, hidden), "wo": sds(hidden, hidden), "norm2": sds(hidden),
+    kv = hidden // heads * (kv_heads or heads)
+    block = {"norm1": sds(hidden), "wq": sds(hidden, hidden), "wk": sds(hidden, kv),
+             "wv": sds(hidden, kv), "wo": sds(hidden, hidden), "norm2": sds(hidden),
              "w1": sds(hidden, ffn), "w3": sds(hidden, ffn), "w2": sds(ffn, hidden)}
     width = max(2, len(str(layers - 1)))
     params: dict[str, Any] = {f"block{i:0{width}d}": dict(block) for i in range(layers)}

@@ -42,7 +42,8 @@ from autopar.graph.ir import Graph, Node
 from autopar.graph.ops import op_spec
 from autopar.strategies.layout import DeviceMesh
 
-__all__ = ["HAND_PLAN_MARGIN", "megatron_degree", "megatron_splits", "weight_input"]
+__all__ = ["HAND_PLAN_MARGIN", "megatron_degree", "megatron_splits", "megatron_strategies",
+           "weight_input"]
 
 #: The fraction by which the search's own plan must be priced below the cheapest hand plan
 #: to be kept over it (the ``hand_plan_margin`` algorithm parameter's default).
@@ -107,6 +108,26 @@ def megatron_splits(graph: Graph, mesh: DeviceMesh, tp: int) -> dict[str, tuple[
         out[node.name] = splits
         if not row:
             column_made.update(node.outputs)
+    return out
+
+
+def megatron_strategies(graph: Graph, device_num: int, tp: int
+                        ) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """:func:`megatron_splits` on ``device_num`` devices as MindSpore strategies (per input,
+    one split count per dim): the ``fixed`` that pins Megatron's layout at degree ``tp`` in a
+    search or a stage search, the rest propagated or searched.
+
+    >>> import jax.numpy as jnp, autopar
+    >>> g = autopar.trace(lambda w, x: jnp.sum(x @ w), jnp.ones((16, 64)), jnp.ones((8, 16)))
+    >>> megatron_strategies(g, 8, 4)
+    {'dot_general_0': ((2, 1), (1, 4))}
+    """
+    mesh = DeviceMesh.for_devices(device_num)
+    out = {}
+    for name, splits in megatron_splits(graph, mesh, tp).items():
+        spec = op_spec(graph.node(name), graph)
+        out[name] = tuple(tuple(1 if d is None else splits[d] for d in dims)
+                          for dims in spec.in_maps)
     return out
 
 

@@ -119,6 +119,20 @@ class Residuals:
             [v for ins in self.region_inputs.values() for v in ins
              if graph.values[v].kind == "activation"])
 
+    def stored_anyway(self, nodes: Sequence[str]) -> set[str]:
+        """The activations the backward of operators ``nodes`` reads from forward under any
+        plan: what each kind's rule keeps, except a value XLA may fuse away (a plan stores
+        it or the values its chain reads), a division's row and what a ``jax.checkpoint``
+        region makes again. A lower bound of what a step keeps: the configuration search's
+        memory floor (:mod:`autopar.pipeline.configure`)."""
+        out: set[str] = set()
+        for name in nodes:
+            rule = set(self.rules.get(name, ()))
+            out.update(v for v, reader, j in self.refs.get(name, ())
+                       if (v, reader, j) in rule and j != ROW and not self._recomputed(v)
+                       and self.graph.values[v].kind == "activation")
+        return out
+
     def _regions(self, graph: Graph) -> None:
         """The ``jax.checkpoint`` regions (:mod:`autopar.graph.remat`): ``region[node]``,
         ``saved`` (the values their policies save), and per differentiated region its

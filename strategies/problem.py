@@ -383,6 +383,17 @@ def operator_time(cm: CostModel, graph: Graph, node: Node, splits: Sequence[int]
     return fwd.seconds(cm, splits, nbytes)
 
 
+def operator_floor(cm: CostModel, graph: Graph, node: Node, devices: int,
+                   fused: frozenset[str]) -> float:
+    """A lower bound of :func:`operator_time` under any layouts on ``devices`` devices: the
+    same rule with its FLOPs and every block it moves split ``devices`` ways (no block on
+    one device is smaller). The configuration search prunes by it."""
+    fwd = OpForward(graph, node, fused)
+    nbytes = sum(graph.spec(v).nbytes for v, moved in zip(node.inputs, fwd.ins) if moved)
+    nbytes += sum(graph.spec(v).nbytes for v, moved in zip(node.outputs, fwd.outs) if moved)
+    return fwd.seconds(cm, (devices,), nbytes / devices)
+
+
 def parameter_values(graph: Graph) -> frozenset[str]:
     """Values computed from parameters (and constants) alone, no data input upstream: a
     parameter's broadcast, cast or transpose. Their gradients are the parameters' gradients:

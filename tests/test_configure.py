@@ -76,7 +76,8 @@ def test_the_search_is_deterministic_and_says_why_one_stage():
         b = ap.search_configuration(m.loss, params, batch, cluster=CLUSTER)
         one = ap.search_configuration(m.loss, params, batch, clipped, cluster=CLUSTER)
     assert a.table(100) == b.table(100)
-    assert max(c.stages for c in a.ranked) == 2   # pipeline_stages caps the degree
+    weighed = [c.stages for c in a.ranked] + [p for p, _, _ in a.pruned]
+    assert max(weighed) == 2   # pipeline_stages caps the degree
     assert {c.stages for c in one.ranked} == {1} and "not elementwise" in one.notes[0]
 
 
@@ -133,3 +134,45 @@ def test_stages_of_one_structure_are_searched_once():
         assert plans[s].decisions() == own.decisions() and plans[s].cost == own.cost
         assert plans[s].fingerprint == sgs[s].fingerprint()
         assert set(plans[s].stages.values()) == {s}
+
+
+def test_the_lower_bounds_hold_for_every_configuration_weighed():
+    """The step and memory floors the search prunes by are below what every configuration
+    is priced at: the search's answer is then the sweep's."""
+    m, params, batch = tiny()
+    with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel"):
+        setup = resolve_setup(CLUSTER)
+    graph_at, rows = micro_graphs(m.loss, params, batch)
+    w = _Weigher(graph_at, setup, None, ("gpipe", "1f1b"), None)
+    checked = 0
+    for c in _brute_force(setup, graph_at, rows):
+        if c.failed:  # (too few units for its stages: the bound says so too)
+            assert w.bound(c.stages, c.micro_batches).failed
+            continue
+        seconds, memory = w.bound(c.stages, c.micro_batches)
+        assert seconds <= c.step_seconds * (1 + 1e-12)
+        assert 0 < memory <= c.memory_bytes * (1 + 1e-12)
+        checked += 1
+    assert checked >= 10
+
+
+def test_a_hand_configuration_is_priced_as_the_search_prices_it():
+    """price_configuration prices one configuration as the sweep does; with Megatron's
+    matmuls fixed, every stage plan splits them as Megatron does."""
+    from autopar.pipeline.configure import price_configuration
+    from autopar.strategies.baselines import megatron_strategies
+
+    m, params, batch = tiny()
+    with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel"):
+        setup = resolve_setup(CLUSTER)
+    graph_at, _ = micro_graphs(m.loss, params, batch)
+    w = _Weigher(graph_at, setup, None, ("1f1b",), None)
+    own = price_configuration(graph_at, 2, 4, setup=setup, schedule="1f1b")
+    assert own.step_seconds == w.weigh(2, 4)[0].step_seconds
+    fixed = megatron_strategies(graph_at(4), 4, 2)
+    hand = price_configuration(graph_at, 2, 4, setup=setup, mode="sharding_propagation",
+                               fixed=fixed)
+    assert fixed and hand.fits
+    for plan in hand.plans:
+        mine = {k: v for k, v in fixed.items() if k in plan.nodes}
+        assert mine and all(plan.strategy(k) == v for k, v in mine.items())

@@ -61,16 +61,18 @@ from autopar.pipeline.simulation import PipelineTrace, pipeline_trace, simulate_
 from autopar.resolve import pipeline_schedule
 from autopar.setup import Setup, resolve_setup
 from autopar.step_inputs import is_prng_key, step_arguments
-from autopar.strategies.cost import BACKWARD_FACTOR
-from autopar.strategies.memory import size
+from autopar.strategies.cost import BACKWARD_FACTOR, CostModel
+from autopar.strategies.memory import Residuals, size
 from autopar.strategies.modes import PIPELINE_MODES
 from autopar.strategies.plan import Plan
-from autopar.strategies.precision import compute_dtype, fp32_sync_active
-from autopar.strategies.stages import partition_stages
+from autopar.strategies.precision import fp32_sync_active
+from autopar.strategies.problem import fused_values, operator_floor, requires_grad
+from autopar.strategies.stages import partition_stages, send_time
 from autopar.text import table
 
 __all__ = ["Configuration", "ConfigurationSearch", "configured", "micro_batch_counts",
-           "micro_graphs", "search_configuration", "stage_counts", "weigh_configurations"]
+           "micro_graphs", "price_configuration", "search_configuration", "stage_counts",
+           "weigh_configurations"]
 
 
 @dataclass(frozen=True)
@@ -128,12 +130,14 @@ class Configuration:
 class ConfigurationSearch:
     """The configuration search's answer: ``best`` (the fastest that fits) and every
     configuration weighed, ``ranked`` (fitting ones fastest first, then by memory, then
-    those that failed), with the search's ``seconds``."""
+    those that failed), with the search's ``seconds``; ``pruned``: the ``(stages,
+    micro_batches, lower bound seconds)`` not searched, their bound above the best step."""
 
     best: Configuration
     ranked: tuple[Configuration, ...]
     seconds: float
     notes: tuple[str, ...] = ()
+    pruned: tuple[tuple[int, int, float], ...] = ()
 
     def table(self, rows: int = 12) -> str:
         """The best configuration and the next ``rows - 1``, one line each."""
@@ -191,12 +195,6 @@ def _stash_bytes(part: Any, sched: Any, devices: int) -> float:
     return float((sched.act_slots + sched.grad_slots + 2) * largest)
 
 
-def _peak(clus: Any, graph: Graph, node: Any) -> float:
-    """The FLOP/s an operator computes at: its dtype's peak (as the cost model prices it)."""
-    dtype = compute_dtype(graph, node)
-    return clus.peak_flops_by_dtype.get(dtype, clus.peak_flops) if dtype else clus.peak_flops
-
-
 def _parts(trace: PipelineTrace) -> dict[str, float]:
     """The step in three parts: the stages' work, the bubble, the sync and update after."""
     span = trace.makespan
@@ -219,29 +217,48 @@ class _Weigher:
         self.fp32 = fp32_sync_active(cfg.gradient_fp32_sync, cfg.parallel_mode)
         self.budget = float(setup.cluster.memory_bytes)
 
-    def bound(self, p: int, m: int) -> "float | Configuration":
-        """A lower bound of the step of ``p`` stages x ``m`` micro-batches under any
-        schedule, from the stage cut alone: every stage's forward its FLOPs at their dtype's
-        peak over all of its devices, its backward ``BACKWARD_FACTOR`` (+ 1 recomputed) times
-        that, no transfer, gradient sync or update (the simulator is monotone in each);
-        0 for a graph with loop nodes (one stage only). The failed configuration when the
-        graph cannot be cut into ``p`` stages."""
+    def bound(self, p: int, m: int) -> "tuple[float, float] | Configuration":
+        """Lower bounds of ``p`` stages x ``m`` micro-batches under any schedule and any
+        stage layouts, from the stage cut alone: ``(step seconds, memory bytes per
+        device)``, or the failed configuration when the graph cannot be cut into ``p``
+        stages; ``(0, 0)`` for a graph with loop nodes (one stage only).
+
+        The step by the simulator's own rules (:func:`~autopar.pipeline.simulation.
+        pipeline_trace`, monotone in each): every operator at its floor on the stage's
+        devices (:func:`~autopar.strategies.problem.operator_floor`), backward
+        ``BACKWARD_FACTOR`` (+ 1 recomputed) times forward, the boundary sends, the
+        optimizer update of every parameter split over the stage's devices; no activation
+        communication, no gradient sync. The memory: the largest stage's parameters and
+        the activations its backward reads under any plan
+        (:meth:`~autopar.strategies.memory.Residuals.stored_anyway`), all split over its
+        devices, plus the least boundary stash of the schedules."""
         graph = self.graph_at(m)
         if loop_nodes(graph):
-            return 0.0
+            return 0.0, 0.0
+        clus = self.setup.cluster
         try:
-            part = partition_stages(graph, p, device_num=self.n, cluster=self.setup.cluster,
-                                    micro_batches=m)
+            part = partition_stages(graph, p, device_num=self.n, cluster=clus, micro_batches=m)
         except AutoParallelError as e:
             return Configuration(p, m, "-", math.inf, math.inf, self.budget, 1.0, (),
                                  failed=str(e).splitlines()[0])
-        clus = self.setup.cluster
-        fwd = [sum(graph.node(name).flops / _peak(clus, graph, graph.node(name))
-                   for name in names) * p / self.n for names in part.stage_nodes]
+        cm, d, fused = CostModel(clus), self.n // p, fused_values(graph)
+        fwd = [sum(operator_floor(cm, graph, graph.node(name), d, fused) for name in names)
+               for names in part.stage_nodes]
         bwd = [(BACKWARD_FACTOR + (1.0 if p > 1 else 0.0)) * t for t in fwd]
-        return clus.step_overhead + min(
-            simulate_schedule(fwd, bwd, micro_batches=m, schedule=name).makespan
-            for name in (self.schedules if p > 1 else ("gpipe",)))
+        sends = [send_time(b, cm, d) for b in part.crossing_bytes]
+        grad = requires_grad(graph)
+        params = [dict.fromkeys(v for name in names for v in graph.node(name).inputs
+                                if graph.values[v].kind == "param") for names in part.stage_nodes]
+        update = max(sum(cm.update_time(graph.spec(v).nbytes / d) for v in mine
+                         if grad.get(v, False)) for mine in params)
+        names = self.schedules if p > 1 else ("gpipe",)
+        seconds = clus.step_overhead + update + min(simulate_schedule(
+            fwd, bwd, micro_batches=m, schedule=name, sends=sends).makespan for name in names)
+        res = Residuals(graph, grad, fused)
+        memory = max(sum(graph.spec(v).nbytes for v in [*mine, *res.stored_anyway(nodes)])
+                     for mine, nodes in zip(params, part.stage_nodes)) / d + min(
+            _stash_bytes(part, build_schedule(name, p, m), d) for name in names)
+        return seconds, memory
 
     def weigh(self, p: int, m: int) -> list[Configuration]:
         """Every schedule of ``p`` stages x ``m`` micro-batches (one failed configuration
@@ -295,25 +312,31 @@ def weigh_configurations(graph_at: Callable[[int], Graph], batch_rows: Sequence[
     bounds = {}
     for p in stage_counts(n, max_stages or n):
         for m in micro_batch_counts(batch_rows, p):
-            bounds[p, m] = weigher.bound(p, m)
-            if isinstance(bounds[p, m], Configuration):
-                found.append(bounds.pop((p, m)))  # too few units for p stages, whatever m
+            low = weigher.bound(p, m)
+            if isinstance(low, Configuration):
+                found.append(low)  # too few units for p stages, whatever m
                 break
-    best, skipped = math.inf, 0
+            if low[1] > weigher.budget:  # (the memory floor alone is over the budget)
+                found.append(Configuration(p, m, "-", math.inf, low[1], weigher.budget, 1.0,
+                                           (), failed=f"memory: at least {size(low[1])}"))
+            else:
+                bounds[p, m] = low[0]
+    best, pruned = math.inf, []
     for (p, m), low in sorted(bounds.items(), key=lambda kv: (kv[1], kv[0])):
         if low > best:  # (its lower bound already prices it out; a tie may still win)
-            skipped += 1
+            pruned.append((p, m, low))
             continue
         confs = weigher.weigh(p, m)
         found += confs
         best = min([best] + [c.step_seconds for c in confs if c.fits])
-    if skipped:
-        notes = (*notes, f"{skipped} of {len(bounds)} stage and micro-batch counts not "
+    if pruned:
+        notes = (*notes, f"{len(pruned)} of {len(bounds)} stage and micro-batch counts not "
                  "searched: their lower bound prices them above the best")
     ranked = _ranked(found)
-    result = ConfigurationSearch(ranked[0], ranked, time.perf_counter() - t0, tuple(notes))
+    result = ConfigurationSearch(ranked[0], ranked, time.perf_counter() - t0, tuple(notes),
+                                 tuple(sorted(pruned)))
     if not ranked[0].fits:
-        least = min((c for c in ranked if not c.failed), default=None,
+        least = min((c for c in ranked if math.isfinite(c.memory_bytes)), default=None,
                     key=lambda c: c.memory_bytes)
         needed = least.memory_bytes if least is not None else math.inf
         raise MemoryBudgetError(
@@ -322,6 +345,18 @@ def weigh_configurations(graph_at: Callable[[int], Graph], batch_rows: Sequence[
             f"smallest needs {size(needed)}\n{result.table()}", needed=needed,
             budget=weigher.budget)
     return result
+
+
+def price_configuration(graph_at: Callable[[int], Graph], stages: int, micro_batches: int,
+                        *, setup: Setup, schedule: str = "gpipe", mode: str | None = None,
+                        fixed: Mapping[str, Any] | None = None) -> Configuration:
+    """One configuration priced as :func:`weigh_configurations` prices each: ``stages`` x
+    ``micro_batches`` under ``schedule`` (ignored on one stage), every stage searched under
+    ``mode`` with ``fixed`` (e.g. a hand layout:
+    :func:`~autopar.strategies.baselines.megatron_strategies` under
+    ``sharding_propagation``). The failed configuration when it has no plan."""
+    weigher = _Weigher(graph_at, setup, mode, (schedule,), fixed)
+    return weigher.weigh(stages, micro_batches)[0]
 
 
 def micro_graphs(loss_fn: Callable[..., Any], params: Any, batch: tuple[Any, ...]
