@@ -252,6 +252,7 @@ def _measure_all(fn: Any, ex: tuple, rows: list, graph: Any, devices: int,
 def cmd_compare(args: argparse.Namespace) -> int:
     from autopar.compare import (check_comparison_dir, compare_modes, comparison_rows,
                                  write_comparison)
+    from autopar.setup import resolve_setup
 
     modes = args.modes or list(MODES)
     if args.steps is not None and not args.measure:
@@ -263,8 +264,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     fn, ex, graph, desc = _graph(args, concrete=args.measure)
     with Progress("search modes", len(modes)) as bar:
         with _context(args):
-            rows = compare_modes(graph, device_num=args.devices, cluster=args.cluster,
-                                 modes=modes, on_done=bar.advance)
+            setup = resolve_setup(args.cluster)  # the stores, read once for the command
+            rows = compare_modes(graph, device_num=args.devices, modes=modes,
+                                 on_done=bar.advance, setup=setup)
     if args.measure:
         _measure_all(fn, ex, rows, graph, args.devices, args.steps)
     title = f"search modes: {desc} on {args.devices} devices, cluster {args.cluster.name}"

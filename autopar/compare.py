@@ -26,12 +26,15 @@ import os
 import textwrap
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from autopar.files import writable_target, write_files_atomic
 from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.graph.ir import Graph
 from autopar.strategies.plan import Plan
+
+if TYPE_CHECKING:
+    from autopar.setup import Setup
 
 __all__ = ["ModeResult", "compare_modes", "comparison_rows", "write_comparison",
            "check_comparison_dir", "COMPARISON_FILES", "ORDER"]
@@ -78,14 +81,20 @@ def _figures(graph: Graph, plan: Plan) -> ModeResult:
 
 def compare_modes(graph: Graph, *, device_num: int | None = None, cluster: Any = None,
                   modes: Sequence[str] = ORDER,
-                  on_done: Callable[[str], None] | None = None) -> list[ModeResult]:
+                  on_done: Callable[[str], None] | None = None,
+                  setup: Setup | None = None) -> list[ModeResult]:
     """Search ``graph`` with every mode in ``modes`` (under ``parallel_mode="auto_parallel"``)
     and return one :class:`ModeResult` each, in ``modes`` order (exact first when present).
 
+    The stores (the context, the algorithm parameters, the cluster) are read once, into one
+    :class:`~autopar.setup.Setup` every mode plans from
+    (:func:`autopar.planner.search_graph`); ``setup``: the one its caller's entry point
+    resolved instead (the CLI's, once per command; then ``cluster`` is not given).
     ``on_done(mode)`` is called after each search (progress bars). The context's strategy
     files are not used here (each mode searches)."""
     from autopar.context import auto_parallel_context
-    from autopar.planner import search
+    from autopar.planner import search_graph
+    from autopar.setup import Setup, resolve_setup
     from autopar.strategies.modes import SOLVERS as MODES
 
     if not isinstance(graph, Graph):
@@ -96,18 +105,27 @@ def compare_modes(graph: Graph, *, device_num: int | None = None, cluster: Any =
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise AutoParallelError("modes", bad, f"unknown search modes; choose from {list(MODES)}")
+    if setup is not None and not isinstance(setup, Setup):
+        raise AutoParallelTypeError("setup", setup, "an autopar.setup.Setup (resolve_setup)")
+    if setup is not None and cluster is not None:
+        raise AutoParallelError("cluster", cluster, "the setup given prices the plans "
+                                "(its own cluster)", "Give cluster= or setup=, not both")
     # the usual order first, then any other registered mode asked for (never dropped)
     order = [m for m in ORDER if m in modes] + [m for m in dict.fromkeys(modes)
                                                  if m not in ORDER]
+    if setup is None:  # (checked as searched here: without the strategy files)
+        with auto_parallel_context(strategy_ckpt_load_file="", strategy_ckpt_save_file=""):
+            setup = resolve_setup(cluster)  # the stores, read once for every mode
+    # strategy files would make every mode load (or overwrite) the same plan: off here
+    planned = setup.with_config(strategy_ckpt_load_file="", strategy_ckpt_save_file="",
+                                parallel_mode="auto_parallel")
     plans: dict[str, Plan] = {}
     for mode in order:
         fixed = None
         if mode == "sharding_propagation":
             fixed = _seed(graph, plans)
-        # strategy files would make every mode load (or overwrite) the same plan: off here
-        with auto_parallel_context(strategy_ckpt_load_file="", strategy_ckpt_save_file=""):
-            plans[mode] = search(graph, mode=mode, device_num=device_num, cluster=cluster,
-                                 fixed=fixed, parallel_mode="auto_parallel")
+        plans[mode] = search_graph(graph, planned, mode=mode, device_num=device_num,
+                                   fixed=fixed, parallel_mode="auto_parallel")
         if fixed:
             plans[mode] = plans[mode].with_notes(f"seeded with {fixed}")
         if on_done is not None:

@@ -71,6 +71,26 @@ def test_parallelize_and_search_read_each_store_once(reads):
                      "resolve_cluster": 2, "get_split_strategy": 0}
 
 
+def test_compare_modes_reads_each_store_once(reads):
+    """compare_modes searches every mode from one Setup: the stores are read once for all of
+    them, not once per mode (and the CLI's own Setup, given, is read from alone)."""
+    from autopar.compare import ORDER, compare_modes
+    from autopar.setup import resolve_setup
+
+    loss, params, x = _mlp()
+    graph = ap.trace(loss, params, x)
+    with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel"):
+        rows = compare_modes(graph, cluster="accelerator-8x")
+        assert [r.mode for r in rows] == list(ORDER)
+        once = {"resolve_context": 1, "read_context": 0, "current_algo_parameters": 1,
+                "resolve_cluster": 1, "get_split_strategy": 0}
+        assert reads == once
+        setup = resolve_setup("accelerator-8x")
+        given = compare_modes(graph, setup=setup)
+    assert reads == {k: 2 * v for k, v in once.items()}
+    assert [r.objective for r in given] == [r.objective for r in rows]
+
+
 @pytest.mark.parametrize("planned", [False, True])
 def test_simulate_and_the_split_advisor_read_each_store_once(reads, planned):
     """simulate, advise_split and compare_splits read the context as set (unchecked: a
