@@ -443,7 +443,7 @@ class _Loops:
         key = ("pricer", mesh, id(cm), settings.enable_alltoall)
         hit = self.kept.get(key)
         if hit is None:
-            hit = self.kept[key] = (EdgePricer(mesh, cm, settings.enable_alltoall), cm)
+            hit = self.kept[key] = (shared_pricer(mesh, cm, settings.enable_alltoall), cm)
         return hit[0]
 
     def prices(self) -> PriceBooks:
@@ -456,6 +456,26 @@ class _Loops:
 
     def planner(self, settings: SearchSettings, weight: float) -> "_Planner":
         return _Planner(self, settings, weight)
+
+
+#: the edge pricers of the last searches, newest last: (mesh, cluster, enable_alltoall,
+#: pricer); a pricer's coefficients depend on nothing else (not on shapes), so searches on
+#: one mesh and cluster (a configuration search's stages and micro-batch sizes) share them
+_PRICERS: list[tuple[DeviceMesh, Cluster, bool, EdgePricer]] = []
+_PRICERS_KEPT = 4
+
+
+def shared_pricer(mesh: DeviceMesh, cm: CostModel, enable_alltoall: bool) -> EdgePricer:
+    """The :class:`EdgePricer` of ``(mesh, cm.cluster, enable_alltoall)``, shared with the
+    last searches on them (a pure cache: every price is the same as a fresh pricer's)."""
+    for k, (m, c, a, pricer) in enumerate(_PRICERS):
+        if m == mesh and a == enable_alltoall and c == cm.cluster:
+            _PRICERS.append(_PRICERS.pop(k))
+            return pricer
+    pricer = EdgePricer(mesh, cm, enable_alltoall)
+    _PRICERS.append((mesh, cm.cluster, enable_alltoall, pricer))
+    del _PRICERS[:-_PRICERS_KEPT]
+    return pricer
 
 
 class _Planner:

@@ -173,3 +173,28 @@ def test_layouts_the_codes_do_not_take_are_refused():
             price()
     with pytest.raises(AutoParallelError):  # a target creating a partial sum
         pricer.small([fine], [TensorLayout(((), ()), ("a1",))], False, 1e6)
+
+
+def test_searches_on_one_mesh_and_cluster_share_a_pricer_and_plan_as_alone():
+    """A second search on the same mesh and cluster reuses the first's edge pricer (its
+    coefficients do not depend on shapes) and finds the plan a fresh pricer finds."""
+    import autopar as ap
+    from autopar.models import transformer
+    from autopar.strategies import search as search_mod
+
+    m = transformer(layers=2, hidden=32, heads=4, seq=16, vocab=64, batch=8)
+    g = ap.trace(m.loss, *jax.eval_shape(m.example_args, jax.random.key(0)))
+    clus = ap.CLUSTERS["accelerator-8x"]
+    search_mod._PRICERS.clear()
+    with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel"):
+        first = ap.search(g, cluster=clus)
+        (mesh, _, _, pricer), = search_mod._PRICERS
+        again = ap.search(g, cluster=clus.model_copy())
+        assert search_mod._PRICERS[-1][3] is pricer and len(search_mod._PRICERS) == 1
+        search_mod._PRICERS.clear()
+        fresh = ap.search(g, cluster=clus)
+        ap.search(g, device_num=4, cluster=clus)  # another mesh: another pricer
+    assert mesh.device_num == 8 and first.cost.communication + first.cost.redistribution > 0
+    assert first.decisions() == again.decisions() == fresh.decisions()
+    assert first.cost == again.cost == fresh.cost
+    assert len(search_mod._PRICERS) == 2 and search_mod._PRICERS[-1][0] != mesh
