@@ -119,8 +119,10 @@ RESTRICTIONS: tuple[Restriction, ...] = (
                 lambda c, e: c.enable_parallel_optimizer and _mode(c) == "stand_alone",
                 "choose a parallel mode"),
     Restriction("parallel_optimizer_config", "warning",
-                "parallel_optimizer_config only takes effect with enable_parallel_optimizer=True",
-                lambda c, e: "parallel_optimizer_config" in e and not c.enable_parallel_optimizer,
+                "parallel_optimizer_config only takes effect with enable_parallel_optimizer=True "
+                "(or under auto_pipeline=True with it unset: the search may turn it on)",
+                lambda c, e: "parallel_optimizer_config" in e and not c.enable_parallel_optimizer
+                and not (c.auto_pipeline and "enable_parallel_optimizer" not in e),
                 "set enable_parallel_optimizer=True"),
     Restriction("comm_fusion", "warning",
                 "allgather / reducescatter fusion applies to the parallel optimizer's "

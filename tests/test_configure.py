@@ -176,3 +176,24 @@ def test_a_hand_configuration_is_priced_as_the_search_prices_it():
     for plan in hand.plans:
         mine = {k: v for k, v in fixed.items() if k in plan.nodes}
         assert mine and all(plan.strategy(k) == v for k, v in mine.items())
+
+
+def test_the_parallel_optimizer_is_tried_where_the_user_left_it_unset():
+    m, params, batch = tiny()
+    small = {"parallel_optimizer_threshold": 0}  # (the tiny model's parameters are small)
+    with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel",
+                                  parallel_optimizer_config=small, auto_pipeline=True):
+        tried = ap.search_configuration(m.loss, params, batch, optax.adam(1e-3),
+                                        cluster=CLUSTER)
+    with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel",
+                                  auto_pipeline=True, enable_parallel_optimizer=False):
+        left = ap.search_configuration(m.loss, params, batch, optax.adam(1e-3),
+                                       cluster=CLUSTER)
+    sharded = [c for c in tried.ranked if c.parallel_optimizer]
+    assert sharded and not any(c.parallel_optimizer for c in left.ranked)
+    plain = {(c.stages, c.micro_batches, c.schedule): c for c in left.ranked if c.fits}
+    for c in sharded:  # the same counts, its state split: less memory per device
+        assert c.memory_bytes < plain[c.stages, c.micro_batches, c.schedule].memory_bytes
+    best = tried.best
+    assert best.context().get("enable_parallel_optimizer", False) == best.parallel_optimizer
+    assert best.step_seconds <= left.best.step_seconds

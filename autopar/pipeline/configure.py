@@ -92,6 +92,7 @@ class Configuration:
     plans: tuple[Plan, ...]
     parts: Mapping[str, float] = field(default_factory=dict)
     failed: str = ""
+    parallel_optimizer: bool = False
 
     @property
     def fits(self) -> bool:
@@ -107,11 +108,20 @@ class Configuration:
                                 "grad_accumulation_step": self.grad_accumulation_step}
         if self.stages > 1:
             keys["pipeline_config"] = {"pipeline_scheduler": self.schedule}
+        if self.parallel_optimizer:
+            keys["enable_parallel_optimizer"] = True
         return keys
 
     def layout(self) -> str:
-        """The first stage plan's mesh (its axes and sizes), "-" without plans."""
-        return str(self.plans[0].mesh) if self.plans else "-"
+        """How the first stage plan uses its devices: ``DP d x model k``, ``d`` the split of
+        the batch rows (its first data input's dim 0) and ``k`` the rest (tensor or other
+        model parallelism); "-" without plans."""
+        if not self.plans:
+            return "-"
+        plan = self.plans[0]
+        data = [v for v in plan.inputs if v not in plan.parameters and v in plan.layouts]
+        dp = plan.layouts[data[0]].split_counts(plan.mesh)[0] if data else 1
+        return f"DP {dp} x model {plan.mesh.device_num // dp}"
 
     def lost_on(self, best: "Configuration") -> str:
         """What this configuration lost on against ``best``: its failure, the memory
@@ -141,12 +151,13 @@ class ConfigurationSearch:
 
     def table(self, rows: int = 12) -> str:
         """The best configuration and the next ``rows - 1``, one line each."""
-        head = ("stages", "micro-batches", "schedule", "mesh", "step ms", "x best", "bubble",
-                "memory", "fits", "lost on")
+        head = ("stages", "micro-batches", "schedule", "par. opt.", "stage layout", "step ms",
+                "x best", "bubble", "memory", "fits", "lost on")
         out = [head]
         for c in self.ranked[:rows]:
             ok = not c.failed
-            out.append((str(c.stages), str(c.micro_batches), c.schedule, c.layout(),
+            out.append((str(c.stages), str(c.micro_batches), c.schedule,
+                        "yes" if c.parallel_optimizer else "no", c.layout(),
                         f"{c.step_seconds * 1e3:.3f}" if ok else "-",
                         f"{c.step_seconds / self.best.step_seconds:.3f}" if ok else "-",
                         f"{c.bubble:.1%}" if ok else "-", size(c.memory_bytes) if ok else "-",
@@ -216,6 +227,12 @@ class _Weigher:
                                        strategy_ckpt_save_file="", grad_accumulation_step=1)
         self.fp32 = fp32_sync_active(cfg.gradient_fp32_sync, cfg.parallel_mode)
         self.budget = float(setup.cluster.memory_bytes)
+        self.parallel_optimizer = bool(cfg.enable_parallel_optimizer)
+
+    def sharded(self) -> "_Weigher":
+        """This weigher under ``enable_parallel_optimizer=True``."""
+        return _Weigher(self.graph_at, self.setup.with_config(enable_parallel_optimizer=True),
+                        self.mode, self.schedules, self.fixed)
 
     def bound(self, p: int, m: int) -> "tuple[float, float] | Configuration":
         """Lower bounds of ``p`` stages x ``m`` micro-batches under any schedule and any
@@ -281,7 +298,8 @@ class _Weigher:
                                    plans=list(plans), recompute=p > 1)
             stash = _stash_bytes(part, build_schedule(name, p, m), self.n // p)
             out.append(Configuration(p, m, name, trace.step_time, peak + stash, self.budget,
-                                     trace.bubble, plans, _parts(trace)))
+                                     trace.bubble, plans, _parts(trace),
+                                     parallel_optimizer=self.parallel_optimizer))
         return out
 
 
@@ -293,16 +311,38 @@ def _ranked(found: list[Configuration]) -> tuple[Configuration, ...]:
     return tuple(sorted(found, key=key))
 
 
+#: the fastest configurations (distinct stages and micro-batches) the configuration search
+#: weighs again under the parallel optimizer
+SHARDED_TRIES = 3
+
+
+def _sharded_tries(found: Sequence[Configuration], sharded: _Weigher) -> list[Configuration]:
+    """The parallel optimizer tried on the :data:`SHARDED_TRIES` fastest stage and
+    micro-batch counts found, or, when none fits the memory, on every count searched (it
+    stores the parameters and their optimizer state split over each data-parallel group:
+    the same gradient bytes sent, a smaller update and less memory)."""
+    fitting = sorted((c for c in found if c.fits), key=lambda c: (c.step_seconds, c.stages,
+                                                                  c.micro_batches))
+    pool = fitting or [c for c in found if c.plans or c.failed.startswith("memory:")
+                       and math.isinf(c.memory_bytes)]
+    pairs = list(dict.fromkeys((c.stages, c.micro_batches) for c in pool))
+    return [c for p, m in pairs[:SHARDED_TRIES if fitting else None]
+            for c in sharded.weigh(p, m)]
+
+
 def weigh_configurations(graph_at: Callable[[int], Graph], batch_rows: Sequence[int], *,
                          setup: Setup, max_stages: int | None = None,
                          schedules: Sequence[str] | None = None, mode: str | None = None,
                          fixed: Mapping[str, Any] | None = None,
-                         notes: Sequence[str] = ()) -> ConfigurationSearch:
+                         notes: Sequence[str] = (),
+                         parallel_optimizer: bool = False) -> ConfigurationSearch:
     """Search stages, micro-batches and schedule with the layouts (see the module
     docstring). ``graph_at(m)``: the loss traced at ``1/m`` of the batch, whose inputs
     have ``batch_rows`` rows; ``max_stages``: at most this many stages (default
     ``device_num``; 1: no pipeline); ``schedules``: those weighed (default both); ``fixed``:
-    strategies by node name; ``notes``: what the answer says beside it. Raises
+    strategies by node name; ``notes``: what the answer says beside it;
+    ``parallel_optimizer``: also try ``enable_parallel_optimizer=True`` (where the setup
+    leaves it off) on the fastest configurations (:func:`_sharded_tries`). Raises
     :class:`MemoryBudgetError` when no configuration fits, naming the smallest found."""
     t0 = time.perf_counter()
     n = setup.config.device_num
@@ -329,6 +369,8 @@ def weigh_configurations(graph_at: Callable[[int], Graph], batch_rows: Sequence[
         confs = weigher.weigh(p, m)
         found += confs
         best = min([best] + [c.step_seconds for c in confs if c.fits])
+    if parallel_optimizer and not weigher.parallel_optimizer:
+        found += _sharded_tries(found, weigher.sharded())
     if pruned:
         notes = (*notes, f"{len(pruned)} of {len(bounds)} stage and micro-batch counts not "
                  "searched: their lower bound prices them above the best")
@@ -395,12 +437,22 @@ def _why_one_stage(setup: Setup, params: Any, optimizer: Any, graph: Graph) -> l
     if loop_nodes(graph):
         notes.append(f"one stage only: loop node {loop_nodes(graph)[0].name!r} runs as one "
                      "lax.scan and cannot be cut into stages")
-    if optimizer is not None:
-        try:
-            check_elementwise_optimizer(optimizer, 1, (2, 1))
-        except AutoParallelError as e:
-            notes.append(f"one stage only: {str(e).splitlines()[0]}")
+    why = _not_elementwise(optimizer)
+    if why:
+        notes.append(f"one stage only: {why}")
     return notes
+
+
+def _not_elementwise(optimizer: Any) -> str:
+    """Why ``optimizer`` cannot run on packed or sharded buffers (what pipeline stages and
+    the parallel optimizer's update need), or "" (None: the default SGD)."""
+    if optimizer is None:
+        return ""
+    try:
+        check_elementwise_optimizer(optimizer, 1, (2, 1))
+    except AutoParallelError as e:
+        return str(e).splitlines()[0]
+    return ""
 
 
 def _search(setup: Setup, loss_fn: Callable[..., Any], params: Any, batch: tuple[Any, ...],
@@ -417,8 +469,12 @@ def _search(setup: Setup, loss_fn: Callable[..., Any], params: Any, batch: tuple
     notes = _why_one_stage(setup, params, optimizer, graph_at(1))
     most = cfg.pipeline_stages if "pipeline_stages" in explicit else cfg.device_num
     names = (pipeline_schedule(cfg),) if "pipeline_config" in explicit else SCHEDULES
+    # the parallel optimizer: tried where the user left it unset and the optimizer is
+    # elementwise (what a sharded update needs)
+    sharded = "enable_parallel_optimizer" not in explicit and not _not_elementwise(optimizer)
     return weigh_configurations(graph_at, rows, setup=setup, max_stages=1 if notes else most,
-                                schedules=names, mode=mode, fixed=fixed, notes=notes)
+                                schedules=names, mode=mode, fixed=fixed, notes=notes,
+                                parallel_optimizer=sharded)
 
 
 def search_configuration(loss_fn: Callable[..., Any], params: Any, batch: Any,
