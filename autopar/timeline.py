@@ -20,10 +20,23 @@ The model (all times from :class:`~autopar.strategies.cost.CostModel`):
   default follows the cluster: :attr:`CostModel.overlaps_communication
   <autopar.strategies.cost.CostModel.overlaps_communication>`; emulated CPU devices, whose
   cores compute and move the data, measure no overlap), and takes
-  the alpha-beta all-reduce time of its bytes over the data-parallel group: every device
-  without a plan (gradient bytes = full parameter bytes), and with a plan, per group of
-  gradients sharing the axes where they are replicated, their local bytes over those axes.
+  the alpha-beta all-reduce time of the bytes it sends over the data-parallel group: every
+  device without a plan (gradient bytes = full parameter bytes), and with a plan, per group
+  of gradients sharing the axes where they are replicated, their local bytes over those axes.
+  Where ``gradient_fp32_sync`` acts a bf16 / fp16 gradient is sent in fp32, twice its bytes
+  (:func:`~autopar.strategies.precision.sync_factor`, the search's rule): with a plan as the
+  plan was priced (``plan.pricing.fp32_sync``, so the simulation agrees with the search),
+  without one as the context sets it (:func:`~autopar.strategies.precision.fp32_sync_active`,
+  read once, by :func:`simulate`). The buckets are made of the gradients as
+  :func:`~autopar.fusion.gradients` gives them; a segment's ``nbytes`` is what it sends.
 - ``Iteration_end = max(bp_end, end of the last all-reduce)``.
+
+**Memory**: the trace records the plan's memory per device as the search priced it
+(``plan.cost.memory_bytes``; None without a plan) and the cluster's budget
+(``Cluster.memory_bytes``); :attr:`IterationTrace.fits` says whether it is within it, and
+:func:`simulate` warns (:class:`~autopar.errors.AutoParallelWarning`) where it is not: the
+times are those of a step that could not run there (a plan simulated on a cluster with less
+memory than its own).
 
 Events are named as seed 001's iteration trace: ``fp_start``, ``bp_end``,
 ``allreduce{k}_start`` / ``allreduce{k}_end`` (k = 1, 2, ... in issue order) and
@@ -53,7 +66,8 @@ from autopar.errors import AutoParallelError, AutoParallelTypeError
 from autopar.fusion import BUCKET_POLICIES, Bucket, GradientBuckets, gradients
 
 __all__ = ["CommSegment", "IterationModel", "IterationTrace", "bucket_ends", "simulate",
-           "simulate_setup", "plot_timeline", "plan_communication"]
+           "simulate_setup", "plot_timeline", "plan_communication", "sync_in_fp32",
+           "within_budget", "warn_over_budget"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +113,14 @@ class IterationTrace:
     launch: float = 0.0                 # the step's launch, at the start of forward
     fp_comm: float = 0.0                # the plan's activation communication in forward
     bp_comm: float = 0.0                # ... and in backward (before its operators)
+    memory_bytes: float | None = None   # the plan's memory per device (None: no plan)
+    budget_bytes: float | None = None   # the cluster's memory per device
+
+    @property
+    def fits(self) -> bool:
+        """Whether the plan's memory per device is within the cluster's budget (True where
+        nothing priced it: no plan)."""
+        return within_budget(self.memory_bytes, self.budget_bytes)
 
     @property
     def step_time(self) -> float:
@@ -251,6 +273,48 @@ class IterationTrace:
         return plot_timeline(self, path, title=title)
 
 
+# ---------------------------------------------------------------------------- the rules
+
+
+def sync_in_fp32(plan: Any, setup: Any) -> bool:
+    """Whether the gradient sync sends a bf16 / fp16 gradient in fp32 (``gradient_fp32_sync``
+    as it acts): with a plan, as the plan was priced (``plan.pricing.fp32_sync``: a
+    simulation agrees with the search, as it prices on the plan's own cluster); without,
+    as ``setup``'s context sets it (:func:`~autopar.strategies.precision.fp32_sync_active`
+    of its ``gradient_fp32_sync`` and ``parallel_mode``); False without either."""
+    from autopar.strategies.precision import fp32_sync_active
+
+    if plan is not None:
+        return bool(plan.pricing.fp32_sync)
+    if setup is None:
+        return False
+    return fp32_sync_active(setup.config.gradient_fp32_sync, setup.config.parallel_mode)
+
+
+def within_budget(needed: float | None, budget: float | None) -> bool:
+    """Whether ``needed`` bytes per device fit ``budget`` (True where either is unknown)."""
+    return needed is None or budget is None or needed <= budget
+
+
+def warn_over_budget(needed: float | None, budget: float | None, cluster: str,
+                     what: str, hint: str) -> None:
+    """An :class:`~autopar.errors.AutoParallelWarning` at the user's line when ``needed``
+    bytes per device (of ``what``) are over the ``budget`` of ``cluster``, ending with
+    ``hint``: the simulators' one rule (a simulation of it is still answered: what it would
+    cost is a fair question)."""
+    if needed is None or budget is None or needed <= budget:
+        return
+    import warnings
+
+    from autopar.errors import AutoParallelWarning, user_stacklevel
+    from autopar.strategies.memory import size
+
+    warnings.warn(f"memory: {what} needs {size(needed)} ({needed:,.0f} bytes) per device, over "
+                  f"the {cluster} budget of {size(budget)} ({budget:,.0f} bytes) per device: "
+                  "it would not fit there, the simulated times are those of a step that "
+                  f"could not run; {hint}", AutoParallelWarning, stacklevel=user_stacklevel())
+
+
 # ---------------------------------------------------------------------------- the model
 
 
@@ -266,10 +330,13 @@ class IterationModel:
     checked the same way; without a plan, ``device_num`` must be given (the entry points pass
     the context's). ``cluster``: as :func:`simulate`'s, or the entry point's
     :class:`~autopar.setup.Setup` (its cluster resolved once: :meth:`Setup.cluster_for`).
+    ``fp32``: whether a bf16 / fp16 gradient is synchronised in fp32 (``gradient_fp32_sync``
+    acting); None: as :func:`sync_in_fp32` resolves it from the plan, or from ``cluster``
+    where it is a Setup (False otherwise).
     """
 
     def __init__(self, graph: Any, plan: Any, cluster: Any, device_num: Any,
-                 overlap: Any) -> None:
+                 overlap: Any, fp32: bool | None = None) -> None:
         from autopar.graph.ir import Graph
         from autopar.clusters import cluster_for
         from autopar.setup import Setup
@@ -323,7 +390,18 @@ class IterationModel:
                 first_use.setdefault(v, i)
         self.ready = np.array([bwd_end[first_use[g.name]] if g.name in first_use else fp_end
                                for g in self.grads])
-        # prices: per all-reduce group, prefix sums of bytes and counts
+        self.fp32 = sync_in_fp32(plan, cluster if isinstance(cluster, Setup) else None) \
+            if fp32 is None else bool(fp32)
+        self.memory_bytes = None if plan is None else float(plan.cost.memory_bytes)
+        self.budget_bytes = float(clus.memory_bytes)
+        self._prefix_prices(graph)
+
+    def _prefix_prices(self, graph: Any) -> None:
+        """Per all-reduce group, prefix sums of the bytes sent (a low-precision gradient's
+        in fp32 where :attr:`fp32`) and of the gradients, and the group's alpha-beta
+        coefficients."""
+        from autopar.strategies.precision import sync_factor
+
         all_axes = self.mesh.names
         groups: dict[tuple[str, ...], int] = {}
         gid = []
@@ -335,7 +413,8 @@ class IterationModel:
         self.prefix_bytes = np.zeros((len(self.groups), n + 1), dtype=np.int64)
         self.prefix_count = np.zeros((len(self.groups), n + 1), dtype=np.int64)
         for i, (g, k) in enumerate(zip(self.grads, gid)):
-            self.prefix_bytes[k, i + 1] = g.nbytes
+            self.prefix_bytes[k, i + 1] = round(g.nbytes * sync_factor(graph.spec(g.name).dtype,
+                                                                       self.fp32))
             self.prefix_count[k, i + 1] = 1
         self.prefix_bytes = np.cumsum(self.prefix_bytes, axis=1)
         self.prefix_count = np.cumsum(self.prefix_count, axis=1)
@@ -385,7 +464,7 @@ class IterationModel:
                               tuple(g.name for g in self.grads), tuple(float(r) for r in
                                                                        self.ready),
                               self.update, self.node_backward, self.launch, self.fp_comm,
-                              self.bp_comm)
+                              self.bp_comm, self.memory_bytes, self.budget_bytes)
 
 
 def _node_times(graph: Any, plan: Any, cm: Any, mesh: Any
@@ -412,15 +491,25 @@ def _node_times(graph: Any, plan: Any, cm: Any, mesh: Any
 
 def update_time(graph: Any, params: Any, plan: Any, cm: Any) -> float:
     """Seconds of the optimizer update of ``params`` on one device: each trained one's block
-    under the plan's layout (without a plan: whole), :meth:`CostModel.update_time
-    <autopar.strategies.cost.CostModel.update_time>`. The rule both simulators price the
-    update by."""
-    from autopar.strategies.problem import local_bytes, requires_grad
+    under the plan's layout, its share only where the plan's parallel optimizer shards it
+    (:func:`~autopar.strategies.optimizer_rule.param_shards`; without a plan: whole),
+    :meth:`CostModel.update_time <autopar.strategies.cost.CostModel.update_time>`. The rule
+    both simulators price the update by."""
+    from autopar.strategies.optimizer_rule import param_shards
+    from autopar.strategies.problem import requires_grad
 
     grad = requires_grad(graph)
-    return sum(cm.update_time(local_bytes(graph, v, plan.layouts[v], plan.mesh)
-                              if plan is not None else graph.spec(v).nbytes)
-               for v in params if grad.get(v, False))
+
+    def share(v: str) -> float:
+        spec = graph.spec(v)
+        if plan is None:
+            return float(spec.nbytes)
+        nbytes, ways, _ = param_shards(v, spec.shape, spec.itemsize, plan.layouts[v],
+                                       plan.mesh, plan.pricing.parallel_optimizer_kb,
+                                       plan.pricing.optimizer_weight_shard_size)
+        return nbytes / ways
+
+    return sum(cm.update_time(share(v)) for v in params if grad.get(v, False))
 
 
 def plan_communication(graph: Any, plan: Any, cm: Any) -> tuple[float, float, float]:
@@ -444,11 +533,8 @@ def plan_communication(graph: Any, plan: Any, cm: Any) -> tuple[float, float, fl
                                 f"{plan.cluster!r}) needs a strategy for every operator",
                                 "Simulate it on its own cluster (cluster=None)")
     priced = plan.pricing
-    problem = Problem(graph, plan.mesh, cm, enable_alltoall=priced.enable_alltoall,
-                      memory_weight=priced.memory_weight,
+    problem = Problem(graph, plan.mesh, cm, **priced.problem_args(),
                       fixed_splits={k: ns.splits for k, ns in plan.nodes.items()},
-                      parallel_optimizer_kb=priced.parallel_optimizer_kb,
-                      optimizer_weight_shard_size=priced.optimizer_weight_shard_size,
                       loops=PlannedLoops.of(plan))
     comm = sync = 0.0
     for _, vert in problem.iter_ops():  # one choice each: the plan's splits
@@ -510,9 +596,14 @@ def simulate(graph: Any, plan: Any = None, *, buckets: Any = None,
     backward; ``None``: as the cluster measured
     (:attr:`~autopar.strategies.cost.CostModel.overlaps_communication`).
 
+    The trace records the plan's memory per device and the cluster's budget
+    (:attr:`IterationTrace.fits`); over it, an :class:`~autopar.errors.AutoParallelWarning`
+    names both (:func:`warn_over_budget`) and the trace is returned all the same.
+
     The stores (the context as set, unchecked; the HCCL split strategy; the cluster) are read
     once, here (:func:`autopar.setup.resolve_setup`); everything below takes that setup
-    (:func:`simulate_setup`).
+    (:func:`simulate_setup`), whose context gives ``gradient_fp32_sync`` as it acts where
+    no plan does (:func:`sync_in_fp32`).
     """
     from autopar.setup import resolve_setup
 
@@ -532,11 +623,11 @@ def simulate_setup(graph: Any, plan: Any, setup: Any, *, buckets: Any = None,
                    device_num: int | None = None,
                    overlap: bool | None = None) -> IterationTrace:
     """:func:`simulate` on the setup its caller resolved (the CLI's, once per command),
-    reading no store."""
+    reading no store; it warns as :func:`simulate` does when the plan is over the budget."""
     _check_buckets(buckets)
     if plan is None and device_num is None:
         device_num = setup.config.device_num
-    model = IterationModel(graph, plan, setup, device_num, overlap)
+    model = IterationModel(graph, plan, setup, device_num, overlap)  # (fp32: sync_in_fp32)
     if buckets is None or isinstance(buckets, str):
         from autopar.fusion import gradient_buckets
 
@@ -544,7 +635,11 @@ def simulate_setup(graph: Any, plan: Any, setup: Any, *, buckets: Any = None,
         buckets = gradient_buckets(list(model.grads), policy=policy, resolved=setup.resolved,
                                    split=setup.split if policy != "none" else None)
     ends, source = bucket_ends(model, buckets)
-    return model.run(ends, source)
+    trace = model.run(ends, source)
+    warn_over_budget(trace.memory_bytes, trace.budget_bytes, trace.cluster, "the plan",
+                     "a search on this cluster keeps within its budget, or raises a "
+                     "MemoryBudgetError naming what would fit")
+    return trace
 
 
 # ---------------------------------------------------------------------------- PNG

@@ -14,7 +14,9 @@ can act on:
 
 Pipeline stages, gradient accumulation and recomputation change the traced step itself
 (stages and micro-batches are built by the pipelined step; accumulation traces the loss at the
-micro-batch), so they are named as what is left to try, not tried here.
+micro-batch), so they are named as what is left to try, not tried here; the message says that
+``auto_pipeline=True`` (:func:`autopar.search_configuration`, ``train_step``) searches the
+first two within the budget.
 
 >>> import jax.numpy as jnp, autopar as ap
 >>> g = ap.trace(lambda w, x: jnp.sum(x @ w), jnp.ones((256, 256)), jnp.ones((8, 256)))
@@ -102,7 +104,9 @@ def advise(graph: Graph, error: MemoryBudgetError, *, mode: str, device_num: int
                  "neither enable_parallel_optimizer=True nor up to "
                  f"{MORE_DEVICES[-1]}x the devices fits")
     lines.append("not tried here: pipeline_stages (pipeline_train_step), "
-                 "grad_accumulation_step, jax.checkpoint on the loss's blocks, a smaller "
-                 "batch, a cluster with more memory")
+                 "grad_accumulation_step (auto_pipeline=True makes "
+                 "autopar.search_configuration and train_step search both within the "
+                 "budget), jax.checkpoint on the loss's blocks, a smaller batch, a cluster "
+                 "with more memory")
     return MemoryBudgetError("; ".join(lines), needed=error.needed, budget=error.budget,
                              lower_bound=bound, fits=fits)

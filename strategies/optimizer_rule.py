@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-__all__ = ["KB", "ShardDecision", "decide_sharding", "shard_group"]
+if TYPE_CHECKING:
+    from autopar.strategies.layout import DeviceMesh, TensorLayout
+
+__all__ = ["KB", "ShardDecision", "decide_sharding", "param_shards", "shard_group"]
 
 KB = 1024
 
@@ -114,3 +117,22 @@ def decide_sharding(name: str, shape: Sequence[int], local_shape: Sequence[int],
     copies = f", {group // ways} copies over {replicas}" if replicas else ""
     return ShardDecision(name, True, shard, nbytes, f"sharded {ways} ways over {shard}"
                          f"{copies}{suffix}", replicas, note)
+
+
+def param_shards(name: str, shape: Sequence[int], itemsize: int, layout: "TensorLayout",
+                 mesh: "DeviceMesh", threshold_kb: int | None, shard_size: int = -1
+                 ) -> tuple[int, int, bool]:
+    """``(local bytes, shard group size, sharded)`` of a parameter stored in ``layout``:
+    :func:`decide_sharding` over the mesh axes the layout leaves it replicated on
+    (``threshold_kb`` None: the parallel optimizer is off, ``(bytes, 1, False)``). The rule
+    the search prices a parameter's memory and update by, and the simulators its update."""
+    local = layout.local_shape(tuple(shape), mesh)
+    nbytes = math.prod(local) * itemsize
+    if threshold_kb is None:
+        return nbytes, 1, False
+    used = layout.used_axes()
+    d = decide_sharding(name, shape, local, itemsize, [a for a in mesh.names if a not in used],
+                        mesh.sizes, enabled=True, threshold_kb=threshold_kb,
+                        shard_size=shard_size)
+    ways = math.prod(mesh.sizes[a] for a in d.axes) if d.sharded else 1
+    return nbytes, ways, d.sharded

@@ -45,7 +45,7 @@ from autopar.strategies.layout import DeviceMesh, TensorLayout
 from autopar.strategies.memory import (ParamBytes, Residuals, StepMemory, recomputed_bytes,
                                        step_memory)
 from autopar.strategies.op_pricing import OpForward, OpPricer
-from autopar.strategies.optimizer_rule import decide_sharding
+from autopar.strategies.optimizer_rule import param_shards
 from autopar.strategies.precision import state_ratio, sync_factor
 from autopar.strategies.opspec import OpSpec, legal_splits, op_spec, tensor_spec
 
@@ -617,21 +617,11 @@ class Problem:
 
     def _param_shards(self, value: str, layout: TensorLayout) -> tuple[int, int, bool]:
         """(local bytes, shard group size, sharded) of parameter ``value`` stored in
-        ``layout``: the parallel optimizer's decision (1, False when it is off)."""
+        ``layout``: the parallel optimizer's decision (1, False when it is off;
+        :func:`~autopar.strategies.optimizer_rule.param_shards`)."""
         spec = self.graph.spec(value)
-        local = layout.local_shape(spec.shape, self.mesh)
-        nbytes = math.prod(local) * spec.itemsize
-        kb = self.parallel_optimizer_kb
-        if kb is None:
-            return nbytes, 1, False
-        used = layout.used_axes()
-        sizes = self.mesh.sizes
-        d = decide_sharding(value, spec.shape, local, spec.itemsize,
-                            [a for a in self.mesh.names if a not in used], sizes,
-                            enabled=True, threshold_kb=kb,
-                            shard_size=self.optimizer_weight_shard_size)
-        ways = math.prod(sizes[a] for a in d.axes) if d.sharded else 1
-        return nbytes, ways, d.sharded
+        return param_shards(value, spec.shape, spec.itemsize, layout, self.mesh,
+                            self.parallel_optimizer_kb, self.optimizer_weight_shard_size)
 
     def param_bytes(self, value: str, layout: TensorLayout, *, update: bool = True,
                     donated: bool = False) -> ParamBytes:
@@ -680,7 +670,8 @@ class Problem:
         once per step (the objective takes :meth:`once_per_step` of it)."""
         if not self.requires_grad.get(value, False):
             return 0.0
-        return self.cm.update_time(self._local_bytes(value, layout), self.state_of(value))
+        nbytes, ways, _ = self._param_shards(value, layout)  # (sharded: its share only)
+        return self.cm.update_time(nbytes / ways, self.state_of(value))
 
     def op_costs(self, node: Node, choice: Choice) -> tuple[float, float, float, float]:
         """(compute, comm, grad_sync, memory) of one operator choice (memoised)."""

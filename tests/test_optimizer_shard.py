@@ -369,3 +369,33 @@ def test_fusion_indices_count_every_gradient_under_the_parallel_optimizer(config
     assert [b.gradients for b in step.buckets["allreduce"]] == want
     assert [[g for g in b.gradients if g.endswith("/b")] for b in full] == [
         list(w) for w in want] + [[]] * (len(full) - len(want))
+
+
+def test_the_sharded_update_is_priced_at_each_device_share():
+    """Under the parallel optimizer each device updates its share of a sharded parameter:
+    the search and both simulators price the update of a data-parallel plan's large
+    parameters at 1/dp of their bytes, the small ones (under the threshold) whole."""
+    from autopar.strategies.cost import CostModel
+    from autopar.strategies.problem import requires_grad
+    from autopar.timeline import update_time
+
+    m, params, x = _model()
+    g = ap.trace(m.loss, params, x)
+    clus = ap.CLUSTERS["accelerator-8x"]
+    plans = {}
+    for on in (False, True):
+        with ap.auto_parallel_context(device_num=8, parallel_mode="data_parallel",
+                                      enable_parallel_optimizer=on):
+            plans[on] = ap.search(g, cluster=clus)
+    cm, grad = CostModel(clus), requires_grad(g)
+    trained = [v for v in plans[True].parameters if grad.get(v, False)]
+    kb = plans[True].pricing.parallel_optimizer_kb
+    want = sum(cm.update_time(g.spec(v).nbytes / (8 if g.spec(v).nbytes >= kb * 1024 else 1))
+               for v in trained)
+    assert 0 < kb and any(g.spec(v).nbytes < kb * 1024 for v in trained)  # (both kinds)
+    assert update_time(g, trained, plans[True], cm) == pytest.approx(want, rel=1e-12)
+    assert update_time(g, trained, plans[False], cm) == pytest.approx(
+        sum(cm.update_time(g.spec(v).nbytes) for v in trained), rel=1e-12)
+    saved = update_time(g, trained, plans[False], cm) - want
+    assert saved > 0 and plans[False].cost.compute - plans[True].cost.compute == \
+        pytest.approx(saved, rel=1e-9)

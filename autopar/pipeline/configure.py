@@ -57,7 +57,12 @@ from autopar.limits import MAX_MICRO_BATCHES
 from autopar.pipeline.buffers import check_elementwise_optimizer
 from autopar.pipeline.plan import search_stages
 from autopar.pipeline.schedules import SCHEDULES, schedule as build_schedule
-from autopar.pipeline.simulation import PipelineTrace, pipeline_trace, simulate_schedule
+from autopar.pipeline.simulation import (
+    PipelineTrace,
+    boundary_stash,
+    pipeline_trace,
+    simulate_schedule,
+)
 from autopar.resolve import pipeline_schedule
 from autopar.setup import Setup, resolve_setup
 from autopar.step_inputs import is_prng_key, step_arguments
@@ -197,15 +202,6 @@ def micro_batch_counts(batch_rows: Sequence[int], stages: int) -> list[int]:
             if g % s == 0 and stages <= g // s <= MAX_MICRO_BATCHES]
 
 
-def _stash_bytes(part: Any, sched: Any, devices: int) -> float:
-    """The boundary stash per device: ``act_slots + 1`` activation and ``grad_slots + 1``
-    gradient buffers of the largest boundary's bytes per device (none on one stage)."""
-    if part.stages == 1:
-        return 0.0
-    largest = max(part.crossing_bytes, default=0) / devices
-    return float((sched.act_slots + sched.grad_slots + 2) * largest)
-
-
 def _parts(trace: PipelineTrace) -> dict[str, float]:
     """The step in three parts: the stages' work, the bubble, the sync and update after."""
     span = trace.makespan
@@ -274,7 +270,7 @@ class _Weigher:
         res = Residuals(graph, grad, fused)
         memory = max(sum(graph.spec(v).nbytes for v in [*mine, *res.stored_anyway(nodes)])
                      for mine, nodes in zip(params, part.stage_nodes)) / d + min(
-            _stash_bytes(part, build_schedule(name, p, m), d) for name in names)
+            boundary_stash(part, build_schedule(name, p, m), d) for name in names)
         return seconds, memory
 
     def weigh(self, p: int, m: int) -> list[Configuration]:
@@ -284,21 +280,20 @@ class _Weigher:
         try:
             with warnings.catch_warnings():  # a candidate's slow fit: the table says it
                 warnings.simplefilter("ignore", AutoParallelWarning)
-                part, _, plans = search_stages(graph, p, setup=self.setup, micro_batches=m,
+                _, _, plans = search_stages(graph, p, setup=self.setup, micro_batches=m,
                                                boundaries=None, mode=self.mode,
                                                fixed=self.fixed, advise=False)
         except AutoParallelError as e:  # (MemoryBudgetError included): a finding, not a stop
             return [Configuration(p, m, "-", math.inf, math.inf, self.budget, 1.0, (),
                                   failed=str(e).splitlines()[0])]
-        peak = max(plan.cost.memory_bytes for plan in plans)
         out = []
         for name in (self.schedules if p > 1 else ("gpipe",)):  # (one stage: no schedule)
             trace = pipeline_trace(graph, p, device_num=self.n, cluster=self.setup.cluster,
                                    fp32=self.fp32, micro_batches=m, schedule=name,
                                    plans=list(plans), recompute=p > 1)
-            stash = _stash_bytes(part, build_schedule(name, p, m), self.n // p)
-            out.append(Configuration(p, m, name, trace.step_time, peak + stash, self.budget,
-                                     trace.bubble, plans, _parts(trace),
+            # (its memory: the largest stage plan's peak plus the schedule's stash)
+            out.append(Configuration(p, m, name, trace.step_time, float(trace.memory_bytes),
+                                     self.budget, trace.bubble, plans, _parts(trace),
                                      parallel_optimizer=self.parallel_optimizer))
         return out
 

@@ -12,7 +12,8 @@ one stage back, which every stage joins:
   a stage whose cell is shorter, or empty, waits;
 - after the last tick, each stage all-reduces its gradients over its data-parallel devices
   (the alpha-beta all-reduce of the stage's parameter bytes), unless the stage plans give
-  their own gradient-sync time.
+  their own gradient-sync time (without, a bf16 / fp16 gradient is sent in fp32 where
+  ``gradient_fp32_sync`` acts: :func:`~autopar.strategies.precision.sync_factor`).
 
 So GPipe, whose forward and backward ticks never mix, takes ``(m + p - 1)`` ticks of each,
 while 1F1B, whose steady state runs forwards beside backwards, pays a backward's length for
@@ -34,6 +35,14 @@ The **bubble** is the idle share of the stages' compute time until the last back
 True
 >>> t.makespan
 33.0
+
+**Memory**: with the stages' plans, the trace records the memory per device the pipelined
+step holds -- the largest stage plan's peak plus the boundary stash of the schedule
+(:func:`boundary_stash`), as the configuration search weighs a configuration
+(:mod:`autopar.pipeline.configure`) -- and the cluster's budget; :attr:`PipelineTrace.fits`
+says whether it is within it and :func:`simulate_pipeline` warns
+(:class:`~autopar.errors.AutoParallelWarning`) where it is not. Without plans nothing
+prices it (``memory_bytes`` None).
 """
 
 from __future__ import annotations
@@ -53,8 +62,8 @@ from autopar.errors import AutoParallelError, AutoParallelTypeError, found
 from autopar.limits import finite
 from autopar.pipeline.schedules import FWD, IDLE, SCHEDULES, schedule as build_schedule
 
-__all__ = ["PipelineBlock", "PipelineTrace", "pipeline_trace", "simulate_schedule",
-           "simulate_pipeline"]
+__all__ = ["PipelineBlock", "PipelineTrace", "boundary_stash", "pipeline_trace",
+           "simulate_schedule", "simulate_pipeline"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +94,16 @@ class PipelineTrace:
     device_num: int = 0
     update: float = 0.0        # the optimizer update after the gradient sync (slowest stage)
     launch: float = 0.0        # the step's launch, before the first tick (times start after)
+    memory_bytes: float | None = None  # per device: stage plans' peak + stash (None: no plans)
+    budget_bytes: float | None = None  # the cluster's memory per device
+
+    @property
+    def fits(self) -> bool:
+        """Whether the memory per device is within the cluster's budget (True where nothing
+        priced it: no stage plans)."""
+        from autopar.timeline import within_budget
+
+        return within_budget(self.memory_bytes, self.budget_bytes)
 
     @property
     def makespan(self) -> float:
@@ -243,9 +262,12 @@ def simulate_pipeline(graph: Any, stages: int, *, micro_batches: int | None = No
     ``device_num / stages`` devices (see the module docstring). ``plans``: the stages'
     plans (e.g. ``PipelineTrainStep.plans``) for their splits and gradient-sync times;
     without, each stage is data parallel over its devices; they were priced on their own
-    cluster, so a different ``cluster`` is refused (one cluster prices one answer).
-    ``device_num`` defaults to the context's: the one read of the context (everything below
-    takes resolved values)."""
+    cluster, so a different ``cluster`` is refused (one cluster prices one answer). With
+    plans, the trace records the memory per device and the budget
+    (:attr:`PipelineTrace.fits`); over it, an :class:`~autopar.errors.AutoParallelWarning`
+    names both, and the trace is returned all the same. ``device_num`` defaults to the
+    context's, ``gradient_fp32_sync`` is the context's as it acts: the one read of the
+    context (everything below takes resolved values)."""
     from autopar.clusters import cluster_for
     from autopar.context import current_config
     from autopar.strategies.precision import fp32_sync_active
@@ -260,9 +282,17 @@ def simulate_pipeline(graph: Any, stages: int, *, micro_batches: int | None = No
     # the stages' plans were priced on one cluster: simulate on it unless one is named
     clus = cluster_for(plans[0] if isinstance(plans, (list, tuple)) and plans else None,
                        cluster)
-    return pipeline_trace(graph, stages, device_num=n, cluster=clus, fp32=fp32,
-                          micro_batches=micro_batches, schedule=schedule,
-                          boundaries=boundaries, plans=plans, recompute=recompute)
+    trace = pipeline_trace(graph, stages, device_num=n, cluster=clus, fp32=fp32,
+                           micro_batches=micro_batches, schedule=schedule,
+                           boundaries=boundaries, plans=plans, recompute=recompute)
+    from autopar.timeline import warn_over_budget
+
+    warn_over_budget(trace.memory_bytes, trace.budget_bytes, trace.cluster,
+                     f"the stage plans' pipelined step ({trace.schedule}, {trace.stages} stages "
+                     f"x {trace.micro_batches} micro-batches)", "autopar.search_configuration "
+                     "(auto_pipeline=True) weighs the stages, micro-batches and schedules, "
+                     "stash included, within the budget")
+    return trace
 
 
 def pipeline_trace(graph: Any, stages: int, *, device_num: int, cluster: Any, fp32: bool,
@@ -272,7 +302,9 @@ def pipeline_trace(graph: Any, stages: int, *, device_num: int, cluster: Any, fp
                    recompute: bool = True) -> PipelineTrace:
     """:func:`simulate_pipeline` on resolved inputs (it reads nothing): ``cluster`` the
     :class:`~autopar.strategies.cost.Cluster` the plans were priced on, ``fp32`` whether
-    gradients are synchronised in fp32 (``gradient_fp32_sync`` in effect)."""
+    gradients are synchronised in fp32 (``gradient_fp32_sync`` in effect). It records the
+    memory per device and the budget, and warns of neither (the configuration search
+    weighs configurations over the budget on purpose)."""
     from autopar.strategies.cost import BACKWARD_FACTOR, CostModel
     from autopar.strategies.stages import partition_stages, send_time
 
@@ -294,8 +326,22 @@ def pipeline_trace(graph: Any, stages: int, *, device_num: int, cluster: Any, fp
     sends = [send_time(b, cm, d) for b in part.crossing_bytes]
     trace = simulate_schedule(fwd, bwd, micro_batches=m, schedule=schedule, sends=sends,
                               sync=sync, cluster=clus.name, device_num=n)
+    memory = None if plans is None else max(plan.cost.memory_bytes for plan in plans) + \
+        boundary_stash(part, build_schedule(schedule, stages, m), d)
     return dataclasses.replace(trace, launch=clus.step_overhead,
-                               update=_stage_update(graph, part.stage_nodes, plans, cm))
+                               update=_stage_update(graph, part.stage_nodes, plans, cm),
+                               memory_bytes=memory, budget_bytes=float(clus.memory_bytes))
+
+
+def boundary_stash(part: Any, sched: Any, devices: int) -> float:
+    """The boundary stash per device the pipelined step allocates: ``act_slots + 1``
+    activation and ``grad_slots + 1`` gradient buffers of the schedule ``sched`` (a
+    :class:`~autopar.pipeline.schedules.Schedule`), each the largest boundary's bytes of the
+    partition ``part`` over a stage's ``devices`` (none on one stage)."""
+    if part.stages == 1:
+        return 0.0
+    largest = max(part.crossing_bytes, default=0) / devices
+    return float((sched.act_slots + sched.grad_slots + 2) * largest)
 
 
 def _stage_update(graph: Any, stage_nodes: Sequence[Sequence[str]],
