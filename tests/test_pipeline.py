@@ -727,3 +727,29 @@ def test_the_pipelined_step_and_the_context_agree_on_the_modes():
                                   pipeline_stages=2):
         with pytest.raises(ap.ContextConflictError, match="pipeline_stages"):
             ap.resolve_context()
+
+
+def test_the_default_schedule_says_when_the_other_is_priced_faster():
+    """1F1B (MindSpore's default) runs in lockstep: where GPipe is priced faster, the step's
+    plan says so with both prices; a schedule the user chose gets no note."""
+    from autopar.pipeline.simulation import pipeline_trace
+
+    m = transformer(layers=4, hidden=256, heads=4, seq=64, vocab=256, batch=8)
+    params, *batch = jax.eval_shape(m.example_args, jax.random.key(0))
+    clus = ap.CLUSTERS["accelerator-8x"]
+    steps = {}
+    for chosen in (None, "1f1b"):
+        extra = {} if chosen is None else {"pipeline_config": {"pipeline_scheduler": chosen}}
+        with ap.auto_parallel_context(device_num=8, parallel_mode="semi_auto_parallel",
+                                      pipeline_stages=2, gradients_mean=True, **extra):
+            steps[chosen] = pipeline_train_step(m.loss, params, tuple(batch), micro_batches=4,
+                                                cluster=clus)
+    step = steps[None]
+    times = {name: pipeline_trace(step.graph, 2, device_num=8, cluster=clus, fp32=False,
+                                  micro_batches=4, schedule=name,
+                                  plans=list(step.plans)).step_time
+             for name in ("1f1b", "gpipe")}
+    assert times["gpipe"] < times["1f1b"]
+    note, = step.plan.notes
+    assert "gpipe" in note and f"{times['1f1b'] * 1e3:.4g} ms" in note and note in str(step.plan)
+    assert steps["1f1b"].plan.notes == ()

@@ -45,6 +45,7 @@ class PipelinePlan:
     plans: tuple[Plan, ...]
     micro_batches: int
     grad_accumulation_step: int
+    notes: tuple[str, ...] = ()  # e.g. the other schedule priced faster than the default
 
     @property
     def stages(self) -> int:
@@ -55,7 +56,7 @@ class PipelinePlan:
                  f"schedule {self.schedule.name}, grad_accumulation_step "
                  f"{self.grad_accumulation_step}; {self.schedule.ticks} ticks per round, "
                  f"peak in-flight micro-batches per stage {self.schedule.peak_in_flight}",
-                 self.partition.summary()]
+                 self.partition.summary(), *self.notes]
         for s, plan in enumerate(self.plans):
             lines.append(f"  stage {s} {plan.summary()}")
         return "\n".join(lines)

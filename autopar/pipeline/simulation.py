@@ -333,6 +333,26 @@ def pipeline_trace(graph: Any, stages: int, *, device_num: int, cluster: Any, fp
                                memory_bytes=memory, budget_bytes=float(clus.memory_bytes))
 
 
+def schedule_note(graph: Any, stages: int, *, device_num: int, cluster: Any, fp32: bool,
+                  micro_batches: int, schedule: str, plans: Sequence[Any]) -> str:
+    """What the other schedule would change, when it is priced faster than ``schedule``
+    (:func:`pipeline_trace` of both with the stage plans): a note for a step that runs the
+    default schedule, else "". 1F1B runs in lockstep here (every stage waits for the
+    tick's slowest cell), so GPipe is often faster at the price of holding every
+    micro-batch's boundary activations."""
+    times = {name: pipeline_trace(graph, stages, device_num=device_num, cluster=cluster,
+                                  fp32=fp32, micro_batches=micro_batches, schedule=name,
+                                  plans=list(plans)).step_time for name in SCHEDULES}
+    other = min((n for n in SCHEDULES if n != schedule), key=lambda n: times[n])
+    if times[other] >= times[schedule] * (1.0 - 1e-3):
+        return ""
+    return (f"schedule {schedule} (the default) is priced at {times[schedule] * 1e3:.4g} ms "
+            f"a step, {other} at {times[other] * 1e3:.4g} ms "
+            f"({1.0 - times[other] / times[schedule]:.0%} less; 1F1B runs in lockstep here, "
+            f"GPipe holds every micro-batch's boundary activations): set pipeline_config="
+            f"{{'pipeline_scheduler': '{other}'}} to run it")
+
+
 def boundary_stash(part: Any, sched: Any, devices: int) -> float:
     """The boundary stash per device the pipelined step allocates: ``act_slots + 1``
     activation and ``grad_slots + 1`` gradient buffers of the schedule ``sched`` (a

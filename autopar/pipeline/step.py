@@ -78,6 +78,7 @@ from autopar.pipeline.buffers import (BoundaryCodec, PackedParams, StagePacking,
                                       check_elementwise_optimizer)
 from autopar.pipeline.plan import PipelinePlan, plan_stages, stage_saves
 from autopar.pipeline.schedules import FWD, IDLE, schedule as build_schedule
+from autopar.pipeline.simulation import schedule_note
 from autopar.planner import save_strategies
 from autopar.step_inputs import (ParamSplit, broadcast_parameters, check_arrays, check_loss,
                                  check_opt_state, check_trainable, is_prng_key,
@@ -138,8 +139,16 @@ class PipelineTrainStep(ProgramInspection):
                             micro_batches=self.micro_batches, boundaries=boundaries,
                             mode=mode, fixed=fixed)
         self.stage_graphs, self.parallel_graphs = found.graphs, found.parallel_graphs
+        note = ""
+        if self._default_schedule and "pipeline_config" not in setup.explicit \
+                and self.stages > 1:
+            note = schedule_note(self.graph, self.stages, device_num=self.device_num,
+                                 cluster=setup.cluster, fp32=self._fp32,
+                                 micro_batches=self.micro_batches,
+                                 schedule=self.schedule_table.name, plans=found.plans)
         self.plan = PipelinePlan(found.partition, self.schedule_table, found.plans,
-                                 self.micro_batches, self.grad_accumulation_step)
+                                 self.micro_batches, self.grad_accumulation_step,
+                                 (note,) if note else ())
         self.plans, self.partition = self.plan.plans, found.partition
         self.intra_mesh = found.parallel_graphs[0].mesh
         self.mesh = self._pipeline_mesh()
@@ -153,6 +162,7 @@ class PipelineTrainStep(ProgramInspection):
                      micro_batches: int | None, schedule: str | None) -> None:
         """Stages, micro-batches, schedule (default: pipeline_config's pipeline_scheduler)
         and the context keys the step uses, checked."""
+        self._default_schedule = schedule is None
         schedule = pipeline_schedule(cfg) if schedule is None else schedule
         n = cfg.device_num
         p = check_stages(cfg.pipeline_stages if stages is None else stages, n)
