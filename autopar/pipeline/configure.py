@@ -21,15 +21,17 @@ and micro-batch count ``m`` (a divisor of the batch, at least ``p``):
   the largest boundary's bytes per device, as the pipelined step allocates them.
 
 Every pair (:func:`stage_counts` x :func:`micro_batch_counts`: micro-batches of a
-power-of-two size, the sizes training recipes use) is weighed unless it cannot win: the
-pairs go cheapest lower bound first (:meth:`_Weigher.bound`: the stage cut's FLOPs at peak
-through the schedule, nothing else), and a pair whose bound is above the best fitting step
-found so far is not searched (so the answer is the sweep's; the step is not unimodal in
-``m``, since a micro-batch too small to split over a stage's devices gets other layouts).
+power-of-two size, the sizes training recipes use) is weighed unless it cannot win or fit:
+a pair whose memory floor is over the budget is not searched, and the others go cheapest
+lower bound first, a pair whose step bound is above the best fitting step found so far not
+searched (:meth:`_Weigher.bound`: both bounds sound, so the answer is the sweep's; the step
+is not unimodal in ``m``, since a micro-batch too small to split over a stage's devices gets
+other layouts). Where the caller asks (the user left ``enable_parallel_optimizer`` unset),
+the fastest pairs are weighed again with the parallel optimizer (:func:`_sharded_tries`).
 The fastest configuration within the cluster's ``memory_bytes`` wins; ties go to fewer
 stages, then fewer micro-batches, then the schedule's name.
 :class:`ConfigurationSearch` holds the winner and every configuration weighed, with what
-each lost on (:meth:`ConfigurationSearch.table`).
+each lost on (:meth:`ConfigurationSearch.table`); docs/design/0028 records the choices.
 
 >>> c = Configuration(stages=2, micro_batches=4, schedule="gpipe", step_seconds=0.5,
 ...                   memory_bytes=1.0, budget_bytes=2.0, bubble=0.2, plans=())
@@ -306,6 +308,9 @@ def _ranked(found: list[Configuration]) -> tuple[Configuration, ...]:
     return tuple(sorted(found, key=key))
 
 
+#: what a configuration whose memory floor is over the budget failed on (its bytes follow)
+FLOOR = "memory: at least"
+
 #: the fastest configurations (distinct stages and micro-batches) the configuration search
 #: weighs again under the parallel optimizer
 SHARDED_TRIES = 3
@@ -353,7 +358,7 @@ def weigh_configurations(graph_at: Callable[[int], Graph], batch_rows: Sequence[
                 break
             if low[1] > weigher.budget:  # (the memory floor alone is over the budget)
                 found.append(Configuration(p, m, "-", math.inf, low[1], weigher.budget, 1.0,
-                                           (), failed=f"memory: at least {size(low[1])}"))
+                                           (), failed=f"{FLOOR} {size(low[1])}"))
             else:
                 bounds[p, m] = low[0]
     best, pruned = math.inf, []
@@ -366,6 +371,10 @@ def weigh_configurations(graph_at: Callable[[int], Graph], batch_rows: Sequence[
         best = min([best] + [c.step_seconds for c in confs if c.fits])
     if parallel_optimizer and not weigher.parallel_optimizer:
         found += _sharded_tries(found, weigher.sharded())
+    over = sum(1 for c in found if c.failed.startswith(FLOOR))
+    if over:
+        notes = (*notes, f"{over} stage and micro-batch counts not searched: their memory "
+                 "floor alone is over the budget")
     if pruned:
         notes = (*notes, f"{len(pruned)} of {len(bounds)} stage and micro-batch counts not "
                  "searched: their lower bound prices them above the best")
