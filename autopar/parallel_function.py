@@ -24,6 +24,7 @@ saves the plan and ``strategy_ckpt_load_file`` loads it instead of searching (se
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 from typing import Any, Callable, Mapping
 
 from jax.sharding import Mesh
@@ -120,7 +121,8 @@ def parallel_function(fn: Callable[..., Any], example_args: tuple[Any, ...],
                       uneven: UnevenRequest | None, setup: Setup, *, mode: str | None,
                       fixed: Mapping[str, Any] | None, mesh: Mesh | None,
                       fused_kernels: FusedKernels, plan: Plan | None = None,
-                      optimizer: Any = None, micro_batches: int = 1) -> ParallelFunction:
+                      optimizer: Any = None, micro_batches: int = 1,
+                      searched: Plan | None = None) -> ParallelFunction:
     """:func:`parallelize` after its checks: trace, search (:func:`autopar.planner.plan_graph`
     on the entry point's ``setup``), rewrite and lower, reading no store and writing no
     file (the entry point saves the plan: :func:`autopar.planner.strategy_saves`). ``uneven``: the
@@ -128,7 +130,10 @@ def parallel_function(fn: Callable[..., Any], example_args: tuple[Any, ...],
     searched on this function at these shapes, run as it is instead of searching (no
     strategy file read or written, ``mode`` and ``fixed`` unused): a tuning's candidates.
     ``micro_batches``: the times a training step runs ``fn`` (its grad_accumulation_step),
-    priced by the search (:func:`autopar.planner.plan_graph`)."""
+    priced by the search (:func:`autopar.planner.plan_graph`). ``searched``: the plan a
+    search with these settings already found (the configuration search's one stage): taken
+    as the search's answer where it was searched on this very graph and no strategy file is
+    loaded, else the search runs."""
     args = example_args if uneven is None else uneven.padded_args
     # every process builds it (under jax.distributed): the cluster is process 0's
     with together():
@@ -136,6 +141,9 @@ def parallel_function(fn: Callable[..., Any], example_args: tuple[Any, ...],
         given = plan is not None
         if given:
             _check_given_plan(plan, graph)
+        elif searched is not None and not setup.config.strategy_ckpt_load_file and \
+                searched.searched_on(graph):
+            plan = replace(searched, stages={})  # (one stage: no stage numbers)
         else:
             plan = plan_graph(graph, setup, mode=mode, fixed=fixed, optimizer=optimizer,
                               micro_batches=micro_batches)

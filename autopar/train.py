@@ -143,11 +143,13 @@ class TrainStep(ProgramInspection):
                  mode: str | None, fixed: Mapping[str, Any] | None,
                  backend: str, mesh: Mesh | None, sync_method: str,
                  fused_kernels: FusedKernels = "auto", plan: Plan | None = None,
-                 has_aux: bool = False) -> None:
+                 has_aux: bool = False, searched: Plan | None = None) -> None:
         """Built by :func:`train_step`, which reads the stores once and passes its ``setup``
         (:class:`autopar.setup.Setup`; nothing here reads a store). ``plan``: run this plan
         (searched on the loss at the step's micro-batch) instead of searching, as a tuning
-        does."""
+        does; ``searched``: the configuration search's plan of this step, taken where it was
+        searched on the step's own graph (:func:`~autopar.parallel_function.
+        parallel_function`)."""
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.backend = backend
@@ -164,7 +166,7 @@ class TrainStep(ProgramInspection):
                                           mode=mode, fixed=fixed, mesh=mesh,
                                           fused_kernels=fused_kernels, plan=plan,
                                           optimizer=optimizer,
-                                          micro_batches=self.accumulation)
+                                          micro_batches=self.accumulation, searched=searched)
         self.plan = self.function.plan
         self.parallel_graph = pg = self.function.parallel_graph
         self.mesh: Mesh = self.function.mesh
@@ -781,7 +783,8 @@ def train_step(loss_fn: Callable[..., Any], params: Any, batch: Any,
         setup, micro, found = configured(setup, loss_fn, params, batch, optimizer, mode, fixed)
     step = build_train_step(setup, loss_fn, params, batch, optimizer, mode=mode, fixed=fixed,
                             backend=backend, mesh=mesh, sync_method=sync_method,
-                            fused_kernels=fused_kernels, has_aux=has_aux, micro_batches=micro)
+                            fused_kernels=fused_kernels, has_aux=has_aux, micro_batches=micro,
+                            searched=found.best.plans if found is not None else None)
     save_strategies(step_saves(step, setup))  # load or search; build; then save
     warn_gradients_mean(step.data_parallel_degree, "gradients_mean" in setup.explicit)
     step.configuration = found
@@ -792,19 +795,22 @@ def build_train_step(setup: Setup, loss_fn: Callable[..., Any], params: Any,
                      batch: tuple[Any, ...], optimizer: optax.GradientTransformation, *,
                      mode: str | None, fixed: Mapping[str, Any] | None, backend: str,
                      mesh: Mesh | None, sync_method: str, fused_kernels: FusedKernels,
-                     has_aux: bool, micro_batches: int | None = None) -> Any:
+                     has_aux: bool, micro_batches: int | None = None,
+                     searched: tuple[Plan, ...] | None = None) -> Any:
     """:func:`train_step` on checked arguments and the ``setup`` its entry point resolved:
     the plain or the pipelined step (of ``micro_batches``, default its stages), built; no
-    file written (the entry point then saves :func:`step_saves`) and no warning given."""
+    file written (the entry point then saves :func:`step_saves`) and no warning given.
+    ``searched``: the stage plans the configuration search chose, not searched again."""
     if setup.config.pipeline_stages > 1:  # the pipelined step (autopar.pipeline)
         _check_pipelined(setup.config.pipeline_stages, backend=backend, mesh=mesh,
                          sync_method=sync_method, fused_kernels=fused_kernels)
         return PipelineTrainStep(loss_fn, params, batch, optimizer, setup=setup,
                                  micro_batches=micro_batches, mode=mode, fixed=fixed,
-                                 has_aux=has_aux)
+                                 has_aux=has_aux, plans=searched)
     return TrainStep(loss_fn, params, batch, optimizer, setup=setup, mode=mode, fixed=fixed,
                      backend=backend, mesh=mesh, sync_method=sync_method,
-                     fused_kernels=fused_kernels, has_aux=has_aux)
+                     fused_kernels=fused_kernels, has_aux=has_aux,
+                     searched=searched[0] if searched and len(searched) == 1 else None)
 
 
 def step_saves(step: Any, setup: Setup,

@@ -105,7 +105,7 @@ def test_train_step_builds_the_configuration_it_chose():
     clus = CLUSTER.model_copy(update={"memory_bytes": 0.6 * 2 ** 20})
     with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel",
                                   auto_pipeline=True, gradients_mean=True):
-        step = ap.train_step(m.loss, params, tuple(batch), optax.sgd(0.1), cluster=clus)
+        step = ap.train_step(m.loss, params, tuple(batch), optax.adam(1e-3), cluster=clus)
     best = step.configuration.best
     assert best.stages > 1 and isinstance(step, ap.pipeline.PipelineTrainStep)
     assert (step.stages, step.micro_batches, step.schedule_table.name) == \
@@ -197,3 +197,32 @@ def test_the_parallel_optimizer_is_tried_where_the_user_left_it_unset():
     best = tried.best
     assert best.context().get("enable_parallel_optimizer", False) == best.parallel_optimizer
     assert best.step_seconds <= left.best.step_seconds
+
+
+@pytest.mark.parametrize("budget_mib", [None, 0.6])
+def test_train_step_runs_the_plans_the_search_chose_without_searching_again(budget_mib,
+                                                                           monkeypatch):
+    """Under auto_pipeline the step takes the chosen configuration's stage plans: building
+    it runs no search beyond the configuration search's own."""
+    import autopar.parallel_function as pf
+    import autopar.pipeline.plan as pp
+
+    m, _, _ = tiny()
+    params, *batch = m.example_args(jax.random.key(0))
+    clus = CLUSTER if budget_mib is None else CLUSTER.model_copy(
+        update={"memory_bytes": budget_mib * 2 ** 20})
+    calls = []
+    for mod in (pf, pp):
+        real = mod.plan_graph
+        monkeypatch.setattr(mod, "plan_graph", lambda *a, real=real, **k: (
+            calls.append(1), real(*a, **k))[1])
+    with ap.auto_parallel_context(device_num=8, parallel_mode="auto_parallel",
+                                  auto_pipeline=True, gradients_mean=True):
+        found = ap.search_configuration(m.loss, params, tuple(batch), optax.adam(1e-3),
+                                        cluster=clus)
+        searches = len(calls)
+        step = ap.train_step(m.loss, params, tuple(batch), optax.adam(1e-3), cluster=clus)
+    assert searches > 0 and len(calls) == 2 * searches
+    plans = step.plans if found.best.stages > 1 else (step.plan,)
+    assert (found.best.stages > 1) == (budget_mib is not None)
+    assert [p.decisions() for p in plans] == [p.decisions() for p in found.best.plans]

@@ -215,9 +215,10 @@ class _Weigher:
     """The configurations of one search, weighed one (p, m) at a time."""
 
     def __init__(self, graph_at: Callable[[int], Graph], setup: Setup, mode: str | None,
-                 schedules: Sequence[str], fixed: Mapping[str, Any] | None) -> None:
+                 schedules: Sequence[str], fixed: Mapping[str, Any] | None,
+                 optimizer: Any = None) -> None:
         self.graph_at, self.mode, self.schedules = graph_at, mode, tuple(schedules)
-        self.fixed = fixed
+        self.fixed, self.optimizer = fixed, optimizer
         cfg = setup.config
         self.n = cfg.device_num
         # candidates read and write no strategy file; the step built from the winner does
@@ -230,7 +231,7 @@ class _Weigher:
     def sharded(self) -> "_Weigher":
         """This weigher under ``enable_parallel_optimizer=True``."""
         return _Weigher(self.graph_at, self.setup.with_config(enable_parallel_optimizer=True),
-                        self.mode, self.schedules, self.fixed)
+                        self.mode, self.schedules, self.fixed, self.optimizer)
 
     def bound(self, p: int, m: int) -> "tuple[float, float] | Configuration":
         """Lower bounds of ``p`` stages x ``m`` micro-batches under any schedule and any
@@ -283,8 +284,9 @@ class _Weigher:
             with warnings.catch_warnings():  # a candidate's slow fit: the table says it
                 warnings.simplefilter("ignore", AutoParallelWarning)
                 _, _, plans = search_stages(graph, p, setup=self.setup, micro_batches=m,
-                                               boundaries=None, mode=self.mode,
-                                               fixed=self.fixed, advise=False)
+                                            boundaries=None, mode=self.mode,
+                                            fixed=self.fixed, advise=False,
+                                            optimizer=self.optimizer)
         except AutoParallelError as e:  # (MemoryBudgetError included): a finding, not a stop
             return [Configuration(p, m, "-", math.inf, math.inf, self.budget, 1.0, (),
                                   failed=str(e).splitlines()[0])]
@@ -334,20 +336,21 @@ def weigh_configurations(graph_at: Callable[[int], Graph], batch_rows: Sequence[
                          setup: Setup, max_stages: int | None = None,
                          schedules: Sequence[str] | None = None, mode: str | None = None,
                          fixed: Mapping[str, Any] | None = None,
-                         notes: Sequence[str] = (),
-                         parallel_optimizer: bool = False) -> ConfigurationSearch:
+                         notes: Sequence[str] = (), parallel_optimizer: bool = False,
+                         optimizer: Any = None) -> ConfigurationSearch:
     """Search stages, micro-batches and schedule with the layouts (see the module
     docstring). ``graph_at(m)``: the loss traced at ``1/m`` of the batch, whose inputs
     have ``batch_rows`` rows; ``max_stages``: at most this many stages (default
     ``device_num``; 1: no pipeline); ``schedules``: those weighed (default both); ``fixed``:
     strategies by node name; ``notes``: what the answer says beside it;
     ``parallel_optimizer``: also try ``enable_parallel_optimizer=True`` (where the setup
-    leaves it off) on the fastest configurations (:func:`_sharded_tries`). Raises
+    leaves it off) on the fastest configurations (:func:`_sharded_tries`); ``optimizer``:
+    the step's, its state priced per parameter (None: the cluster's factor). Raises
     :class:`MemoryBudgetError` when no configuration fits, naming the smallest found."""
     t0 = time.perf_counter()
     n = setup.config.device_num
     names = tuple(schedules or SCHEDULES)
-    weigher = _Weigher(graph_at, setup, mode, names, fixed)
+    weigher = _Weigher(graph_at, setup, mode, names, fixed, optimizer)
     found: list[Configuration] = []
     bounds = {}
     for p in stage_counts(n, max_stages or n):
@@ -395,13 +398,15 @@ def weigh_configurations(graph_at: Callable[[int], Graph], batch_rows: Sequence[
 
 def price_configuration(graph_at: Callable[[int], Graph], stages: int, micro_batches: int,
                         *, setup: Setup, schedule: str = "gpipe", mode: str | None = None,
-                        fixed: Mapping[str, Any] | None = None) -> Configuration:
+                        fixed: Mapping[str, Any] | None = None,
+                        optimizer: Any = None) -> Configuration:
     """One configuration priced as :func:`weigh_configurations` prices each: ``stages`` x
     ``micro_batches`` under ``schedule`` (ignored on one stage), every stage searched under
     ``mode`` with ``fixed`` (e.g. a hand layout:
     :func:`~autopar.strategies.baselines.megatron_strategies` under
-    ``sharding_propagation``). The failed configuration when it has no plan."""
-    weigher = _Weigher(graph_at, setup, mode, (schedule,), fixed)
+    ``sharding_propagation``) and ``optimizer``. The failed configuration when it has no
+    plan."""
+    weigher = _Weigher(graph_at, setup, mode, (schedule,), fixed, optimizer)
     return weigher.weigh(stages, micro_batches)[0]
 
 
@@ -478,7 +483,7 @@ def _search(setup: Setup, loss_fn: Callable[..., Any], params: Any, batch: tuple
     sharded = "enable_parallel_optimizer" not in explicit and not _not_elementwise(optimizer)
     return weigh_configurations(graph_at, rows, setup=setup, max_stages=1 if notes else most,
                                 schedules=names, mode=mode, fixed=fixed, notes=notes,
-                                parallel_optimizer=sharded)
+                                parallel_optimizer=sharded, optimizer=optimizer)
 
 
 def search_configuration(loss_fn: Callable[..., Any], params: Any, batch: Any,

@@ -103,12 +103,14 @@ def _rewrite_unfused(graph: Any, plan: Plan) -> ParallelGraph:
 
 def plan_stages(graph: Graph, p: int, *, setup: Setup, micro_batches: int,
                 boundaries: Sequence[str | int] | None, mode: str | None,
-                fixed: Mapping[str, Any] | None) -> StagePlans:
+                fixed: Mapping[str, Any] | None, optimizer: Any = None,
+                searched: Sequence[Plan] | None = None) -> StagePlans:
     """Cut ``graph`` into ``p`` stages and search, then rewrite, each one for its
     ``device_num / p`` devices (:func:`search_stages`; no file written: the entry point
     saves the stages' files, :func:`stage_saves`)."""
     part, sgs, plans = search_stages(graph, p, setup=setup, micro_batches=micro_batches,
-                                     boundaries=boundaries, mode=mode, fixed=fixed)
+                                     boundaries=boundaries, mode=mode, fixed=fixed,
+                                     optimizer=optimizer, searched=searched)
     pgs = [_rewrite_unfused(sg, plan) for sg, plan in zip(sgs, plans)]
     check_same_plans(list(zip(plans, sgs, pgs)))  # (jax.distributed), before any save
     return StagePlans(part, sgs, plans, tuple(pgs))
@@ -116,7 +118,8 @@ def plan_stages(graph: Graph, p: int, *, setup: Setup, micro_batches: int,
 
 def search_stages(graph: Graph, p: int, *, setup: Setup, micro_batches: int,
                   boundaries: Sequence[str | int] | None, mode: str | None,
-                  fixed: Mapping[str, Any] | None, advise: bool = True
+                  fixed: Mapping[str, Any] | None, advise: bool = True,
+                  optimizer: Any = None, searched: Sequence[Plan] | None = None
                   ) -> tuple[StagePartition, tuple[Graph, ...], tuple[Plan, ...]]:
     """Cut ``graph`` into ``p`` stages and search each one for its ``device_num / p``
     devices: ``(partition, stage graphs, stage plans)``. ``fixed``: strategies by node name
@@ -124,7 +127,10 @@ def search_stages(graph: Graph, p: int, *, setup: Setup, micro_batches: int,
     paths become one file per stage; its cluster prices the partition and every stage).
     Each stage is searched as one of the ``grad_accumulation_step x micro_batches``
     micro-batches of a step: its gradient sync and optimizer update charged once a step
-    (``SearchSettings.micro_batches``). ``advise``: as :func:`autopar.planner.plan_graph`'s."""
+    (``SearchSettings.micro_batches``). ``advise`` and ``optimizer`` (its state priced per
+    parameter): as :func:`autopar.planner.plan_graph`'s. ``searched``: the stage plans a
+    search with these settings already found (the configuration search's): a stage whose
+    plan was searched on its very graph, with no strategy file to load, takes it as it is."""
     config = setup.config
     n = config.device_num
     with together():  # every process builds the step: process 0's cluster (jax.distributed)
@@ -138,23 +144,28 @@ def search_stages(graph: Graph, p: int, *, setup: Setup, micro_batches: int,
         graph.node(name)  # unknown names raise, with suggestions
     sgs = tuple(stage_graph(graph, part, s) for s in range(p))
     plans: list[Plan] = []
-    searched: dict[str, int] = {}  # a stage's structure without names -> the stage searched
+    seen: dict[str, int] = {}  # a stage's structure without names -> the stage searched
     for s, sg in enumerate(sgs):
         mine = {k: v for k, v in fixed.items() if k in {nd.name for nd in sg.nodes}}
         load = stage_file(config.strategy_ckpt_load_file, s)
         save = stage_file(config.strategy_ckpt_save_file, s)
         key = None if mine or load else _structure_key(sg)
-        if key in searched:  # the same structure as a stage already searched: its plan
-            plan = renamed_plan(plans[searched[key]], sgs[searched[key]], sg, s)
+        given = searched[s] if searched is not None and len(searched) == p else None
+        if given is not None and not load and given.searched_on(sg):
+            plan = given  # (found by the same search before: the configuration search's)
+            if save:  # (saved by the entry point: a bad path fails at once)
+                writable_target(save, "strategy_ckpt_save_file")
+        elif key in seen:  # the same structure as a stage already searched: its plan
+            plan = renamed_plan(plans[seen[key]], sgs[seen[key]], sg, s)
             if save:  # (saved by the entry point: a bad path fails at once)
                 writable_target(save, "strategy_ckpt_save_file")
         else:
             plan = plan_graph(sg, setup, mode=mode, device_num=n // p, fixed=mine,
                               load_file=load, save_file=save,
                               micro_batches=micro_batches * config.grad_accumulation_step,
-                              stage=s, advise=advise)
+                              stage=s, advise=advise, optimizer=optimizer)
             if key is not None:
-                searched[key] = s
+                seen[key] = s
         plans.append(plan)
     return part, sgs, tuple(plans)
 

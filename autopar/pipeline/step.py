@@ -86,6 +86,7 @@ from autopar.step_inputs import (ParamSplit, broadcast_parameters, check_arrays,
 from autopar.strategies.layout import DeviceMesh, TensorLayout, axis_name, jax_mesh
 from autopar.strategies.redistribution import redistribute
 from autopar.strategies.modes import PIPELINE_MODES
+from autopar.strategies.plan import Plan
 from autopar.strategies.stages import check_stages
 
 __all__ = ["pipeline_train_step", "PipelineTrainStep"]
@@ -118,18 +119,20 @@ class PipelineTrainStep(ProgramInspection):
                  stages: int | None = None, micro_batches: int | None = None,
                  schedule: str | None = None, boundaries: Sequence[str | int] | None = None,
                  mode: str | None = None, fixed: Mapping[str, Any] | None = None,
-                 has_aux: bool = False) -> None:
+                 has_aux: bool = False, plans: Sequence[Plan] | None = None) -> None:
         """Built by :func:`pipeline_train_step` (or :func:`autopar.train_step`), which reads
         the stores once and passes its ``setup``, then saves the stages' strategy files
-        (nothing here reads a store or writes a file)."""
+        (nothing here reads a store or writes a file). ``plans``: the stage plans the
+        configuration search found for this step (a stage takes its own where it was
+        searched on the stage's graph; :func:`autopar.pipeline.plan.search_stages`)."""
         self._read_config(setup.config, stages, micro_batches, schedule)
         self.has_aux = bool(has_aux)
         self.loss_fn, self.optimizer = loss_fn, optimizer
-        self._construct(params, batch, setup, boundaries, mode, fixed)
+        self._construct(params, batch, setup, boundaries, mode, fixed, plans)
 
     def _construct(self, params: Any, batch: tuple[Any, ...], setup: Setup,
                    boundaries: Sequence[str | int] | None, mode: str | None,
-                   fixed: Mapping[str, Any] | None) -> None:
+                   fixed: Mapping[str, Any] | None, plans: Sequence[Plan] | None) -> None:
         """Trace, cut into stages and plan them, place the parameters, build the program."""
         config = setup.config
         micro = self._micro_batches(batch)
@@ -137,7 +140,7 @@ class PipelineTrainStep(ProgramInspection):
         self.graph = self._trace(self.loss_fn, p_sds, micro)
         found = plan_stages(self.graph, self.stages, setup=setup,
                             micro_batches=self.micro_batches, boundaries=boundaries,
-                            mode=mode, fixed=fixed)
+                            mode=mode, fixed=fixed, optimizer=self.optimizer, searched=plans)
         self.stage_graphs, self.parallel_graphs = found.graphs, found.parallel_graphs
         note = ""
         if self._default_schedule and "pipeline_config" not in setup.explicit \
