@@ -38,7 +38,7 @@ def test_every_doc_writing_benchmark_declares_doc_tables():
     assert declared == {"bench_checkpoint", "bench_compare", "bench_execute",
                         "bench_fidelity", "bench_fusion", "bench_kernels", "bench_memory",
                         "bench_models", "bench_pipeline",
-                        "bench_reliability", "bench_search", "bench_trace"}
+                        "bench_reliability", "bench_scale", "bench_search", "bench_trace"}
 
 
 @pytest.mark.parametrize(("bench", "doc", "marker", "text"), TABLES,
