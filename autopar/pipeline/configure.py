@@ -289,7 +289,8 @@ class _Weigher:
                                             optimizer=self.optimizer)
         except AutoParallelError as e:  # (MemoryBudgetError included): a finding, not a stop
             return [Configuration(p, m, "-", math.inf, math.inf, self.budget, 1.0, (),
-                                  failed=str(e).splitlines()[0])]
+                                  failed=str(e).splitlines()[0],
+                                  parallel_optimizer=self.parallel_optimizer)]
         out = []
         for name in (self.schedules if p > 1 else ("gpipe",)):  # (one stage: no schedule)
             trace = pipeline_trace(graph, p, device_num=self.n, cluster=self.setup.cluster,
