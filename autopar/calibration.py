@@ -2,10 +2,14 @@
 
 Measured on every device at once, as a plan runs them (so devices that share cores show it):
 
-- **matmul**: square matmuls per device over several sizes, chained -> ``peak_flops`` (the
-  throughput of the largest two, past their launch: :func:`peak_throughput`); a chain of
-  64 tiny (8 x 8) ones -> ``op_overhead`` (what one more operator in a program costs);
-- **elementwise** (``x * a + b`` into a new array) of 1 to 16 MiB per device ->
+- **matmul**: square matmuls of random operands per device, chained, in each of
+  ``MATMUL_DTYPES`` -> ``peak_flops`` (float32) and ``peak_flops_by_dtype`` (the throughput
+  of the largest two, past their launch: :func:`peak_throughput`). The sizes double from 64
+  past 512 while a product takes under a millisecond (on an accelerator a 512 x 512 one is
+  launch-bound: the ladder reaches 8192 on an H200); a chain of 64 tiny (8 x 8) ones ->
+  ``op_overhead`` (what one more operator in a program costs);
+- **elementwise** (``x * a + b`` into a new array) of 1 MiB per device and up, 4x at a time
+  while a call takes under a millisecond (a GPU's cache holds the small ones) ->
   ``memory_bandwidth`` (the slope, first touch of new memory included, as a real step pays
   it);
 - **launch**: a call that does nothing -> ``step_overhead`` (once per step);
@@ -69,14 +73,23 @@ __all__ = ["CALIBRATION_VERSION", "calibrated_name", "check_settings", "fit_alph
            "peak_throughput", "select_devices"]
 
 #: 2: the barrier, op_overhead measured directly; 3: the barrier pooled over three kinds;
-#: 4: the barrier and barrier_per_byte measured in a step-like program. A calibration of an
-#: older version is measured again.
-CALIBRATION_VERSION = 4
+#: 4: the barrier and barrier_per_byte measured in a step-like program; 5: matmul peaks per
+#: dtype on random operands, the matmul and bandwidth ladders grown past launch-bound sizes.
+#: A calibration of an older version is measured again.
+CALIBRATION_VERSION = 5
 #: Message sizes (bytes, as the model counts them), in the order they are measured: the
 #: ends first, so a fit has its latency and its bandwidth whatever the budget cuts.
 MESSAGE_SIZES = (2 ** 12, 2 ** 24, 2 ** 20, 2 ** 16, 2 ** 22, 2 ** 25)
+#: Matmul sizes measured always; past them the ladder doubles while a product is short.
 MATMUL_SIZES = (64, 128, 256, 512)
+#: The dtypes whose matmul peak is measured (float32's is ``peak_flops``; the others go to
+#: ``peak_flops_by_dtype``).
+MATMUL_DTYPES = ("float32", "bfloat16", "float16")
+_MATMUL_MAX = 16384
 ELEMENTWISE_BYTES = (2 ** 20, 2 ** 22, 2 ** 24)
+_ELEMENTWISE_MAX = 2 ** 31
+#: An operation shorter than this is still launch- or cache-bound: the ladders go on.
+_LONG_OP_S = 1e-3
 _MIN_SAMPLES = 2
 #: The step-like program that measures a collective in a step: segments, the width of its
 #: matmuls and the rows of each device's block at its two sizes (float32).
@@ -325,64 +338,103 @@ def _measure_collectives(devices: Sequence[Any], sizes: Sequence[int], clock: _C
     return fits
 
 
-def _measure_compute(devices: Sequence[Any], share: float, bar: Any) -> dict[str, float]:
-    """peak_flops, memory_bandwidth, op_overhead, step_overhead, the residuals,
-    shared_compute, overlap (see the module doc)."""
-    import jax.numpy as jnp
+def _measure_compute(devices: Sequence[Any], share: float, bar: Any) -> dict[str, Any]:
+    """peak_flops (and per dtype), memory_bandwidth, op_overhead, step_overhead, the
+    residuals, shared_compute, overlap (see the module doc)."""
     from jax import lax
     from jax.sharding import PartitionSpec
 
     n = len(devices)
     mesh = jax_mesh(DeviceMesh((("g", n),)), devices)
     spec = PartitionSpec("g")
-    limit = max(0.05, share / 16)
-
-    def mm_chains(mm: Any, body: Callable[[Any], Any] = _matmul) -> tuple[Any, Any]:
-        return _chain(mm, body, spec, 1), _chain(mm, body, spec, _CHAIN)
-
-    flops, t_mm = [], []
-    chains = mm_chains(mesh)
-    for m in MATMUL_SIZES:
-        t_mm.append(_per_op(*chains, _placed(mesh, spec, m * m), _CHAIN, limit))
-        flops.append(2.0 * m ** 3)
+    limit = max(0.05, share / 24)
+    room = _memory_per_device(devices)
     overhead = _op_overhead(mesh, spec, limit)
-    peak, mm_resid = peak_throughput(flops, t_mm, overhead)
+    peaks, resid, t_mm = {}, 0.0, []
+    for dtype in MATMUL_DTYPES:
+        flops, ts = _matmul_ladder(mesh, spec, dtype, limit, room)
+        peaks[dtype], r = peak_throughput(flops, ts, overhead)
+        resid = max(resid, r)
+        t_mm = t_mm or ts
     bar.advance("matmul")
-    # elementwise: calls writing a new array of each size; the slope is the bandwidth (the
-    # intercept, the call's dispatch, is the launch of a step: a call that does nothing)
-    ew = _chain(mesh, lambda x: x * np.float32(0.5) + np.float32(1e-3), spec, 1)
+    bandwidth, ew_resid = _bandwidth(mesh, spec, limit, room)
     step_overhead = _per_call(_chain(mesh, lambda x: x[:1], spec, 1), _placed(mesh, spec, 1),
                               limit)
-    nbytes, t_ew = [], []
-    for b in ELEMENTWISE_BYTES:
-        t_ew.append(_per_call(ew, _placed(mesh, spec, b // 4), limit))
-        nbytes.append(2.0 * b)  # read + write
-    _, inv_bw, ew_resid = fit_alpha_beta(nbytes, t_ew)
     bar.advance("elementwise")
     # one device alone, the same matmul (each process's first: it can only run its own)
     solo = jax_mesh(DeviceMesh((("g", 1),)), _own(devices))
     m = MATMUL_SIZES[-2]
-    t_solo = _per_op(*mm_chains(solo), _placed(solo, spec, m * m), _CHAIN, limit)
-    shared = t_mm[-2] / t_solo
+    t_solo = _per_op(_chain(solo, _product, spec, 1), _chain(solo, _product, spec, _CHAIN),
+                     _operands(solo, spec, m, "float32"), _CHAIN, limit)
+    t_m = t_mm[MATMUL_SIZES.index(m)]
+    shared = t_m / t_solo
     # overlap: a matmul and an independent all-reduce in one step, against each alone
     ar_elems = 2 ** 20 // 4
 
     def both(v: Any) -> Any:
-        return jnp.concatenate([_matmul(v[:m * m]), lax.psum(v[m * m:], "g")])
+        return (*_product(v[:2]), lax.psum(v[2], "g"))
 
-    t_ar = _per_op(*mm_chains(mesh, lambda y: lax.psum(y, "g")),
+    def ar(v: Any) -> Any:
+        return lax.psum(v, "g")
+
+    t_ar = _per_op(_chain(mesh, ar, spec, 1), _chain(mesh, ar, spec, _CHAIN),
                    _placed(mesh, spec, ar_elems), _CHAIN, limit)
-    t_both = _per_op(*mm_chains(mesh, both), _placed(mesh, spec, m * m + ar_elems), _CHAIN,
-                     limit)
-    overlap = (t_mm[-2] + t_ar - t_both) / max(1e-12, min(t_mm[-2], t_ar))
+    t_both = _per_op(_chain(mesh, both, spec, 1), _chain(mesh, both, spec, _CHAIN),
+                     (*_operands(mesh, spec, m, "float32"), _placed(mesh, spec, ar_elems)),
+                     _CHAIN, limit)
+    overlap = (t_m + t_ar - t_both) / max(1e-12, min(t_m, t_ar))
     if shared >= 2.0:  # devices share their cores: the cores that compute move the data
         overlap = 0.0
     bar.advance("overlap")
-    return {"peak_flops": peak,
-            "memory_bandwidth": 1.0 / max(inv_bw, 1e-30), "op_overhead": overhead,
-            "step_overhead": step_overhead, "matmul_residual": mm_resid,
+    return {"peak_flops": peaks["float32"],
+            "peak_flops_by_dtype": {k: v for k, v in peaks.items() if k != "float32"},
+            "memory_bandwidth": bandwidth, "op_overhead": overhead,
+            "step_overhead": step_overhead, "matmul_residual": resid,
             "memory_residual": ew_resid, "shared_compute": max(shared, 1e-3),
             "overlap": min(1.0, max(0.0, overlap))}
+
+
+def _matmul_ladder(mesh: Any, spec: Any, dtype: str, limit: float,
+                   room: float) -> tuple[list[float], list[float]]:
+    """(FLOPs, seconds) per device of square ``dtype`` matmuls of random operands: the
+    sizes of ``MATMUL_SIZES``, then doubling while one product takes under
+    ``_LONG_OP_S`` (launch-bound: on an accelerator a 512 x 512 product takes
+    microseconds) and its operands fit a quarter of the device's memory."""
+    chains = _chain(mesh, _product, spec, 1), _chain(mesh, _product, spec, _CHAIN)
+    itemsize = np.dtype(_np_dtype(dtype)).itemsize
+    flops: list[float] = []
+    seconds: list[float] = []
+    m = MATMUL_SIZES[0]
+    while True:
+        seconds.append(_per_op(*chains, _operands(mesh, spec, m, dtype), _CHAIN, limit))
+        flops.append(2.0 * m ** 3)
+        m *= 2
+        more = m <= MATMUL_SIZES[-1] or (
+            seconds[-1] < _LONG_OP_S and m <= _MATMUL_MAX
+            and (_CHAIN + 2) * m * m * itemsize <= room / 4)
+        if not agree_flag(more):
+            return flops, seconds
+
+
+def _bandwidth(mesh: Any, spec: Any, limit: float, room: float) -> tuple[float, float]:
+    """(bytes/s, the fit's largest relative residual): calls writing a new array of each
+    size (``x * a + b``), ``ELEMENTWISE_BYTES`` then growing 4x while a call takes under
+    ``_LONG_OP_S`` (an accelerator's cache holds the small ones) and fits; the slope is the
+    bandwidth (the intercept, the call's dispatch, is the launch of a step)."""
+    ew = _chain(mesh, lambda x: x * np.float32(0.5) + np.float32(1e-3), spec, 1)
+    nbytes: list[float] = []
+    t_ew: list[float] = []
+    b = ELEMENTWISE_BYTES[0]
+    while True:
+        t_ew.append(_per_call(ew, _placed(mesh, spec, b // 4), limit))
+        nbytes.append(2.0 * b)  # read + write
+        b *= 4
+        more = b <= ELEMENTWISE_BYTES[-1] or (
+            t_ew[-1] < _LONG_OP_S and b <= _ELEMENTWISE_MAX and 2 * b <= room / 4)
+        if not agree_flag(more):
+            break
+    _, inv_bw, resid = fit_alpha_beta(nbytes, t_ew)
+    return 1.0 / max(inv_bw, 1e-30), resid
 
 
 def peak_throughput(flops: Sequence[float], seconds: Sequence[float],
@@ -408,6 +460,39 @@ def _matmul(x: Any) -> Any:
 
     m = int(round(math.sqrt(x.shape[0])))
     return (x.reshape(m, m) @ jnp.eye(m, dtype=x.dtype)).reshape(-1)
+
+
+def _product(ab: Any) -> Any:
+    """``(a @ w, w)`` of a device's two blocks of m * m elements (the chain multiplies by the
+    same random matrix again: values stay of one size, none of them zeros)."""
+    a, w = ab[0], ab[1]
+    m = int(round(math.sqrt(a.shape[0])))
+    return (a.reshape(m, m) @ w.reshape(m, m)).reshape(-1), w
+
+
+def _np_dtype(dtype: str) -> Any:
+    import jax.numpy as jnp
+
+    return jnp.dtype(dtype)
+
+
+def _operands(mesh: Any, spec: Any, m: int, dtype: str) -> tuple[Any, Any]:
+    """Random ``(a, w)`` of ``m * m`` elements per device in ``dtype``, made on the devices
+    (normal; ``w`` scaled by ``1 / sqrt(m)`` so products keep the size of ``a``)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    shape = (m * m * mesh.size,)
+    out = NamedSharding(mesh, spec)
+
+    def make() -> tuple[Any, Any]:
+        ka, kw = jax.random.split(jax.random.key(0))
+        a = jax.random.normal(ka, shape, jnp.float32)
+        w = jax.random.normal(kw, shape, jnp.float32) / math.sqrt(m)
+        return a.astype(dtype), w.astype(dtype)
+
+    return jax.jit(make, out_shardings=(out, out))()
 
 
 def _op_overhead(mesh: Any, spec: Any, limit: float) -> float:
@@ -617,6 +702,7 @@ def _cluster(devs: Sequence[Any], comp: dict[str, float], fits: Sequence[Collect
         memory_bandwidth=comp["memory_bandwidth"], memory_bytes=_memory_per_device(devs),
         intra_bandwidth=intra_link[0], intra_alpha=intra_link[1],
         inter_bandwidth=inter_link[0], inter_alpha=inter_link[1],
+        peak_flops_by_dtype=comp["peak_flops_by_dtype"],
         op_overhead=comp["op_overhead"], step_overhead=comp["step_overhead"],
         overlap=comp["overlap"], barrier=comp["barrier"],
         barrier_per_byte=comp["barrier_per_byte"],

@@ -37,7 +37,7 @@ def test_every_doc_writing_benchmark_declares_doc_tables():
     declared = {name for name, *_ in TABLES}
     assert declared == {"bench_checkpoint", "bench_compare", "bench_execute",
                         "bench_fidelity", "bench_fusion", "bench_kernels", "bench_memory",
-                        "bench_models", "bench_pipeline",
+                        "bench_models", "bench_pipeline", "bench_accelerator",
                         "bench_reliability", "bench_scale", "bench_search", "bench_trace"}
 
 

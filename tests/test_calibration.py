@@ -388,6 +388,8 @@ def test_calibrate_two_devices_measures_fits_and_caches(unpinned):
         ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute"])
     assert all(f.group == 2 and f.samples >= 2 for f in c.collectives)
     assert c.peak_flops > 0 and math.isfinite(c.memory_bandwidth) and 0 <= c.overlap <= 1
+    assert sorted(c.peak_flops_by_dtype) == ["bfloat16", "float16"]
+    assert all(v > 0 for v in c.peak_flops_by_dtype.values())
     assert ap.calibrate(2) == c  # the cache: the same figures, nothing measured
     assert len(list(unpinned.iterdir())) == 1
     with pytest.raises(ap.AutoParallelError, match="budget_s"):
@@ -475,3 +477,39 @@ def test_an_unwritable_cache_still_returns_the_calibration(tmp_path, monkeypatch
     clusters._cache_path(jax.devices()).mkdir(parents=True)
     assert clusters.store_calibration(_measured(), jax.devices()) is None
     assert clusters.cached_calibration(jax.devices()) is None
+
+
+@pytest.mark.parametrize(("rate", "room", "largest"), [
+    (1e15, 1e12, 8192),   # an accelerator: doubles until a product takes a millisecond
+    (1e15, 2e9, 4096),    # ... or its operands would not fit a quarter of the memory
+    (3e10, 1e12, 512),    # a CPU: the fixed sizes already take milliseconds
+])
+def test_the_matmul_ladder_grows_past_launch_bound_sizes(monkeypatch, rate, room, largest):
+    from autopar import calibration as cal
+
+    monkeypatch.setattr(cal, "_chain", lambda *a: None)
+    monkeypatch.setattr(cal, "_operands", lambda mesh, spec, m, dtype: m)
+    monkeypatch.setattr(cal, "_per_op", lambda s, l, m, k, limit: 2.0 * m ** 3 / rate + 5e-6)
+    flops, seconds = cal._matmul_ladder(None, None, "bfloat16", 1.0, room)
+    sizes = [round((f / 2) ** (1 / 3)) for f in flops]
+    assert sizes[:4] == list(cal.MATMUL_SIZES) and sizes[-1] == largest
+    assert sizes == [64 * 2 ** i for i in range(len(sizes))]
+    peak, _ = cal.peak_throughput(flops, seconds, 5e-6)
+    assert peak == pytest.approx(rate, rel=1e-6)
+
+
+def test_the_bandwidth_ladder_grows_until_calls_are_long(monkeypatch):
+    from autopar import calibration as cal
+
+    monkeypatch.setattr(cal, "_chain", lambda *a: None)
+    monkeypatch.setattr(cal, "_placed", lambda mesh, spec, n: n)
+    calls = []
+
+    def per_call(f, n, limit):
+        calls.append(n * 4)
+        return 85e-6 + 2 * n * 4 / 4e12  # dispatch + read and write at 4 TB/s
+
+    monkeypatch.setattr(cal, "_per_call", per_call)
+    bandwidth, _ = cal._bandwidth(None, None, 1.0, 1e12)
+    assert calls[:3] == list(cal.ELEMENTWISE_BYTES) and calls[-1] == 2 ** 30
+    assert bandwidth == pytest.approx(4e12, rel=0.02)
