@@ -3,15 +3,16 @@
 Measured on every device at once, as a plan runs them (so devices that share cores show it):
 
 - **matmul**: square matmuls of random operands per device, chained, in each of
-  ``MATMUL_DTYPES`` -> ``peak_flops`` (float32) and ``peak_flops_by_dtype`` (the throughput
-  of the largest two, past their launch: :func:`peak_throughput`). The sizes double from 64
-  past 512 while a product takes under a millisecond (on an accelerator a 512 x 512 one is
-  launch-bound: the ladder reaches 8192 on an H200); a chain of 64 tiny (8 x 8) ones ->
-  ``op_overhead`` (what one more operator in a program costs);
+  ``MATMUL_DTYPES``. The sizes double from 64 past 512 while a product takes under a
+  millisecond (on an accelerator a 512 x 512 one is launch-bound: the ladder reaches 8192
+  on an H200); the largest, chained for at least ``_SUSTAIN_S``, gives ``peak_flops``
+  (float32) and ``peak_flops_by_dtype`` -- sustained, as a step sees it, not a burst under
+  a cold chip's clock. A chain of 64 tiny (8 x 8) ones -> ``op_overhead`` (what one more
+  operator in a program costs);
 - **elementwise** (``x * a + b`` into a new array) of 1 MiB per device and up, 4x at a time
-  while a call takes under a millisecond (a GPU's cache holds the small ones) ->
-  ``memory_bandwidth`` (the slope, first touch of new memory included, as a real step pays
-  it);
+  until a call takes a millisecond (a GPU's cache holds the small ones and its dispatch
+  hides them) -> ``memory_bandwidth``: the slope between the two largest (first touch of
+  new memory included, as a real step pays it);
 - **launch**: a call that does nothing -> ``step_overhead`` (once per step);
 - **shared compute**: one matmul on one device alone vs on every device at once (1 for
   independent devices; about devices / cores for emulated ones);
@@ -70,7 +71,7 @@ from autopar.strategies.layout import DeviceMesh, jax_mesh
 __all__ = ["CALIBRATION_VERSION", "calibrated_name", "check_settings", "fit_alpha_beta",
            "fit_with_knee", "group_sizes", "host_identity", "in_step_line", "measure",
            "message_elements",
-           "peak_throughput", "select_devices"]
+           "line_residual", "select_devices"]
 
 #: 2: the barrier, op_overhead measured directly; 3: the barrier pooled over three kinds;
 #: 4: the barrier and barrier_per_byte measured in a step-like program; 5: matmul peaks per
@@ -87,9 +88,11 @@ MATMUL_SIZES = (64, 128, 256, 512)
 MATMUL_DTYPES = ("float32", "bfloat16", "float16")
 _MATMUL_MAX = 16384
 ELEMENTWISE_BYTES = (2 ** 20, 2 ** 22, 2 ** 24)
-_ELEMENTWISE_MAX = 2 ** 31
+_ELEMENTWISE_MAX = 2 ** 34
 #: An operation shorter than this is still launch- or cache-bound: the ladders go on.
 _LONG_OP_S = 1e-3
+#: The peak is the largest matmul chained for at least this long (seconds).
+_SUSTAIN_S = 0.05
 _MIN_SAMPLES = 2
 #: The step-like program that measures a collective in a step: segments, the width of its
 #: matmuls and the rows of each device's block at its two sizes (float32).
@@ -350,26 +353,25 @@ def _measure_compute(devices: Sequence[Any], share: float, bar: Any) -> dict[str
     limit = max(0.05, share / 24)
     room = _memory_per_device(devices)
     overhead = _op_overhead(mesh, spec, limit)
-    peaks, resid, t_mm = {}, 0.0, []
+    peaks, resid, ladders = {}, 0.0, {}
     for dtype in MATMUL_DTYPES:
-        flops, ts = _matmul_ladder(mesh, spec, dtype, limit, room)
-        peaks[dtype], r = peak_throughput(flops, ts, overhead)
-        resid = max(resid, r)
-        t_mm = t_mm or ts
+        ladders[dtype] = flops, ts = _matmul_ladder(mesh, spec, dtype, limit, room)
+        peaks[dtype] = _sustained_peak(mesh, spec, dtype, flops[-1], ts[-1], limit)
+        resid = max(resid, line_residual(flops, ts, overhead, peaks[dtype]))
     bar.advance("matmul")
     bandwidth, ew_resid = _bandwidth(mesh, spec, limit, room)
     step_overhead = _per_call(_chain(mesh, lambda x: x[:1], spec, 1), _placed(mesh, spec, 1),
                               limit)
     bar.advance("elementwise")
-    # one device alone, the same matmul (each process's first: it can only run its own)
+    # one device alone, the largest float32 matmul (each process's first: it can only run
+    # its own), against every device at once
+    flops, ts = ladders["float32"]
     solo = jax_mesh(DeviceMesh((("g", 1),)), _own(devices))
-    m = MATMUL_SIZES[-2]
     t_solo = _per_op(_chain(solo, _product, spec, 1), _chain(solo, _product, spec, _CHAIN),
-                     _operands(solo, spec, m, "float32"), _CHAIN, limit)
-    t_m = t_mm[MATMUL_SIZES.index(m)]
-    shared = t_m / t_solo
+                     _operands(solo, spec, _side(flops[-1]), "float32"), _CHAIN, limit)
+    shared = ts[-1] / t_solo
     # overlap: a matmul and an independent all-reduce in one step, against each alone
-    ar_elems = 2 ** 20 // 4
+    m, ar_elems = MATMUL_SIZES[-2], 2 ** 20 // 4
 
     def both(v: Any) -> Any:
         return (*_product(v[:2]), lax.psum(v[2], "g"))
@@ -382,6 +384,7 @@ def _measure_compute(devices: Sequence[Any], share: float, bar: Any) -> dict[str
     t_both = _per_op(_chain(mesh, both, spec, 1), _chain(mesh, both, spec, _CHAIN),
                      (*_operands(mesh, spec, m, "float32"), _placed(mesh, spec, ar_elems)),
                      _CHAIN, limit)
+    t_m = ts[MATMUL_SIZES.index(m)]
     overlap = (t_m + t_ar - t_both) / max(1e-12, min(t_m, t_ar))
     if shared >= 2.0:  # devices share their cores: the cores that compute move the data
         overlap = 0.0
@@ -392,6 +395,24 @@ def _measure_compute(devices: Sequence[Any], share: float, bar: Any) -> dict[str
             "step_overhead": step_overhead, "matmul_residual": resid,
             "memory_residual": ew_resid, "shared_compute": max(shared, 1e-3),
             "overlap": min(1.0, max(0.0, overlap))}
+
+
+def _side(flops: float) -> int:
+    """m of an m x m x m matmul of ``flops``."""
+    return int(round((flops / 2.0) ** (1.0 / 3.0)))
+
+
+def _sustained_peak(mesh: Any, spec: Any, dtype: str, flops: float, seconds: float,
+                    limit: float) -> float:
+    """FLOP/s of the ladder's largest matmul chained for at least ``_SUSTAIN_S`` (an
+    accelerator's clock settles under its power limit: on an H200, 8192 x 8192 bfloat16
+    products ran at 789 TFLOP/s four at a time and 690 forty at a time, what a training step
+    sees)."""
+    k = max(_CHAIN, math.ceil(_SUSTAIN_S / max(seconds, 1e-9)))
+    k = int(agree_text(str(k)))
+    t = _per_op(_chain(mesh, _product, spec, 1), _chain(mesh, _product, spec, k),
+                _operands(mesh, spec, _side(flops), dtype), k, limit)
+    return flops / t
 
 
 def _matmul_ladder(mesh: Any, spec: Any, dtype: str, limit: float,
@@ -417,10 +438,11 @@ def _matmul_ladder(mesh: Any, spec: Any, dtype: str, limit: float,
 
 
 def _bandwidth(mesh: Any, spec: Any, limit: float, room: float) -> tuple[float, float]:
-    """(bytes/s, the fit's largest relative residual): calls writing a new array of each
-    size (``x * a + b``), ``ELEMENTWISE_BYTES`` then growing 4x while a call takes under
-    ``_LONG_OP_S`` (an accelerator's cache holds the small ones) and fits; the slope is the
-    bandwidth (the intercept, the call's dispatch, is the launch of a step)."""
+    """(bytes/s, the line's largest relative residual): calls writing a new array of each
+    size (``x * a + b``), ``ELEMENTWISE_BYTES`` then growing 4x until a call takes
+    ``_LONG_OP_S`` (an accelerator's cache holds the small ones and its dispatch hides
+    them) or would not fit; the bandwidth is the slope between the two largest (the
+    intercept, the call's dispatch, is the launch of a step)."""
     ew = _chain(mesh, lambda x: x * np.float32(0.5) + np.float32(1e-3), spec, 1)
     nbytes: list[float] = []
     t_ew: list[float] = []
@@ -433,25 +455,26 @@ def _bandwidth(mesh: Any, spec: Any, limit: float, room: float) -> tuple[float, 
             t_ew[-1] < _LONG_OP_S and b <= _ELEMENTWISE_MAX and 2 * b <= room / 4)
         if not agree_flag(more):
             break
-    _, inv_bw, resid = fit_alpha_beta(nbytes, t_ew)
-    return 1.0 / max(inv_bw, 1e-30), resid
+    (n0, n1), (t0, t1) = nbytes[-2:], t_ew[-2:]
+    if t1 <= t0:  # noise: the line through every size instead
+        _, inv_bw, _ = fit_alpha_beta(nbytes, t_ew)
+        bandwidth = 1.0 / max(inv_bw, 1e-30)
+    else:
+        bandwidth = (n1 - n0) / (t1 - t0)
+    launch = max(0.0, t1 - n1 / bandwidth)
+    return bandwidth, line_residual(nbytes, t_ew, launch, bandwidth)
 
 
-def peak_throughput(flops: Sequence[float], seconds: Sequence[float],
-                    launch: float) -> tuple[float, float]:
-    """``(peak_flops, largest |fit / measured - 1|)``: the median throughput of the two
-    largest matmuls past their launch, the sizes where compute dominates. (A least-squares
-    line through every size let one noisy sample flatten the slope: 0.5 PFLOP/s per
-    emulated CPU device, its residual 100 %.)
+def line_residual(work: Sequence[float], seconds: Sequence[float], launch: float,
+                  rate: float) -> float:
+    """The largest ``|(launch + work / rate) / measured - 1|`` over a ladder's sizes: how far
+    the line the model uses is from what each size measured.
 
-    >>> peak, r = peak_throughput([1e6, 1e8, 1e9], [3e-6 + 1e-5, 3e-6 + 1e-3, 3e-6 + 1e-2], 3e-6)
-    >>> round(peak / 1e9), r < 1e-9
-    (100, True)
+    >>> round(line_residual([1e6, 1e9], [4e-5, 1e-2], 1e-5, 1e11), 3)
+    0.5
     """
-    pairs = sorted(zip(flops, seconds))[-2:]
-    peak = float(np.median([f / max(t - launch, 1e-9) for f, t in pairs]))
-    resid = max(abs((launch + f / peak) / max(t, 1e-9) - 1.0) for f, t in zip(flops, seconds))
-    return peak, float(resid)
+    return float(max(abs((launch + w / rate) / max(t, 1e-9) - 1.0)
+                     for w, t in zip(work, seconds)))
 
 
 def _matmul(x: Any) -> Any:

@@ -211,7 +211,8 @@ CLUSTERS: dict[str, Cluster] = {
     # run as TF32 (XLA's default on these GPUs); memory: 80 GB of 85.9 left to XLA (set
     # XLA_PYTHON_CLIENT_MEM_FRACTION near 0.93; JAX's default 0.75 leaves 64 GB). Checked on
     # an H200 (`python -m benchmarks accelerator`, docs/scale.md): a one-device bfloat16
-    # decoder step priced by dgx-h100-80gb within 3 % of its measured time.
+    # decoder step priced by dgx-h100-80gb within 3 % of its measured time; sustained bf16
+    # matmuls measured at 0.72 of the datasheet's dense peak.
     "dgx-a100-80gb": Cluster(
         name="dgx-a100-80gb", devices_per_node=8, peak_flops=0.85 * 156e12,
         peak_flops_by_dtype={"bfloat16": 0.85 * 312e12, "float16": 0.85 * 312e12},

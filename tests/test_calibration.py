@@ -494,8 +494,19 @@ def test_the_matmul_ladder_grows_past_launch_bound_sizes(monkeypatch, rate, room
     sizes = [round((f / 2) ** (1 / 3)) for f in flops]
     assert sizes[:4] == list(cal.MATMUL_SIZES) and sizes[-1] == largest
     assert sizes == [64 * 2 ** i for i in range(len(sizes))]
-    peak, _ = cal.peak_throughput(flops, seconds, 5e-6)
-    assert peak == pytest.approx(rate, rel=1e-6)
+    assert cal.line_residual(flops, seconds, 5e-6, rate) < 1e-9
+
+
+def test_the_peak_is_a_chain_of_at_least_the_sustain_time(monkeypatch):
+    from autopar import calibration as cal
+
+    chains = []
+    monkeypatch.setattr(cal, "_chain", lambda mesh, body, spec, k: chains.append(k) or k)
+    monkeypatch.setattr(cal, "_operands", lambda mesh, spec, m, dtype: m)
+    monkeypatch.setattr(cal, "_per_op", lambda s, l, m, k, limit: 2.0 * m ** 3 / 7e14)
+    peak = cal._sustained_peak(None, None, "bfloat16", 2.0 * 8192 ** 3, 1.4e-3, 1.0)
+    assert chains == [1, math.ceil(cal._SUSTAIN_S / 1.4e-3)] and chains[1] * 1.4e-3 >= 0.05
+    assert peak == pytest.approx(7e14)
 
 
 def test_the_bandwidth_ladder_grows_until_calls_are_long(monkeypatch):
@@ -511,5 +522,5 @@ def test_the_bandwidth_ladder_grows_until_calls_are_long(monkeypatch):
 
     monkeypatch.setattr(cal, "_per_call", per_call)
     bandwidth, _ = cal._bandwidth(None, None, 1.0, 1e12)
-    assert calls[:3] == list(cal.ELEMENTWISE_BYTES) and calls[-1] == 2 ** 30
+    assert calls[:3] == list(cal.ELEMENTWISE_BYTES) and calls[-1] == 2 ** 32
     assert bandwidth == pytest.approx(4e12, rel=0.02)
