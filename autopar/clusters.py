@@ -51,7 +51,8 @@ from autopar.multihost import agree_text, agreeing, is_lead, several
 from autopar.strategies.cost import CLUSTERS, Cluster, get_cluster
 
 __all__ = ["CACHE_ENV", "CLUSTER_ENV", "ClusterFileError", "FORMAT", "MAX_FILE_BYTES",
-           "PLATFORM_PRESETS", "cached_calibration", "calibrate", "cluster_for",
+           "KIND_PRESETS", "PLATFORM_PRESETS", "cached_calibration", "calibrate",
+           "cluster_for", "default_preset",
            "describe_cluster", "dumps_cluster", "forget_calibration", "load_cluster",
            "note_devices", "plan_cluster", "resolve_cluster", "save_cluster", "store_calibration"]
 
@@ -63,6 +64,10 @@ CACHE_ENV = "AUTOPAR_CACHE_DIR"
 MAX_FILE_BYTES = 4 * 2 ** 20
 #: The preset for a platform when nothing was measured (never the accelerator's for a CPU).
 PLATFORM_PRESETS = {"cpu": "cpu-emulated"}
+#: The preset for a device whose ``device_kind`` holds the word, when nothing was measured
+#: (an H200 has the H100's compute; its preset's memory, 80 GB, is the smaller budget).
+KIND_PRESETS = (("H100", "dgx-h100-80gb"), ("H200", "dgx-h100-80gb"),
+                ("A100", "dgx-a100-80gb"))
 _DEFAULT_PRESET = "accelerator-8x"
 _noticed: set[str] = set()
 _loaded: dict[tuple[str, int, int], Cluster | None] = {}  # cache files read, by mtime
@@ -375,10 +380,23 @@ def _default_cluster() -> Cluster:
         _notice(f"pricing plans on the calibration of these {where} ({hit.name}, cached; "
                 f"`autopar calibrate` measures again)")
         return hit
-    preset = PLATFORM_PRESETS.get(devices[0].platform, _DEFAULT_PRESET)
+    preset = default_preset(devices[0].platform, devices[0].device_kind)
     _notice(f"pricing plans on the {preset!r} preset (no calibration cached for these "
             f"{where}; run `autopar calibrate` or autopar.calibrate() to measure them)")
     return CLUSTERS[preset]
+
+
+def default_preset(platform: str, device_kind: str) -> str:
+    """The preset that prices devices nothing was measured on: their kind's
+    (:data:`KIND_PRESETS`), else their platform's, else the accelerator preset.
+
+    >>> default_preset("gpu", "NVIDIA H200"), default_preset("cpu", "cpu")
+    ('dgx-h100-80gb', 'cpu-emulated')
+    """
+    for word, preset in KIND_PRESETS:
+        if word in device_kind:
+            return preset
+    return PLATFORM_PRESETS.get(platform, _DEFAULT_PRESET)
 
 
 def cluster_for(plan: Any, cluster: Any = None) -> Cluster:

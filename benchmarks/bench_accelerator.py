@@ -7,8 +7,8 @@ accelerator``); on CPUs it refuses in one line and the committed table stays. Th
 - **calibration**: ``ap.calibrate`` on the device (fresh, nothing cached): each dtype's
   matmul peak, the memory bandwidth and the launch costs, beside the device's datasheet
   (dense figures; float32 matmuls run on TF32 tensor cores, JAX's default on NVIDIA GPUs)
-  and the preset's sustained figure (``dgx-h100-80gb`` for Hopper, ``dgx-a100-80gb`` for
-  Ampere);
+  and the figure of the preset autopar prices the device with when nothing was measured
+  (:func:`autopar.clusters.default_preset`: ``dgx-h100-80gb`` for an H100 or H200);
 - **step**: a Llama-style decoder (``benchmarks/llama_rope.py``: RMSNorm, RoPE, SwiGLU;
   bfloat16 weights and activations, Adam) trained on one device: ``jax.jit`` of
   ``value_and_grad`` + optax and :func:`autopar.train_step`, timed in interleaved rounds;
@@ -43,7 +43,6 @@ DATASHEETS = {
     "A100": {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12,
              "bandwidth": 2.039e12},
 }
-PRESETS = {"H200": "dgx-h100-80gb", "H100": "dgx-h100-80gb", "A100": "dgx-a100-80gb"}
 #: The decoder of the step (quick: a smoke size that runs on a CPU).
 STEP = dict(layers=4, hidden=2048, heads=16, seq=2048, ffn=5632, vocab=32000, batch=8)
 QUICK = dict(layers=1, hidden=64, heads=4, seq=32, ffn=128, vocab=256, batch=2)
@@ -68,31 +67,25 @@ def doc_tables(results: dict[str, dict]) -> DocTexts:
 DOC_TABLES = DocTables(("accelerator",), doc_tables)
 
 
-def _sheet(kind: str) -> tuple[dict[str, float], str | None]:
-    for word, sheet in DATASHEETS.items():
-        if word in kind:
-            return sheet, PRESETS[word]
-    return {}, None
+def _sheet(kind: str) -> dict[str, float]:
+    return next((sheet for word, sheet in DATASHEETS.items() if word in kind), {})
 
 
 def calibration_rows(cluster: Any, preset: Any) -> list[dict[str, Any]]:
     """What ``ap.calibrate`` measured, beside the datasheet and the preset."""
-    sheet, _ = _sheet(cluster.calibration.device_kind)
+    sheet = _sheet(cluster.calibration.device_kind)
     rows = []
     for dtype in ("bfloat16", "float16", "float32"):
         got = cluster.peak_flops_by_dtype.get(dtype, cluster.peak_flops)
-        pre = preset.peak_flops_by_dtype.get(dtype, preset.peak_flops) if preset else None
-        rows.append(_row("calibration", f"{dtype} matmul TFLOP/s", got / 1e12,
-                         pre / 1e12 if pre else None, sheet.get(dtype, 0) / 1e12,
-                         f"preset {preset.name}" if preset else ""))
-    pre_bw = preset.memory_bandwidth / 1e12 if preset else None
-    rows.append(_row("calibration", "memory TB/s", cluster.memory_bandwidth / 1e12, pre_bw,
-                     sheet.get("bandwidth", 0) / 1e12, "x * a + b, read + write"))
-    for what, value, pre in (("operator launch us", cluster.op_overhead,
-                              preset.op_overhead if preset else None),
-                             ("step launch us", cluster.step_overhead,
-                              preset.step_overhead if preset else None)):
-        rows.append(_row("calibration", what, value * 1e6, pre * 1e6 if pre else None, 0, ""))
+        pre = preset.peak_flops_by_dtype.get(dtype, preset.peak_flops)
+        rows.append(_row("calibration", f"{dtype} matmul TFLOP/s", got / 1e12, pre / 1e12,
+                         sheet.get(dtype, 0) / 1e12, f"preset {preset.name}"))
+    rows.append(_row("calibration", "memory TB/s", cluster.memory_bandwidth / 1e12,
+                     preset.memory_bandwidth / 1e12, sheet.get("bandwidth", 0) / 1e12,
+                     "x * a + b, read + write"))
+    for what, value, pre in (("operator launch us", cluster.op_overhead, preset.op_overhead),
+                             ("step launch us", cluster.step_overhead, preset.step_overhead)):
+        rows.append(_row("calibration", what, value * 1e6, pre * 1e6, 0, ""))
     return rows
 
 
@@ -164,8 +157,7 @@ def step_rows(cluster: Any, preset: Any, sizes: dict[str, int], rounds: int
     plain = _jit_step(loss, optimizer)
     with ap.auto_parallel_context(device_num=1, parallel_mode="auto_parallel"):
         step = ap.train_step(loss, params, batch, optimizer, cluster=cluster)
-        priced = ap.train_step(loss, params, batch, optimizer, cluster=preset) \
-            if preset else None
+        priced = ap.train_step(loss, params, batch, optimizer, cluster=preset)
     opt = optimizer.init(params)
     entries = [(plain, [params, opt]), (step, [step.prepare(params), step.init(params)])]
     for f, state in entries:  # compile and warm up
@@ -175,10 +167,9 @@ def step_rows(cluster: Any, preset: Any, sizes: dict[str, int], rounds: int
     note = f"{sizes['layers']} layers, hidden {sizes['hidden']}, {tokens} tokens"
     rows = [_row("step", "jax.jit step ms", t_jit * 1e3, None, 0, note),
             _row("step", "autopar step ms", t_ap * 1e3, step.plan.cost.total * 1e3, 0,
-                 "model: calibrated")]
-    if priced is not None:
-        rows.append(_row("step", "autopar step ms", t_ap * 1e3, priced.plan.cost.total * 1e3,
-                         0, f"model: {preset.name}"))
+                 "model: calibrated"),
+            _row("step", "autopar step ms", t_ap * 1e3, priced.plan.cost.total * 1e3, 0,
+                 f"model: {preset.name}")]
     jit_mb = xla_bytes(plain.lower(params, opt, *batch).compile())[0] / MB
     ap_mb = xla_bytes(step.lower(step.prepare(params), step.init(params),
                                  *batch).compile())[0] / MB
@@ -220,6 +211,7 @@ def main(quick: bool = False) -> None:
     import jax
 
     import autopar as ap
+    from autopar.clusters import default_preset
     from autopar.strategies.cost import get_cluster
 
     kind = jax.devices()[0].device_kind
@@ -228,8 +220,7 @@ def main(quick: bool = False) -> None:
               "machine); the committed table stays", file=sys.stderr)
         return
     t0 = time.perf_counter()
-    _, preset_name = _sheet(kind)
-    preset = get_cluster(preset_name) if preset_name else None
+    preset = get_cluster(default_preset(jax.devices()[0].platform, kind))
     cluster = ap.calibrate(jax.devices()[:1], cache=False, budget_s=20 if quick else 60)
     seconds = time.perf_counter() - t0
     meta = {"device_kind": kind, "jax": jax.__version__, "calibration_s": seconds,

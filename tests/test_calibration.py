@@ -524,3 +524,13 @@ def test_the_bandwidth_ladder_grows_until_calls_are_long(monkeypatch):
     bandwidth, _ = cal._bandwidth(None, None, 1.0, 1e12)
     assert calls[:3] == list(cal.ELEMENTWISE_BYTES) and calls[-1] == 2 ** 32
     assert bandwidth == pytest.approx(4e12, rel=0.02)
+
+
+@pytest.mark.parametrize(("platform", "kind", "preset"), [
+    ("gpu", "NVIDIA H100 80GB HBM3", "dgx-h100-80gb"), ("gpu", "NVIDIA H200", "dgx-h100-80gb"),
+    ("gpu", "NVIDIA A100-SXM4-80GB", "dgx-a100-80gb"), ("gpu", "Tesla T4", "accelerator-8x"),
+    ("cpu", "cpu", "cpu-emulated")])
+def test_uncalibrated_devices_are_priced_on_their_kinds_preset(platform, kind, preset):
+    from autopar.clusters import default_preset
+
+    assert default_preset(platform, kind) == preset
