@@ -108,8 +108,8 @@ class Residuals:
             shape = values[node.outputs[0]].spec.shape
             row = node.op in DIVIDES_BY_ROW
             self.rules[node.name] = tuple(dict.fromkeys(
-                [(node.outputs[0], node.name, ROW) if row and
-                 values[node.inputs[j]].spec.shape != shape else (node.inputs[j], node.name, j)
+                [(node.outputs[0], node.name, ROW) if row and self._row(node.inputs[j], shape)
+                 else (node.inputs[j], node.name, j)
                  for j in ins] + [(node.outputs[i], None, -1) for i in outs]))
         self._regions(graph)
         self.refs, _ = self.split(self.resolve(lambda v, reader, j: False))
@@ -118,6 +118,13 @@ class Residuals:
              if graph.values[v].kind == "activation"] +
             [v for ins in self.region_inputs.values() for v in ins
              if graph.values[v].kind == "activation"])
+
+    def _row(self, value: str, shape: tuple[int, ...]) -> bool:
+        """Whether a division by ``value`` divides by a broadcast row XLA keeps at the
+        division's shape: a computed value of another shape (not a constant or literal,
+        which XLA folds into the division)."""
+        v = self.graph.values[value]
+        return v.spec.shape != shape and v.kind == "activation" and value not in self.static
 
     def stored_anyway(self, nodes: Sequence[str]) -> set[str]:
         """The activations the backward of operators ``nodes`` reads from forward under any

@@ -7,7 +7,8 @@ kind, beside the registry (:mod:`autopar.graph.ops`): given an operator and whic
 inputs carry a gradient, the inputs and outputs its backward reads. A matmul keeps each
 input whose partner carries a gradient (``dW = x^T g`` reads ``x``); ``exp``, ``tanh``,
 ``logistic`` and ``sqrt`` keep their output; ``log``, powers and the trigonometric functions
-their input; a division its inputs; ``add``, reshapes, transposes, broadcasts, slices and
+their input; a division its denominator (and its numerator, where the denominator carries a
+gradient); ``add``, reshapes, transposes, broadcasts, slices and
 ``reduce_sum`` are linear and keep nothing; a maximum keeps its input and output (where the
 maximum was); a gather keeps its indices.
 
@@ -24,6 +25,9 @@ row at the division's full shape (:data:`DIVIDES_BY_ROW`).
 [((0, 1), ()), ((), (0,)), ((), ())]
 >>> kept(g.nodes[0], [False, True])    # x carries no gradient: dW = x^T g reads x only
 ((0,), ())
+>>> d = autopar.trace(lambda x: (x / 8.0).sum(), jnp.ones((2, 4))).nodes[0]
+>>> d.op, kept(d, [True, False])       # x / 8: g / 8 reads the constant alone
+('div', ((1,), ()))
 """
 
 from __future__ import annotations
@@ -60,10 +64,16 @@ def _output(node: Node, grads: Sequence[bool]) -> Kept:
 
 
 def _inputs(node: Node, grads: Sequence[bool]) -> Kept:
-    """``log``, powers, trigonometric functions, ``div``, ``max``: the derivative reads the
-    inputs (every one: a division's denominator for its numerator's gradient, both for its
-    own)."""
+    """``log``, powers, trigonometric functions, ``max``: the derivative reads the inputs."""
     return (tuple(range(len(node.inputs))), ()) if any(grads) else _NOTHING
+
+
+def _quotient(node: Node, grads: Sequence[bool]) -> Kept:
+    """``div(x, y)``: x's gradient ``g / y`` reads the denominator, y's ``-g x / y^2`` both
+    (a division by a constant keeps only the constant)."""
+    if len(grads) > 1 and grads[1]:
+        return (0, 1), ()
+    return ((1,), ()) if grads and grads[0] else _NOTHING
 
 
 def _inputs_output(node: Node, grads: Sequence[bool]) -> Kept:
@@ -100,7 +110,8 @@ ELEMENTWISE_RESIDUALS: dict[str, Rule] = {
                      "erf_inv"), _output),
     **dict.fromkeys(("log", "log1p", "integer_pow", "square", "sin", "cos", "asin", "acos",
                      "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "erf", "erfc", "abs",
-                     "div", "max", "min", "atan2", "rem", "clamp"), _inputs),
+                     "max", "min", "atan2", "rem", "clamp"), _inputs),
+    "div": _quotient,
     **dict.fromkeys(("rsqrt", "pow"), _inputs_output),
     "mul": _partners,
     "select_n": _first_input,
