@@ -22,6 +22,7 @@ from pydantic_core import PydanticCustomError
 from autopar.errors import (AutoParallelError, AutoParallelTypeError, ContextConflictError,
                             UnknownKeyError, found, safe_repr, type_name, validation_problems)
 from autopar.limits import MAX_DEVICES
+from autopar.strategies.recompute import RECOMPUTE
 from autopar.strategies.modes import (DEFAULT_PARALLEL_MODE, DEFAULT_SEARCH_MODE, PARALLEL_MODES,
                                       SEARCH_MODES, SOLVERS)
 
@@ -479,6 +480,15 @@ class AutoParallelConfig(BaseModel):
                                 "pipeline_stages where set, else any divisor of device_num), "
                                 "the micro-batches (on one stage: grad_accumulation_step) and "
                                 "the schedule with the layouts: autopar.search_configuration"))
+    recompute: str = Field(
+        default="none", description="Recomputation autopar adds where the loss has no "
+        "jax.checkpoint of its own: 'none', 'selective' (each layer's attention core) or "
+        "'full' (each layer); autopar's addition, MindFormers' recompute_config words.",
+        json_schema_extra=_meta("str", " / ".join(RECOMPUTE), jax="the training step's "
+                                "repeated layers run under jax.checkpoint "
+                                "(autopar.strategies.recompute); left unset under "
+                                "auto_pipeline, searched where a configuration does not fit "
+                                "without it; a pipelined step recomputes every stage anyway"))
     force_fp32_communication: bool = Field(
         default=False, description="AllReduce / ReduceScatter communicate in fp32.",
         json_schema_extra=_meta("bool", "-", jax=_warned("force_fp32_communication")))
@@ -541,6 +551,11 @@ class AutoParallelConfig(BaseModel):
     @classmethod
     def _communi_parallel_mode(cls, v: str) -> str:
         return _check_choice("communi_parallel_mode", COMMUNI_PARALLEL_MODES)(v)
+
+    @field_validator("recompute")
+    @classmethod
+    def _recompute(cls, v: str) -> str:
+        return _check_choice("recompute", RECOMPUTE)(v)
 
     @field_validator("search_mode")
     @classmethod

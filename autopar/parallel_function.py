@@ -40,6 +40,7 @@ from autopar.multihost import together
 from autopar.parallel_graph import ParallelGraph
 from autopar.rewrite import rewrite
 from autopar.strategies.modes import SOLVERS
+from autopar.strategies.recompute import with_recompute
 from autopar.strategies.plan import Plan
 from autopar.planner import check_same_plans, plan_graph, save_strategies, strategy_saves
 from autopar.setup import Setup, resolve_setup
@@ -122,7 +123,8 @@ def parallel_function(fn: Callable[..., Any], example_args: tuple[Any, ...],
                       fixed: Mapping[str, Any] | None, mesh: Mesh | None,
                       fused_kernels: FusedKernels, plan: Plan | None = None,
                       optimizer: Any = None, micro_batches: int = 1,
-                      searched: Plan | None = None) -> ParallelFunction:
+                      searched: Plan | None = None, recompute: str = "none"
+                      ) -> ParallelFunction:
     """:func:`parallelize` after its checks: trace, search (:func:`autopar.planner.plan_graph`
     on the entry point's ``setup``), rewrite and lower, reading no store and writing no
     file (the entry point saves the plan: :func:`autopar.planner.strategy_saves`). ``uneven``: the
@@ -133,11 +135,12 @@ def parallel_function(fn: Callable[..., Any], example_args: tuple[Any, ...],
     priced by the search (:func:`autopar.planner.plan_graph`). ``searched``: the plan a
     search with these settings already found (the configuration search's one stage): taken
     as the search's answer where it was searched on this very graph and no strategy file is
-    loaded, else the search runs."""
+    loaded, else the search runs. ``recompute``: the regions a training step adds
+    (:func:`autopar.strategies.recompute.with_recompute`)."""
     args = example_args if uneven is None else uneven.padded_args
     # every process builds it (under jax.distributed): the cluster is process 0's
     with together():
-        graph = trace(fn, *args)
+        graph = with_recompute(trace(fn, *args), recompute)
         given = plan is not None
         if given:
             _check_given_plan(plan, graph)

@@ -166,7 +166,8 @@ class TrainStep(ProgramInspection):
                                           mode=mode, fixed=fixed, mesh=mesh,
                                           fused_kernels=fused_kernels, plan=plan,
                                           optimizer=optimizer,
-                                          micro_batches=self.accumulation, searched=searched)
+                                          micro_batches=self.accumulation, searched=searched,
+                                          recompute=setup.config.recompute)
         self.plan = self.function.plan
         self.parallel_graph = pg = self.function.parallel_graph
         self.mesh: Mesh = self.function.mesh

@@ -39,6 +39,7 @@ ROUND_TRIP = {
     "optimizer_weight_shard_size": 2,  # the same setting as in parallel_optimizer_config
     "pipeline_stages": 2,
     "grad_accumulation_step": 4,
+    "recompute": "selective",
     "comm_fusion": {"allreduce": {"mode": "size", "config": 32},
                     "allgather": {"mode": "auto", "config": None},
                     "reducescatter": {"mode": "size", "config": 16.5}},
@@ -66,7 +67,7 @@ def test_defaults_are_the_seeds():
         "grad_accumulation_step": 1, "comm_fusion": {},
         "strategy_ckpt_config": {"load_file": "", "save_file": "", "only_trainable_params": True},
         "pipeline_config": {"pipeline_interleave": False, "pipeline_scheduler": "1f1b"},
-        "auto_pipeline": False, "force_fp32_communication": False,
+        "auto_pipeline": False, "recompute": "none", "force_fp32_communication": False,
         "pipeline_result_broadcast": False, "group_ckpt_save_file": "", "dump_local_norm": False,
         "dump_local_norm_path": "", "dump_device_local_norm": False,
         # MindSpore 2.5's keys missing from its documentation, and two views

@@ -27,7 +27,10 @@ lower bound first, a pair whose step bound is above the best fitting step found 
 searched (:meth:`_Weigher.bound`: both bounds sound, so the answer is the sweep's; the step
 is not unimodal in ``m``, since a micro-batch too small to split over a stage's devices gets
 other layouts). Where the caller asks (the user left ``enable_parallel_optimizer`` unset),
-the fastest pairs are weighed again with the parallel optimizer (:func:`_sharded_tries`).
+the fastest pairs are weighed again with the parallel optimizer (:func:`_sharded_tries`);
+where the user left ``recompute`` unset, the one-stage counts that do not fit are weighed
+again with selective, then full recomputation (:func:`_recompute_tries`; a pipelined step
+recomputes each stage already, and its memory floor is taken with full recomputation).
 The fastest configuration within the cluster's ``memory_bytes`` wins; ties go to fewer
 stages, then fewer micro-batches, then the schedule's name.
 :class:`ConfigurationSearch` holds the winner and every configuration weighed, with what
@@ -74,6 +77,7 @@ from autopar.strategies.modes import PIPELINE_MODES
 from autopar.strategies.plan import Plan
 from autopar.strategies.precision import fp32_sync_active
 from autopar.strategies.problem import fused_values, operator_floor, requires_grad
+from autopar.strategies.recompute import RECOMPUTE, with_recompute
 from autopar.strategies.stages import partition_stages, send_time
 from autopar.text import table
 
@@ -100,6 +104,7 @@ class Configuration:
     parts: Mapping[str, float] = field(default_factory=dict)
     failed: str = ""
     parallel_optimizer: bool = False
+    recompute: str = "none"
 
     @property
     def fits(self) -> bool:
@@ -117,6 +122,8 @@ class Configuration:
             keys["pipeline_config"] = {"pipeline_scheduler": self.schedule}
         if self.parallel_optimizer:
             keys["enable_parallel_optimizer"] = True
+        if self.recompute != "none":
+            keys["recompute"] = self.recompute
         return keys
 
     def layout(self) -> str:
@@ -158,13 +165,15 @@ class ConfigurationSearch:
 
     def table(self, rows: int = 12) -> str:
         """The best configuration and the next ``rows - 1``, one line each."""
-        head = ("stages", "micro-batches", "schedule", "par. opt.", "stage layout", "step ms",
+        head = ("stages", "micro-batches", "schedule", "par. opt.", "recompute", "stage layout",
+                "step ms",
                 "x best", "bubble", "memory", "fits", "lost on")
         out = [head]
         for c in self.ranked[:rows]:
             ok = not c.failed
             out.append((str(c.stages), str(c.micro_batches), c.schedule,
-                        "yes" if c.parallel_optimizer else "no", c.layout(),
+                        "yes" if c.parallel_optimizer else "no",
+                        "stages" if c.stages > 1 else c.recompute, c.layout(),
                         f"{c.step_seconds * 1e3:.3f}" if ok else "-",
                         f"{c.step_seconds / self.best.step_seconds:.3f}" if ok else "-",
                         f"{c.bubble:.1%}" if ok else "-", size(c.memory_bytes) if ok else "-",
@@ -227,11 +236,19 @@ class _Weigher:
         self.fp32 = fp32_sync_active(cfg.gradient_fp32_sync, cfg.parallel_mode)
         self.budget = float(setup.cluster.memory_bytes)
         self.parallel_optimizer = bool(cfg.enable_parallel_optimizer)
+        self.recompute = cfg.recompute
 
-    def sharded(self) -> "_Weigher":
-        """This weigher under ``enable_parallel_optimizer=True``."""
-        return _Weigher(self.graph_at, self.setup.with_config(enable_parallel_optimizer=True),
-                        self.mode, self.schedules, self.fixed, self.optimizer)
+    def under(self, **keys: Any) -> "_Weigher":
+        """This weigher with the context ``keys`` set (``recompute``, the parallel
+        optimizer)."""
+        return _Weigher(self.graph_at, self.setup.with_config(**keys), self.mode,
+                        self.schedules, self.fixed, self.optimizer)
+
+    def graph(self, p: int, m: int) -> Graph:
+        """The loss at ``m`` micro-batches, with this weigher's recomputation on one stage
+        (a pipelined step recomputes each stage whatever the key says)."""
+        graph = self.graph_at(m)
+        return with_recompute(graph, self.recompute) if p == 1 else graph
 
     def bound(self, p: int, m: int) -> "tuple[float, float] | Configuration":
         """Lower bounds of ``p`` stages x ``m`` micro-batches under any schedule and any
@@ -248,7 +265,7 @@ class _Weigher:
         the activations its backward reads under any plan
         (:meth:`~autopar.strategies.memory.Residuals.stored_anyway`), all split over its
         devices, plus the least boundary stash of the schedules."""
-        graph = self.graph_at(m)
+        graph = self.graph(p, m)
         if loop_nodes(graph):
             return 0.0, 0.0
         clus = self.setup.cluster
@@ -279,7 +296,7 @@ class _Weigher:
     def weigh(self, p: int, m: int) -> list[Configuration]:
         """Every schedule of ``p`` stages x ``m`` micro-batches (one failed configuration
         when the stages cannot be planned: its reason)."""
-        graph = self.graph_at(m)
+        graph = self.graph(p, m)
         try:
             with warnings.catch_warnings():  # a candidate's slow fit: the table says it
                 warnings.simplefilter("ignore", AutoParallelWarning)
@@ -290,7 +307,8 @@ class _Weigher:
         except AutoParallelError as e:  # (MemoryBudgetError included): a finding, not a stop
             return [Configuration(p, m, "-", math.inf, math.inf, self.budget, 1.0, (),
                                   failed=str(e).splitlines()[0],
-                                  parallel_optimizer=self.parallel_optimizer)]
+                                  parallel_optimizer=self.parallel_optimizer,
+                                  recompute=self.recompute if p == 1 else "none")]
         out = []
         for name in (self.schedules if p > 1 else ("gpipe",)):  # (one stage: no schedule)
             trace = pipeline_trace(graph, p, device_num=self.n, cluster=self.setup.cluster,
@@ -299,7 +317,8 @@ class _Weigher:
             # (its memory: the largest stage plan's peak plus the schedule's stash)
             out.append(Configuration(p, m, name, trace.step_time, float(trace.memory_bytes),
                                      self.budget, trace.bubble, plans, _parts(trace),
-                                     parallel_optimizer=self.parallel_optimizer))
+                                     parallel_optimizer=self.parallel_optimizer,
+                                     recompute=self.recompute if p == 1 else "none"))
         return out
 
 
@@ -307,7 +326,7 @@ def _ranked(found: list[Configuration]) -> tuple[Configuration, ...]:
     def key(c: Configuration) -> tuple:
         return (0 if c.fits else 1 if not c.failed else 2,
                 c.step_seconds if c.fits else c.memory_bytes, c.stages, c.micro_batches,
-                c.schedule)
+                c.schedule, RECOMPUTE.index(c.recompute), c.parallel_optimizer)
     return tuple(sorted(found, key=key))
 
 
@@ -319,18 +338,42 @@ FLOOR = "memory: at least"
 SHARDED_TRIES = 3
 
 
-def _sharded_tries(found: Sequence[Configuration], sharded: _Weigher) -> list[Configuration]:
+def _sharded_tries(found: Sequence[Configuration], weigher: _Weigher) -> list[Configuration]:
     """The parallel optimizer tried on the :data:`SHARDED_TRIES` fastest stage and
     micro-batch counts found, or, when none fits the memory, on every count searched (it
     stores the parameters and their optimizer state split over each data-parallel group:
-    the same gradient bytes sent, a smaller update and less memory)."""
+    the same gradient bytes sent, a smaller update and less memory), each with the
+    recomputation it was weighed with."""
     fitting = sorted((c for c in found if c.fits), key=lambda c: (c.step_seconds, c.stages,
                                                                   c.micro_batches))
     pool = fitting or [c for c in found if c.plans or c.failed.startswith("memory:")
                        and math.isinf(c.memory_bytes)]
-    pairs = list(dict.fromkeys((c.stages, c.micro_batches) for c in pool))
-    return [c for p, m in pairs[:SHARDED_TRIES if fitting else None]
-            for c in sharded.weigh(p, m)]
+    tries = list(dict.fromkeys((c.stages, c.micro_batches, c.recompute) for c in pool))
+    return [c for p, m, kind in tries[:SHARDED_TRIES if fitting else None]
+            for c in weigher.under(enable_parallel_optimizer=True, recompute=kind).weigh(p, m)]
+
+
+#: the one-stage micro-batch counts (least step bound first) the configuration search weighs
+#: again with recomputation, where they do not fit without
+RECOMPUTE_TRIES = 3
+
+
+def _recompute_tries(found: Sequence[Configuration], weigher: _Weigher,
+                     bounds: Mapping[tuple[int, int], float]) -> list[Configuration]:
+    """Selective recomputation, then full, tried on the one-stage micro-batch counts that
+    do not fit the memory without it (at most :data:`RECOMPUTE_TRIES`, least step bound
+    first): it lowers what backward keeps and runs forward again."""
+    def short(c: Configuration) -> bool:
+        return c.stages == 1 and not c.fits and (bool(c.plans) or c.failed.startswith("memory"))
+
+    todo = sorted({c.micro_batches for c in found if short(c) and (1, c.micro_batches) in
+                   bounds}, key=lambda m: (bounds[1, m], m))[:RECOMPUTE_TRIES]
+    out: list[Configuration] = []
+    for kind in RECOMPUTE[1:]:
+        confs = [c for m in todo for c in weigher.under(recompute=kind).weigh(1, m)]
+        out += confs
+        todo = [c.micro_batches for c in confs if short(c)]
+    return out
 
 
 def weigh_configurations(graph_at: Callable[[int], Graph], batch_rows: Sequence[int], *,
@@ -338,7 +381,8 @@ def weigh_configurations(graph_at: Callable[[int], Graph], batch_rows: Sequence[
                          schedules: Sequence[str] | None = None, mode: str | None = None,
                          fixed: Mapping[str, Any] | None = None,
                          notes: Sequence[str] = (), parallel_optimizer: bool = False,
-                         optimizer: Any = None) -> ConfigurationSearch:
+                         optimizer: Any = None, recompute: bool = False
+                         ) -> ConfigurationSearch:
     """Search stages, micro-batches and schedule with the layouts (see the module
     docstring). ``graph_at(m)``: the loss traced at ``1/m`` of the batch, whose inputs
     have ``batch_rows`` rows; ``max_stages``: at most this many stages (default
@@ -346,12 +390,15 @@ def weigh_configurations(graph_at: Callable[[int], Graph], batch_rows: Sequence[
     strategies by node name; ``notes``: what the answer says beside it;
     ``parallel_optimizer``: also try ``enable_parallel_optimizer=True`` (where the setup
     leaves it off) on the fastest configurations (:func:`_sharded_tries`); ``optimizer``:
-    the step's, its state priced per parameter (None: the cluster's factor). Raises
+    the step's, its state priced per parameter (None: the cluster's factor);
+    ``recompute``: also try recomputation on one stage where it does not fit without
+    (:func:`_recompute_tries`; the setup's ``recompute`` is ``"none"``). Raises
     :class:`MemoryBudgetError` when no configuration fits, naming the smallest found."""
     t0 = time.perf_counter()
     n = setup.config.device_num
     names = tuple(schedules or SCHEDULES)
     weigher = _Weigher(graph_at, setup, mode, names, fixed, optimizer)
+    full = weigher.under(recompute="full") if recompute else None
     found: list[Configuration] = []
     bounds = {}
     for p in stage_counts(n, max_stages or n):
@@ -360,9 +407,10 @@ def weigh_configurations(graph_at: Callable[[int], Graph], batch_rows: Sequence[
             if isinstance(low, Configuration):
                 found.append(low)  # too few units for p stages, whatever m
                 break
-            if low[1] > weigher.budget:  # (the memory floor alone is over the budget)
-                found.append(Configuration(p, m, "-", math.inf, low[1], weigher.budget, 1.0,
-                                           (), failed=f"{FLOOR} {size(low[1])}"))
+            floor = low[1] if full is None or p > 1 else min(low[1], full.bound(p, m)[1])
+            if floor > weigher.budget:  # (the memory floor alone is over the budget)
+                found.append(Configuration(p, m, "-", math.inf, floor, weigher.budget, 1.0,
+                                           (), failed=f"{FLOOR} {size(floor)}"))
             else:
                 bounds[p, m] = low[0]
     best, pruned = math.inf, []
@@ -373,8 +421,10 @@ def weigh_configurations(graph_at: Callable[[int], Graph], batch_rows: Sequence[
         confs = weigher.weigh(p, m)
         found += confs
         best = min([best] + [c.step_seconds for c in confs if c.fits])
+    if recompute:
+        found += _recompute_tries(found, weigher, bounds)
     if parallel_optimizer and not weigher.parallel_optimizer:
-        found += _sharded_tries(found, weigher.sharded())
+        found += _sharded_tries(found, weigher)
     over = sum(1 for c in found if c.failed.startswith(FLOOR))
     if over:
         notes = (*notes, f"{over} stage and micro-batch counts not searched: their memory "
@@ -484,7 +534,8 @@ def _search(setup: Setup, loss_fn: Callable[..., Any], params: Any, batch: tuple
     sharded = "enable_parallel_optimizer" not in explicit and not _not_elementwise(optimizer)
     return weigh_configurations(graph_at, rows, setup=setup, max_stages=1 if notes else most,
                                 schedules=names, mode=mode, fixed=fixed, notes=notes,
-                                parallel_optimizer=sharded, optimizer=optimizer)
+                                parallel_optimizer=sharded, optimizer=optimizer,
+                                recompute="recompute" not in explicit)
 
 
 def search_configuration(loss_fn: Callable[..., Any], params: Any, batch: Any,

@@ -321,8 +321,8 @@ def pipeline_trace(graph: Any, stages: int, *, device_num: int, cluster: Any, fp
     if plans is not None and (not isinstance(plans, (list, tuple)) or len(plans) != stages):
         raise AutoParallelTypeError("plans", plans, f"a list of {stages} stage plans")
     _check_plans(plans, clus, graph, part)
-    fwd, sync = _stage_times(graph, part.stage_nodes, plans, cm, d, fp32)
-    bwd = [(BACKWARD_FACTOR + (1.0 if recompute else 0.0)) * t for t in fwd]
+    fwd, sync, again = _stage_times(graph, part.stage_nodes, plans, cm, d, fp32)
+    bwd = [BACKWARD_FACTOR * t + (t if recompute else a) for t, a in zip(fwd, again)]
     sends = [send_time(b, cm, d) for b in part.crossing_bytes]
     trace = simulate_schedule(fwd, bwd, micro_batches=m, schedule=schedule, sends=sends,
                               sync=sync, cluster=clus.name, device_num=n)
@@ -420,28 +420,33 @@ def _check_plans(plans: Sequence[Any] | None, clus: Any, graph: Any, part: Any) 
 
 
 def _stage_times(graph: Any, stage_nodes: Sequence[Sequence[str]], plans: Sequence[Any] | None,
-                 cm: Any, d: int, fp32: bool = False) -> tuple[list[float], list[float]]:
-    """``(forward seconds, gradient-sync seconds)`` of each stage on its ``d`` devices: the
-    stage plan's operator times and communication, or data parallel without plans (its
-    gradients sent in fp32 where ``fp32``: gradient_fp32_sync)."""
+                 cm: Any, d: int, fp32: bool = False
+                 ) -> tuple[list[float], list[float], list[float]]:
+    """``(forward seconds, gradient-sync seconds, forward seconds run again in backward)``
+    of each stage on its ``d`` devices: the stage plan's operator times and communication,
+    or data parallel without plans (its gradients sent in fp32 where ``fp32``:
+    gradient_fp32_sync); run again: the operators of ``jax.checkpoint`` regions whose
+    outputs the policy does not save."""
     from autopar.strategies.cost import BACKWARD_FACTOR
     from autopar.strategies.precision import compute_dtype, sync_factor
     from autopar.strategies.problem import fused_values, operator_time
 
-    fwd, sync = [], []
+    fwd, sync, again = [], [], []
     fused = fused_values(graph)
     for s, names in enumerate(stage_nodes):
         plan = plans[s] if plans is not None else None
-        t = 0.0
+        t = a = 0.0
         for name in names:
             node = graph.node(name)
             ns = plan.nodes.get(name) if plan is not None else None
             if ns is not None:  # the search's own rule on the stage plan's blocks
-                t += operator_time(cm, graph, node, ns.splits, ns.in_layouts, ns.out_layouts,
+                dt = operator_time(cm, graph, node, ns.splits, ns.in_layouts, ns.out_layouts,
                                    plan.mesh, fused)
             else:  # data parallel over the stage's devices
-                t += cm.compute_time(node.flops / d, (node.bytes_read + node.bytes_written) / d,
+                dt = cm.compute_time(node.flops / d, (node.bytes_read + node.bytes_written) / d,
                                      dtype=compute_dtype(graph, node))
+            t += dt
+            a += dt if node.remat is not None and not node.remat.saved else 0.0
         if plan is not None:
             t += (plan.cost.communication + plan.cost.redistribution) / (1 + BACKWARD_FACTOR)
             sync.append(plan.cost.gradient_sync)
@@ -453,4 +458,5 @@ def _stage_times(graph: Any, stage_nodes: Sequence[Sequence[str]], plans: Sequen
             sync.append(cm.collective_time("all_reduce", nbytes, d,
                                            intra=cm.intra_node(d)))
         fwd.append(t)
-    return fwd, sync
+        again.append(a)
+    return fwd, sync, again
