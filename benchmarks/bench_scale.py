@@ -17,7 +17,9 @@ allocated), on the GPU presets (``dgx-a100-80gb``, ``dgx-h100-80gb``; docs/desig
   published no layout; the hand configuration is TP 8 x PP 8 x DP 8.
 - Llama-2 7B (32 layers, hidden 4096), 4M tokens on 64 A100: 3,014 tokens/s per GPU, a step
   of 21.7 s; the hand configuration is data parallel over 64 with the parallel optimizer
-  (ZeRO-1) and 16 accumulated micro-batches of one sequence per GPU.
+  (ZeRO-1), 16 accumulated micro-batches of one sequence per GPU and selective
+  recomputation (standing in for fused attention: neither keeps the ``[heads, s, s]``
+  scores).
 
 The hand configurations of the H100 and Llama-2 runs shard the optimizer state (Megatron's
 distributed optimizer, MindSpore's parallel optimizer); the 2021 A100 run did not.
@@ -59,7 +61,8 @@ from benchmarks._common import (
     write_results,
 )
 
-COLUMNS = ("case", "devices", "who", "stages", "micro_batches", "schedule", "par_opt", "mesh",
+COLUMNS = ("case", "devices", "who", "stages", "micro_batches", "schedule", "par_opt",
+           "recompute", "mesh",
            "step_s", "mfu", "memory_GiB", "fits", "vs_hand", "vs_published", "published_s",
            "published_mfu", "search_s", "rss_MB", "status")
 
@@ -77,8 +80,9 @@ LLAMA7 = dict(kind="llama", layers=32, hidden=4096, heads=32, seq=4096, ffn=1100
 class Case:
     """One training job: the model's shapes, the global batch (sequences), the devices and
     their preset, the hand configuration (``tp`` x ``pp`` with ``micro`` micro-batches, tp
-    1: data parallel; ``zero``: with the parallel optimizer) and the published step or
-    MFU."""
+    1: data parallel; ``zero``: with the parallel optimizer; ``recompute``: on one stage,
+    the recomputation it runs with -- a pipelined step recomputes every stage) and the
+    published step or MFU."""
 
     name: str
     model: dict[str, Any]
@@ -89,6 +93,7 @@ class Case:
     pp: int
     micro: int
     zero: bool
+    recompute: str = "none"
     published_s: float | None = None
     published_mfu: float | None = None
     source: str = ""
@@ -103,7 +108,7 @@ CASES = (
          source="Megatron-Core README"),
     Case("Llama-2 70B / A100", LLAMA70, 1024, 512, "dgx-a100-80gb", 8, 8, 128, True,
          published_s=4096 * 1024 / (512 * 323), source="Touvron et al. 2023 (GPU-hours)"),
-    Case("Llama-2 7B / A100", LLAMA7, 1024, 64, "dgx-a100-80gb", 1, 1, 16, True,
+    Case("Llama-2 7B / A100", LLAMA7, 1024, 64, "dgx-a100-80gb", 1, 1, 16, True, "selective",
          published_s=4096 * 1024 / (64 * 3014), source="Touvron et al. 2023 (GPU-hours)"),
 )
 
@@ -137,6 +142,7 @@ def _row(case: Case, who: str, conf: Any, flops: float, seconds: float | None,
     return {"case": case.name, "devices": case.devices, "who": who, "stages": conf.stages,
             "micro_batches": conf.micro_batches, "schedule": conf.schedule if ok else "-",
             "mesh": conf.layout(), "par_opt": conf.parallel_optimizer,
+            "recompute": "stages" if conf.stages > 1 else conf.recompute,
             "step_s": step, "mfu": flops / (case.devices * PEAK[case.cluster] * step)
             if ok else None, "memory_GiB": conf.memory_bytes / 2 ** 30 if ok else None,
             "fits": conf.fits, "search_s": seconds, "rss_MB": rss if seconds else None,
@@ -168,7 +174,8 @@ def run_case(case: Case) -> list[dict[str, Any]]:
     graph_at, _ = micro_graphs(loss, params, (tokens, targets))
     flops = 3.0 * sum(n.flops for n in graph_at(1).nodes)
     with ap.auto_parallel_context(device_num=case.devices, parallel_mode="auto_parallel",
-                                  enable_parallel_optimizer=case.zero):
+                                  enable_parallel_optimizer=case.zero,
+                                  recompute=case.recompute):
         setup = resolve_setup(case.cluster)
     # (tp 1: the weight matmuls split over the batch alone, data parallel)
     fixed = megatron_strategies(graph_at(case.micro), case.devices // case.pp, case.tp)
@@ -228,7 +235,8 @@ def doc_tables(results: dict[str, dict]) -> DocTexts:
     rows = [{k: "-" if v is None else v for k, v in r.items()} for r in results["scale"]["rows"]]
     return {("docs/scale.md", "scale"): markdown_table(rows, [
         "case", "who", "stages", Col("m", "micro_batches"), "schedule",
-        Col("par. opt.", lambda r: "yes" if r["par_opt"] else "no"), Col("stage mesh", "mesh"),
+        Col("par. opt.", lambda r: "yes" if r["par_opt"] else "no"),
+        Col("recompute", lambda r: r.get("recompute", "-")), Col("stage mesh", "mesh"),
         Col("step s", "step_s", ".2f"), Col("MFU", "mfu", ".1%"),
         Col("memory GiB", "memory_GiB", ".1f"), Col("/ hand", "vs_hand", ".2f"),
         Col("/ published", "vs_published", ".2f"), Col("published s", "published_s", ".1f"),

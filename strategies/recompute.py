@@ -7,11 +7,11 @@ again in backward. A user's own ``jax.checkpoint`` is kept as written
 in the words of MindFormers' ``recompute_config``:
 
 - ``"none"``: nothing recomputed beyond the user's own regions;
-- ``"full"`` (``recompute=True``): every **block** -- a run of consecutive operators with one
-  top-level named scope whose operator sequence or numbered name repeats (``block00``,
-  ``block01``, ...; flax's ``layers_0``, ``layers_1``, ...): the stages' units of
-  :func:`autopar.strategies.stages.stage_units` -- is one region that saves nothing:
-  backward keeps its inputs and runs its forward again;
+- ``"full"`` (``recompute=True``): every **layer** -- a run of consecutive operators under
+  one named scope whose name but for its numbers repeats (``block00``, ``block01``; flax's
+  ``Decoder/block_0``; keras-hub's ``.../transformer_layer_0``), or, where no scope is
+  numbered, a top-level run whose operators repeat (:func:`blocks`) -- is one region that
+  saves nothing: backward keeps its inputs and runs its forward again;
 - ``"selective"`` (``select_recompute``; Megatron's selective recomputation): in each
   block, the **attention core** -- the operators from the first matmul of two computed
   operands (``q k^T``) to the last (``softmax(.) v``), on paths between them: the scores,
@@ -20,7 +20,8 @@ in the words of MindFormers' ``recompute_config``:
 
 The tags are :class:`~autopar.graph.remat.Remat` regions like a user's, so the memory and
 time models price them and the lowering wraps them in ``jax.checkpoint`` (the compiled
-program recomputes). A block holding a user's region is left as the user wrote it.
+program recomputes). A layer holding a user's region is left as the user wrote it; where no layer is found
+(a function with no named scopes), an :class:`~autopar.errors.AutoParallelWarning` says so.
 
 >>> import jax, autopar as ap
 >>> from autopar.models import transformer
@@ -37,11 +38,12 @@ program recomputes). A block holding a user's region is left as the user wrote i
 from __future__ import annotations
 
 import re
+import warnings
 from collections import Counter
 from dataclasses import replace
 from typing import Sequence
 
-from autopar.errors import AutoParallelError
+from autopar.errors import AutoParallelError, AutoParallelWarning
 from autopar.graph.ir import Graph, Node
 from autopar.graph.remat import Remat
 
@@ -52,20 +54,38 @@ RECOMPUTE = ("none", "selective", "full")
 
 
 def blocks(graph: Graph) -> list[tuple[str, Sequence[Node]]]:
-    """``(scope, nodes)`` of every run of consecutive nodes with one top-level scope whose
-    operator sequence, or whose name but for its numbers (the first layer often differs by
-    a dtype conversion), occurs more than once in the graph: the repeated layers."""
+    """``(scope, nodes)`` of the repeated layers: runs of consecutive nodes under one scope
+    prefix whose name but for its numbers occurs more than once (``block0``, ``block1``;
+    flax's ``Decoder/block_0``; keras-hub's ``gpt2_backbone/transformer_layer_0``), at the
+    shallowest depth where there are such; else the top-level runs whose operator sequence
+    occurs more than once (equinox's per-module scopes)."""
+    for depth in range(1, _DEPTHS + 1):
+        runs = _runs(graph, depth)
+        names = Counter(_numbered(top) for top, _ in runs if re.search(r"\d", top))
+        found = [(top, nodes) for top, nodes in runs
+                 if re.search(r"\d", top) and names[_numbered(top)] > 1]
+        if found:
+            return found
+    runs = _runs(graph, 1)
+    shapes = Counter(tuple(n.op for n in nodes) for _, nodes in runs)
+    return [(top, nodes) for top, nodes in runs
+            if top and shapes[tuple(n.op for n in nodes)] > 1]
+
+
+#: how deep in the named scopes :func:`blocks` looks for numbered layers
+_DEPTHS = 4
+
+
+def _runs(graph: Graph, depth: int) -> list[tuple[str, list[Node]]]:
+    """Maximal runs of consecutive nodes with one scope prefix of ``depth`` names."""
     runs: list[tuple[str, list[Node]]] = []
     for node in graph.nodes:
-        top = node.scope.split("/")[0]
+        top = "/".join(node.scope.split("/")[:depth])
         if runs and runs[-1][0] == top:
             runs[-1][1].append(node)
         else:
             runs.append((top, [node]))
-    shapes = Counter(tuple(n.op for n in nodes) for _, nodes in runs)
-    names = Counter(_numbered(top) for top, _ in runs)
-    return [(top, nodes) for top, nodes in runs if top and (
-        shapes[tuple(n.op for n in nodes)] > 1 or names[_numbered(top)] > 1)]
+    return runs
 
 
 def _numbered(scope: str) -> str:
@@ -120,6 +140,11 @@ def with_recompute(graph: Graph, kind: str) -> Graph:
             chosen = nodes if kind == "full" else attention_core(graph, nodes)
             tags.update((n.name, Remat(f"recompute_{top}")) for n in chosen)
     if not tags:
+        if kind != "none":
+            warnings.warn(f"recompute={kind!r}: no repeated layers found (runs of operators "
+                          "under one named scope, numbered or alike) to recompute; name "
+                          "each layer with jax.named_scope, or wrap it in jax.checkpoint",
+                          AutoParallelWarning, stacklevel=2)
         return graph
     nodes = [replace(n, remat=tags[n.name]) if n.name in tags else n for n in graph.nodes]
     return Graph(nodes, graph.values, graph.inputs, graph.outputs, in_tree=graph.in_tree,

@@ -64,6 +64,25 @@ def test_a_layer_with_the_users_own_checkpoint_is_left_as_written():
     assert regions["layer0"].startswith("remat_") and regions["layer1"] == "recompute_layer1"
 
 
+def test_numbered_layers_are_found_below_a_models_own_scope_and_none_is_said():
+    def layer(w, x):
+        return jnp.tanh(x @ w)
+
+    def nested(ws, x):  # (flax's Decoder/block_0, keras-hub's backbone/transformer_layer_0)
+        with jax.named_scope("model"):
+            for i, w in enumerate(ws):
+                with jax.named_scope(f"layer_{i}"):
+                    x = layer(w, x)
+        return jnp.mean(x ** 2)
+
+    ws, x = [jnp.ones((4, 4))] * 3, jnp.ones((2, 4))
+    g = ap.trace(nested, ws, x)
+    assert [top for top, _ in blocks(g)] == ["model/layer_0", "model/layer_1", "model/layer_2"]
+    flat = ap.trace(lambda ws, x: jnp.mean(layer(ws[0], x) ** 2), ws, x)
+    with pytest.warns(ap.AutoParallelWarning, match="no repeated layers"):
+        assert with_recompute(flat, "full") is flat
+
+
 def test_a_bad_recompute_is_a_typed_error_naming_the_key():
     _, _, g = decoder()
     with pytest.raises(AutoParallelError, match="recompute"):

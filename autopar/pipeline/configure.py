@@ -29,8 +29,9 @@ is not unimodal in ``m``, since a micro-batch too small to split over a stage's 
 other layouts). Where the caller asks (the user left ``enable_parallel_optimizer`` unset),
 the fastest pairs are weighed again with the parallel optimizer (:func:`_sharded_tries`);
 where the user left ``recompute`` unset, the one-stage counts that do not fit are weighed
-again with selective, then full recomputation (:func:`_recompute_tries`; a pipelined step
-recomputes each stage already, and its memory floor is taken with full recomputation).
+again with selective, then full recomputation (:func:`_recompute_tries`: those whose
+memory floor is over the budget without it and under with full recomputation too; a
+pipelined step recomputes each stage already).
 The fastest configuration within the cluster's ``memory_bytes`` wins; ties go to fewer
 stages, then fewer micro-batches, then the schedule's name.
 :class:`ConfigurationSearch` holds the winner and every configuration weighed, with what
@@ -400,17 +401,18 @@ def weigh_configurations(graph_at: Callable[[int], Graph], batch_rows: Sequence[
     weigher = _Weigher(graph_at, setup, mode, names, fixed, optimizer)
     full = weigher.under(recompute="full") if recompute else None
     found: list[Configuration] = []
-    bounds = {}
+    bounds, later = {}, {}  # (later: one stage, fits only with recomputation)
     for p in stage_counts(n, max_stages or n):
         for m in micro_batch_counts(batch_rows, p):
             low = weigher.bound(p, m)
             if isinstance(low, Configuration):
                 found.append(low)  # too few units for p stages, whatever m
                 break
-            floor = low[1] if full is None or p > 1 else min(low[1], full.bound(p, m)[1])
-            if floor > weigher.budget:  # (the memory floor alone is over the budget)
-                found.append(Configuration(p, m, "-", math.inf, floor, weigher.budget, 1.0,
-                                           (), failed=f"{FLOOR} {size(floor)}"))
+            if low[1] > weigher.budget:  # (the memory floor alone is over the budget)
+                found.append(Configuration(p, m, "-", math.inf, low[1], weigher.budget, 1.0,
+                                           (), failed=f"{FLOOR} {size(low[1])}"))
+                if full is not None and p == 1 and full.bound(p, m)[1] <= weigher.budget:
+                    later[p, m] = low[0]
             else:
                 bounds[p, m] = low[0]
     best, pruned = math.inf, []
@@ -422,7 +424,7 @@ def weigh_configurations(graph_at: Callable[[int], Graph], batch_rows: Sequence[
         found += confs
         best = min([best] + [c.step_seconds for c in confs if c.fits])
     if recompute:
-        found += _recompute_tries(found, weigher, bounds)
+        found += _recompute_tries(found, weigher, {**bounds, **later})
     if parallel_optimizer and not weigher.parallel_optimizer:
         found += _sharded_tries(found, weigher)
     over = sum(1 for c in found if c.failed.startswith(FLOOR))
