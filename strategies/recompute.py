@@ -20,8 +20,9 @@ in the words of MindFormers' ``recompute_config``:
 
 The tags are :class:`~autopar.graph.remat.Remat` regions like a user's, so the memory and
 time models price them and the lowering wraps them in ``jax.checkpoint`` (the compiled
-program recomputes). A layer holding a user's region is left as the user wrote it; where no layer is found
-(a function with no named scopes), an :class:`~autopar.errors.AutoParallelWarning` says so.
+program recomputes). A layer holding a user's region is left as the user wrote it; where
+no layer is found (a function with no named scopes), an
+:class:`~autopar.errors.AutoParallelWarning` says so.
 
 >>> import jax, autopar as ap
 >>> from autopar.models import transformer
