@@ -492,13 +492,18 @@ def _node_times(graph: Any, plan: Any, cm: Any, mesh: Any
 def update_time(graph: Any, params: Any, plan: Any, cm: Any) -> float:
     """Seconds of the optimizer update of ``params`` on one device: each trained one's block
     under the plan's layout, its share only where the plan's parallel optimizer shards it
-    (:func:`~autopar.strategies.optimizer_rule.param_shards`; without a plan: whole),
-    :meth:`CostModel.update_time <autopar.strategies.cost.CostModel.update_time>`. The rule
-    both simulators price the update by."""
+    (:func:`~autopar.strategies.optimizer_rule.param_shards`; without a plan: whole), its
+    state as the plan priced it (the optimizer's own, where the search knew it; else the
+    cluster's factor), :meth:`CostModel.update_time
+    <autopar.strategies.cost.CostModel.update_time>`. The rule both simulators price the
+    update by."""
     from autopar.strategies.optimizer_rule import param_shards
+    from autopar.strategies.precision import state_ratio
     from autopar.strategies.problem import requires_grad
 
     grad = requires_grad(graph)
+    states = None if plan is None or plan.pricing.optimizer_state is None else \
+        dict(plan.pricing.optimizer_state)
 
     def share(v: str) -> float:
         spec = graph.spec(v)
@@ -509,7 +514,8 @@ def update_time(graph: Any, params: Any, plan: Any, cm: Any) -> float:
                                        plan.pricing.optimizer_weight_shard_size)
         return nbytes / ways
 
-    return sum(cm.update_time(share(v)) for v in params if grad.get(v, False))
+    return sum(cm.update_time(share(v), state_ratio(states, v)) for v in params
+               if grad.get(v, False))
 
 
 def plan_communication(graph: Any, plan: Any, cm: Any) -> tuple[float, float, float]:

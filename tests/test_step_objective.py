@@ -77,6 +77,20 @@ def test_a_plan_under_accumulation_charges_its_gradient_sync_once(make):
     assert dp[8].objective == pytest.approx(by_hand(g, dp[1], 8), rel=1e-9)
 
 
+@pytest.mark.parametrize("state", [0.0, 2.0], ids=["sgd", "adam"])
+def test_the_simulators_update_is_the_searchs_for_the_optimizer_it_priced(state):
+    """The update the simulators charge (timeline.update_time) is the one the search priced,
+    with the optimizer's own state (SGD: none), not the cluster's factor."""
+    g = mlp_graph()
+    states = tuple((v, state) for v in g.parameters())
+    plans = {m: search_plan(g, mode="dynamic_programming", device_num=8, cluster=CLUSTER,
+                            settings=SearchSettings(parallel_mode="data_parallel",
+                                                    micro_batches=m, optimizer_state=states))
+             for m in (1, 8)}
+    once = per_step(g, plans[1])
+    assert plans[1].objective - plans[8].objective == pytest.approx(once * 7 / 8, rel=1e-9)
+
+
 @pytest.mark.parametrize("mode", ["dynamic_programming", "recursive_programming"])
 def test_more_micro_batches_flip_the_choice_to_data_parallel_as_a_hand_pricing_does(mode):
     """At m = 1 the search splits the weights (no gradient sync, activations moved); at
