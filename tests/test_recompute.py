@@ -145,3 +145,16 @@ def test_the_configuration_search_recomputes_where_nothing_else_fits():
                                   auto_pipeline=True, recompute="none"):
         with pytest.raises(MemoryBudgetError):
             ap.search_configuration(m.loss, params, tuple(batch), cluster=tight)
+
+
+def test_the_no_fit_error_tries_recomputation():
+    _, _, g = decoder(seq=64, batch=1)
+    with ap.auto_parallel_context(device_num=1, parallel_mode="auto_parallel"):
+        plain = ap.search(g, cluster=COMPUTE_BOUND).cost.memory_bytes
+        full = ap.search(with_recompute(g, "full"), cluster=COMPUTE_BOUND).cost.memory_bytes
+        tight = COMPUTE_BOUND.model_copy(update={"memory_bytes": (plain + full) / 2})
+        with pytest.raises(MemoryBudgetError) as e:
+            ap.search(g, cluster=tight)
+    assert "recompute='full'" in e.value.fits and e.value.fits["recompute='full'"] < \
+        tight.memory_bytes
+    assert "fits with" in str(e.value) and "recompute='full'" in str(e.value)
