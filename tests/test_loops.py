@@ -496,3 +496,10 @@ def test_a_split_predicate_is_refused_typed():
     with pytest.raises(ap.AutoParallelError, match="predicate of cond node 'cond_0'.*"
                                                    "replicated"):
         rewrite(g, plan)
+
+
+def test_a_scan_of_another_jax_version_is_a_typed_error():
+    from autopar.graph.loops import _check_params
+
+    with pytest.raises(ap.AutoParallelError, match="num_consts.*jax 0.10"):
+        _check_params({"jaxpr": None, "length": 2, "num_carry": 1}, "model.py:3")

@@ -193,6 +193,14 @@ def _nbytes(spec: TensorSpec) -> int:
 def _check_params(params: Any, source: str) -> None:
     """Scan parameters the lowering cannot honour raise a typed error naming them
     (``reverse`` and ``unroll`` are honoured: the loop is lowered with them)."""
+    missing = [k for k in ("jaxpr", "length", "num_consts", "num_carry") if k not in params]
+    if missing:
+        import jax
+
+        raise AutoParallelError("scan parameters", sorted(params), f"a scan with "
+                                f"{', '.join(missing)}: jax {jax.__version__}'s scan is not "
+                                f"the one autopar traces (jax 0.10) (at {source})",
+                                "Install jax 0.10.x, or unroll the loop with a Python for loop")
     if params.get("_split_transpose", False):
         raise AutoParallelError("scan parameter '_split_transpose'", True, "autopar lowers a "
                                 f"scan as lax.scan, which has no split transpose (at {source})",
