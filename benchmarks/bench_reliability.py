@@ -448,6 +448,8 @@ BOOL_KEYS = ("gradients_mean", "gradient_fp32_sync", "loss_repeated_mean", "para
 CHOICES = {"parallel_mode": "auto_parallel", "search_mode": "dynamic_programming",
            "auto_parallel_search_mode": "dynamic_programming",
            "communi_parallel_mode": "all_group_parallel"}
+RECOMPUTE_BAD = ["", "SELECTIVE", " full", "full\0", "\udcff", None, 1, True, ["full"],
+                 ("full",), b"full", "all", "selective_full"]
 PATH_KEYS = ("strategy_ckpt_load_file", "strategy_ckpt_save_file", "group_ckpt_save_file",
              "dump_local_norm_path")
 STRATEGY_CKPT_BAD = [None, [], "x.json", {"load_file": 1}, {"save_file": None},
@@ -502,6 +504,7 @@ def bad_values() -> dict[str, list[Any]]:
     for key in PATH_KEYS:
         out[key] = [None, 1, b"f.json", Path("f\0.json"), ["f.json"], True]
     out.update(dataset_strategy=DATASET_BAD, parallel_optimizer_config=OPTIMIZER_BAD,
+               recompute=RECOMPUTE_BAD,
                comm_fusion=FUSION_BAD, all_reduce_fusion_config=FUSION_INDEX_BAD,
                strategy_ckpt_config=STRATEGY_CKPT_BAD, pipeline_config=PIPELINE_BAD,
                optimizer_weight_shard_size=SHARD_SIZE_BAD)
