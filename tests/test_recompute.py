@@ -158,3 +158,20 @@ def test_the_no_fit_error_tries_recomputation():
     assert "recompute='full'" in e.value.fits and e.value.fits["recompute='full'"] < \
         tight.memory_bytes
     assert "fits with" in str(e.value) and "recompute='full'" in str(e.value)
+
+
+def test_train_step_under_auto_pipeline_builds_the_recomputation_it_chose():
+    m, args, g = decoder(seq=64, batch=1)
+    with ap.auto_parallel_context(device_num=1, parallel_mode="auto_parallel"):
+        plain = ap.search(g, cluster=COMPUTE_BOUND).cost.memory_bytes
+        full = ap.search(with_recompute(g, "full"), cluster=COMPUTE_BOUND).cost.memory_bytes
+    tight = COMPUTE_BOUND.model_copy(update={"memory_bytes": (plain + full) / 2})
+    with ap.auto_parallel_context(device_num=1, parallel_mode="auto_parallel",
+                                  auto_pipeline=True):
+        step = ap.train_step(m.loss, args[0], args[1:], optax.adam(0.1), cluster=tight)
+    chosen = step.configuration.best.recompute
+    assert chosen != "none" and step.setup.config.recompute == chosen
+    state = (step.prepare(args[0]), step.init(args[0]))
+    assert step.lower(*state, *args[1:]).as_text().count("optimization_barrier") >= 2
+    _, _, loss = step(*state, *args[1:])
+    assert float(loss) == pytest.approx(float(m.loss(*args)), rel=1e-6)
