@@ -147,12 +147,19 @@ def test_the_configuration_search_recomputes_where_nothing_else_fits():
             ap.search_configuration(m.loss, params, tuple(batch), cluster=tight)
 
 
-def test_the_no_fit_error_tries_recomputation():
-    _, _, g = decoder(seq=64, batch=1)
+def between_full_and_none(g):
+    """The cluster whose budget is halfway between the one-device plan's memory with full
+    recomputation and without any."""
     with ap.auto_parallel_context(device_num=1, parallel_mode="auto_parallel"):
         plain = ap.search(g, cluster=COMPUTE_BOUND).cost.memory_bytes
         full = ap.search(with_recompute(g, "full"), cluster=COMPUTE_BOUND).cost.memory_bytes
-        tight = COMPUTE_BOUND.model_copy(update={"memory_bytes": (plain + full) / 2})
+    return COMPUTE_BOUND.model_copy(update={"memory_bytes": (plain + full) / 2})
+
+
+def test_the_no_fit_error_tries_recomputation():
+    _, _, g = decoder(seq=64, batch=1)
+    tight = between_full_and_none(g)
+    with ap.auto_parallel_context(device_num=1, parallel_mode="auto_parallel"):
         with pytest.raises(MemoryBudgetError) as e:
             ap.search(g, cluster=tight)
     assert "recompute='full'" in e.value.fits and e.value.fits["recompute='full'"] < \
@@ -162,10 +169,7 @@ def test_the_no_fit_error_tries_recomputation():
 
 def test_train_step_under_auto_pipeline_builds_the_recomputation_it_chose():
     m, args, g = decoder(seq=64, batch=1)
-    with ap.auto_parallel_context(device_num=1, parallel_mode="auto_parallel"):
-        plain = ap.search(g, cluster=COMPUTE_BOUND).cost.memory_bytes
-        full = ap.search(with_recompute(g, "full"), cluster=COMPUTE_BOUND).cost.memory_bytes
-    tight = COMPUTE_BOUND.model_copy(update={"memory_bytes": (plain + full) / 2})
+    tight = between_full_and_none(g)
     with ap.auto_parallel_context(device_num=1, parallel_mode="auto_parallel",
                                   auto_pipeline=True):
         step = ap.train_step(m.loss, args[0], args[1:], optax.adam(0.1), cluster=tight)
